@@ -1,0 +1,99 @@
+//! Command-line surface of the `tidestore` binary: the argument types (clap derive), the
+//! binary's error type and its exit codes, and one module per command.
+//!
+//! Invariant: every failure is a [`CliError`]; [`CliError::exit_code`] is 2 exactly when
+//! the user's configuration or flags are at fault (the message then names the key or
+//! flag), 1 otherwise.
+
+/// `println!` that does not panic when stdout is closed (`tidestore io-bench | head`):
+/// results that cannot be written are dropped, and the run goes on to clean up.
+macro_rules! out {
+    () => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout());
+    }};
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+mod blockdev;
+mod fio;
+mod io_bench;
+mod stats;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// tidestore: a three-tier (GPU / pinned host / NVMe) store for training state.
+#[derive(Debug, Parser)]
+#[command(name = "tidestore", version, about, long_about = None)]
+pub struct Cli {
+    /// Configuration file (TOML; every key is documented in the shipped tidestore.toml).
+    #[arg(
+        long,
+        short,
+        global = true,
+        value_name = "FILE",
+        default_value = "tidestore.toml"
+    )]
+    config: PathBuf,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write then read a file in nvme.dir through the chunk I/O engine and report MB/s;
+    /// optionally against fio (--compare-fio) or over a sweep of settings (--tune).
+    IoBench(io_bench::IoBenchArgs),
+}
+
+impl Cli {
+    /// Run the chosen command.
+    pub fn run(self) -> Result<(), CliError> {
+        match self.command {
+            Command::IoBench(args) => io_bench::run(&self.config, &args),
+        }
+    }
+}
+
+/// Errors of the binary.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// Configuration, library and I/O errors.
+    #[error(transparent)]
+    Tidestore(#[from] tidestore::Error),
+
+    /// A command-line value that is well-formed but impossible.
+    #[error("invalid value for {flag}: {reason}")]
+    Usage { flag: &'static str, reason: String },
+
+    /// fio is missing, failed, or printed something we cannot read.
+    #[error("fio: {0}")]
+    Fio(String),
+
+    /// The benchmark itself went wrong (a request lost, a file that cannot be removed).
+    #[error("io-bench: {0}")]
+    Bench(String),
+}
+
+impl From<tidestore::io::IoError> for CliError {
+    fn from(e: tidestore::io::IoError) -> Self {
+        CliError::Tidestore(e.into())
+    }
+}
+
+impl CliError {
+    /// 2 for the user's configuration or flags, 1 for everything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Tidestore(e) if e.is_config() => 2,
+            CliError::Usage { .. } => 2,
+            _ => 1,
+        }
+    }
+}
