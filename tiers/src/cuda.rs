@@ -1,0 +1,553 @@
+//! The CUDA backend of the device tier (feature `cuda`), through cudarc's driver API.
+//!
+//! - Before any CUDA call, `is_culib_present()` decides whether libcuda can be loaded at
+//!   all (cudarc panics on a missing library); a missing library, driver or GPU is
+//!   [`TierError::NoGpu`], and context creation runs under `catch_unwind` so a driver too
+//!   old for a symbol cudarc wants is that error too, not a panic.
+//! - Copies go on the device's own non-blocking copy stream, each followed by an event
+//!   from a small free list; they finish in stream order, so completions are taken from
+//!   the front of a FIFO by querying (poll) or synchronizing (wait) its event.
+//! - A copy owns its host buffer and device memory from submit to completion; neither is
+//!   freed or handed back before its event has completed, and dropping the device waits
+//!   for the stream first (or, if the stream cannot be waited for, leaks them).
+//! - Host pools are page-locked with `cuMemHostRegister` for the lifetime of a
+//!   [`CudaPinnedRegion`], which keeps the pool's mapping alive until it unregisters.
+//! - Every driver error is boxed into [`TierError::Cuda`]; no cudarc type is public.
+//!
+//! Every `unsafe` block is an FFI call wrapped in a small function below whose
+//! `# Safety` section lists what the caller must guarantee.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+use tidestore_io::BufferPool;
+
+use crate::budget::Lease;
+use crate::device::{
+    CopyDir, CopyId, CopyRequest, DeviceBackend, DeviceConfig, DeviceCore, DeviceMem, DeviceView,
+    DeviceViewMut, MemInfo, PinnedRegion, RawDone,
+};
+use crate::error::{Result, TierError};
+
+// ---------------------------------------------------------------------------------------
+// FFI, one call per function.
+
+/// Whether libcuda can be loaded.
+fn culib_present() -> bool {
+    // SAFETY: this only tries to `dlopen` the CUDA driver library under its known names;
+    // loading it runs the library's initialisers, which is what every CUDA program does,
+    // and it touches no memory of ours.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Allocate `bytes` of device memory in the current context.
+///
+/// # Safety
+/// - a context must be current on this thread (`bind_to_thread`);
+/// - the memory returned is uninitialised: it may only be used as raw bytes, and must be
+///   freed exactly once with [`free_device`].
+unsafe fn alloc_device(bytes: usize) -> std::result::Result<sys::CUdeviceptr, DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { result::malloc_sync(bytes) }
+}
+
+/// Free device memory.
+///
+/// # Safety
+/// - `ptr` was returned by [`alloc_device`] in the context current on this thread and has
+///   not been freed;
+/// - no copy or kernel that uses it is still running.
+unsafe fn free_device(ptr: sys::CUdeviceptr) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { result::memory_free(ptr) }
+}
+
+/// Queue a copy of `src` into device memory at `dst` on `stream`; returns at once.
+///
+/// # Safety
+/// - `dst` is a live device allocation of at least `src.len()` bytes;
+/// - the memory behind `src` stays allocated and unwritten until the copy has finished on
+///   `stream` (an event recorded after it has completed, or the stream synchronized);
+/// - `stream` is a live stream of the context current on this thread.
+unsafe fn enqueue_htod(
+    dst: sys::CUdeviceptr,
+    src: &[u8],
+    stream: sys::CUstream,
+) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { result::memcpy_htod_async(dst, src, stream) }
+}
+
+/// Queue a copy of device memory at `src` into `dst` on `stream`; returns at once.
+///
+/// # Safety
+/// - `src` is a live device allocation of at least `dst.len()` bytes;
+/// - the memory behind `dst` stays allocated, and nothing else reads or writes it, until
+///   the copy has finished on `stream`;
+/// - `stream` is a live stream of the context current on this thread.
+unsafe fn enqueue_dtoh(
+    dst: &mut [u8],
+    src: sys::CUdeviceptr,
+    stream: sys::CUstream,
+) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { result::memcpy_dtoh_async(dst, src, stream) }
+}
+
+/// Page-lock `len` bytes at `ptr` and map them for every context (portable).
+///
+/// # Safety
+/// - `ptr .. ptr + len` is one live mapping that stays mapped until [`unregister_host`]
+///   is called on `ptr`;
+/// - a context is current on this thread.
+unsafe fn register_host(ptr: *mut u8, len: usize) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract; the driver only pins and maps the
+    // pages, it does not read or write them.
+    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE).result() }
+}
+
+/// Undo [`register_host`].
+///
+/// # Safety
+/// - `ptr` was registered with [`register_host`] and not unregistered since;
+/// - no copy from or to the region is still running.
+unsafe fn unregister_host(ptr: *mut u8) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { sys::cuMemHostUnregister(ptr.cast()).result() }
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+fn no_gpu(what: &str, e: DriverError) -> TierError {
+    TierError::NoGpu {
+        reason: format!("{what}: {e}"),
+    }
+}
+
+/// Open device `ordinal`: its context, a copy stream, and its total memory.
+fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>, u64)> {
+    let count = CudaContext::device_count().map_err(|e| no_gpu("CUDA driver", e))?;
+    if count <= 0 {
+        return Err(TierError::NoGpu {
+            reason: "the CUDA driver sees no GPU".into(),
+        });
+    }
+    if ordinal >= count as usize {
+        return Err(TierError::NoGpu {
+            reason: format!("GPU {ordinal} asked for, the driver sees {count}"),
+        });
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| no_gpu("creating the context", e))?;
+    let stream = ctx
+        .new_stream()
+        .map_err(|e| TierError::cuda("creating the copy stream", None, 0, e))?;
+    let (_free, total) = ctx
+        .mem_get_info()
+        .map_err(|e| TierError::cuda("cuMemGetInfo", None, 0, e))?;
+    Ok((ctx, stream, total as u64))
+}
+
+/// Memory on a CUDA GPU holding one chunk.
+#[derive(Debug)]
+pub struct CudaMem {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    chunk: u64,
+    device_id: u32,
+    ctx: Arc<CudaContext>,
+    _lease: Lease,
+}
+
+impl CudaMem {
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub(crate) fn chunk(&self) -> u64 {
+        self.chunk
+    }
+
+    pub(crate) fn device_id(&self) -> u32 {
+        self.device_id
+    }
+
+    pub(crate) fn view(&self) -> DeviceView<'_> {
+        DeviceView::Cuda {
+            ptr: self.ptr,
+            len_bytes: self.bytes,
+        }
+    }
+
+    pub(crate) fn view_mut(&mut self) -> DeviceViewMut<'_> {
+        DeviceViewMut::Cuda {
+            ptr: self.ptr,
+            len_bytes: self.bytes,
+        }
+    }
+}
+
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, chunk = self.chunk, bytes = self.bytes,
+                "CUDA: cannot bind the context to free device memory; leaked");
+            return;
+        }
+        // SAFETY: `ptr` came from `alloc_device` in this context (bound just above) and is
+        // freed only here, once. No copy uses it: a copy owns this `CudaMem` until its
+        // event has completed. Kernels reading it through a view must have finished, as
+        // `DeviceMem::view` requires.
+        if let Err(e) = unsafe { free_device(self.ptr) } {
+            tracing::error!(error = %e, chunk = self.chunk, "CUDA: freeing device memory failed");
+        }
+    }
+}
+
+/// A host region page-locked for a CUDA GPU; unregistered when dropped.
+#[derive(Debug)]
+pub struct CudaPinnedRegion {
+    /// Address of the region (kept as an integer so the type stays `Send`).
+    addr: usize,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+    /// Keeps the mapping alive until it is unregistered.
+    _pool: BufferPool,
+}
+
+impl CudaPinnedRegion {
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for CudaPinnedRegion {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, "CUDA: cannot bind the context to unpin host memory");
+            return;
+        }
+        // SAFETY: `addr` was registered by `pin_pool` and is unregistered only here. The
+        // mapping is still alive (`_pool` is dropped after this). Copies from or to it are
+        // finished: each owns a buffer of the pool, and buffers come back only after
+        // their copy's event; the device drains its stream when dropped.
+        if let Err(e) = unsafe { unregister_host(self.addr as *mut u8) } {
+            tracing::error!(error = %e, bytes = self.bytes, "CUDA: unpinning host memory failed");
+        }
+    }
+}
+
+struct InFlight {
+    id: CopyId,
+    req: CopyRequest,
+    /// Recorded after the copy; `None` when recording failed, then the stream is
+    /// synchronized instead.
+    event: Option<CudaEvent>,
+    /// An error to report with the copy once its buffers are idle.
+    error: Option<TierError>,
+}
+
+/// A CUDA GPU.
+pub struct CudaDevice {
+    core: DeviceCore,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    in_flight: VecDeque<InFlight>,
+    spare_events: Vec<CudaEvent>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("device_id", &self.core.device_id)
+            .field("total_bytes", &self.core.total_bytes)
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Open GPU `cfg.ordinal`, or [`TierError::NoGpu`] when there is no driver or GPU.
+    pub fn new(cfg: &DeviceConfig) -> Result<Self> {
+        cfg.validate()?;
+        if !culib_present() {
+            return Err(TierError::NoGpu {
+                reason: "the CUDA driver library (libcuda) cannot be loaded".into(),
+            });
+        }
+        let ordinal = cfg.ordinal;
+        let (ctx, stream, total_bytes) = std::panic::catch_unwind(|| open_context(ordinal))
+            .map_err(|p| TierError::NoGpu {
+                reason: format!("the CUDA driver failed: {}", panic_message(p.as_ref())),
+            })??;
+        let core = DeviceCore::new(cfg, total_bytes)?;
+        tracing::info!(
+            ordinal,
+            name = %ctx.name().unwrap_or_else(|e| format!("(name unknown: {e})")),
+            total_bytes,
+            budget_bytes = cfg.budget_bytes,
+            "CUDA device opened"
+        );
+        Ok(CudaDevice {
+            core,
+            ctx,
+            stream,
+            in_flight: VecDeque::with_capacity(cfg.copy_queue_depth),
+            spare_events: Vec::with_capacity(cfg.copy_queue_depth),
+        })
+    }
+
+    fn take_event(&mut self) -> std::result::Result<CudaEvent, DriverError> {
+        match self.spare_events.pop() {
+            Some(e) => Ok(e),
+            None => self
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
+        }
+    }
+
+    /// Queue the copy of `req` on the copy stream.
+    fn enqueue(&self, id: CopyId, req: &mut CopyRequest) -> std::result::Result<(), TierError> {
+        let len = req.len_bytes;
+        let (chunk, bytes) = (req.chunk, len as u64);
+        let DeviceMem::Cuda(mem) = &req.mem else {
+            return Err(TierError::BadCopy {
+                id,
+                chunk,
+                reason: "simulated memory handed to a CUDA device".into(),
+            });
+        };
+        if len > mem.bytes {
+            return Err(TierError::BadCopy {
+                id,
+                chunk,
+                reason: format!("{len} bytes into {} bytes of device memory", mem.bytes),
+            });
+        }
+        let dptr = mem.ptr;
+        let stream = self.stream.cu_stream();
+        let Some(host) = req.host.get_mut(..len) else {
+            return Err(TierError::BadCopy {
+                id,
+                chunk,
+                reason: format!("{len} bytes do not fit the host buffer"),
+            });
+        };
+        let queued = match req.dir {
+            // SAFETY: `dptr` is live device memory of at least `len` bytes (checked
+            // above), owned by `req`; `host` is `len` bytes of the request's buffer. The
+            // request moves into `in_flight` and is handed back only after the event
+            // recorded behind this copy has completed (or the stream was synchronized),
+            // so neither end is freed, moved from its allocation or touched meanwhile.
+            // The context was bound by the caller and `stream` belongs to it.
+            CopyDir::HostToDevice => unsafe { enqueue_htod(dptr, host, stream) },
+            // SAFETY: as above, with the host buffer the destination.
+            CopyDir::DeviceToHost => unsafe { enqueue_dtoh(host, dptr, stream) },
+        };
+        queued.map_err(|e| TierError::cuda("queueing a copy", Some(chunk), bytes, e))
+    }
+
+    /// Wait for everything on the copy stream; on failure the copies in flight cannot be
+    /// known idle, so their buffers are leaked rather than handed back.
+    fn drain_or_leak(&mut self) -> Result<()> {
+        let waited = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|()| self.stream.synchronize());
+        if let Err(e) = waited {
+            tracing::error!(error = %e, lost = self.in_flight.len(),
+                "CUDA copy stream failed; the buffers of its copies are leaked");
+            for f in self.in_flight.drain(..) {
+                std::mem::forget(f.req);
+            }
+            return Err(TierError::CopyEngineStopped {
+                reason: format!("CUDA copy stream: {e}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl DeviceBackend for CudaDevice {
+    fn core(&self) -> &DeviceCore {
+        &self.core
+    }
+
+    fn core_mut(&mut self) -> &mut DeviceCore {
+        &mut self.core
+    }
+
+    fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<DeviceMem> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| TierError::cuda("binding the context", Some(chunk), bytes as u64, e))?;
+        // SAFETY: the context was bound just above; the memory is only ever used as raw
+        // bytes (copies and compute views) and is freed once, by `CudaMem::drop`.
+        let ptr = unsafe { alloc_device(bytes) }.map_err(|e| {
+            if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                TierError::DeviceOutOfMemory {
+                    chunk,
+                    needed_bytes: bytes as u64,
+                    free_bytes: self.ctx.mem_get_info().map_or(0, |(free, _)| free as u64),
+                }
+            } else {
+                TierError::cuda("cuMemAlloc", Some(chunk), bytes as u64, e)
+            }
+        })?;
+        Ok(DeviceMem::Cuda(CudaMem {
+            ptr,
+            bytes,
+            chunk,
+            device_id: self.core.device_id,
+            ctx: Arc::clone(&self.ctx),
+            _lease: lease,
+        }))
+    }
+
+    fn start_copy(&mut self, id: CopyId, mut req: CopyRequest) -> Option<(TierError, CopyRequest)> {
+        let (chunk, bytes) = (req.chunk, req.len_bytes as u64);
+        if let Err(e) = self.ctx.bind_to_thread() {
+            return Some((
+                TierError::cuda("binding the context", Some(chunk), bytes, e),
+                req,
+            ));
+        }
+        let event = match self.take_event() {
+            Ok(e) => e,
+            Err(e) => {
+                return Some((
+                    TierError::cuda("creating an event", Some(chunk), bytes, e),
+                    req,
+                ))
+            }
+        };
+        if let Err(e) = self.enqueue(id, &mut req) {
+            self.spare_events.push(event);
+            return Some((e, req));
+        }
+        // From here the copy is queued: the request goes into `in_flight` whatever
+        // happens, and comes back only once the stream is known past it.
+        let (event, error) = match event.record(&self.stream) {
+            Ok(()) => (Some(event), None),
+            Err(e) => (
+                None,
+                Some(TierError::cuda("recording an event", Some(chunk), bytes, e)),
+            ),
+        };
+        self.in_flight.push_back(InFlight {
+            id,
+            req,
+            event,
+            error,
+        });
+        None
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn next_done(&mut self, block: bool) -> Option<RawDone> {
+        let front = self.in_flight.front()?;
+        let finished = match &front.event {
+            Some(ev) if block => ev.synchronize().map(|()| true),
+            Some(ev) => ev.try_is_complete(),
+            // No event to ask: wait for the whole stream (a rare error path).
+            None => self.stream.synchronize().map(|()| true),
+        };
+        match finished {
+            Ok(false) => None,
+            Ok(true) => {
+                let f = self.in_flight.pop_front()?;
+                if let Some(ev) = f.event {
+                    self.spare_events.push(ev);
+                }
+                let result = match f.error {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+                Some((f.id, f.req, result))
+            }
+            Err(e) => {
+                // The copy (or earlier work) failed. Its buffers may be handed back only
+                // once the stream is idle.
+                let (chunk, bytes) = (front.req.chunk, front.req.len_bytes as u64);
+                let err = TierError::cuda("copy", Some(chunk), bytes, e);
+                if self.drain_or_leak().is_err() {
+                    return None;
+                }
+                let f = self.in_flight.pop_front()?;
+                Some((f.id, f.req, Err(err)))
+            }
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .and_then(|()| self.ctx.synchronize())
+            .map_err(|e| TierError::cuda("synchronizing the device", None, 0, e))
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| TierError::cuda("cuMemGetInfo", None, 0, e))?;
+        Ok(MemInfo {
+            total_bytes: total as u64,
+            free_bytes: free as u64,
+        })
+    }
+
+    fn report_non_model_bytes(&mut self, bytes: u64) {
+        tracing::trace!(
+            bytes,
+            "CUDA device measures non-model memory; the report is ignored"
+        );
+    }
+
+    fn non_model_bytes(&self) -> Result<u64> {
+        let info = self.mem_info()?;
+        let chunks = self.core.budget.snapshot().used_bytes();
+        Ok((info.total_bytes - info.free_bytes).saturating_sub(chunks))
+    }
+
+    fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion> {
+        let (ptr, bytes) = pool.region();
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| TierError::cuda("binding the context", None, bytes as u64, e))?;
+        // SAFETY: `ptr .. ptr + bytes` is the pool's one anonymous mapping, alive while any
+        // handle to the pool is; the region returned holds such a handle and unregisters
+        // before releasing it. The context was bound just above.
+        unsafe { register_host(ptr, bytes) }
+            .map_err(|e| TierError::cuda("cuMemHostRegister", None, bytes as u64, e))?;
+        Ok(CudaPinnedRegion {
+            addr: ptr as usize,
+            bytes,
+            ctx: Arc::clone(&self.ctx),
+            _pool: pool.clone(),
+        }
+        .into())
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if !self.in_flight.is_empty() && self.drain_or_leak().is_ok() {
+            self.in_flight.clear();
+        }
+    }
+}

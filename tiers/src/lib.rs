@@ -1,0 +1,55 @@
+//! tidestore-tiers: the three tiers a chunk can live on, and their byte budgets.
+//!
+//! - [`budget`]: a byte [`Budget`] per tier that is never exceeded, with peak tracking and
+//!   a capacity that can move at run time (the device's tidal budget);
+//! - [`device`]: GPU memory behind one type, [`Device`]: a CUDA backend (feature `cuda`)
+//!   or a simulation in host memory with the same budgets and the same asynchronous
+//!   copies, so every layer above runs the same code on every machine;
+//! - [`host`]: the pinned host pool, fixed at start-up;
+//! - [`nvme`]: the NVMe tier over the io crate's swap file;
+//! - [`stats`]: peaks per tier and bytes moved per link.
+//!
+//! Nothing here prints; everything is logged with `tracing`. FFI lives only in the CUDA
+//! backend; every other module denies `unsafe`.
+
+pub mod budget;
+pub mod device;
+pub mod error;
+pub mod host;
+pub mod nvme;
+mod sim;
+pub mod stats;
+
+#[cfg(feature = "cuda")]
+#[path = "cuda.rs"]
+mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "dummy_cuda.rs"]
+mod cuda;
+
+pub use budget::{Budget, Lease, SharedBudget, TierKind};
+pub use device::{
+    CopyCompletion, CopyDir, CopyId, CopyRequest, CudaDevice, CudaMem, Device, DeviceConfig,
+    DeviceKind, DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, SimDevice, SimMem,
+};
+pub use error::{Result, TierError};
+pub use host::HostTier;
+pub use nvme::NvmeTier;
+pub use stats::{LinkStats, NvmeLinkStats, TierStats, TierUsage};
+
+#[cfg(test)]
+mod tests {
+    /// The tiers move between threads (a store behind a mutex, a prefetch thread).
+    #[test]
+    fn tier_types_are_send() {
+        fn send<T: Send>() {}
+        send::<crate::Device>();
+        send::<crate::DeviceMem>();
+        send::<crate::CopyRequest>();
+        send::<crate::CopyCompletion>();
+        send::<crate::PinnedRegion>();
+        send::<crate::HostTier>();
+        send::<crate::NvmeTier>();
+        send::<crate::TierError>();
+    }
+}
