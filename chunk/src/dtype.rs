@@ -1,0 +1,114 @@
+//! Element types of the tensors a store holds.
+//!
+//! Three types exist: `f32` (master parameters and Adam state), and the two 16-bit
+//! formats `f16` and `bf16` (compute parameters and gradients). A [`DType`] only knows
+//! its byte size and its names; conversions between formats belong to the optimizer.
+//! Invariant: [`DType::size_bytes`] is 2 or 4, so every byte count derived from an
+//! element count is exact.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::ChunkError;
+
+/// The element type of a tensor or of a chunk list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE 754 binary32.
+    F32,
+    /// IEEE 754 binary16.
+    F16,
+    /// bfloat16 (8 exponent bits, 7 mantissa bits).
+    BF16,
+}
+
+impl DType {
+    /// All element types, in declaration order.
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// Bytes per element.
+    pub const fn size_bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// Whether this is one of the 16-bit formats.
+    pub const fn is_16bit(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+
+    /// The canonical lower-case name (`f32`, `f16`, `bf16`), as [`fmt::Display`] writes it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for DType {
+    type Err = ChunkError;
+
+    /// Parses the names used by PyTorch, safetensors and configuration files,
+    /// case-insensitively: `f32 fp32 float32 float`, `f16 fp16 float16 half`,
+    /// `bf16 bfloat16`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let lower = s.trim().to_ascii_lowercase();
+        let lower = lower.strip_prefix("torch.").unwrap_or(&lower);
+        match lower {
+            "f32" | "fp32" | "float32" | "float" => Ok(DType::F32),
+            "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            _ => Err(ChunkError::UnknownDType {
+                name: s.to_string(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(DType::F32.size_bytes(), 4);
+        assert_eq!(DType::F16.size_bytes(), 2);
+        assert_eq!(DType::BF16.size_bytes(), 2);
+        assert!(DType::BF16.is_16bit() && !DType::F32.is_16bit());
+    }
+
+    #[test]
+    fn parse_names() {
+        for (s, d) in [
+            ("f32", DType::F32),
+            ("FP32", DType::F32),
+            ("torch.float32", DType::F32),
+            ("half", DType::F16),
+            ("float16", DType::F16),
+            ("BF16", DType::BF16),
+            (" bfloat16 ", DType::BF16),
+        ] {
+            assert_eq!(s.parse::<DType>().unwrap(), d, "{s}");
+        }
+        for d in DType::ALL {
+            assert_eq!(d.to_string().parse::<DType>().unwrap(), d);
+        }
+    }
+
+    #[test]
+    fn parse_unknown_names_it() {
+        let err = "int8".parse::<DType>().unwrap_err();
+        assert!(matches!(&err, ChunkError::UnknownDType { name } if name == "int8"));
+        assert!(err.to_string().contains("int8"));
+    }
+}

@@ -1,0 +1,754 @@
+//! Registration of tensors, in model (forward) order, into chunk lists.
+//!
+//! PatrickStar's layout: one chunk size `C`, counted in **element slots** and shared by
+//! every list, and one packing decision made on the [`ListKind::Param16`] list that all
+//! other lists mirror. So chunk `i` of every list holds the same tensors (the trainable
+//! ones among them, for the trainable-only lists), and the optimizer updates group `i`
+//! (grads `i`, master `i`, M `i`, V `i`) together.
+//!
+//! Lists and what they hold:
+//! - `Param16`: every tensor, in 2-byte slots. 16-bit tensors keep their dtype. A
+//!   trainable fp32 tensor gets a 16-bit compute copy there (dtype
+//!   [`LayoutConfig::param16_dtype`]); its fp32 values live in `MasterF32`. A **frozen
+//!   fp32 tensor stays fp32** (it has no master copy, so casting it would silently
+//!   change its bytes) and takes two slots per element.
+//! - `MasterF32`, `MomentumF32`, `VarianceF32`: trainable tensors only, fp32.
+//! - `GradF16`: trainable tensors only, in their Param16 dtype, and only when gradient
+//!   accumulation is on. Otherwise a gradient reuses its tensor's Param16 space once
+//!   the layer's backward is done ([`Layout::grad_location`] returns that space).
+//!
+//! Packing is next-fit in registration order: a tensor goes after the previous one in
+//! the current chunk if it fits, else it opens the next chunk. A tensor is never split;
+//! one larger than a chunk is an error naming it ([`crate::search`] only proposes sizes
+//! at least as large as the largest tensor). In a trainable-only list, a tensor's
+//! offset counts only the trainable tensors before it in the same chunk, so those
+//! chunks are dense too. A chunk of a trainable-only list exists only when its group
+//! holds at least one trainable tensor (a LoRA base model's frozen chunks have no
+//! master, M or V chunk).
+//!
+//! Invariants (checked by `tests/layout_props.rs`): every tensor is placed exactly once
+//! per list it belongs to; placements in one chunk do not overlap and end within `C`;
+//! a tensor has the same chunk index in every list; frozen tensors are only in Param16.
+
+use std::collections::HashMap;
+
+use crate::dtype::DType;
+use crate::error::ChunkError;
+use crate::id::{ChunkId, ListKind, TensorId};
+use crate::Result;
+
+/// A tensor as the model declares it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// A unique name (e.g. `layers.3.mlp.up.weight`).
+    pub name: String,
+    /// Its shape; the element count is the product (a scalar has shape `[]`).
+    pub shape: Vec<usize>,
+    /// Its dtype as loaded.
+    pub dtype: DType,
+    /// Whether the optimizer updates it; frozen tensors get no grad, master, M or V.
+    pub trainable: bool,
+}
+
+impl TensorSpec {
+    /// A tensor spec.
+    pub fn new(name: impl Into<String>, shape: &[usize], dtype: DType, trainable: bool) -> Self {
+        TensorSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype,
+            trainable,
+        }
+    }
+
+    /// The element count, or an error when it is zero or overflows.
+    pub fn elements(&self) -> Result<u64> {
+        let mut n: u64 = 1;
+        for &d in &self.shape {
+            n = n
+                .checked_mul(d as u64)
+                .ok_or_else(|| ChunkError::TensorOverflow {
+                    tensor: self.name.clone(),
+                    shape: self.shape.clone(),
+                })?;
+        }
+        if n == 0 {
+            return Err(ChunkError::EmptyTensor {
+                tensor: self.name.clone(),
+                shape: self.shape.clone(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// The dtype this tensor has in the Param16 list (see the module doc).
+    pub fn param16_dtype(&self, param16_dtype: DType) -> DType {
+        match (self.dtype, self.trainable) {
+            (DType::F32, true) => param16_dtype,
+            (d, _) => d,
+        }
+    }
+}
+
+/// How tensors are packed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutConfig {
+    /// Chunk size in element slots, shared by all lists (bytes = slots x slot size).
+    pub chunk_elements: u64,
+    /// Whether gradients get their own `GradF16` list (gradient accumulation).
+    pub grad_accumulation: bool,
+    /// The 16-bit dtype of the compute copy of trainable fp32 tensors.
+    pub param16_dtype: DType,
+}
+
+impl LayoutConfig {
+    /// `chunk_elements` slots per chunk, no gradient accumulation, bf16 compute copies.
+    pub fn new(chunk_elements: u64) -> Self {
+        LayoutConfig {
+            chunk_elements,
+            grad_accumulation: false,
+            param16_dtype: DType::BF16,
+        }
+    }
+
+    /// With or without a separate gradient list.
+    pub fn with_grad_accumulation(mut self, on: bool) -> Self {
+        self.grad_accumulation = on;
+        self
+    }
+
+    /// With another 16-bit dtype for compute copies of trainable fp32 tensors.
+    pub fn with_param16_dtype(mut self, dtype: DType) -> Self {
+        self.param16_dtype = dtype;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.param16_dtype.is_16bit() {
+            return Err(ChunkError::NotSixteenBit {
+                dtype: self.param16_dtype,
+            });
+        }
+        if self.chunk_elements == 0 {
+            return Err(ChunkError::InvalidChunkSize {
+                chunk_elements: 0,
+                reason: "a chunk must hold at least one element",
+            });
+        }
+        if self.chunk_elements.checked_mul(4).is_none() {
+            return Err(ChunkError::InvalidChunkSize {
+                chunk_elements: self.chunk_elements,
+                reason: "the chunk's byte size overflows u64",
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes per element of the optimizer-state lists of one trainable element
+    /// (master + M + V, plus a 16-bit gradient with accumulation).
+    pub(crate) fn trainable_state_bytes(&self) -> u64 {
+        self.trainable_lists().map(ListKind::slot_bytes).sum()
+    }
+
+    /// The trainable-only lists that exist under this configuration.
+    pub(crate) fn trainable_lists(&self) -> impl Iterator<Item = ListKind> {
+        let acc = self.grad_accumulation;
+        ListKind::ALL
+            .into_iter()
+            .filter(move |l| l.trainable_only() && (acc || *l != ListKind::GradF16))
+    }
+}
+
+/// Where one tensor lives in one list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorLocation {
+    /// Its chunk.
+    pub chunk: ChunkId,
+    /// Offset in the chunk, in the list's element slots.
+    pub offset_elements: u64,
+    /// The tensor's element count.
+    pub elements: u64,
+    /// The tensor's dtype in this list.
+    pub dtype: DType,
+}
+
+impl TensorLocation {
+    /// Slots occupied (elements x dtype size / slot size; 2 per element for a frozen
+    /// fp32 tensor in Param16, otherwise equal to `elements`).
+    pub fn slots(&self) -> u64 {
+        self.bytes() / self.chunk.list().slot_bytes()
+    }
+
+    /// The slot just past the tensor.
+    pub fn end_elements(&self) -> u64 {
+        self.offset_elements + self.slots()
+    }
+
+    /// Offset in the chunk, in bytes.
+    pub fn offset_bytes(&self) -> u64 {
+        self.offset_elements * self.chunk.list().slot_bytes()
+    }
+
+    /// The tensor's size in bytes in this list.
+    pub fn bytes(&self) -> u64 {
+        self.elements * self.dtype.size_bytes()
+    }
+}
+
+/// One tensor as seen by the packer: slots in Param16, elements in trainable lists.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PackItem {
+    pub(crate) slots: u64,
+    /// 0 for a frozen tensor.
+    pub(crate) trainable_elements: u64,
+    pub(crate) elements: u64,
+}
+
+impl PackItem {
+    pub(crate) fn of(spec: &TensorSpec, config: &LayoutConfig) -> Result<PackItem> {
+        let elements = spec.elements()?;
+        let dtype = spec.param16_dtype(config.param16_dtype);
+        let slots = elements
+            .checked_mul(dtype.size_bytes() / ListKind::Param16.slot_bytes())
+            .ok_or_else(|| ChunkError::TensorOverflow {
+                tensor: spec.name.clone(),
+                shape: spec.shape.clone(),
+            })?;
+        Ok(PackItem {
+            slots,
+            trainable_elements: if spec.trainable { elements } else { 0 },
+            elements,
+        })
+    }
+}
+
+/// Chunk counts of a packing: what the waste of a chunk size depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PackCounts {
+    /// Param16 chunks (= chunk indices).
+    pub(crate) chunks: u64,
+    /// Chunk indices holding at least one trainable tensor.
+    pub(crate) trainable_chunks: u64,
+}
+
+/// Next-fit packing of `items` into chunks of `chunk_elements` slots; the same rule
+/// as [`LayoutBuilder::register`]. Every item must fit (`slots <= chunk_elements`).
+pub(crate) fn pack_counts(items: &[PackItem], chunk_elements: u64) -> PackCounts {
+    let mut counts = PackCounts {
+        chunks: 0,
+        trainable_chunks: 0,
+    };
+    let mut fill = 0u64;
+    let mut has_trainable = false;
+    for item in items {
+        if counts.chunks == 0 || fill + item.slots > chunk_elements {
+            counts.trainable_chunks += u64::from(has_trainable);
+            counts.chunks += 1;
+            fill = 0;
+            has_trainable = false;
+        }
+        fill += item.slots;
+        has_trainable |= item.trainable_elements > 0;
+    }
+    counts.trainable_chunks += u64::from(has_trainable);
+    counts
+}
+
+/// Allocated and payload bytes over every list, for a packing.
+pub(crate) fn allocated_bytes(
+    counts: PackCounts,
+    chunk_elements: u64,
+    config: &LayoutConfig,
+) -> u64 {
+    counts.chunks * chunk_elements * ListKind::Param16.slot_bytes()
+        + counts.trainable_chunks * chunk_elements * config.trainable_state_bytes()
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    index: u32,
+    offset_slots: u64,
+    elements: u64,
+    param16_dtype: DType,
+    /// Offset within the chunk's trainable tensors; `None` for a frozen tensor.
+    trainable_offset: Option<u64>,
+}
+
+/// Registers tensors one by one, in model order.
+#[derive(Debug, Clone)]
+pub struct LayoutBuilder {
+    config: LayoutConfig,
+    specs: Vec<TensorSpec>,
+    by_name: HashMap<String, TensorId>,
+    places: Vec<Placement>,
+    chunk_tensors: Vec<Vec<TensorId>>,
+    chunk_trainable: Vec<Vec<TensorId>>,
+    fill_slots: Vec<u64>,
+    fill_trainable: Vec<u64>,
+}
+
+impl LayoutBuilder {
+    /// A builder; fails when the configuration is unusable.
+    pub fn new(config: LayoutConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(LayoutBuilder {
+            config,
+            specs: Vec::new(),
+            by_name: HashMap::new(),
+            places: Vec::new(),
+            chunk_tensors: Vec::new(),
+            chunk_trainable: Vec::new(),
+            fill_slots: Vec::new(),
+            fill_trainable: Vec::new(),
+        })
+    }
+
+    /// Places the next tensor in model order and returns its id.
+    ///
+    /// Errors (nothing is registered then): an empty or overflowing shape, a duplicate
+    /// name, a tensor larger than a chunk, more chunks than a [`ChunkId`] can number.
+    pub fn register(&mut self, spec: TensorSpec) -> Result<TensorId> {
+        let item = PackItem::of(&spec, &self.config)?;
+        if self.by_name.contains_key(&spec.name) {
+            return Err(ChunkError::DuplicateTensor { tensor: spec.name });
+        }
+        let chunk_elements = self.config.chunk_elements;
+        if item.slots > chunk_elements {
+            return Err(ChunkError::TensorTooLarge {
+                tensor: spec.name,
+                needed_elements: item.slots,
+                chunk_elements,
+            });
+        }
+        let id = TensorId(u32::try_from(self.specs.len()).map_err(|_| {
+            ChunkError::InvalidChunkSize {
+                chunk_elements,
+                reason: "more than u32::MAX tensors",
+            }
+        })?);
+        let open_new = match self.fill_slots.last() {
+            None => true,
+            Some(&fill) => fill + item.slots > chunk_elements,
+        };
+        if open_new {
+            let chunks = self.fill_slots.len() as u64 + 1;
+            if chunks > u64::from(ChunkId::INDEX_MAX) + 1 {
+                return Err(ChunkError::TooManyChunks {
+                    chunks,
+                    limit: u64::from(ChunkId::INDEX_MAX) + 1,
+                });
+            }
+            self.fill_slots.push(0);
+            self.fill_trainable.push(0);
+            self.chunk_tensors.push(Vec::new());
+            self.chunk_trainable.push(Vec::new());
+        }
+        let last = self.fill_slots.len() - 1;
+        // `last` < INDEX_MAX + 1 <= u32::MAX, checked when the chunk was opened.
+        let index = last as u32;
+        let offset_slots = self.fill_slots[last];
+        self.fill_slots[last] += item.slots;
+        self.chunk_tensors[last].push(id);
+        let trainable_offset = if spec.trainable {
+            let off = self.fill_trainable[last];
+            self.fill_trainable[last] += item.trainable_elements;
+            self.chunk_trainable[last].push(id);
+            Some(off)
+        } else {
+            None
+        };
+        self.places.push(Placement {
+            index,
+            offset_slots,
+            elements: item.elements,
+            param16_dtype: spec.param16_dtype(self.config.param16_dtype),
+            trainable_offset,
+        });
+        self.by_name.insert(spec.name.clone(), id);
+        self.specs.push(spec);
+        Ok(id)
+    }
+
+    /// Tensors registered so far.
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    /// Whether nothing is registered yet.
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
+    /// The finished layout.
+    pub fn finish(self) -> Layout {
+        Layout {
+            config: self.config,
+            specs: self.specs,
+            by_name: self.by_name,
+            places: self.places,
+            chunk_tensors: self.chunk_tensors,
+            chunk_trainable: self.chunk_trainable,
+            fill_slots: self.fill_slots,
+            fill_trainable: self.fill_trainable,
+        }
+    }
+}
+
+/// Tensors placed in chunk lists; immutable once built.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    config: LayoutConfig,
+    specs: Vec<TensorSpec>,
+    by_name: HashMap<String, TensorId>,
+    places: Vec<Placement>,
+    chunk_tensors: Vec<Vec<TensorId>>,
+    chunk_trainable: Vec<Vec<TensorId>>,
+    fill_slots: Vec<u64>,
+    fill_trainable: Vec<u64>,
+}
+
+impl Layout {
+    /// Registers `specs` in order and finishes the layout.
+    pub fn new(config: LayoutConfig, specs: impl IntoIterator<Item = TensorSpec>) -> Result<Self> {
+        let mut b = LayoutBuilder::new(config)?;
+        for s in specs {
+            b.register(s)?;
+        }
+        Ok(b.finish())
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &LayoutConfig {
+        &self.config
+    }
+
+    /// The chunk size in element slots.
+    pub fn chunk_elements(&self) -> u64 {
+        self.config.chunk_elements
+    }
+
+    /// Registered tensors, in order (indexed by [`TensorId`]).
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+
+    /// One tensor's spec.
+    pub fn tensor(&self, id: TensorId) -> Option<&TensorSpec> {
+        self.specs.get(id.index())
+    }
+
+    /// The id of the tensor called `name`.
+    pub fn tensor_id(&self, name: &str) -> Option<TensorId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The lists that hold at least one chunk, in [`ListKind::ALL`] order.
+    pub fn lists(&self) -> Vec<ListKind> {
+        ListKind::ALL
+            .into_iter()
+            .filter(|&l| self.list_chunk_count(l) > 0)
+            .collect()
+    }
+
+    /// Chunk indices (= Param16 chunks); every list's indices are below this.
+    pub fn chunks_per_list(&self) -> u32 {
+        // Bounded by ChunkId::INDEX_MAX + 1 at registration.
+        self.fill_slots.len() as u32
+    }
+
+    /// The length of a dense per-chunk array indexed by [`ChunkId::dense`].
+    pub fn dense_len(&self) -> usize {
+        self.fill_slots.len() * ListKind::COUNT as usize
+    }
+
+    /// Whether `chunk` exists in this layout.
+    pub fn chunk_exists(&self, chunk: ChunkId) -> bool {
+        let i = chunk.index() as usize;
+        if i >= self.fill_slots.len() {
+            return false;
+        }
+        match chunk.list() {
+            ListKind::Param16 => true,
+            ListKind::GradF16 if !self.config.grad_accumulation => false,
+            _ => !self.chunk_trainable[i].is_empty(),
+        }
+    }
+
+    /// The chunks of `list`, in index order.
+    pub fn chunks(&self, list: ListKind) -> impl Iterator<Item = ChunkId> + '_ {
+        (0..self.chunks_per_list())
+            .map(move |i| ChunkId::new(list, i))
+            .filter(move |&c| self.chunk_exists(c))
+    }
+
+    /// The tensors of `chunk` in order (empty for a chunk that does not exist).
+    pub fn chunk_tensors(&self, chunk: ChunkId) -> &[TensorId] {
+        if !self.chunk_exists(chunk) {
+            return &[];
+        }
+        let i = chunk.index() as usize;
+        match chunk.list() {
+            ListKind::Param16 => &self.chunk_tensors[i],
+            _ => &self.chunk_trainable[i],
+        }
+    }
+
+    /// Where tensor `id` lives in `list`; `None` for an unknown id, a frozen tensor in
+    /// a trainable-only list, or `GradF16` without gradient accumulation.
+    pub fn location(&self, id: TensorId, list: ListKind) -> Option<TensorLocation> {
+        let p = self.places.get(id.index())?;
+        let (offset_elements, dtype) = match list {
+            ListKind::Param16 => (p.offset_slots, p.param16_dtype),
+            ListKind::GradF16 if !self.config.grad_accumulation => return None,
+            ListKind::GradF16 => (p.trainable_offset?, p.param16_dtype),
+            _ => (p.trainable_offset?, DType::F32),
+        };
+        Some(TensorLocation {
+            chunk: ChunkId::new(list, p.index),
+            offset_elements,
+            elements: p.elements,
+            dtype,
+        })
+    }
+
+    /// Where tensor `id`'s gradient lives: its `GradF16` place with gradient
+    /// accumulation, else its own Param16 space (reused once its layer's backward is
+    /// done). `None` for a frozen tensor.
+    pub fn grad_location(&self, id: TensorId) -> Option<TensorLocation> {
+        let p = self.places.get(id.index())?;
+        p.trainable_offset?;
+        if self.config.grad_accumulation {
+            self.location(id, ListKind::GradF16)
+        } else {
+            self.location(id, ListKind::Param16)
+        }
+    }
+
+    /// Bytes of one chunk of `list`.
+    pub fn chunk_bytes(&self, list: ListKind) -> u64 {
+        self.config.chunk_elements * list.slot_bytes()
+    }
+
+    /// Bytes of `chunk` occupied by tensors (0 for a chunk that does not exist).
+    pub fn chunk_used_bytes(&self, chunk: ChunkId) -> u64 {
+        if !self.chunk_exists(chunk) {
+            return 0;
+        }
+        let i = chunk.index() as usize;
+        match chunk.list() {
+            ListKind::Param16 => self.fill_slots[i] * ListKind::Param16.slot_bytes(),
+            l => self.fill_trainable[i] * l.slot_bytes(),
+        }
+    }
+
+    /// Number of chunks of `list`.
+    pub fn list_chunk_count(&self, list: ListKind) -> u64 {
+        match list {
+            ListKind::Param16 => self.fill_slots.len() as u64,
+            ListKind::GradF16 if !self.config.grad_accumulation => 0,
+            _ => self
+                .chunk_trainable
+                .iter()
+                .filter(|t| !t.is_empty())
+                .count() as u64,
+        }
+    }
+
+    /// Bytes allocated for `list` (its chunks x chunk size).
+    pub fn list_bytes(&self, list: ListKind) -> u64 {
+        self.list_chunk_count(list) * self.chunk_bytes(list)
+    }
+
+    /// Bytes of `list` occupied by tensors.
+    pub fn list_payload_bytes(&self, list: ListKind) -> u64 {
+        self.chunks(list).map(|c| self.chunk_used_bytes(c)).sum()
+    }
+
+    /// Bytes allocated over every list.
+    pub fn total_bytes(&self) -> u64 {
+        ListKind::ALL.into_iter().map(|l| self.list_bytes(l)).sum()
+    }
+
+    /// Bytes occupied by tensors over every list.
+    pub fn payload_bytes(&self) -> u64 {
+        ListKind::ALL
+            .into_iter()
+            .map(|l| self.list_payload_bytes(l))
+            .sum()
+    }
+
+    /// Allocated bytes not occupied by any tensor.
+    pub fn waste_bytes(&self) -> u64 {
+        self.total_bytes() - self.payload_bytes()
+    }
+
+    /// [`Layout::waste_bytes`] as a fraction of [`Layout::total_bytes`] (0 when empty).
+    pub fn waste_fraction(&self) -> f64 {
+        let total = self.total_bytes();
+        if total == 0 {
+            0.0
+        } else {
+            self.waste_bytes() as f64 / total as f64
+        }
+    }
+
+    /// Byte size per dense chunk id, every list (0 for ids of chunks that do not
+    /// exist); the `chunk_bytes` of an [`crate::AccessTrace`].
+    pub fn dense_chunk_bytes(&self) -> Vec<u64> {
+        let mut v = vec![0; self.dense_len()];
+        for list in ListKind::ALL {
+            for c in self.chunks(list) {
+                v[c.dense()] = self.chunk_bytes(list);
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, n: usize, dtype: DType, trainable: bool) -> TensorSpec {
+        TensorSpec::new(name, &[n], dtype, trainable)
+    }
+
+    #[test]
+    fn next_fit_and_mirrored_lists() {
+        let layout = Layout::new(
+            LayoutConfig::new(100),
+            [
+                t("a", 60, DType::F16, true),
+                t("b", 30, DType::F16, false),
+                t("c", 20, DType::F16, true), // does not fit 90 + 20 -> chunk 1
+                t("d", 80, DType::F16, true),
+            ],
+        )
+        .unwrap();
+        assert_eq!(layout.chunks_per_list(), 2);
+        let c = layout.location(TensorId(2), ListKind::Param16).unwrap();
+        assert_eq!((c.chunk.index(), c.offset_elements), (1, 0));
+        let d = layout.location(TensorId(3), ListKind::MasterF32).unwrap();
+        assert_eq!((d.chunk.index(), d.offset_elements), (1, 20));
+        assert_eq!(d.offset_bytes(), 80);
+        assert!(layout.location(TensorId(1), ListKind::MasterF32).is_none());
+        assert_eq!(
+            layout.chunk_tensors(ChunkId::new(ListKind::MasterF32, 0)),
+            &[TensorId(0)]
+        );
+        // No accumulation: the grad reuses the param space.
+        assert_eq!(
+            layout.grad_location(TensorId(0)),
+            layout.location(TensorId(0), ListKind::Param16)
+        );
+        assert!(layout.grad_location(TensorId(1)).is_none());
+        assert_eq!(layout.list_chunk_count(ListKind::GradF16), 0);
+        // Bytes: 2 param chunks of 200 B, 2 x 3 fp32 chunks of 400 B.
+        assert_eq!(layout.total_bytes(), 2 * 200 + 6 * 400);
+        let payload = (60 + 30 + 20 + 80) * 2 + (60 + 20 + 80) * 12;
+        assert_eq!(layout.payload_bytes(), payload);
+        assert_eq!(layout.waste_bytes(), 2800 - payload);
+    }
+
+    #[test]
+    fn frozen_f32_stays_f32_in_two_slots_and_trainable_f32_is_cast() {
+        let layout = Layout::new(
+            LayoutConfig::new(64).with_param16_dtype(DType::F16),
+            [
+                t("norm", 10, DType::F32, false),
+                t("w", 10, DType::F32, true),
+            ],
+        )
+        .unwrap();
+        let norm = layout.location(TensorId(0), ListKind::Param16).unwrap();
+        assert_eq!(
+            (norm.dtype, norm.slots(), norm.bytes()),
+            (DType::F32, 20, 40)
+        );
+        let w = layout.location(TensorId(1), ListKind::Param16).unwrap();
+        assert_eq!(
+            (w.dtype, w.offset_elements, w.slots()),
+            (DType::F16, 20, 10)
+        );
+        let m = layout.location(TensorId(1), ListKind::MasterF32).unwrap();
+        assert_eq!((m.dtype, m.offset_elements), (DType::F32, 0));
+    }
+
+    #[test]
+    fn grad_accumulation_adds_a_list() {
+        let layout = Layout::new(
+            LayoutConfig::new(64).with_grad_accumulation(true),
+            [
+                t("a", 10, DType::BF16, false),
+                t("b", 10, DType::BF16, true),
+            ],
+        )
+        .unwrap();
+        let g = layout.grad_location(TensorId(1)).unwrap();
+        assert_eq!(g.chunk.list(), ListKind::GradF16);
+        assert_eq!((g.offset_elements, g.dtype), (0, DType::BF16));
+        assert_eq!(layout.lists().len(), 5);
+    }
+
+    #[test]
+    fn lora_base_chunks_have_no_optimizer_chunks() {
+        let mut specs: Vec<_> = (0..4)
+            .map(|i| t(&format!("base{i}"), 50, DType::BF16, false))
+            .collect();
+        specs.push(t("lora_a", 8, DType::BF16, true));
+        let layout = Layout::new(LayoutConfig::new(100), specs).unwrap();
+        assert_eq!(layout.list_chunk_count(ListKind::Param16), 3);
+        assert_eq!(layout.list_chunk_count(ListKind::MasterF32), 1);
+        assert!(!layout.chunk_exists(ChunkId::new(ListKind::VarianceF32, 0)));
+        assert!(layout.chunk_exists(ChunkId::new(ListKind::VarianceF32, 2)));
+    }
+
+    #[test]
+    fn errors_name_the_tensor() {
+        let mut b = LayoutBuilder::new(LayoutConfig::new(16)).unwrap();
+        b.register(t("ok", 16, DType::F16, true)).unwrap();
+        let e = b.register(t("big", 17, DType::F16, true)).unwrap_err();
+        assert!(
+            matches!(&e, ChunkError::TensorTooLarge { tensor, needed_elements: 17, .. } if tensor == "big")
+        );
+        let e = b.register(t("f32big", 9, DType::F32, false)).unwrap_err();
+        assert!(matches!(
+            &e,
+            ChunkError::TensorTooLarge {
+                needed_elements: 18,
+                ..
+            }
+        ));
+        let e = b.register(t("ok", 1, DType::F16, true)).unwrap_err();
+        assert!(matches!(&e, ChunkError::DuplicateTensor { tensor } if tensor == "ok"));
+        let e = b
+            .register(TensorSpec::new("empty", &[3, 0], DType::F16, true))
+            .unwrap_err();
+        assert!(e.to_string().contains("empty"));
+        assert_eq!(b.len(), 1);
+        assert!(LayoutBuilder::new(LayoutConfig::new(16).with_param16_dtype(DType::F32)).is_err());
+        assert!(LayoutBuilder::new(LayoutConfig::new(0)).is_err());
+    }
+
+    #[test]
+    fn pack_counts_agree_with_layout() {
+        let cfg = LayoutConfig::new(100);
+        let specs = vec![
+            t("a", 60, DType::F16, false),
+            t("b", 50, DType::F16, false),
+            t("c", 40, DType::F16, true),
+        ];
+        let items: Vec<_> = specs
+            .iter()
+            .map(|s| PackItem::of(s, &cfg).unwrap())
+            .collect();
+        let counts = pack_counts(&items, 100);
+        let layout = Layout::new(cfg, specs).unwrap();
+        assert_eq!(counts.chunks, layout.list_chunk_count(ListKind::Param16));
+        assert_eq!(
+            counts.trainable_chunks,
+            layout.list_chunk_count(ListKind::MasterF32)
+        );
+        assert_eq!(allocated_bytes(counts, 100, &cfg), layout.total_bytes());
+    }
+}
