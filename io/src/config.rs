@@ -70,7 +70,7 @@ impl Default for IoConfig {
 impl IoConfig {
     /// Check every value; the error names the first bad key.
     pub fn validate(&self) -> Result<()> {
-        if self.block_bytes == 0 || self.block_bytes % crate::ALIGN_BYTES != 0 {
+        if self.block_bytes == 0 || !self.block_bytes.is_multiple_of(crate::ALIGN_BYTES) {
             return Err(IoError::config(
                 "io.block_size",
                 format!(

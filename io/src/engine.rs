@@ -95,7 +95,10 @@ impl Engine {
     /// Wrap a backend. `aligned_only` makes the engine refuse requests whose offset or
     /// length is not a multiple of 4096 (needed for O_DIRECT files).
     pub fn new(backend: Box<dyn Backend>, block_bytes: usize, aligned_only: bool) -> Result<Self> {
-        if block_bytes == 0 || block_bytes % ALIGN_BYTES != 0 || block_bytes > u32::MAX as usize {
+        if block_bytes == 0
+            || !block_bytes.is_multiple_of(ALIGN_BYTES)
+            || block_bytes > u32::MAX as usize
+        {
             return Err(IoError::config(
                 "io.block_size",
                 format!("{block_bytes} bytes is not a positive multiple of 4096"),
@@ -232,7 +235,8 @@ impl Engine {
             ));
         }
         if self.aligned_only
-            && (req.offset_bytes % ALIGN_BYTES as u64 != 0 || req.len_bytes % ALIGN_BYTES != 0)
+            && (!req.offset_bytes.is_multiple_of(ALIGN_BYTES as u64)
+                || !req.len_bytes.is_multiple_of(ALIGN_BYTES))
         {
             return bad(format!(
                 "{} at offset {} of {} bytes is not 4096-aligned (file is open with O_DIRECT)",

@@ -81,7 +81,10 @@ struct Layout {
 
 impl Layout {
     fn new(slot_bytes: u64, slot_count: u64) -> Result<Layout> {
-        if slot_bytes == 0 || slot_bytes % ALIGN_BYTES as u64 != 0 || slot_bytes > u32::MAX as u64 {
+        if slot_bytes == 0
+            || !slot_bytes.is_multiple_of(ALIGN_BYTES as u64)
+            || slot_bytes > u32::MAX as u64
+        {
             return Err(IoError::config(
                 "chunk.size",
                 format!("{slot_bytes} bytes is not a positive multiple of 4096 below 4 GiB"),
@@ -314,6 +317,9 @@ pub struct SwapCompletion {
 /// A request handed to the engine.
 #[derive(Debug)]
 struct InFlight {
+    /// The request's token: slab index in the low 32 bits, a sequence number above, so
+    /// a token is never reused while an older completion with it may still be queued.
+    token: u64,
     chunk: u64,
     slot: u32,
     op: Op,
@@ -347,6 +353,8 @@ pub struct SwapFile {
     free_tokens: Vec<u32>,
     ready: VecDeque<SwapCompletion>,
     next_refused: u64,
+    /// Sequence number of the last tracked request (see `InFlight::token`).
+    next_seq: u64,
     generation: u64,
     dirty: bool,
     poisoned: Option<String>,
@@ -603,6 +611,7 @@ impl SwapFile {
             free_tokens: Vec::with_capacity(in_flight_max),
             ready: VecDeque::with_capacity(in_flight_max),
             next_refused: 0,
+            next_seq: 0,
             generation: 0,
             dirty: false,
             poisoned: None,
@@ -988,6 +997,7 @@ impl SwapFile {
         let (state, io_buf, io_bytes) = match packed {
             Some((image, n)) => (
                 InFlight {
+                    token: 0,
                     chunk,
                     slot,
                     op: Op::Write,
@@ -1002,6 +1012,7 @@ impl SwapFile {
             ),
             None => (
                 InFlight {
+                    token: 0,
                     chunk,
                     slot,
                     op: Op::Write,
@@ -1056,6 +1067,7 @@ impl SwapFile {
         self.slots[slot as usize].busy = true;
         let stored_bytes = entry.stored_bytes as usize;
         let token = self.track(InFlight {
+            token: 0,
             chunk,
             slot,
             op: Op::Read,
@@ -1076,17 +1088,20 @@ impl SwapFile {
         token
     }
 
-    fn track(&mut self, state: InFlight) -> u64 {
-        match self.free_tokens.pop() {
-            Some(t) => {
-                self.in_flight[t as usize] = Some(state);
-                t as u64
-            }
+    fn track(&mut self, mut state: InFlight) -> u64 {
+        // Sequence numbers stay below 2^30 so tokens never reach REFUSED_TOKEN_BIT.
+        self.next_seq = self.next_seq % ((1 << 30) - 1) + 1;
+        let index = match self.free_tokens.pop() {
+            Some(t) => t as usize,
             None => {
-                self.in_flight.push(Some(state));
-                (self.in_flight.len() - 1) as u64
+                self.in_flight.push(None);
+                self.in_flight.len() - 1
             }
-        }
+        };
+        let token = self.next_seq << 32 | index as u64;
+        state.token = token;
+        self.in_flight[index] = Some(state);
+        token
     }
 
     /// An image buffer for a compressed write, waiting for in-flight requests to bring
@@ -1124,15 +1139,16 @@ impl SwapFile {
     /// verify (and decompress) after a read.
     fn on_completion(&mut self, c: IoCompletion) {
         let token = c.user_data;
+        let index = (token & u64::from(u32::MAX)) as usize;
         let Some(state) = self
             .in_flight
-            .get_mut(token as usize)
-            .and_then(Option::take)
+            .get_mut(index)
+            .and_then(|s| s.take_if(|s| s.token == token))
         else {
             tracing::error!(token, "completion for an unknown swap request ignored");
             return;
         };
-        self.free_tokens.push(token as u32);
+        self.free_tokens.push(index as u32);
         let slot = state.slot as usize;
         self.slots[slot].busy = false;
         let completion = match state.op {

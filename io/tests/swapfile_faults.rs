@@ -326,3 +326,36 @@ fn a_failed_sync_poisons_writes_but_earlier_chunks_stay_readable() {
     assert_eq!(res.unwrap(), data.len());
     assert!(buf[..data.len()] == data[..]);
 }
+
+/// Regression: a finished asynchronous read left in the ready queue must never be handed
+/// to a later synchronous request that happens to reuse its slab index.
+#[test]
+fn sync_requests_never_receive_a_queued_async_completion() {
+    let (mut swap, _) = swap_over(FaultConfig::none(), Compression::Off);
+    for chunk in 1..=4u64 {
+        let data = contents(chunk, 0, len_of(chunk, 0));
+        let (res, _) = swap.write_chunk(chunk, buf_with(&data), data.len());
+        res.unwrap();
+    }
+    // Two asynchronous reads, completed by a flush (which waits for everything in
+    // flight) but not yet collected: their slab indices are free again.
+    swap.submit_read(1, AlignedBuf::new_zeroed(SLOT_BYTES).unwrap());
+    swap.submit_read(2, AlignedBuf::new_zeroed(SLOT_BYTES).unwrap());
+    swap.flush().unwrap();
+    for chunk in 3..=4u64 {
+        let (res, buf) = swap.read_chunk(chunk, AlignedBuf::new_zeroed(SLOT_BYTES).unwrap());
+        let expect = contents(chunk, 0, len_of(chunk, 0));
+        assert_eq!(res.unwrap(), expect.len(), "chunk {chunk}");
+        assert!(
+            buf[..expect.len()] == expect[..],
+            "chunk {chunk} got another request's bytes"
+        );
+    }
+    let c = swap
+        .wait()
+        .expect("the async read is still to be collected");
+    assert_eq!(c.chunk, 1);
+    let expect = contents(1, 0, len_of(1, 0));
+    c.result.unwrap();
+    assert!(c.buf[..expect.len()] == expect[..]);
+}
