@@ -4,8 +4,12 @@
 //! the states of an illegal transition, the moment and byte counts of a working set
 //! that does not fit. Errors are values: nothing in this crate panics on bad input.
 
+use std::sync::Arc;
+
+use tidestore_tiers::{TierError, TierKind};
+
 use crate::dtype::DType;
-use crate::id::ChunkId;
+use crate::id::{ChunkId, ListKind};
 use crate::state::TensorState;
 
 /// Errors of the chunk crate.
@@ -158,4 +162,178 @@ pub enum ChunkError {
         /// The name as given.
         name: String,
     },
+
+    /// A tier budget that cannot hold one moment's working set; found when the store
+    /// opens, before the first iteration.
+    #[error(
+        "{tier} budget too small: {what} needs {needed_bytes} bytes, the budget is \
+         {available_bytes} bytes ({short_bytes} short)"
+    )]
+    BudgetTooSmall {
+        /// The tier.
+        tier: TierKind,
+        /// What needs the bytes.
+        what: &'static str,
+        /// Bytes needed.
+        needed_bytes: u64,
+        /// Bytes the budget gives.
+        available_bytes: u64,
+        /// `needed_bytes - available_bytes`.
+        short_bytes: u64,
+    },
+
+    /// The model's chunks do not fit in host + NVMe; found when the store opens.
+    #[error(
+        "model too large: {chunks} chunks plus one staging slot need {needed_bytes} bytes of \
+         host + NVMe slots of {slot_bytes} bytes, but host ({host_bytes} bytes) + NVMe \
+         ({nvme_bytes} bytes) give {available_bytes} bytes ({short_bytes} short)"
+    )]
+    ModelTooLarge {
+        /// Chunks of the layout.
+        chunks: u64,
+        /// Bytes of a host buffer / NVMe slot (each chunk takes one whole).
+        slot_bytes: u64,
+        /// `(chunks + 1) * slot_bytes`.
+        needed_bytes: u64,
+        /// Usable bytes of the pinned host pool.
+        host_bytes: u64,
+        /// Usable bytes of the NVMe swap file.
+        nvme_bytes: u64,
+        /// `host_bytes + nvme_bytes`.
+        available_bytes: u64,
+        /// `needed_bytes - available_bytes`.
+        short_bytes: u64,
+    },
+
+    /// A tier has no room left that eviction could make (everything in it is in use).
+    #[error(
+        "{tier} tier full: chunk {chunk} needs {needed_bytes} bytes but every chunk there is \
+         in use or in flight ({capacity_bytes} bytes capacity)"
+    )]
+    TierFull {
+        /// The tier.
+        tier: TierKind,
+        /// The chunk that needed room.
+        chunk: ChunkId,
+        /// Bytes it needed.
+        needed_bytes: u64,
+        /// The tier's capacity.
+        capacity_bytes: u64,
+    },
+
+    /// A store configuration value out of range; `key` names it.
+    #[error("invalid store config `{key}`: {reason}")]
+    Config {
+        /// The key, as the configuration file spells it.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
+
+    /// A tensor that has no place in the list asked for (a frozen tensor in an
+    /// optimizer list, or `grad16` without gradient accumulation).
+    #[error("tensor `{tensor}` has no place in list {list}")]
+    NoPlace {
+        /// The tensor's name.
+        tensor: String,
+        /// The list.
+        list: ListKind,
+    },
+
+    /// A chunk accessed on one tier while another of its tensors computes on the other.
+    #[error(
+        "tensor `{tensor}`: chunk {chunk} is in use on the {pinned_on} tier; it cannot be \
+         accessed on another tier until released"
+    )]
+    PinnedElsewhere {
+        /// The tensor's name.
+        tensor: String,
+        /// Its chunk.
+        chunk: ChunkId,
+        /// Where the chunk is in use.
+        pinned_on: TierKind,
+    },
+
+    /// A view asked of a guard whose tensor is no longer accessed, or a view kind the
+    /// guard's tier cannot give (host bytes of real GPU memory).
+    #[error("tensor `{tensor}`: {reason}")]
+    BadView {
+        /// The tensor's name.
+        tensor: String,
+        /// Why.
+        reason: &'static str,
+    },
+
+    /// Bytes written to a tensor whose length differs from the tensor's.
+    #[error("tensor `{tensor}` is {expected_bytes} bytes, got {got_bytes}")]
+    LengthMismatch {
+        /// The tensor's name.
+        tensor: String,
+        /// Its size in its list.
+        expected_bytes: u64,
+        /// Bytes given.
+        got_bytes: u64,
+    },
+
+    /// An error of a tier (device copy, host pool, NVMe I/O), with the chunk it hit.
+    #[error("{op}{}: {source}", chunk_ctx(.chunk))]
+    Tier {
+        /// What the store was doing.
+        op: &'static str,
+        /// The chunk, where one was involved.
+        chunk: Option<ChunkId>,
+        /// The tier's error.
+        #[source]
+        source: SharedTierError,
+    },
+}
+
+fn chunk_ctx(chunk: &Option<ChunkId>) -> String {
+    match chunk {
+        Some(c) => format!(" (chunk {c})"),
+        None => String::new(),
+    }
+}
+
+impl ChunkError {
+    /// Wraps a tier error with what the store was doing and the chunk.
+    pub fn tier(op: &'static str, chunk: Option<ChunkId>, source: TierError) -> Self {
+        ChunkError::Tier {
+            op,
+            chunk,
+            source: SharedTierError(Arc::new(source)),
+        }
+    }
+}
+
+/// A [`TierError`] behind an `Arc`, so that [`ChunkError`] stays `Clone` and `Eq`
+/// (two of these are equal when they are the same error value).
+#[derive(Debug, Clone)]
+pub struct SharedTierError(pub Arc<TierError>);
+
+impl SharedTierError {
+    /// The tier error, to match on.
+    pub fn inner(&self) -> &TierError {
+        &self.0
+    }
+}
+
+impl PartialEq for SharedTierError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SharedTierError {}
+
+impl std::fmt::Display for SharedTierError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for SharedTierError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }

@@ -15,23 +15,37 @@
 //! - [`policy`]: eviction policies (`lifetime`, `lru`, `fifo`) and the prefetch planner.
 //! - [`sim`]: a one-tier simulator, an offline Belady reference and a GPT trace generator.
 //!
+//! And the part that moves bytes, over the `tiers` crate:
+//! - [`config`]: how a store is opened, and the capacity check made before allocating;
+//! - `mover` (private): where each chunk's copies are, and every move between tiers;
+//! - [`store`]: [`ChunkStore`], access/release with guards, tracing, tides, prefetch;
+//! - [`accounting`]: [`StoreStats`] and the per-move events tests watch;
+//! - [`typed`]: `f32`/`f16`/`bf16` copies of tensor bytes.
+//!
 //! Every fallible function returns [`ChunkError`], the one error type of the crate.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod accounting;
+pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod id;
 pub mod layout;
+mod mover;
 pub mod policy;
 pub mod search;
 pub mod sim;
 pub mod state;
+pub mod store;
 pub mod tracer;
+pub mod typed;
 
+pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
+pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::DType;
-pub use error::ChunkError;
+pub use error::{ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec};
 pub use policy::{
@@ -44,6 +58,9 @@ pub use sim::{
     gpt_trace, offline_belady, simulate, AccessTrace, GptShape, GptTrace, Prefetch, SimReport,
 };
 pub use state::{ChunkState, StateTable, TensorState};
+pub use store::{
+    ChunkResidency, ChunkStore, Guard, Phase, Place, TensorView, TensorViewMut, SWAP_FILE_NAME,
+};
 pub use tracer::{
     Divergence, DivergenceKind, Follow, Follower, Horizon, Moment, MomentKind, Schedule, Tracer,
 };

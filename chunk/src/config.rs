@@ -1,0 +1,228 @@
+//! How a chunk store is opened, and the capacity check made before anything is
+//! allocated.
+//!
+//! [`StoreConfig`] names every knob: the device budget for chunks (the most chunks may
+//! take outside the optimizer step), the pinned host pool, where the NVMe swap file is
+//! (a directory and a size, or an [`NvmeTier`] the caller opened), the eviction policy,
+//! prefetch look-ahead, the tidal margin and window, and how many chunks one moment may
+//! hold in use at once.
+//!
+//! [`plan_capacity`] refuses, with the bytes needed and available, budgets that cannot
+//! hold one moment's working set and models that do not fit in host + NVMe. It runs in
+//! [`crate::ChunkStore::open`] before the host pool or the swap file is made, so an
+//! impossible configuration fails before the first iteration. The rules:
+//! - the device budget holds the `working_set_chunks` largest chunks (each counted
+//!   rounded up to 4096 bytes, as the device budget counts them);
+//! - the host pool holds `working_set_chunks + 1` buffers: the chunks a moment may use
+//!   on the host, plus one to stage a chunk between the device and NVMe;
+//! - every chunk takes one whole host buffer or NVMe slot (both the size of the largest
+//!   chunk), and host + NVMe hold every chunk plus one staging slot, so a chunk can
+//!   always be read from NVMe even when both are full.
+
+use std::path::PathBuf;
+
+use tidestore_io::{align_up, IoConfig};
+use tidestore_tiers::{NvmeTier, TierKind};
+
+use crate::error::ChunkError;
+use crate::layout::Layout;
+use crate::policy::PolicyKind;
+use crate::Result;
+
+/// Where the NVMe tier comes from.
+#[derive(Debug)]
+pub enum NvmeSource {
+    /// A swap file `tidestore-chunks.swap` made (or reopened, if it has this shape) in
+    /// `dir`, of `bytes` (whole slots of the largest chunk).
+    Dir {
+        /// The directory.
+        dir: PathBuf,
+        /// Bytes of the file's slots.
+        bytes: u64,
+        /// Block I/O settings.
+        io: IoConfig,
+    },
+    /// A tier opened by the caller (over any engine). Chunks it already stores whose
+    /// id and length match a chunk of the layout are taken as that chunk's contents;
+    /// other chunks in it keep their slots and reduce the capacity. Boxed: a tier is
+    /// large and this is moved once.
+    Tier(Box<NvmeTier>),
+}
+
+/// Everything [`crate::ChunkStore::open`] needs besides the layout and the device.
+#[derive(Debug)]
+pub struct StoreConfig {
+    /// Most device bytes chunks may use during forward/backward; the tidal budget is
+    /// never above it.
+    pub device_budget_bytes: u64,
+    /// Most device bytes chunks may use between `begin_optimizer_step` and
+    /// `end_optimizer_step`; `None`: the whole device less the margin and the
+    /// non-model memory.
+    pub step_device_budget_bytes: Option<u64>,
+    /// Bytes of the pinned host pool (whole buffers of the largest chunk).
+    pub host_budget_bytes: u64,
+    /// The NVMe tier.
+    pub nvme: NvmeSource,
+    /// The eviction policy of the device and host tiers.
+    pub policy: PolicyKind,
+    /// Moments the prefetcher looks ahead (0: no prefetch).
+    pub prefetch_lookahead: u32,
+    /// Most bytes of chunks the prefetch window may cover (`u64::MAX`: no bound).
+    pub prefetch_lookahead_bytes_max: u64,
+    /// Bytes of the device kept free of chunks above the non-model peak.
+    pub tidal_margin_bytes: u64,
+    /// Moments ahead whose non-model peak the tidal budget leaves room for.
+    pub tidal_window: u32,
+    /// Non-model bytes above the traced value a later iteration may use before it
+    /// counts as a divergence (and a re-trace).
+    pub non_model_slack_bytes: u64,
+    /// The most chunks one moment holds in use at once (tensors accessed and not yet
+    /// released, on either tier); sizes the budget check at open.
+    pub working_set_chunks: u32,
+}
+
+impl StoreConfig {
+    /// Defaults around three budgets: `lifetime` policy, 8 moments of prefetch, no
+    /// margin, a tidal window of 8 moments, 1 MiB of non-model slack, one chunk in use
+    /// at a time.
+    pub fn new(device_budget_bytes: u64, host_budget_bytes: u64, nvme: NvmeSource) -> Self {
+        StoreConfig {
+            device_budget_bytes,
+            step_device_budget_bytes: None,
+            host_budget_bytes,
+            nvme,
+            policy: PolicyKind::Lifetime,
+            prefetch_lookahead: 8,
+            prefetch_lookahead_bytes_max: u64::MAX,
+            tidal_margin_bytes: 0,
+            tidal_window: 8,
+            non_model_slack_bytes: 1 << 20,
+            working_set_chunks: 1,
+        }
+    }
+
+    /// With another policy.
+    pub fn with_policy(mut self, policy: PolicyKind) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// With another prefetch look-ahead (0 turns prefetch off).
+    pub fn with_prefetch(mut self, lookahead: u32) -> Self {
+        self.prefetch_lookahead = lookahead;
+        self
+    }
+
+    /// With room for `chunks` chunks in use at once.
+    pub fn with_working_set_chunks(mut self, chunks: u32) -> Self {
+        self.working_set_chunks = chunks;
+        self
+    }
+}
+
+/// The shape of the tiers a layout needs, as [`plan_capacity`] found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapacityPlan {
+    /// Bytes of every host buffer and NVMe slot (the largest chunk, rounded to 4096).
+    pub slot_bytes: u64,
+    /// Chunks of the layout.
+    pub chunks: u64,
+    /// Host buffers the pool will hold.
+    pub host_buffers: u64,
+    /// NVMe slots usable for chunks.
+    pub nvme_slots: u64,
+    /// Device bytes one moment's working set needs.
+    pub device_working_set_bytes: u64,
+}
+
+/// Checks the budgets against `layout` (see the module doc). `nvme_slots` is the number
+/// of NVMe slots usable for chunks (for [`NvmeSource::Dir`], `bytes / slot_bytes`);
+/// `device_total_bytes` is the device's memory.
+pub fn plan_capacity(
+    layout: &Layout,
+    device_budget_bytes: u64,
+    host_budget_bytes: u64,
+    working_set_chunks: u32,
+    nvme_slots: u64,
+    device_total_bytes: u64,
+) -> Result<CapacityPlan> {
+    if working_set_chunks == 0 {
+        return Err(ChunkError::Config {
+            key: "store.working_set_chunks",
+            reason: "at least one chunk must be usable at a time".into(),
+        });
+    }
+    let mut sizes: Vec<u64> = layout
+        .dense_chunk_bytes()
+        .into_iter()
+        .filter(|&b| b > 0)
+        .collect();
+    if sizes.is_empty() {
+        return Err(ChunkError::NoTensors);
+    }
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let slot_bytes = align_up(sizes[0] as usize) as u64;
+    let chunks = sizes.len() as u64;
+    let n = working_set_chunks as usize;
+    let device_working_set_bytes: u64 = sizes
+        .iter()
+        .take(n)
+        .map(|&b| align_up(b as usize) as u64)
+        .sum();
+    if device_budget_bytes > device_total_bytes {
+        return Err(ChunkError::Config {
+            key: "store.device_budget",
+            reason: format!(
+                "{} bytes is more than the device's {device_total_bytes} bytes",
+                device_budget_bytes
+            ),
+        });
+    }
+    let what_device = if n == 1 {
+        "the largest chunk (one access)"
+    } else {
+        "the working set (the largest chunks one moment may use)"
+    };
+    if device_budget_bytes < device_working_set_bytes {
+        return Err(ChunkError::BudgetTooSmall {
+            tier: TierKind::Device,
+            what: what_device,
+            needed_bytes: device_working_set_bytes,
+            available_bytes: device_budget_bytes,
+            short_bytes: device_working_set_bytes - device_budget_bytes,
+        });
+    }
+    let host_buffers = host_budget_bytes / slot_bytes;
+    let host_needed = (n as u64 + 1) * slot_bytes;
+    if host_budget_bytes < host_needed {
+        return Err(ChunkError::BudgetTooSmall {
+            tier: TierKind::Host,
+            what: "the chunks one moment may use on the host plus one staging buffer",
+            needed_bytes: host_needed,
+            available_bytes: host_budget_bytes,
+            short_bytes: host_needed - host_budget_bytes,
+        });
+    }
+    let needed_bytes = (chunks + 1) * slot_bytes;
+    let host_bytes = host_buffers * slot_bytes;
+    let nvme_bytes = nvme_slots * slot_bytes;
+    let available_bytes = host_bytes + nvme_bytes;
+    if needed_bytes > available_bytes {
+        return Err(ChunkError::ModelTooLarge {
+            chunks,
+            slot_bytes,
+            needed_bytes,
+            host_bytes,
+            nvme_bytes,
+            available_bytes,
+            short_bytes: needed_bytes - available_bytes,
+        });
+    }
+    Ok(CapacityPlan {
+        slot_bytes,
+        chunks,
+        host_buffers,
+        nvme_slots,
+        device_working_set_bytes,
+    })
+}

@@ -1,0 +1,978 @@
+//! The mover: where each chunk's bytes are, and every move between the three tiers.
+//!
+//! Each chunk has a [`Slot`]: its device memory, its host buffer, whether the NVMe swap
+//! file holds a slot for it and whether that copy is current, and what is in flight.
+//! The copies are kept coherent by three rules:
+//! - a device copy or host buffer that is present is **current** (equal to the chunk's
+//!   latest bytes); a copy that becomes stale is dropped at once (changing a chunk on
+//!   the device drops its host buffer and marks its NVMe copy stale, and vice versa);
+//! - a chunk that was ever materialised has at least one current copy, or its bytes are
+//!   in a transfer whose completion puts them back into the slot: evicting a copy that is
+//!   the only current one first writes it one tier down (device -> host -> NVMe), and a
+//!   failed write leaves the copy where it was. A copy that is current elsewhere is
+//!   dropped without a write (clean eviction);
+//! - a chunk never written reads as zeros: its first load zero-fills a host buffer.
+//!
+//! Budgets hold by construction: device memory is allocated through the device's
+//! budget (capacity = the store's tidal budget), the host pool is fixed, and the swap
+//! file has a fixed number of slots; eviction makes room before each allocation. After
+//! every move the mover reports a [`MoveEvent`] to the hook (and, in debug builds,
+//! asserts that every tier is within its budget).
+//!
+//! Transfers: demand loads and write-backs are synchronous (submitted, then waited
+//! for); prefetches run asynchronously (a host->device copy, or an NVMe read followed
+//! by a copy) and are collected by [`Mover::harvest`] or waited for when their chunk is
+//! accessed. Device completions come in submission order; one routing function puts each
+//! completion's buffers back into its chunk's slot, whoever waits.
+
+use std::sync::Arc;
+
+use tidestore_io::AlignedBuf;
+use tidestore_tiers::{
+    CopyCompletion, CopyDir, CopyId, Device, DeviceMem, HostTier, NvmeTier, TierError, TierKind,
+    TierUsage,
+};
+
+use crate::accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
+use crate::error::ChunkError;
+use crate::id::ChunkId;
+use crate::policy::{EvictionPolicy, Lru};
+use crate::tracer::{Horizon, Schedule};
+use crate::Result;
+
+/// What is in flight for a chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pending {
+    None,
+    /// A host->device copy: the host buffer and device memory are inside it.
+    HostToDevice(CopyId),
+    /// An NVMe read into a host buffer; then a copy to the reserved device memory.
+    NvmeRead,
+}
+
+/// Where one chunk's bytes are.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) dev: Option<DeviceMem>,
+    pub(crate) host: Option<AlignedBuf>,
+    /// The swap file holds a slot for this chunk (current or stale).
+    pub(crate) nvme_stored: bool,
+    /// The swap file's copy is current.
+    pub(crate) nvme_valid: bool,
+    pub(crate) pending: Pending,
+    /// Device memory held for a prefetch whose NVMe read is in flight.
+    pub(crate) reserved_dev: Option<DeviceMem>,
+    /// Loaded by the prefetcher and not accessed since.
+    pub(crate) prefetched: bool,
+    /// Tensors of this chunk in COMPUTE on the device.
+    pub(crate) dev_pins: u32,
+    /// Tensors of this chunk in COMPUTE on the host.
+    pub(crate) host_pins: u32,
+}
+
+impl Slot {
+    fn new() -> Self {
+        Slot {
+            dev: None,
+            host: None,
+            nvme_stored: false,
+            nvme_valid: false,
+            pending: Pending::None,
+            reserved_dev: None,
+            prefetched: false,
+            dev_pins: 0,
+            host_pins: 0,
+        }
+    }
+}
+
+/// A tier's policy plus an LRU kept up to date beside it, used while the main policy
+/// cannot be (`lifetime` without a valid schedule: warm-up, after a divergence).
+pub(crate) struct Policies {
+    main: Box<dyn EvictionPolicy + Send>,
+    lru: Lru,
+    pub(crate) use_main: bool,
+}
+
+impl Policies {
+    pub(crate) fn new(main: Box<dyn EvictionPolicy + Send>, use_main: bool) -> Self {
+        Policies {
+            main,
+            lru: Lru::new(),
+            use_main,
+        }
+    }
+
+    pub(crate) fn set_main(&mut self, main: Box<dyn EvictionPolicy + Send>) {
+        self.main = main;
+    }
+
+    fn on_insert(&mut self, c: ChunkId, m: u64) {
+        self.main.on_insert(c, m);
+        self.lru.on_insert(c, m);
+    }
+
+    pub(crate) fn on_access(&mut self, c: ChunkId, m: u64) {
+        self.main.on_access(c, m);
+        self.lru.on_access(c, m);
+    }
+
+    fn on_evict(&mut self, c: ChunkId, m: u64) {
+        self.main.on_evict(c, m);
+        self.lru.on_evict(c, m);
+    }
+
+    fn choose(&mut self, candidates: &[ChunkId], m: u64) -> Option<ChunkId> {
+        let v = if self.use_main {
+            self.main.choose_victim(candidates, m)
+        } else {
+            self.lru.choose_victim(candidates, m)
+        };
+        v.filter(|v| candidates.contains(v))
+    }
+}
+
+/// Where a host buffer may come from when none is free.
+#[derive(Debug, Clone, Copy)]
+struct HostRoom<'a> {
+    /// Chunks whose host copies must stay.
+    protect: &'a [ChunkId],
+    /// Only evict host copies next used after this absolute moment, and never wait
+    /// for transfers in flight (the prefetcher's rule); `None`: any victim, may wait.
+    not_before: Option<u64>,
+}
+
+/// The tiers and every chunk's slot; see the module doc.
+pub(crate) struct Mover {
+    pub(crate) device: Device,
+    pub(crate) host: HostTier,
+    pub(crate) nvme: NvmeTier,
+    pub(crate) slots: Vec<Slot>,
+    /// Chunk length in bytes per dense id (0: no such chunk).
+    pub(crate) len_bytes: Vec<u64>,
+    /// Device bytes per dense id (length rounded up to 4096, as the budget counts).
+    pub(crate) dev_bytes: Vec<u64>,
+    /// Chunks present on the device (not in flight).
+    pub(crate) dev_list: Vec<ChunkId>,
+    /// Chunks present in the host pool (not in flight).
+    host_list: Vec<ChunkId>,
+    /// Per dense id: present on the device or on its way there (the planner's view).
+    pub(crate) dev_mark: Vec<bool>,
+    /// The device budget's capacity now (the tidal budget).
+    pub(crate) dev_cap: u64,
+    pending_h2d: usize,
+    pending_nvme: usize,
+    pub(crate) stats: StoreStats,
+    pub(crate) hook: Option<MoveHook>,
+    pub(crate) reason: MoveReason,
+    pub(crate) moment: u64,
+    pub(crate) dev_policy: Policies,
+    pub(crate) host_policy: Policies,
+    /// The schedule, for the prefetcher's host-victim rule.
+    pub(crate) schedule: Option<Arc<Schedule>>,
+}
+
+fn tier_err(op: &'static str, chunk: ChunkId) -> impl FnOnce(TierError) -> ChunkError {
+    move |e| ChunkError::tier(op, Some(chunk), e)
+}
+
+fn remove_from(list: &mut Vec<ChunkId>, c: ChunkId) {
+    if let Some(i) = list.iter().position(|&x| x == c) {
+        list.swap_remove(i);
+    }
+}
+
+/// Errors after which a prefetch simply stops (no room now), rather than failing.
+pub(crate) fn is_no_room(e: &ChunkError) -> bool {
+    match e {
+        ChunkError::TierFull { .. } | ChunkError::WorkingSetTooLarge { .. } => true,
+        ChunkError::Tier { source, .. } => matches!(
+            source.inner(),
+            TierError::OverBudget { .. }
+                | TierError::DeviceOutOfMemory { .. }
+                | TierError::HostPoolExhausted { .. }
+        ),
+        _ => false,
+    }
+}
+
+impl Mover {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        device: Device,
+        host: HostTier,
+        nvme: NvmeTier,
+        len_bytes: Vec<u64>,
+        dev_cap: u64,
+        dev_policy: Policies,
+        host_policy: Policies,
+    ) -> Self {
+        let n = len_bytes.len();
+        let dev_bytes = len_bytes
+            .iter()
+            .map(|&b| tidestore_io::align_up(b as usize) as u64)
+            .collect();
+        Mover {
+            device,
+            host,
+            nvme,
+            slots: (0..n).map(|_| Slot::new()).collect(),
+            len_bytes,
+            dev_bytes,
+            dev_list: Vec::new(),
+            host_list: Vec::new(),
+            dev_mark: vec![false; n],
+            dev_cap,
+            pending_h2d: 0,
+            pending_nvme: 0,
+            stats: StoreStats::default(),
+            hook: None,
+            reason: MoveReason::Demand,
+            moment: 0,
+            dev_policy,
+            host_policy,
+            schedule: None,
+        }
+    }
+
+    fn len(&self, c: ChunkId) -> usize {
+        self.len_bytes[c.dense()] as usize
+    }
+
+    /// Every tier's use now.
+    pub(crate) fn snapshot(&self) -> TierSnapshot {
+        let device: TierUsage = self.device.budget().into();
+        TierSnapshot {
+            device,
+            host: self.host.budget().into(),
+            nvme: self.nvme.budget().into(),
+        }
+    }
+
+    fn emit(&mut self, kind: MoveKind, chunk: ChunkId, bytes: u64) {
+        if self.hook.is_none() && !cfg!(debug_assertions) {
+            return;
+        }
+        let usage = self.snapshot();
+        debug_assert!(
+            usage.within_budgets(),
+            "a tier is over budget after {kind:?} of {chunk}: {usage:?}"
+        );
+        let event = MoveEvent {
+            kind,
+            chunk,
+            bytes,
+            reason: self.reason,
+            moment: self.moment,
+            usage,
+        };
+        if let Some(hook) = &mut self.hook {
+            hook(&event);
+        }
+    }
+
+    fn device_used(&self) -> u64 {
+        self.device.budget().used_bytes()
+    }
+
+    pub(crate) fn device_free(&self) -> u64 {
+        self.dev_cap.saturating_sub(self.device_used())
+    }
+
+    // ------------------------------------------------------------- completions
+
+    /// Puts a finished host->device copy's buffers back into its chunk's slot.
+    fn route_copy(&mut self, c: CopyCompletion) -> Result<()> {
+        let chunk = ChunkId::from_dense(c.chunk as usize);
+        let d = chunk.dense();
+        match c.dir {
+            CopyDir::HostToDevice => {
+                self.pending_h2d = self.pending_h2d.saturating_sub(1);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::None;
+                // The host buffer still holds the chunk's current bytes, copy or not.
+                slot.host = Some(c.host);
+                self.host_list.push(chunk);
+                match c.result {
+                    Ok(()) => {
+                        slot.dev = Some(c.mem);
+                        self.dev_list.push(chunk);
+                        self.stats.host_to_device_bytes += c.len_bytes as u64;
+                        self.stats.host_to_device_copies += 1;
+                        self.emit(MoveKind::HostToDevice, chunk, c.len_bytes as u64);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        self.dev_mark[d] = false;
+                        slot.prefetched = false;
+                        drop(c.mem);
+                        Err(ChunkError::tier("copy host->device", Some(chunk), e))
+                    }
+                }
+            }
+            CopyDir::DeviceToHost => {
+                // Write-backs are waited for by their issuer; one arriving here was
+                // orphaned by an earlier error. The device memory is still current.
+                let slot = &mut self.slots[d];
+                if slot.dev.is_none() {
+                    slot.dev = Some(c.mem);
+                    self.dev_list.push(chunk);
+                    self.dev_mark[d] = true;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for copy `id`, routing every other completion that comes first.
+    fn wait_copy_id(&mut self, id: CopyId, chunk: ChunkId) -> Result<CopyCompletion> {
+        let mut first_err = None;
+        loop {
+            let Some(c) = self.device.wait_copy() else {
+                return Err(ChunkError::tier(
+                    "waiting for a device copy",
+                    Some(chunk),
+                    TierError::CopyEngineStopped {
+                        reason: format!("copy {id} never completed"),
+                    },
+                ));
+            };
+            if c.id == id {
+                return match first_err {
+                    Some(e) => {
+                        // Our own completion still goes back where it belongs.
+                        self.route_copy(c)?;
+                        Err(e)
+                    }
+                    None => Ok(c),
+                };
+            }
+            if let Err(e) = self.route_copy(c) {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+
+    fn route_nvme(&mut self, c: tidestore_tiers::nvme::NvmeCompletion) -> Result<()> {
+        let chunk = ChunkId::from_dense(c.chunk as usize);
+        let d = chunk.dense();
+        self.pending_nvme = self.pending_nvme.saturating_sub(1);
+        let slot = &mut self.slots[d];
+        slot.pending = Pending::None;
+        let reserved = slot.reserved_dev.take();
+        match c.result {
+            Ok(()) => {
+                slot.host = Some(c.buf);
+                self.host_list.push(chunk);
+                self.host_policy.on_insert(chunk, self.moment);
+                self.stats.nvme_to_host_bytes += c.len_bytes as u64;
+                self.stats.nvme_reads += 1;
+                self.emit(MoveKind::NvmeToHost, chunk, c.len_bytes as u64);
+                if let Some(mem) = reserved {
+                    self.start_h2d(chunk, mem);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.dev_mark[d] = false;
+                slot.prefetched = false;
+                drop(reserved);
+                drop(c.buf);
+                Err(ChunkError::tier("reading from NVMe", Some(chunk), e))
+            }
+        }
+    }
+
+    /// Routes every finished NVMe read before a synchronous NVMe request.
+    ///
+    /// Workaround: `SwapFile` reuses a request token as soon as its completion is
+    /// queued, and its synchronous `read_chunk`/`write_chunk` wait for the first queued
+    /// completion carrying their token, so a finished asynchronous read still queued
+    /// could be taken for the new request. With the queue empty when a synchronous
+    /// request starts, every completion queued while it waits carries another token.
+    fn drain_nvme(&mut self) {
+        while self.pending_nvme > 0 {
+            let Some(c) = self.nvme.poll() else {
+                return;
+            };
+            if let Err(e) = self.route_nvme(c) {
+                tracing::warn!(error = %e, "chunk store: a prefetch read from NVMe failed");
+            }
+        }
+    }
+
+    /// Collects finished transfers without waiting.
+    pub(crate) fn harvest(&mut self) -> Result<()> {
+        let mut first_err = None;
+        if self.pending_h2d > 0 {
+            while let Some(c) = self.device.poll_copy() {
+                if let Err(e) = self.route_copy(c) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if self.pending_nvme > 0 {
+            while let Some(c) = self.nvme.poll() {
+                if let Err(e) = self.route_nvme(c) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Waits for one transfer in flight; false when none is.
+    fn wait_any(&mut self) -> Result<bool> {
+        if self.pending_nvme > 0 {
+            if let Some(c) = self.nvme.wait() {
+                self.route_nvme(c)?;
+                return Ok(true);
+            }
+            self.pending_nvme = 0;
+        }
+        if self.pending_h2d > 0 {
+            if let Some(c) = self.device.wait_copy() {
+                self.route_copy(c)?;
+                return Ok(true);
+            }
+            self.pending_h2d = 0;
+        }
+        Ok(false)
+    }
+
+    /// Waits until nothing is in flight for `c`.
+    pub(crate) fn wait_pending(&mut self, c: ChunkId) -> Result<()> {
+        loop {
+            match self.slots[c.dense()].pending {
+                Pending::None => return Ok(()),
+                Pending::HostToDevice(id) => {
+                    let done = self.wait_copy_id(id, c)?;
+                    self.route_copy(done)?;
+                }
+                Pending::NvmeRead => {
+                    if !self.wait_any()? {
+                        // Nothing in flight after all: the slot's flag was stale.
+                        self.slots[c.dense()].pending = Pending::None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for every transfer in flight.
+    pub(crate) fn wait_all(&mut self) -> Result<()> {
+        let mut first_err = None;
+        loop {
+            match self.wait_any() {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    // ------------------------------------------------------------- host tier
+
+    /// A free host buffer for `chunk`, evicting host copies (to NVMe where they are the
+    /// only current copy) as needed.
+    fn take_host_buffer(&mut self, chunk: ChunkId, room: HostRoom<'_>) -> Result<AlignedBuf> {
+        loop {
+            if let Ok(buf) = self.host.try_take(chunk.dense() as u64) {
+                return Ok(buf);
+            }
+            let schedule = self.schedule.clone();
+            let candidates: Vec<ChunkId> = self
+                .host_list
+                .iter()
+                .copied()
+                .filter(|w| {
+                    self.slots[w.dense()].host_pins == 0
+                        && !room.protect.contains(w)
+                        && match (room.not_before, &schedule) {
+                            (None, _) => true,
+                            (Some(n), Some(s)) => s
+                                .next_use_from(*w, self.moment + 1, Horizon::Cyclic)
+                                .is_none_or(|u| u > n),
+                            (Some(_), None) => false,
+                        }
+                })
+                .collect();
+            if candidates.is_empty() {
+                if room.not_before.is_none() && self.wait_any()? {
+                    continue;
+                }
+                return Err(ChunkError::TierFull {
+                    tier: TierKind::Host,
+                    chunk,
+                    needed_bytes: self.host.buf_bytes() as u64,
+                    capacity_bytes: self.host.budget().capacity_bytes(),
+                });
+            }
+            let Some(victim) = self.host_policy.choose(&candidates, self.moment) else {
+                return Err(ChunkError::NoVictim {
+                    moment: self.moment,
+                    chunk,
+                    policy: "host",
+                });
+            };
+            self.evict_host(victim)?;
+        }
+    }
+
+    /// Takes `w`'s host copy out of the pool, writing it to NVMe first when it is the
+    /// chunk's only current copy. On a failed write the copy stays where it was.
+    fn evict_host(&mut self, w: ChunkId) -> Result<()> {
+        let d = w.dense();
+        let Some(buf) = self.slots[d].host.take() else {
+            return Ok(());
+        };
+        remove_from(&mut self.host_list, w);
+        let slot = &self.slots[d];
+        if slot.dev.is_some() || slot.nvme_valid {
+            drop(buf);
+            self.stats.host_evictions += 1;
+            self.stats.host_clean_evictions += 1;
+            self.host_policy.on_evict(w, self.moment);
+            self.emit(MoveKind::DropHost, w, 0);
+            return Ok(());
+        }
+        if let Err(e) = self.ensure_nvme_slot(w) {
+            self.slots[d].host = Some(buf);
+            self.host_list.push(w);
+            return Err(e);
+        }
+        let len = self.len(w);
+        self.drain_nvme();
+        let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
+        if let Err(e) = result {
+            self.slots[d].host = Some(buf);
+            self.host_list.push(w);
+            return Err(ChunkError::tier("writing to NVMe", Some(w), e));
+        }
+        drop(buf);
+        let slot = &mut self.slots[d];
+        slot.nvme_stored = true;
+        slot.nvme_valid = true;
+        self.stats.host_to_nvme_bytes += len as u64;
+        self.stats.nvme_writes += 1;
+        self.stats.host_evictions += 1;
+        self.host_policy.on_evict(w, self.moment);
+        self.emit(MoveKind::HostToNvme, w, len as u64);
+        Ok(())
+    }
+
+    /// Makes sure writing `w` to NVMe finds a slot: its own, a free one, or one freed
+    /// from a chunk whose NVMe copy is stale or also current elsewhere.
+    fn ensure_nvme_slot(&mut self, w: ChunkId) -> Result<()> {
+        let d = w.dense();
+        if self.slots[d].nvme_stored {
+            return Ok(());
+        }
+        let budget = self.nvme.budget();
+        if budget.free_bytes() >= self.nvme.slot_bytes() as u64 {
+            return Ok(());
+        }
+        let reclaim = |s: &Slot| {
+            s.nvme_stored
+                && s.pending != Pending::NvmeRead
+                && (!s.nvme_valid || s.host.is_some() || s.dev.is_some())
+        };
+        // Stale copies first, then copies current elsewhere.
+        let pick = (0..self.slots.len())
+            .filter(|&i| i != d && reclaim(&self.slots[i]))
+            .min_by_key(|&i| self.slots[i].nvme_valid);
+        let Some(r) = pick else {
+            return Err(ChunkError::TierFull {
+                tier: TierKind::Nvme,
+                chunk: w,
+                needed_bytes: self.nvme.slot_bytes() as u64,
+                capacity_bytes: budget.capacity_bytes(),
+            });
+        };
+        let rc = ChunkId::from_dense(r);
+        self.nvme
+            .remove(r as u64)
+            .map_err(tier_err("freeing an NVMe slot", rc))?;
+        let s = &mut self.slots[r];
+        s.nvme_stored = false;
+        s.nvme_valid = false;
+        self.emit(MoveKind::ReclaimNvme, rc, 0);
+        Ok(())
+    }
+
+    /// A host buffer holding `c`'s current bytes, taken out of its slot (it goes back
+    /// with the copy that uses it): its host copy, a read from NVMe, or zeros.
+    fn host_copy_for_load(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<AlignedBuf> {
+        let d = c.dense();
+        if let Some(buf) = self.slots[d].host.take() {
+            remove_from(&mut self.host_list, c);
+            return Ok(buf);
+        }
+        self.fill_host(c, room)?;
+        remove_from(&mut self.host_list, c);
+        self.slots[d]
+            .host
+            .take()
+            .ok_or_else(|| ChunkError::tier("loading", Some(c), stopped("host copy vanished")))
+    }
+
+    /// Gives `c` a current host copy (from NVMe, or zeros), not from the device.
+    fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<()> {
+        let d = c.dense();
+        let buf = self.take_host_buffer(c, room)?;
+        let len = self.len(c);
+        if self.slots[d].nvme_valid {
+            self.drain_nvme();
+            let (result, buf) = self.nvme.read_chunk(d as u64, buf);
+            match result {
+                Ok(n) if n == len => {}
+                Ok(n) => {
+                    return Err(ChunkError::tier(
+                        "reading from NVMe",
+                        Some(c),
+                        TierError::TooLarge {
+                            tier: TierKind::Nvme,
+                            chunk: d as u64,
+                            len_bytes: n as u64,
+                            limit_bytes: len as u64,
+                        },
+                    ))
+                }
+                Err(e) => return Err(ChunkError::tier("reading from NVMe", Some(c), e)),
+            }
+            self.slots[d].host = Some(buf);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.nvme_to_host_bytes += len as u64;
+            self.stats.nvme_reads += 1;
+            self.emit(MoveKind::NvmeToHost, c, len as u64);
+        } else {
+            let mut buf = buf;
+            buf[..len].fill(0);
+            self.slots[d].host = Some(buf);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.materialized_chunks += 1;
+            self.emit(MoveKind::Materialize, c, 0);
+        }
+        Ok(())
+    }
+
+    /// Makes `c` current in the host pool (from the device, NVMe or zeros). Returns
+    /// whether it already was.
+    pub(crate) fn ensure_host(&mut self, c: ChunkId) -> Result<bool> {
+        self.wait_pending(c)?;
+        let d = c.dense();
+        if self.slots[d].host.is_some() {
+            self.host_policy.on_access(c, self.moment);
+            return Ok(true);
+        }
+        let room = HostRoom {
+            protect: &[c],
+            not_before: None,
+        };
+        if self.slots[d].dev.is_some() {
+            let buf = self.take_host_buffer(c, room)?;
+            let Some(mem) = self.slots[d].dev.take() else {
+                return Err(ChunkError::tier(
+                    "loading",
+                    Some(c),
+                    stopped("device copy vanished"),
+                ));
+            };
+            let len = self.len(c);
+            let id = self.device.copy_to_host(d as u64, mem, buf, len);
+            let done = self.wait_copy_id(id, c)?;
+            // The device copy stays: both are current now.
+            self.slots[d].dev = Some(done.mem);
+            if let Err(e) = done.result {
+                drop(done.host);
+                return Err(ChunkError::tier("copy device->host", Some(c), e));
+            }
+            self.slots[d].host = Some(done.host);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.device_to_host_bytes += len as u64;
+            self.stats.device_to_host_copies += 1;
+            self.emit(MoveKind::DeviceToHost, c, len as u64);
+        } else {
+            self.fill_host(c, room)?;
+        }
+        Ok(false)
+    }
+
+    // ------------------------------------------------------------- device tier
+
+    /// Evicts device chunks until `need` more bytes fit under the tidal budget.
+    fn make_room_device(
+        &mut self,
+        need: u64,
+        protect: ChunkId,
+        not_before: Option<u64>,
+    ) -> Result<()> {
+        loop {
+            let used = self.device_used();
+            if used + need <= self.dev_cap {
+                return Ok(());
+            }
+            let candidates: Vec<ChunkId> = self
+                .dev_list
+                .iter()
+                .copied()
+                .filter(|&v| v != protect && self.slots[v.dense()].dev_pins == 0)
+                .collect();
+            if candidates.is_empty() {
+                if not_before.is_none() && self.wait_any()? {
+                    continue;
+                }
+                return Err(ChunkError::WorkingSetTooLarge {
+                    moment: self.moment,
+                    needed_bytes: used + need,
+                    capacity_bytes: self.dev_cap,
+                    short_bytes: used + need - self.dev_cap,
+                });
+            }
+            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
+                return Err(ChunkError::NoVictim {
+                    moment: self.moment,
+                    chunk: protect,
+                    policy: "device",
+                });
+            };
+            self.evict_device(victim, not_before, protect)?;
+        }
+    }
+
+    /// Takes `v` off the device, copying it to the host first when the device copy is
+    /// its only current one. On failure the device copy stays.
+    /// `keep`'s host copy is not evicted to make room for the write-back.
+    pub(crate) fn evict_device(
+        &mut self,
+        v: ChunkId,
+        not_before: Option<u64>,
+        keep: ChunkId,
+    ) -> Result<()> {
+        let d = v.dense();
+        if self.slots[d].dev.is_none() {
+            return Ok(());
+        }
+        let clean = self.slots[d].host.is_some() || self.slots[d].nvme_valid;
+        if !clean {
+            let buf = self.take_host_buffer(
+                v,
+                HostRoom {
+                    protect: &[v, keep],
+                    not_before,
+                },
+            )?;
+            let Some(mem) = self.slots[d].dev.take() else {
+                return Err(ChunkError::tier(
+                    "evicting",
+                    Some(v),
+                    stopped("device copy vanished"),
+                ));
+            };
+            let len = self.len(v);
+            let id = self.device.copy_to_host(d as u64, mem, buf, len);
+            let done = self.wait_copy_id(id, v)?;
+            if let Err(e) = done.result {
+                self.slots[d].dev = Some(done.mem);
+                return Err(ChunkError::tier("copy device->host", Some(v), e));
+            }
+            drop(done.mem);
+            self.slots[d].host = Some(done.host);
+            self.host_list.push(v);
+            self.host_policy.on_insert(v, self.moment);
+            self.stats.device_to_host_bytes += len as u64;
+            self.stats.device_to_host_copies += 1;
+        } else {
+            drop(self.slots[d].dev.take());
+        }
+        remove_from(&mut self.dev_list, v);
+        self.dev_mark[d] = false;
+        let slot = &mut self.slots[d];
+        if slot.prefetched {
+            slot.prefetched = false;
+            self.stats.prefetch_wasted += 1;
+        }
+        self.stats.device_evictions += 1;
+        self.dev_policy.on_evict(v, self.moment);
+        if clean {
+            self.stats.device_clean_evictions += 1;
+            self.emit(MoveKind::DropDevice, v, 0);
+        } else {
+            let len = self.len_bytes[d];
+            self.emit(MoveKind::DeviceToHost, v, len);
+        }
+        Ok(())
+    }
+
+    /// Evicts device chunks not in use until the device holds at most `cap` bytes;
+    /// returns the bytes it still holds.
+    pub(crate) fn shrink_device(&mut self, cap: u64) -> Result<u64> {
+        loop {
+            let used = self.device_used();
+            if used <= cap {
+                return Ok(used);
+            }
+            let candidates: Vec<ChunkId> = self
+                .dev_list
+                .iter()
+                .copied()
+                .filter(|&v| self.slots[v.dense()].dev_pins == 0)
+                .collect();
+            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
+                if self.wait_any()? {
+                    continue;
+                }
+                return Ok(used);
+            };
+            self.evict_device(victim, None, victim)?;
+        }
+    }
+
+    fn start_h2d(&mut self, c: ChunkId, mem: DeviceMem) {
+        let d = c.dense();
+        let Some(buf) = self.slots[d].host.take() else {
+            // Cannot happen: callers put the host copy in the slot first. Keep the
+            // memory accounted as free again.
+            drop(mem);
+            self.dev_mark[d] = false;
+            return;
+        };
+        remove_from(&mut self.host_list, c);
+        let len = self.len(c);
+        let id = self.device.copy_to_device(d as u64, buf, mem, len);
+        self.slots[d].pending = Pending::HostToDevice(id);
+        self.dev_mark[d] = true;
+        self.pending_h2d += 1;
+    }
+
+    /// Makes `c` current on the device (demand). Returns whether it already was.
+    pub(crate) fn ensure_device(&mut self, c: ChunkId) -> Result<bool> {
+        let d = c.dense();
+        if self.slots[d].pending != Pending::None {
+            self.wait_pending(c)?;
+        }
+        if self.slots[d].dev.is_some() {
+            self.dev_policy.on_access(c, self.moment);
+            return Ok(true);
+        }
+        self.make_room_device(self.dev_bytes[d], c, None)?;
+        let mem = self
+            .device
+            .alloc(d as u64, self.len(c))
+            .map_err(tier_err("allocating device memory", c))?;
+        let room = HostRoom {
+            protect: &[c],
+            not_before: None,
+        };
+        let buf = match self.host_copy_for_load(c, room) {
+            Ok(b) => b,
+            Err(e) => {
+                drop(mem);
+                return Err(e);
+            }
+        };
+        self.slots[d].host = Some(buf);
+        self.host_list.push(c);
+        self.start_h2d(c, mem);
+        self.stats.demand_loads += 1;
+        self.wait_pending(c)?;
+        self.dev_policy.on_insert(c, self.moment);
+        Ok(false)
+    }
+
+    /// Starts loading `c` to the device ahead of need (at `needed_at`). Returns false
+    /// when there is no room for it now without breaking the prefetch rule.
+    pub(crate) fn prefetch_device(&mut self, c: ChunkId, needed_at: u64) -> Result<bool> {
+        let d = c.dense();
+        if self.dev_mark[d] || self.slots[d].pending != Pending::None {
+            return Ok(true);
+        }
+        if self.device_free() < self.dev_bytes[d] || self.slots[d].host_pins > 0 {
+            return Ok(false);
+        }
+        let mem = match self.device.alloc(d as u64, self.len(c)) {
+            Ok(m) => m,
+            Err(_) => return Ok(false),
+        };
+        let room = HostRoom {
+            protect: &[c],
+            not_before: Some(needed_at),
+        };
+        if self.slots[d].host.is_none() {
+            if self.slots[d].nvme_valid {
+                let buf = match self.take_host_buffer(c, room) {
+                    Ok(b) => b,
+                    Err(e) if is_no_room(&e) => return Ok(false),
+                    Err(e) => return Err(e),
+                };
+                self.nvme.submit_read(d as u64, buf);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::NvmeRead;
+                slot.reserved_dev = Some(mem);
+                slot.prefetched = true;
+                self.dev_mark[d] = true;
+                self.pending_nvme += 1;
+                self.stats.prefetch_loads += 1;
+                self.dev_policy.on_insert(c, self.moment);
+                return Ok(true);
+            }
+            match self.fill_host(c, room) {
+                Ok(()) => {}
+                Err(e) if is_no_room(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        self.start_h2d(c, mem);
+        self.slots[d].prefetched = true;
+        self.stats.prefetch_loads += 1;
+        self.dev_policy.on_insert(c, self.moment);
+        Ok(true)
+    }
+
+    // ------------------------------------------------------------- coherence
+
+    /// `c` is about to change on the device: its host and NVMe copies become stale.
+    pub(crate) fn dirty_on_device(&mut self, c: ChunkId) {
+        let d = c.dense();
+        self.slots[d].nvme_valid = false;
+        if let Some(buf) = self.slots[d].host.take() {
+            drop(buf);
+            remove_from(&mut self.host_list, c);
+            self.host_policy.on_evict(c, self.moment);
+            self.emit(MoveKind::Invalidate, c, 0);
+        }
+    }
+
+    /// `c` is about to change in the host pool: its device and NVMe copies become stale.
+    pub(crate) fn dirty_on_host(&mut self, c: ChunkId) {
+        let d = c.dense();
+        self.slots[d].nvme_valid = false;
+        if let Some(mem) = self.slots[d].dev.take() {
+            drop(mem);
+            remove_from(&mut self.dev_list, c);
+            self.dev_mark[d] = false;
+            self.slots[d].prefetched = false;
+            self.dev_policy.on_evict(c, self.moment);
+            self.emit(MoveKind::Invalidate, c, 0);
+        }
+    }
+
+    /// Adopts a chunk the swap file already stores as the chunk's contents.
+    pub(crate) fn adopt_nvme(&mut self, c: ChunkId) {
+        let s = &mut self.slots[c.dense()];
+        s.nvme_stored = true;
+        s.nvme_valid = true;
+    }
+}
+
+fn stopped(reason: &str) -> TierError {
+    TierError::CopyEngineStopped {
+        reason: reason.into(),
+    }
+}
