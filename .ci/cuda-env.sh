@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs (idempotently) the PyPI wheels that carry NVRTC and ptxas, and prints the
+# `export` lines that put them where cudarc (dynamic loading) and the kernel compile test
+# find them. Usage in CI:   eval "$(.ci/cuda-env.sh)"
+# Everything but the export lines goes to stderr. Fails (exit 1) if the wheels cannot be
+# installed; the caller may then skip the kernel test, which also skips by itself when
+# libnvrtc is missing.
+set -euo pipefail
+PY="${PYTHON:-python3}"
+if ! "$PY" -c 'import nvidia.cuda_nvrtc, nvidia.cuda_nvcc' 2>/dev/null; then
+    "$PY" -m pip install --quiet nvidia-cuda-nvrtc-cu12 nvidia-cuda-nvcc-cu12 >&2
+fi
+NVRTC_LIB="$("$PY" -c 'import nvidia.cuda_nvrtc, os; print(os.path.join(list(nvidia.cuda_nvrtc.__path__)[0], "lib"))')"
+NVCC_BIN="$("$PY" -c 'import nvidia.cuda_nvcc, os; print(os.path.join(list(nvidia.cuda_nvcc.__path__)[0], "bin"))')"
+if [ ! -e "$NVRTC_LIB/libnvrtc.so.12" ]; then
+    echo "cuda-env: libnvrtc.so.12 not in $NVRTC_LIB" >&2
+    exit 1
+fi
+echo "export LD_LIBRARY_PATH=\"$NVRTC_LIB\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
+if [ -x "$NVCC_BIN/ptxas" ]; then
+    echo "export PATH=\"$NVCC_BIN:\$PATH\""
+else
+    echo "cuda-env: ptxas not found in $NVCC_BIN (PTX will be compiled but not assembled)" >&2
+fi

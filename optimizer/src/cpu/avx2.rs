@@ -1,0 +1,279 @@
+//! AVX2 + FMA + F16C kernels, 8 lanes.
+//!
+//! Each public kernel is a `#[target_feature]` wrapper around `#[inline(always)]`
+//! bodies, so the intrinsics inline into code compiled with the features. The bodies
+//! evaluate exactly the operation sequence of [`super::scalar::adam`] (fused where it
+//! fuses), and finish the last `len % 8` elements with the scalar element functions, so
+//! results are bit-identical to the scalar level. The 8-lane load helpers are shared with
+//! the AVX-512 kernels.
+
+use std::arch::x86_64::*;
+
+use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
+use super::scalar;
+use crate::params::Consts;
+
+/// Prefetch distance, as in the AVX-512 kernels.
+const PREFETCH_BYTES: usize = super::avx512::PREFETCH_BYTES;
+
+/// Prefetches the line `PREFETCH_BYTES` ahead of element `i` of an f32 stream.
+#[inline(always)]
+fn prefetch(p: *const f32, i: usize) {
+    // SAFETY: a prefetch is a hint that never faults, whatever the address (SSE is part
+    // of x86_64); `wrapping_add` forms the address without claiming it is in bounds.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }
+}
+
+/// `vcvtps2ph` immediate: round to nearest even (not MXCSR's mode).
+pub(crate) const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
+
+/// Loads 8 gradient elements of the `GK` dtype at `g + i` as f32 (exact).
+///
+/// # Safety
+/// AVX2 and F16C are enabled in the caller; elements `i..i + 8` are in bounds.
+#[inline(always)]
+pub(crate) unsafe fn load8<const GK: u8>(g: *const u8, i: usize) -> __m256 {
+    // SAFETY: the caller guarantees the features and that 8 elements (16 or 32 bytes)
+    // starting at element `i` are readable; the loads are unaligned ones.
+    unsafe {
+        match GK {
+            G_F32 => _mm256_loadu_ps(g.cast::<f32>().add(i)),
+            G_F16 => _mm256_cvtph_ps(_mm_loadu_si128(g.cast::<u16>().add(i).cast())),
+            _ => {
+                let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(g.cast::<u16>().add(i).cast()));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+            }
+        }
+    }
+}
+
+/// Rounds 8 f32 to bf16 bits exactly as `half::bf16::from_f32`: NaN keeps its top
+/// mantissa bits and gets the quiet bit; otherwise round to nearest, ties to even, by
+/// adding `0x7FFF + lsb` (subnormals and overflow to infinity included). Result in the
+/// low 16 bits of each 32-bit lane.
+///
+/// # Safety
+/// AVX2 is enabled in the caller.
+#[inline(always)]
+pub(crate) unsafe fn bf16_bits8(p: __m256) -> __m256i {
+    // SAFETY: register-only intrinsics; the caller guarantees AVX2.
+    unsafe {
+        let x = _mm256_castps_si256(p);
+        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+        let hi = _mm256_srli_epi32::<16>(x);
+        let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        let biased = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+        let rounded = _mm256_srli_epi32::<16>(biased);
+        let nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+        _mm256_blendv_epi8(rounded, nan, is_nan)
+    }
+}
+
+/// Stores `p` as 8 16-bit values of the `OK` dtype at `out + i`.
+///
+/// # Safety
+/// AVX2 and F16C are enabled in the caller; `out + i .. out + i + 8` is writable.
+#[inline(always)]
+pub(crate) unsafe fn store8_out<const OK: u8>(out: *mut u16, i: usize, p: __m256) {
+    if OK == O_NONE {
+        return;
+    }
+    // SAFETY: features and bounds from the caller; unaligned 16-byte store.
+    unsafe {
+        let h = if OK == O_F16 {
+            _mm256_cvtps_ph::<RNE>(p)
+        } else {
+            // packus keeps 0..=0xFFFF unchanged; it packs within 128-bit lanes, so the
+            // permute gathers qwords 0 and 2 (elements 0..4 and 4..8) into the low half.
+            let b = bf16_bits8(p);
+            let packed = _mm256_packus_epi32(b, b);
+            _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b00_00_10_00>(packed))
+        };
+        _mm_storeu_si128(out.add(i).cast(), h);
+    }
+}
+
+#[inline(always)]
+unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &StepPtrs) {
+    // SAFETY: the wrapper enables AVX2/FMA/F16C; `i + 8 <= s.len` inside the loop and
+    // StepPtrs covers `s.len` elements of each array; unaligned loads and stores.
+    unsafe {
+        let gs = _mm256_set1_ps(c.grad_scale);
+        let b1 = _mm256_set1_ps(c.beta1);
+        let omb1 = _mm256_set1_ps(c.one_minus_beta1);
+        let b2 = _mm256_set1_ps(c.beta2);
+        let omb2 = _mm256_set1_ps(c.one_minus_beta2);
+        let wd = _mm256_set1_ps(c.wd_l2);
+        let neg_lr_wd = _mm256_set1_ps(c.neg_lr_wd);
+        let neg_step = _mm256_set1_ps(c.neg_step);
+        let isb2 = _mm256_set1_ps(c.inv_sqrt_bc2);
+        let eps = _mm256_set1_ps(c.eps);
+        let n8 = s.len - s.len % 8;
+        let mut i = 0;
+        while i < n8 {
+            // One prefetch per 64-byte line of each f32 stream (every other iteration).
+            if i % 16 == 0 {
+                prefetch(s.p, i);
+                prefetch(s.m, i);
+                prefetch(s.v, i);
+                if GK == G_F32 {
+                    prefetch(s.g.cast(), i);
+                }
+            }
+            let g = _mm256_mul_ps(load8::<GK>(s.g, i), gs);
+            let p = _mm256_loadu_ps(s.p.add(i));
+            let g = if L2 { _mm256_fmadd_ps(wd, p, g) } else { g };
+            let m = _mm256_fmadd_ps(b1, _mm256_loadu_ps(s.m.add(i)), _mm256_mul_ps(omb1, g));
+            let gg = _mm256_mul_ps(_mm256_mul_ps(omb2, g), g);
+            let v = _mm256_fmadd_ps(b2, _mm256_loadu_ps(s.v.add(i)), gg);
+            let d = _mm256_fmadd_ps(_mm256_sqrt_ps(v), isb2, eps);
+            let p = if L2 {
+                p
+            } else {
+                _mm256_fmadd_ps(neg_lr_wd, p, p)
+            };
+            let p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, d), p);
+            _mm256_storeu_ps(s.p.add(i), p);
+            _mm256_storeu_ps(s.m.add(i), m);
+            _mm256_storeu_ps(s.v.add(i), v);
+            store8_out::<OK>(s.out, i, p);
+            i += 8;
+        }
+        scalar::step_from::<GK, OK, L2>(c, s, n8);
+    }
+}
+
+/// AVX2 step kernel.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `s` satisfies the [`StepPtrs`] invariant.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn step<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &StepPtrs) {
+    // SAFETY: features enabled by this function; caller's StepPtrs contract.
+    unsafe { step_body::<GK, OK, L2>(c, s) }
+}
+
+/// AVX2 sum of squares in f64.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `g` covers `len` elements of the `GK` dtype.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sq_norm<const GK: u8>(g: *const u8, len: usize) -> f64 {
+    // SAFETY: features enabled here; `i + 8 <= len` for every vector load.
+    unsafe {
+        let mut a0 = _mm256_setzero_pd();
+        let mut a1 = _mm256_setzero_pd();
+        let n8 = len - len % 8;
+        let mut i = 0;
+        while i < n8 {
+            let x = load8::<GK>(g, i);
+            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));
+            a0 = _mm256_fmadd_pd(lo, lo, a0);
+            a1 = _mm256_fmadd_pd(hi, hi, a1);
+            i += 8;
+        }
+        let a = _mm256_add_pd(a0, a1);
+        let mut lanes = [0.0f64; 4];
+        _mm256_storeu_pd(lanes.as_mut_ptr(), a);
+        (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + scalar::sq_norm_from::<GK>(g, n8, len)
+    }
+}
+
+/// AVX2 finiteness check.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `g` covers `len` elements of the `GK` dtype.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn all_finite<const GK: u8>(g: *const u8, len: usize) -> bool {
+    // SAFETY: features enabled here; `i + 8 <= len` for every vector load.
+    unsafe {
+        let exp = _mm256_set1_epi32(0x7F80_0000);
+        let mut bad = _mm256_setzero_si256();
+        let n8 = len - len % 8;
+        let mut i = 0;
+        while i < n8 {
+            let x = _mm256_and_si256(_mm256_castps_si256(load8::<GK>(g, i)), exp);
+            bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(x, exp));
+            i += 8;
+        }
+        _mm256_testz_si256(bad, bad) == 1 && scalar::finite_from::<GK>(g, n8, len)
+    }
+}
+
+/// AVX2 `acc = fma(g, scale, acc)`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `acc` (exclusive) and `g` cover `len` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn accumulate<const GK: u8>(acc: *mut f32, g: *const u8, scale: f32, len: usize) {
+    // SAFETY: features enabled here; `i + 8 <= len` for every vector access.
+    unsafe {
+        let s = _mm256_set1_ps(scale);
+        let n8 = len - len % 8;
+        let mut i = 0;
+        while i < n8 {
+            let a = _mm256_fmadd_ps(load8::<GK>(g, i), s, _mm256_loadu_ps(acc.add(i)));
+            _mm256_storeu_ps(acc.add(i), a);
+            i += 8;
+        }
+        scalar::accumulate_from::<GK>(acc, g, scale, n8, len);
+    }
+}
+
+/// AVX2 f32 -> 16-bit cast.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `src` covers `len` f32, `out` (exclusive) `len`
+/// 16-bit elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn cast<const OK: u8>(src: *const f32, out: *mut u16, len: usize) {
+    // SAFETY: features enabled here; `i + 8 <= len` for every vector access.
+    unsafe {
+        let n8 = len - len % 8;
+        let mut i = 0;
+        while i < n8 {
+            store8_out::<OK>(out, i, _mm256_loadu_ps(src.add(i)));
+            i += 8;
+        }
+        scalar::cast_from::<OK>(src, out, n8, len);
+    }
+}
+
+/// AVX2 memory probe (see [`scalar::probe_from`]).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `s` satisfies the [`StepPtrs`] invariant.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &StepPtrs, one: f32, zero: f32) {
+    // SAFETY: features enabled here; `i + 8 <= s.len` for every vector access.
+    unsafe {
+        let k = _mm256_set1_ps(one);
+        let z = _mm256_set1_ps(zero);
+        let n8 = s.len - s.len % 8;
+        let mut i = 0;
+        while i < n8 {
+            if i % 16 == 0 {
+                prefetch(s.p, i);
+                prefetch(s.m, i);
+                prefetch(s.v, i);
+                if GK == G_F32 {
+                    prefetch(s.g.cast(), i);
+                }
+            }
+            let p = _mm256_fmadd_ps(load8::<GK>(s.g, i), z, _mm256_loadu_ps(s.p.add(i)));
+            _mm256_storeu_ps(s.p.add(i), p);
+            _mm256_storeu_ps(s.m.add(i), _mm256_mul_ps(_mm256_loadu_ps(s.m.add(i)), k));
+            _mm256_storeu_ps(s.v.add(i), _mm256_mul_ps(_mm256_loadu_ps(s.v.add(i)), k));
+            if OK != O_NONE {
+                let h = _mm256_srli_epi32::<16>(_mm256_castps_si256(p));
+                let packed = _mm256_packus_epi32(h, h);
+                let lo = _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b00_00_10_00>(packed));
+                _mm_storeu_si128(s.out.add(i).cast(), lo);
+            }
+            i += 8;
+        }
+        scalar::probe_from::<GK, OK>(s, one, zero, n8);
+    }
+}

@@ -1,0 +1,410 @@
+//! The CPU AdamW: SIMD kernels chosen at run time, spread over a rayon pool.
+//!
+//! [`AdamW`] owns (or borrows through an `Arc`) the thread pool and the SIMD level; its
+//! methods check lengths and hyper-parameters, then hand contiguous blocks of
+//! `block_params` elements to the kernels of the chosen [`SimdLevel`]. Nothing here
+//! allocates per call, and every level computes bit-identical fp32 results (the
+//! operation order is fixed in [`crate::params`]; fused multiply-adds everywhere the
+//! scalar code uses `mul_add`).
+//!
+//! Soundness: the only `unsafe` in this file builds raw views from slices whose lengths
+//! were checked equal and calls kernels of a level that [`SimdLevel::is_supported`]
+//! accepted when the optimizer was built.
+
+pub(crate) mod level;
+pub(crate) mod parallel;
+#[macro_use]
+pub(crate) mod raw;
+pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
+use std::sync::Arc;
+
+use rayon::ThreadPool;
+
+pub use level::SimdLevel;
+use parallel::{run_blocks, AccJob, CastJob, StepJob};
+use raw::{grad_raw, out_raw, StepPtrs};
+
+use crate::error::{check_len, OptimError, Result};
+use crate::params::{Consts, HyperParams, StepState};
+use crate::slices::{Grads, ParamOut};
+
+/// Default parallel block: 64 Ki parameters (256 KiB of each fp32 array).
+pub const BLOCK_PARAMS_DEFAULT: usize = 64 * 1024;
+
+/// How the CPU optimizer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuConfig {
+    /// Worker threads; 0 means one per available core. With 1, kernels run on the
+    /// calling thread and no pool is built.
+    pub threads: usize,
+    /// Parameters per parallel block (rounded up to a multiple of 16; > 0).
+    pub block_params: usize,
+    /// Force a SIMD level (must be supported); `None` picks the best.
+    pub simd: Option<SimdLevel>,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        CpuConfig {
+            threads: 0,
+            block_params: BLOCK_PARAMS_DEFAULT,
+            simd: None,
+        }
+    }
+}
+
+/// The CPU AdamW kernel driver. Cheap to share (`&self` methods, `Sync`).
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    level: SimdLevel,
+    block_params: usize,
+    pool: Option<Arc<ThreadPool>>,
+}
+
+fn check_block(block_params: usize) -> Result<usize> {
+    if block_params == 0 {
+        return Err(OptimError::InvalidParam {
+            name: "block_params",
+            value: 0.0,
+            reason: "must be > 0",
+        });
+    }
+    Ok(block_params.div_ceil(16) * 16)
+}
+
+fn check_level(simd: Option<SimdLevel>) -> Result<SimdLevel> {
+    match simd {
+        None => Ok(SimdLevel::detect()),
+        Some(level) if level.is_supported() => Ok(level),
+        Some(level) => Err(OptimError::SimdUnsupported { level }),
+    }
+}
+
+impl AdamW {
+    /// Builds the optimizer and, for more than one thread, its own rayon pool.
+    pub fn new(cfg: CpuConfig) -> Result<Self> {
+        let level = check_level(cfg.simd)?;
+        let block_params = check_block(cfg.block_params)?;
+        let threads = if cfg.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            cfg.threads
+        };
+        let pool = if threads > 1 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("tidestore-adamw-{i}"))
+                .build()
+                .map_err(|e| OptimError::ThreadPool {
+                    threads,
+                    reason: e.to_string(),
+                })?;
+            Some(Arc::new(pool))
+        } else {
+            None
+        };
+        tracing::debug!(?level, threads, block_params, "CPU AdamW ready");
+        Ok(AdamW {
+            level,
+            block_params,
+            pool,
+        })
+    }
+
+    /// Uses a pool the caller owns (shared with other work); `cfg.threads` is ignored.
+    pub fn with_pool(pool: Arc<ThreadPool>, cfg: CpuConfig) -> Result<Self> {
+        Ok(AdamW {
+            level: check_level(cfg.simd)?,
+            block_params: check_block(cfg.block_params)?,
+            pool: Some(pool),
+        })
+    }
+
+    /// The SIMD level in use.
+    pub fn simd_level(&self) -> SimdLevel {
+        self.level
+    }
+
+    /// Threads a call uses (1 when it runs on the calling thread).
+    pub fn threads(&self) -> usize {
+        self.pool.as_ref().map_or(1, |p| p.current_num_threads())
+    }
+
+    /// Parameters per parallel block.
+    pub fn block_params(&self) -> usize {
+        self.block_params
+    }
+
+    fn pool(&self) -> Option<&ThreadPool> {
+        self.pool.as_deref()
+    }
+
+    /// One AdamW / Adam-L2 step over one span of parameters, in place: reads `grads`
+    /// (multiplied by `state.grad_scale`), updates `master`, `m` and `v`, and writes the
+    /// new parameters rounded to 16 bits into `out` when given — one pass over memory.
+    ///
+    /// All slices must have `master.len()` elements. The caller decides whether to step
+    /// at all (overflow, see [`crate::StepController`]); this function applies whatever
+    /// it is given, NaN included.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_slice(
+        &self,
+        state: StepState,
+        hp: &HyperParams,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        grads: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+    ) -> Result<()> {
+        let n = master.len();
+        check_len("m", m.len(), "master", n)?;
+        check_len("v", v.len(), "master", n)?;
+        check_len("grads", grads.len(), "master", n)?;
+        if let Some(o) = &out {
+            check_len("out", o.len(), "master", n)?;
+        }
+        let c = Consts::new(state, hp)?;
+        let job = StepJob {
+            p: master,
+            m,
+            v,
+            g: grads,
+            out,
+        };
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            job,
+            &|j: StepJob<'_>| step_leaf(level, &c, j),
+            &|(), ()| (),
+        );
+        Ok(())
+    }
+
+    /// Sum of squares of the gradients, accumulated in f64 (each square is exact), for
+    /// global norm clipping: add the results of every slice of every group, then
+    /// [`crate::clip_coefficient`]. Non-finite exactly when some gradient is inf or NaN.
+    /// The result does not depend on the thread count.
+    pub fn grad_sq_norm(&self, grads: Grads<'_>) -> f64 {
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            grads,
+            &|g: Grads<'_>| sq_norm_leaf(level, g),
+            &|a: f64, b: f64| a + b,
+        )
+    }
+
+    /// True when no gradient is inf or NaN (the loss-scaling overflow check).
+    pub fn grads_finite(&self, grads: Grads<'_>) -> bool {
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            grads,
+            &|g: Grads<'_>| finite_leaf(level, g),
+            &|a: bool, b: bool| a && b,
+        )
+    }
+
+    /// Gradient accumulation over micro-batches: `acc[i] = fma(grads[i], scale, acc[i])`
+    /// (use `scale = 1 / micro_batches` to average, or a loss-unscale factor).
+    pub fn accumulate(&self, acc: &mut [f32], grads: Grads<'_>, scale: f32) -> Result<()> {
+        check_len("grads", grads.len(), "acc", acc.len())?;
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            AccJob { acc, g: grads },
+            &|j: AccJob<'_>| accumulate_leaf(level, j, scale),
+            &|(), ()| (),
+        );
+        Ok(())
+    }
+
+    /// Writes `src` rounded to 16 bits (bit-identical to `half`'s `from_f32`), e.g. to
+    /// make the first 16-bit copy of freshly loaded master parameters.
+    pub fn cast_params(&self, src: &[f32], out: ParamOut<'_>) -> Result<()> {
+        check_len("out", out.len(), "src", src.len())?;
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            CastJob { src, out },
+            &|j: CastJob<'_>| cast_leaf(level, j),
+            &|(), ()| (),
+        );
+        Ok(())
+    }
+
+    /// The memory roofline probe: moves exactly the bytes [`AdamW::step_slice`] moves for
+    /// the same arguments (read and write back `master`, `m`, `v`; read `grads`; write
+    /// `out`) with the same blocking and threads and almost no arithmetic. Values are left
+    /// unchanged when the gradients are finite.
+    pub fn probe_slice(
+        &self,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        grads: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+    ) -> Result<()> {
+        let n = master.len();
+        check_len("m", m.len(), "master", n)?;
+        check_len("v", v.len(), "master", n)?;
+        check_len("grads", grads.len(), "master", n)?;
+        if let Some(o) = &out {
+            check_len("out", o.len(), "master", n)?;
+        }
+        let one = std::hint::black_box(1.0f32);
+        let zero = std::hint::black_box(0.0f32);
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            StepJob {
+                p: master,
+                m,
+                v,
+                g: grads,
+                out,
+            },
+            &|j: StepJob<'_>| probe_leaf(level, j, one, zero),
+            &|(), ()| (),
+        );
+        Ok(())
+    }
+}
+
+fn step_ptrs(j: StepJob<'_>) -> (u8, u8, StepPtrs) {
+    let (gk, g) = grad_raw(j.g);
+    let (ok, out) = out_raw(j.out);
+    let s = StepPtrs {
+        len: j.p.len(),
+        p: j.p.as_mut_ptr(),
+        m: j.m.as_mut_ptr(),
+        v: j.v.as_mut_ptr(),
+        g,
+        out,
+    };
+    (gk, ok, s)
+}
+
+fn step_leaf(level: SimdLevel, c: &Consts, j: StepJob<'_>) {
+    let (gk, ok, s) = step_ptrs(j);
+    // SAFETY: `s` was built from the job's slices, which the public entry point checked to
+    // have equal lengths and which the split kept equal; they are exclusive `&mut`
+    // borrows (or shared `&` for the gradients) alive for this call, so `s` satisfies the
+    // StepPtrs invariant. `level` passed `is_supported` when the optimizer was built, so
+    // the CPU has the features of the kernel called.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 => dispatch_step!(avx512::step_bf16, gk, ok, c.l2, (c, &s)),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => dispatch_step!(avx512::step, gk, ok, c.l2, (c, &s)),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_step!(avx2::step, gk, ok, c.l2, (c, &s)),
+            _ => dispatch_step!(scalar::step, gk, ok, c.l2, (c, &s)),
+        }
+    }
+}
+
+fn probe_leaf(level: SimdLevel, j: StepJob<'_>, one: f32, zero: f32) {
+    let (gk, ok, s) = step_ptrs(j);
+    // SAFETY: as in `step_leaf`: equal-length exclusive slices, supported level.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                dispatch_grad_out!(avx512::probe, gk, ok, (&s, one, zero))
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_grad_out!(avx2::probe, gk, ok, (&s, one, zero)),
+            _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, one, zero)),
+        }
+    }
+}
+
+fn sq_norm_leaf(level: SimdLevel, g: Grads<'_>) -> f64 {
+    let len = g.len();
+    let (gk, p) = grad_raw(g);
+    // SAFETY: `p` points to the `len` elements of the gradient slice, alive for the call;
+    // `level` is supported by this CPU.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                dispatch_grad!(avx512::sq_norm, gk, (p, len))
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_grad!(avx2::sq_norm, gk, (p, len)),
+            _ => dispatch_grad!(scalar::sq_norm, gk, (p, len)),
+        }
+    }
+}
+
+fn finite_leaf(level: SimdLevel, g: Grads<'_>) -> bool {
+    let len = g.len();
+    let (gk, p) = grad_raw(g);
+    // SAFETY: `p` points to the `len` elements of the gradient slice, alive for the call;
+    // `level` is supported by this CPU.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                dispatch_grad!(avx512::all_finite, gk, (p, len))
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_grad!(avx2::all_finite, gk, (p, len)),
+            _ => dispatch_grad!(scalar::all_finite, gk, (p, len)),
+        }
+    }
+}
+
+fn accumulate_leaf(level: SimdLevel, j: AccJob<'_>, scale: f32) {
+    let len = j.acc.len();
+    let acc = j.acc.as_mut_ptr();
+    let (gk, g) = grad_raw(j.g);
+    // SAFETY: `acc` is the exclusive accumulator slice and `g` the gradient slice, both of
+    // `len` elements (checked by `accumulate`, kept by the split); `level` is supported.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                dispatch_grad!(avx512::accumulate, gk, (acc, g, scale, len))
+            }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_grad!(avx2::accumulate, gk, (acc, g, scale, len)),
+            _ => dispatch_grad!(scalar::accumulate, gk, (acc, g, scale, len)),
+        }
+    }
+}
+
+fn cast_leaf(level: SimdLevel, j: CastJob<'_>) {
+    let len = j.src.len();
+    let src = j.src.as_ptr();
+    let (ok, out) = out_raw(Some(j.out));
+    // SAFETY: `src` and the exclusive `out` both cover `len` elements (checked by
+    // `cast_params`, kept by the split); `level` is supported by this CPU.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 => dispatch_out!(avx512::cast_bf16, ok, (src, out, len)),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => dispatch_out!(avx512::cast, ok, (src, out, len)),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_out!(avx2::cast, ok, (src, out, len)),
+            _ => dispatch_out!(scalar::cast, ok, (src, out, len)),
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! The one error type of the optimizer crate.
+//!
+//! Every variant names what was wrong in the caller's terms: which slices disagree in
+//! length and by how much, which hyper-parameter is out of range and its value, which
+//! SIMD level was asked for on a CPU that lacks it. The public shape names no type of
+//! another crate (rayon's pool error is kept as text).
+
+/// Errors of the optimizer crate.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OptimError {
+    /// Two slices that must have one element per parameter differ in length.
+    #[error("slice `{slice}` has {len} elements but `{reference}` has {expected}")]
+    LengthMismatch {
+        /// The slice whose length is wrong (`m`, `v`, `grads`, `out`, ...).
+        slice: &'static str,
+        /// Its length.
+        len: usize,
+        /// The slice it is compared with (usually `master`).
+        reference: &'static str,
+        /// The length of that slice.
+        expected: usize,
+    },
+
+    /// A hyper-parameter or option is out of its valid range.
+    #[error("invalid `{name}` = {value}: {reason}")]
+    InvalidParam {
+        /// The field, as written in [`crate::HyperParams`] or the config struct.
+        name: &'static str,
+        /// Its value.
+        value: f64,
+        /// What the valid range is.
+        reason: &'static str,
+    },
+
+    /// A SIMD level was forced that this CPU cannot run.
+    #[error("SIMD level {level:?} is not supported by this CPU")]
+    SimdUnsupported {
+        /// The level that was asked for.
+        level: crate::SimdLevel,
+    },
+
+    /// The rayon thread pool could not be built.
+    #[error("cannot build a thread pool of {threads} threads: {reason}")]
+    ThreadPool {
+        /// Threads asked for.
+        threads: usize,
+        /// rayon's message.
+        reason: String,
+    },
+
+    /// A benchmark could not allocate or was configured with nothing to do.
+    #[error("benchmark: {reason}")]
+    Bench {
+        /// What went wrong.
+        reason: String,
+    },
+
+    /// An I/O request of the streaming step or of a checkpoint failed (the swap file's
+    /// error, shared so this enum stays `Clone`).
+    #[error("{during} (group {group}): {source}")]
+    Io {
+        /// What was being done: `read of M`, `write of V`, `checkpoint read`, ...
+        during: &'static str,
+        /// The optimizer group concerned.
+        group: usize,
+        /// The io crate's error.
+        #[source]
+        source: IoFailure,
+    },
+
+    /// An earlier step failed midway (I/O error, abandoned step): moments and master
+    /// parameters are a mix of two steps, so every step and save is refused until the
+    /// state is reloaded from a checkpoint.
+    #[error("optimizer refuses to step: an earlier step failed midway ({first_error}); reload it from a checkpoint")]
+    Poisoned {
+        /// The failure that poisoned it.
+        first_error: String,
+    },
+
+    /// A checkpoint could not be written, or the file read is not a valid checkpoint of
+    /// this optimizer (format, shape, checksum).
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The checkpoint file.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The streaming step was configured or driven wrongly (budget too small for the
+    /// ring, groups updated out of order, swap file of the wrong shape).
+    #[error("streaming step: {reason}")]
+    Stream {
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// This build has no CUDA support (feature `cuda` off).
+    #[error("this build of tidestore-optimizer has no CUDA support (feature `cuda`)")]
+    NotCompiledWithCuda,
+
+    /// CUDA support is compiled but there is no usable GPU (no libcuda, no device).
+    #[error("no usable GPU: {reason}")]
+    NoGpu {
+        /// Why.
+        reason: String,
+    },
+
+    /// A CUDA driver or NVRTC call failed (its error kept as text: the public shape names
+    /// no cudarc type).
+    #[error("CUDA {op} failed: {reason}")]
+    Cuda {
+        /// The operation (`nvrtc compile`, `kernel launch`, ...).
+        op: &'static str,
+        /// The driver's or compiler's message (the compile log for NVRTC).
+        reason: String,
+    },
+}
+
+/// Result alias of the crate.
+pub type Result<T, E = OptimError> = std::result::Result<T, E>;
+
+/// Checks `len == expected`, naming both slices on failure.
+pub(crate) fn check_len(
+    slice: &'static str,
+    len: usize,
+    reference: &'static str,
+    expected: usize,
+) -> Result<()> {
+    if len == expected {
+        Ok(())
+    } else {
+        Err(OptimError::LengthMismatch {
+            slice,
+            len,
+            reference,
+            expected,
+        })
+    }
+}
+
+/// An io-crate error shared behind an `Arc`, so [`OptimError`] stays `Clone` and
+/// `PartialEq` (two failures are equal when they are the same failure or print the same).
+#[derive(Debug, Clone)]
+pub struct IoFailure(std::sync::Arc<tidestore_io::IoError>);
+
+impl IoFailure {
+    /// The io crate's error, to match on its kind (`NoSpace`, `Device`, `Corrupt`, ...).
+    pub fn get(&self) -> &tidestore_io::IoError {
+        &self.0
+    }
+}
+
+impl From<tidestore_io::IoError> for IoFailure {
+    fn from(e: tidestore_io::IoError) -> Self {
+        IoFailure(std::sync::Arc::new(e))
+    }
+}
+
+impl PartialEq for IoFailure {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl std::fmt::Display for IoFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for IoFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}

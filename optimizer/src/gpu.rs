@@ -1,0 +1,305 @@
+//! GPU AdamW (feature `cuda`): the kernel of `kernels/adamw.cu`, compiled at run time
+//! with NVRTC through cudarc, launched on groups whose arrays are device memory.
+//!
+//! - `is_culib_present()` is asked before any CUDA or NVRTC call (cudarc panics when a
+//!   library is missing); a missing libcuda, driver or GPU is [`OptimError::NoGpu`], and
+//!   context creation runs under `catch_unwind` so an old driver lacking a symbol is that
+//!   error too. Compile and driver failures are [`OptimError::Cuda`] with the message
+//!   (the NVRTC log for a compile error); no cudarc type is public.
+//! - The math is the CPU kernel's, operation for operation, with explicit roundings and
+//!   `--fmad=false`: a group gives the same bits on either side.
+//! - [`GpuAdamW::step`] launches on the optimizer's own stream and synchronizes it before
+//!   returning, so the device memory borrowed by the call is never used by the kernel
+//!   after the borrow ends. The context is the device's primary context (cudarc's
+//!   `CudaContext::new`), the one the device tier allocates in, so its pointers are valid.
+//!
+//! Every `unsafe` is an FFI call in a small function below with its `# Safety` contract.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use crate::error::{OptimError, Result};
+use crate::params::{Consts, HyperParams, StepState};
+use crate::placement::{device_ptr, device_ptr_mut, DeviceGroup};
+use crate::slices::Dtype;
+
+/// The CUDA C source of the kernels.
+pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
+
+/// Threads per block of the AdamW kernel.
+const BLOCK_THREADS: u32 = 256;
+/// Most blocks of one launch (grid-stride loop beyond).
+const GRID_BLOCKS_MAX: u32 = 1 << 16;
+
+/// The kernel's `AdamConsts`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AdamConstsRepr {
+    grad_scale: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    wd_l2: f32,
+    neg_lr_wd: f32,
+    neg_step: f32,
+    inv_sqrt_bc2: f32,
+    eps: f32,
+}
+
+// SAFETY: `AdamConstsRepr` is `repr(C)` with ten f32 fields, exactly the layout of the
+// kernel's `struct AdamConsts` (ten floats, no padding); it is passed by value.
+unsafe impl DeviceRepr for AdamConstsRepr {}
+
+impl From<&Consts> for AdamConstsRepr {
+    fn from(c: &Consts) -> Self {
+        AdamConstsRepr {
+            grad_scale: c.grad_scale,
+            beta1: c.beta1,
+            one_minus_beta1: c.one_minus_beta1,
+            beta2: c.beta2,
+            one_minus_beta2: c.one_minus_beta2,
+            wd_l2: c.wd_l2,
+            neg_lr_wd: c.neg_lr_wd,
+            neg_step: c.neg_step,
+            inv_sqrt_bc2: c.inv_sqrt_bc2,
+            eps: c.eps,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// FFI, one call per function.
+
+/// Whether libcuda can be loaded.
+fn culib_present() -> bool {
+    // SAFETY: only tries to `dlopen` the driver library under its known names; its
+    // initialisers run as in any CUDA program; no memory of ours is touched.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether libnvrtc can be loaded (the kernel can be compiled, GPU or not).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: as `culib_present`, for the NVRTC library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Queue one launch of `func` over `n` elements on `stream`.
+///
+/// # Safety
+/// - `func` is one of the `adamw_*` kernels of [`ADAMW_CU`], loaded in the context of
+///   `stream`, whose gradient/output dtypes match the memory behind `g` and `out`;
+/// - `p`, `m`, `v` are live device allocations of that context of at least `4 * n`
+///   bytes each, `g` of at least `n` elements of the kernel's gradient dtype, `out` of at
+///   least `n` 16-bit elements (or anything, null included, for an `_none_` kernel);
+///   `p`, `m`, `v`, `out` do not overlap each other or `g`;
+/// - none of them is freed, read or written by anyone else until `stream` has been
+///   synchronized after this launch.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_adamw(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    p: u64,
+    m: u64,
+    v: u64,
+    g: u64,
+    out: u64,
+    n: u64,
+    c: AdamConstsRepr,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let blocks = n
+        .div_ceil(u64::from(BLOCK_THREADS))
+        .clamp(1, u64::from(GRID_BLOCKS_MAX)) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(func);
+    b.arg(&p).arg(&m).arg(&v).arg(&g).arg(&out).arg(&n).arg(&c);
+    // SAFETY: forwarded from this function's contract; the argument list matches the
+    // kernel's signature (five device pointers as u64, u64 n, AdamConsts by value).
+    unsafe { b.launch(cfg) }.map(|_| ())
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn cuda_err(op: &'static str, e: impl std::fmt::Display) -> OptimError {
+    OptimError::Cuda {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// Compiles [`ADAMW_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`: NVRTC's
+/// default). Needs libnvrtc only, no GPU.
+pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
+    Ok(compile(arch, Vec::new())?.to_src())
+}
+
+fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
+    if !nvrtc_available() {
+        return Err(OptimError::Cuda {
+            op: "nvrtc compile",
+            reason: "libnvrtc not found (install nvidia-cuda-nvrtc-cu12 and put its lib dir on LD_LIBRARY_PATH)".into(),
+        });
+    }
+    let opts = CompileOptions {
+        fmad: Some(false),
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        arch,
+        options,
+        name: Some("tidestore_adamw.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(ADAMW_CU, opts).map_err(|e| cuda_err("nvrtc compile", format!("{e:?}")))
+}
+
+fn kernel_name(g: Dtype, out: Option<Dtype>, l2: bool) -> String {
+    let d = |d: Dtype| match d {
+        Dtype::F32 => "f32",
+        Dtype::F16 => "f16",
+        Dtype::Bf16 => "bf16",
+    };
+    format!(
+        "adamw_{}_{}_{}",
+        d(g),
+        out.map_or("none", d),
+        if l2 { "l2" } else { "adamw" }
+    )
+}
+
+/// The GPU AdamW of one device.
+pub struct GpuAdamW {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    funcs: Vec<(String, CudaFunction)>,
+}
+
+impl std::fmt::Debug for GpuAdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuAdamW")
+            .field("ordinal", &self.ordinal)
+            .field("kernels", &self.funcs.len())
+            .finish()
+    }
+}
+
+impl GpuAdamW {
+    /// Opens GPU `ordinal` (its primary context), compiles the kernels for its compute
+    /// capability and loads them.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !culib_present() {
+            return Err(OptimError::NoGpu {
+                reason: "libcuda not found".into(),
+            });
+        }
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| OptimError::NoGpu {
+                reason: "the CUDA driver lacks a symbol cudarc needs (driver too old)".into(),
+            })?
+            .map_err(|e| OptimError::NoGpu {
+                reason: format!("opening GPU {ordinal}: {e}"),
+            })?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda_err("cuDeviceGetAttribute", e))?;
+        let ptx = compile(
+            None,
+            vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        )?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| cuda_err("loading the PTX (is NVRTC newer than the driver?)", e))?;
+        let mut funcs = Vec::with_capacity(18);
+        for l2 in [false, true] {
+            for g in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+                for out in [None, Some(Dtype::F16), Some(Dtype::Bf16)] {
+                    let name = kernel_name(g, out, l2);
+                    let f = module
+                        .load_function(&name)
+                        .map_err(|e| cuda_err("cuModuleGetFunction", e))?;
+                    funcs.push((name, f));
+                }
+            }
+        }
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("creating a stream", e))?;
+        tracing::info!(ordinal, major, minor, "GPU AdamW ready");
+        Ok(GpuAdamW {
+            ordinal,
+            ctx,
+            stream,
+            _module: module,
+            funcs,
+        })
+    }
+
+    /// One AdamW / Adam-L2 step over a group in device memory, finished when this
+    /// returns.
+    pub fn step(&self, state: StepState, hp: &HyperParams, group: DeviceGroup<'_>) -> Result<()> {
+        let c = Consts::new(state, hp)?;
+        let n = group.len;
+        let p = device_ptr_mut(group.master, n * 4, "master")?;
+        let m = device_ptr_mut(group.m, n * 4, "m")?;
+        let v = device_ptr_mut(group.v, n * 4, "v")?;
+        let g = device_ptr(group.grads, n * group.grad_dtype.size_bytes(), "grads")?;
+        let (out, out_dtype) = match group.out {
+            Some((o, d)) => {
+                if d == Dtype::F32 {
+                    return Err(OptimError::InvalidParam {
+                        name: "out dtype",
+                        value: 32.0,
+                        reason: "16-bit output only (F16 or Bf16)",
+                    });
+                }
+                (device_ptr_mut(o, n * 2, "out")?, Some(d))
+            }
+            None => (0, None),
+        };
+        let name = kernel_name(group.grad_dtype, out_dtype, c.l2);
+        let func = self
+            .funcs
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, f)| f)
+            .ok_or_else(|| cuda_err("kernel lookup", format!("{name} not loaded")))?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))?;
+        // SAFETY: `func` is the kernel for these dtypes; every pointer comes from a
+        // `DeviceMem::Cuda` of this device's primary context whose size was checked above
+        // against `n` elements; `master`, `m`, `v` and `out` are distinct `&mut` borrows
+        // (so distinct allocations) and `grads` a shared one, all held by `group` until
+        // this function returns — after the stream is synchronized below.
+        unsafe {
+            launch_adamw(
+                &self.stream,
+                func,
+                p,
+                m,
+                v,
+                g,
+                out,
+                n as u64,
+                AdamConstsRepr::from(&c),
+            )
+        }
+        .map_err(|e| cuda_err("kernel launch", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("stream synchronize", e))
+    }
+}

@@ -1,0 +1,43 @@
+//! Stand-in for the GPU AdamW when the `cuda` feature is off: the same names, so code
+//! above never needs a `cfg`. [`GpuAdamW`] is uninhabited and its constructor returns
+//! [`OptimError::NotCompiledWithCuda`]; [`compile_ptx`] does too.
+
+#![deny(unsafe_code)]
+
+use crate::error::{OptimError, Result};
+use crate::params::{HyperParams, StepState};
+use crate::placement::DeviceGroup;
+
+/// The CUDA C source of the kernels (shipped in every build so it can be inspected).
+pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
+
+/// Always false without the `cuda` feature.
+pub fn nvrtc_available() -> bool {
+    false
+}
+
+/// Always [`OptimError::NotCompiledWithCuda`].
+pub fn compile_ptx(_arch: Option<&'static str>) -> Result<String> {
+    Err(OptimError::NotCompiledWithCuda)
+}
+
+/// The GPU AdamW; cannot exist in a build without the `cuda` feature.
+#[derive(Debug)]
+pub enum GpuAdamW {}
+
+impl GpuAdamW {
+    /// Always [`OptimError::NotCompiledWithCuda`].
+    pub fn new(_ordinal: usize) -> Result<Self> {
+        Err(OptimError::NotCompiledWithCuda)
+    }
+
+    /// Never called: no value of this type exists.
+    pub fn step(
+        &self,
+        _state: StepState,
+        _hp: &HyperParams,
+        _group: DeviceGroup<'_>,
+    ) -> Result<()> {
+        match *self {}
+    }
+}

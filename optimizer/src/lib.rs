@@ -1,0 +1,100 @@
+//! tidestore-optimizer: AdamW for training state that lives in chunks.
+//!
+//! This crate holds the CPU side of tidestore's hybrid optimizer: a SIMD AdamW kernel
+//! over fp32 master parameters and moments with fp32/fp16/bf16 gradients and an optional
+//! 16-bit parameter copy written in the same pass, and around it global gradient-norm
+//! clipping, dynamic loss scaling and gradient accumulation. The streaming step (NVMe),
+//! the GPU kernel and checkpoints build on these entry points.
+//!
+//! # The kernel API
+//! ```text
+//! AdamW::new(cfg: CpuConfig) -> Result<AdamW>
+//! AdamW::with_pool(pool: Arc<rayon::ThreadPool>, cfg: CpuConfig) -> Result<AdamW>
+//! AdamW::step_slice(&self, state: StepState, hp: &HyperParams,
+//!                   master: &mut [f32], m: &mut [f32], v: &mut [f32],
+//!                   grads: Grads<'_>, out: Option<ParamOut<'_>>) -> Result<()>
+//! AdamW::grad_sq_norm(&self, grads: Grads<'_>) -> f64        // f64 sum of squares
+//! AdamW::grads_finite(&self, grads: Grads<'_>) -> bool        // no inf / NaN
+//! AdamW::accumulate(&self, acc: &mut [f32], grads: Grads<'_>, scale: f32) -> Result<()>
+//! AdamW::cast_params(&self, src: &[f32], out: ParamOut<'_>) -> Result<()>
+//! AdamW::probe_slice(&self, master: &mut [f32], m: &mut [f32], v: &mut [f32],
+//!                    grads: Grads<'_>, out: Option<ParamOut<'_>>) -> Result<()>  // roofline
+//! AdamW::simd_level(&self) -> SimdLevel   // Scalar | Avx2 | Avx512 | Avx512Bf16
+//! AdamW::threads(&self) -> usize
+//! AdamW::step_groups(&self, ctrl: &mut StepController,
+//!                    groups: &mut [ParamGroup<'_>]) -> Result<StepDecision>
+//!
+//! enum Grads<'a>    { F32(&'a [f32]), F16(&'a [half::f16]), Bf16(&'a [half::bf16]) }
+//! enum ParamOut<'a> { F16(&'a mut [half::f16]), Bf16(&'a mut [half::bf16]) }
+//! struct StepState  { step: u64 /* 1-based */, grad_scale: f32 /* g = grad * grad_scale */ }
+//! struct HyperParams { lr, beta1, beta2, eps, weight_decay: f32, mode: Mode /* AdamW | AdamL2 */ }
+//! struct CpuConfig  { threads: usize /* 0 = all cores, 1 = caller thread */,
+//!                     block_params: usize /* 64 Ki */, simd: Option<SimdLevel> }
+//!
+//! StepController::new(max_grad_norm: Option<f32>, loss_scaler: Option<LossScalerConfig>)
+//! StepController::decide(&mut self, raw_sq_norm: f64) -> StepDecision  // Apply{state,..} | Skip{..}
+//! StepController::state(&self) -> ControllerState { step: u64, loss_scaler: Option<LossScalerState> }
+//! clip_coefficient(grad_norm: f64, max_norm: f64) -> f64
+//! bench::run(cfg: &BenchConfig) -> Result<Vec<BenchRow>>
+//! ```
+//!
+//! # One step of a streamed optimizer
+//! 1. For every gradient slice: `sq += opt.grad_sq_norm(grads)` (raw, loss-scaled).
+//! 2. `match ctrl.decide(sq)`: `Skip { .. }` leaves everything alone (fp16 overflow; the
+//!    loss scale was lowered); `Apply { state, .. }` carries the step number and
+//!    `grad_scale = clip_coef / loss_scale`.
+//! 3. For every chunk group, as its data arrives:
+//!    `opt.step_slice(state, &hp, master, m, v, grads, Some(ParamOut::Bf16(params)))`.
+//!
+//! # Numerics
+//! All math in f32 with the operation order of [`cpu`] (fused multiply-adds, correctly
+//! rounded `sqrt` and division), identical at every SIMD level, so the scalar, AVX2 and
+//! AVX-512 kernels give bit-identical parameters and moments. 16-bit outputs round to
+//! nearest even, bit-identical to `half::f16::from_f32` / `half::bf16::from_f32`,
+//! including NaN (quiet bit set, payload kept), subnormals and overflow to infinity. Bias
+//! correction uses `1 - beta^step` in f64. Subnormal moments are computed exactly (no
+//! flush to zero), which is slow on x86 if they are common.
+//!
+//! # Performance
+//! One pass over memory: per parameter the fp32 path reads and writes master, M and V
+//! and reads the gradient (28 bytes); the bf16 path reads a bf16 gradient and writes a
+//! bf16 parameter instead (also 28 bytes). Blocks of `block_params` go to the pool's
+//! threads by recursive halving (`rayon::join`), each thread walking long contiguous
+//! spans; the AVX kernels prefetch 4 KiB ahead on each fp32 stream, and the AVX-512
+//! kernels stream the 16-bit output with non-temporal stores when it is 32-byte aligned
+//! (it is never read by the step, so this saves its read-for-ownership). Arrays
+//! 64-byte aligned (chunk buffers are 4096-aligned) avoid split loads. Nothing is
+//! allocated per call.
+//!
+//! Nothing in this crate prints; it logs through `tracing`.
+
+/// The `half` crate whose `f16` / `bf16` types the API uses, re-exported so callers need
+/// no version match of their own.
+pub use half;
+
+pub mod bench;
+pub mod checkpoint;
+pub mod controller;
+pub mod cpu;
+pub mod error;
+pub mod group;
+pub mod loss_scale;
+pub mod params;
+pub mod placement;
+pub mod slices;
+pub mod stream;
+
+#[cfg(feature = "cuda")]
+#[path = "gpu.rs"]
+pub mod gpu;
+#[cfg(not(feature = "cuda"))]
+#[path = "gpu_dummy.rs"]
+pub mod gpu;
+
+pub use controller::{clip_coefficient, ControllerState, StepController, StepDecision};
+pub use cpu::{AdamW, CpuConfig, SimdLevel, BLOCK_PARAMS_DEFAULT};
+pub use error::{OptimError, Result};
+pub use group::ParamGroup;
+pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};
+pub use params::{HyperParams, Mode, StepState};
+pub use slices::{Dtype, Grads, ParamOut};
