@@ -1,8 +1,16 @@
 //! All criterion benchmarks, one module per area, gathered into one binary
 //! (`cargo bench --bench bench_main`).
 
+mod adamw;
 mod compress;
 mod io_engine;
+mod store;
 
-criterion::criterion_group!(benches, io_engine::bench, compress::bench);
+criterion::criterion_group!(
+    benches,
+    io_engine::bench,
+    compress::bench,
+    adamw::bench,
+    store::bench
+);
 criterion::criterion_main!(benches);

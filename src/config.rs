@@ -1,11 +1,12 @@
 //! The `tidestore.toml` configuration: parsing, sizes, and validation that names keys.
 //!
-//! One TOML file, one section per layer (`[io]`, `[chunk]`, `[nvme]` for now; tier
-//! budgets, policy, optimizer and workload sections come with the store above the io
-//! crate). Every struct rejects unknown keys, every size is a [`Size`] ("24GiB", "512MiB",
-//! "4096" or a plain integer), and every error is an [`Error::Config`] that names the key
-//! as written in TOML and the reason, with the file, line and column where the parser
-//! points at it. Invariants kept:
+//! One TOML file, one section per concern: `[io]` (block I/O), `[chunk]` (chunk size),
+//! `[device]`, `[host]`, `[nvme]` (the three tiers and their budgets), `[policy]`
+//! (eviction and prefetch), `[optimizer]` (AdamW and where it runs) and `[workload]`
+//! (the model `tidestore bench` and `tidestore plan` drive). Every struct rejects unknown
+//! keys, every size is a [`Size`] ("24GiB", "512MiB", "4096" or a plain integer), and
+//! every error is an [`Error::Config`] that names the key as written in TOML and the
+//! reason, with the file, line and column where the parser points at it. Invariants kept:
 //! - [`Config::from_toml_str`] never touches the filesystem; [`Config::load`] also
 //!   resolves `nvme.dir` against the config file's folder and checks that it can be
 //!   written (creating its last component if missing);
@@ -21,6 +22,7 @@ use serde::Deserialize;
 use tidestore_io::{EngineChoice, IoConfig, ALIGN_BYTES};
 
 use crate::error::{from_io_validation, Error, Location, Result};
+pub use crate::workload::WorkloadSection;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -63,7 +65,7 @@ impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
         for (unit, name) in [(TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")] {
-            if b != 0 && b % unit == 0 {
+            if b != 0 && b.is_multiple_of(unit) {
                 return write!(f, "{}{name}", b / unit);
             }
         }
@@ -133,7 +135,7 @@ impl FromStr for Size {
             let frac: u128 = frac_text.parse().map_err(|_| bad())?;
             let scaled = frac * u128::from(multiplier);
             let denominator = 10u128.pow(digits);
-            if scaled % denominator != 0 {
+            if !scaled.is_multiple_of(denominator) {
                 return Err(format!("`{s}` is not a whole number of bytes"));
             }
             let extra = u64::try_from(scaled / denominator).map_err(|_| too_large())?;
@@ -238,19 +240,100 @@ impl Default for IoSection {
     }
 }
 
+/// A size, or `"auto"`: let tidestore choose (see each key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AutoSize {
+    /// Chosen by tidestore.
+    Auto,
+    /// This many bytes.
+    Fixed(Size),
+}
+
+impl AutoSize {
+    /// The fixed size, or `None` for `"auto"`.
+    pub fn fixed(self) -> Option<Size> {
+        match self {
+            AutoSize::Auto => None,
+            AutoSize::Fixed(s) => Some(s),
+        }
+    }
+}
+
+impl fmt::Display for AutoSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AutoSize::Auto => f.write_str("auto"),
+            AutoSize::Fixed(s) => s.fmt(f),
+        }
+    }
+}
+
+impl FromStr for AutoSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            Ok(AutoSize::Auto)
+        } else {
+            s.parse().map(AutoSize::Fixed)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AutoSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct AutoVisitor;
+
+        impl Visitor<'_> for AutoVisitor {
+            type Value = AutoSize;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "\"auto\" or a size: bytes as an integer, or a string such as \"64MiB\"",
+                )
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<AutoSize, E> {
+                Ok(AutoSize::Fixed(Size(v)))
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<AutoSize, E> {
+                u64::try_from(v)
+                    .map(|b| AutoSize::Fixed(Size(b)))
+                    .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
+            }
+
+            fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<AutoSize, E> {
+                Err(E::custom(format!(
+                    "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
+                )))
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<AutoSize, E> {
+                v.parse().map_err(E::custom)
+            }
+        }
+
+        deserializer.deserialize_any(AutoVisitor)
+    }
+}
+
 /// `[chunk]`: the unit every transfer moves.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct ChunkSection {
-    /// Bytes of one chunk, and of one slot of the swap file; a positive multiple of 4096.
-    pub size: Size,
+    /// Bytes of one fp32 chunk (master, M, V), which is also one host buffer and one
+    /// slot of the swap file; 16-bit chunks are half as large. `"auto"`: the chunk
+    /// crate's search picks the size that wastes least for the workload's tensors.
+    /// A fixed size is a positive multiple of 4096.
+    pub size: AutoSize,
 }
 
 impl Default for ChunkSection {
     fn default() -> Self {
         ChunkSection {
-            size: Size::from_mib(64),
+            size: AutoSize::Auto,
         }
     }
 }
@@ -265,6 +348,8 @@ pub struct NvmeSection {
     pub dir: Option<PathBuf>,
     /// Size of the swap file; holds at least one chunk.
     pub size: Size,
+    /// Compression of the chunks written to the swap file.
+    pub compression: CompressionName,
 }
 
 impl Default for NvmeSection {
@@ -272,18 +357,201 @@ impl Default for NvmeSection {
         NvmeSection {
             dir: None,
             size: Size::from_gib(16),
+            compression: CompressionName::Off,
+        }
+    }
+}
+
+/// `nvme.compression`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompressionName {
+    /// Chunks are stored as they are (the fastest on a fast drive).
+    #[default]
+    Off,
+    /// Byte-shuffled zstd level 1 (smaller files, more CPU).
+    Zstd,
+}
+
+/// `device.kind`: which backend the device tier is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKindName {
+    /// A CUDA GPU when built with `cuda` and one is present, else the simulation.
+    #[default]
+    Auto,
+    /// A CUDA GPU or an error.
+    Cuda,
+    /// The device simulated in host memory.
+    Sim,
+}
+
+/// `[device]`: the GPU tier (or its simulation in host memory).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct DeviceSection {
+    /// Which backend.
+    pub kind: DeviceKindName,
+    /// Most device bytes chunks may use during forward/backward (the tide never rises
+    /// above it).
+    pub budget: Size,
+    /// Device bytes kept free of chunks above the activations' peak.
+    pub tidal_margin: Size,
+    /// Memory of the simulated device; `"auto"`: the budget plus the workload's
+    /// activation peak plus the margin. Ignored on a GPU (its real memory is used).
+    pub sim_memory: AutoSize,
+}
+
+impl Default for DeviceSection {
+    fn default() -> Self {
+        DeviceSection {
+            kind: DeviceKindName::Auto,
+            budget: Size::from_gib(4),
+            tidal_margin: Size::from_mib(0),
+            sim_memory: AutoSize::Auto,
+        }
+    }
+}
+
+/// `[host]`: the pinned host pool.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct HostSection {
+    /// Bytes of the pinned host pool (whole buffers of one fp32 chunk each).
+    pub budget: Size,
+}
+
+impl Default for HostSection {
+    fn default() -> Self {
+        HostSection {
+            budget: Size::from_gib(8),
+        }
+    }
+}
+
+/// `policy.eviction`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictionName {
+    /// Evict the chunk whose next use on the traced schedule is farthest (Belady).
+    #[default]
+    Lifetime,
+    /// Least recently used.
+    Lru,
+    /// First in, first out.
+    Fifo,
+}
+
+impl From<EvictionName> for tidestore_chunk::PolicyKind {
+    fn from(e: EvictionName) -> Self {
+        match e {
+            EvictionName::Lifetime => tidestore_chunk::PolicyKind::Lifetime,
+            EvictionName::Lru => tidestore_chunk::PolicyKind::Lru,
+            EvictionName::Fifo => tidestore_chunk::PolicyKind::Fifo,
+        }
+    }
+}
+
+/// `[policy]`: eviction and prefetch.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct PolicySection {
+    /// Which chunk leaves a full tier.
+    pub eviction: EvictionName,
+    /// Moments the prefetcher looks ahead (0: no prefetch), at most 4096.
+    pub prefetch_lookahead: u32,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        PolicySection {
+            eviction: EvictionName::Lifetime,
+            prefetch_lookahead: 8,
+        }
+    }
+}
+
+/// `optimizer.device`: where AdamW runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerDevice {
+    /// On the GPU for groups resident there when a GPU kernel is available, else the CPU.
+    #[default]
+    Auto,
+    /// Always the CPU kernel.
+    Cpu,
+    /// The GPU kernel or an error.
+    Gpu,
+}
+
+/// `optimizer.mode`: how weight decay enters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecayMode {
+    /// Decoupled weight decay (PyTorch `AdamW`).
+    #[default]
+    Adamw,
+    /// L2 regularisation added to the gradient (PyTorch `Adam` with `weight_decay`).
+    AdamL2,
+}
+
+/// `[optimizer]`: AdamW hyper-parameters and where the step runs.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+#[non_exhaustive]
+pub struct OptimizerSection {
+    /// Where the step runs.
+    pub device: OptimizerDevice,
+    /// CPU worker threads; 0: one per core.
+    pub threads: u32,
+    /// Learning rate (finite, >= 0).
+    pub lr: f64,
+    /// Decay of the first moment, in [0, 1).
+    pub beta1: f64,
+    /// Decay of the second moment, in [0, 1).
+    pub beta2: f64,
+    /// Added to the bias-corrected sqrt(v) (finite, > 0).
+    pub eps: f64,
+    /// Weight decay (finite, >= 0).
+    pub weight_decay: f64,
+    /// Decoupled (AdamW) or L2 weight decay.
+    pub mode: DecayMode,
+    /// Clip the global gradient norm to this; 0 turns clipping off.
+    pub max_grad_norm: f64,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        OptimizerSection {
+            device: OptimizerDevice::Auto,
+            threads: 0,
+            lr: 1e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            mode: DecayMode::Adamw,
+            max_grad_norm: 1.0,
         }
     }
 }
 
 /// The whole configuration file.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct Config {
     pub io: IoSection,
     pub chunk: ChunkSection,
+    pub device: DeviceSection,
+    pub host: HostSection,
     pub nvme: NvmeSection,
+    pub policy: PolicySection,
+    pub optimizer: OptimizerSection,
+    pub workload: WorkloadSection,
 }
 
 impl Config {
@@ -318,8 +586,10 @@ impl Config {
     /// key.
     pub fn validate(&self) -> Result<()> {
         self.io_config()?.validate().map_err(from_io_validation)?;
-        let chunk_bytes = self.chunk.size.bytes();
-        if chunk_bytes == 0 || chunk_bytes % ALIGN_BYTES as u64 != 0 {
+        let chunk_bytes = self.chunk.size.fixed().map_or(0, Size::bytes);
+        if self.chunk.size != AutoSize::Auto
+            && (chunk_bytes == 0 || !chunk_bytes.is_multiple_of(ALIGN_BYTES as u64))
+        {
             return Err(Error::config(
                 "chunk.size",
                 format!(
@@ -340,6 +610,12 @@ impl Config {
             }
             Some(_) => {}
         }
+        if self.nvme.size.bytes() == 0 {
+            return Err(Error::config(
+                "nvme.size",
+                "a swap file of 0 bytes holds no chunk",
+            ));
+        }
         if self.nvme.size.bytes() < chunk_bytes {
             return Err(Error::config(
                 "nvme.size",
@@ -347,6 +623,95 @@ impl Config {
                     "a swap file of {} is too small for one chunk of {} (chunk.size)",
                     self.nvme.size, self.chunk.size
                 ),
+            ));
+        }
+        self.validate_tiers()?;
+        self.validate_optimizer()?;
+        self.workload.validate()?;
+        Ok(())
+    }
+
+    fn validate_tiers(&self) -> Result<()> {
+        if self.device.budget.bytes() == 0 {
+            return Err(Error::config(
+                "device.budget",
+                "0 bytes: chunks need room on the device",
+            ));
+        }
+        if let AutoSize::Fixed(m) = self.device.sim_memory {
+            let need = self.device.budget.bytes() + self.device.tidal_margin.bytes();
+            if m.bytes() < need {
+                return Err(Error::config(
+                    "device.sim_memory",
+                    format!(
+                        "{m} is less than device.budget + device.tidal_margin ({})",
+                        Size(need)
+                    ),
+                ));
+            }
+        }
+        if self.host.budget.bytes() == 0 {
+            return Err(Error::config(
+                "host.budget",
+                "0 bytes: chunks pass through the host pool on their way to and from NVMe",
+            ));
+        }
+        if self.policy.prefetch_lookahead > 4096 {
+            return Err(Error::config(
+                "policy.prefetch_lookahead",
+                format!("{} is outside 0..=4096", self.policy.prefetch_lookahead),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_optimizer(&self) -> Result<()> {
+        let o = &self.optimizer;
+        let finite = |key: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v <= f64::from(f32::MAX) {
+                Ok(())
+            } else {
+                Err(Error::config(key, format!("{v} is not a finite number")))
+            }
+        };
+        finite("optimizer.lr", o.lr)?;
+        if o.lr < 0.0 {
+            return Err(Error::config(
+                "optimizer.lr",
+                format!("{} is negative", o.lr),
+            ));
+        }
+        for (key, v) in [("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)] {
+            finite(key, v)?;
+            if !(0.0..1.0).contains(&v) {
+                return Err(Error::config(key, format!("{v} is outside [0, 1)")));
+            }
+        }
+        finite("optimizer.eps", o.eps)?;
+        if o.eps <= 0.0 {
+            return Err(Error::config(
+                "optimizer.eps",
+                format!("{} is not > 0", o.eps),
+            ));
+        }
+        finite("optimizer.weight_decay", o.weight_decay)?;
+        if o.weight_decay < 0.0 {
+            return Err(Error::config(
+                "optimizer.weight_decay",
+                format!("{} is negative", o.weight_decay),
+            ));
+        }
+        finite("optimizer.max_grad_norm", o.max_grad_norm)?;
+        if o.max_grad_norm < 0.0 {
+            return Err(Error::config(
+                "optimizer.max_grad_norm",
+                format!("{} is negative (0 turns clipping off)", o.max_grad_norm),
+            ));
+        }
+        if o.threads > 1024 {
+            return Err(Error::config(
+                "optimizer.threads",
+                format!("{} is outside 0..=1024", o.threads),
             ));
         }
         Ok(())

@@ -63,6 +63,22 @@ pub enum Error {
     /// An error of the io layer (device errors, corrupt chunks, setup failures).
     #[error(transparent)]
     Io(#[from] IoError),
+
+    /// An error of the tiers (a missing GPU, an allocation that failed).
+    #[error(transparent)]
+    Tier(#[from] tidestore_tiers::TierError),
+
+    /// An error of the chunk store while running (I/O, a store invariant).
+    #[error(transparent)]
+    Store(#[from] tidestore_chunk::ChunkError),
+
+    /// An error of the optimizer.
+    #[error("optimizer: {0}")]
+    Optimizer(#[from] tidestore_optimizer::OptimError),
+
+    /// A benchmark run that went wrong in a way none of the layers reports.
+    #[error("bench: {0}")]
+    Bench(String),
 }
 
 /// `Result` with [`Error`] as the default error.

@@ -299,6 +299,70 @@ fn a_good_config_converts_to_the_io_crate() {
     assert_eq!(io.engine, tidestore::io::EngineChoice::ThreadPool);
     assert_eq!(io.block_bytes, 4 << 20);
     assert_eq!(io.queue_depth, 8);
-    assert_eq!(cfg.chunk.size.bytes(), 32 << 20);
+    assert_eq!(cfg.chunk.size.fixed().map(|s| s.bytes()), Some(32 << 20));
     io.validate().expect("io crate accepts it");
+}
+
+#[test]
+fn chunk_size_auto_is_accepted() {
+    let c = case("[chunk]\nsize = \"auto\"\n[nvme]\ndir = \"swap\"\n");
+    let cfg = Config::load(&c.path).expect("valid config");
+    assert_eq!(cfg.chunk.size, tidestore::AutoSize::Auto);
+}
+
+#[test]
+fn unknown_model() {
+    assert_key(
+        &format!("[workload]\nmodel = \"gpt5\"\n{NVME}"),
+        "workload.model",
+        "unknown variant",
+    );
+}
+
+#[test]
+fn custom_shape_key_with_a_named_model() {
+    assert_key(
+        &format!("[workload]\nmodel = \"gpt2\"\nlayers = 4\n{NVME}"),
+        "workload.layers",
+        "only used with model = \"custom\"",
+    );
+}
+
+#[test]
+fn custom_model_without_vocab() {
+    assert_key(
+        &format!(
+            "[workload]\nmodel = \"custom\"\narch = \"llama\"\nlayers = 2\nhidden = 64\n\
+             heads = 4\nintermediate = 128\n{NVME}"
+        ),
+        "workload.vocab",
+        "missing",
+    );
+}
+
+#[test]
+fn beta_out_of_range() {
+    assert_key(
+        &format!("[optimizer]\nbeta2 = 1.0\n{NVME}"),
+        "optimizer.beta2",
+        "[0, 1)",
+    );
+}
+
+#[test]
+fn negative_device_budget() {
+    assert_key(
+        &format!("[device]\nbudget = \"-1GiB\"\n{NVME}"),
+        "device.budget",
+        "negative",
+    );
+}
+
+#[test]
+fn unknown_policy() {
+    assert_key(
+        &format!("[policy]\neviction = \"random\"\n{NVME}"),
+        "policy.eviction",
+        "unknown variant",
+    );
 }

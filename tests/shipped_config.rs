@@ -20,6 +20,26 @@ fn shipped_config_loads_and_validates() {
 }
 
 #[test]
+fn shipped_workload_fits_its_budgets_and_uses_all_three_tiers() {
+    let cfg = Config::load(&shipped()).expect("valid");
+    let p = tidestore::session::prepare(&cfg).expect("the shipped workload fits");
+    let param16 = p.layout.list_bytes(tidestore::chunk::ListKind::Param16);
+    assert!(
+        cfg.device.budget.bytes() < param16,
+        "the device budget holds every 16-bit chunk: no device eviction would be shown"
+    );
+    let slots = p.capacity.chunks + 1;
+    assert!(
+        p.capacity.host_buffers < slots,
+        "the host pool holds every chunk: NVMe would not be used"
+    );
+    assert!(
+        cfg.nvme.size.bytes() <= 4 << 30,
+        "the shipped swap file stays modest"
+    );
+}
+
+#[test]
 fn shipped_config_sets_and_documents_every_key() {
     let text = std::fs::read_to_string(shipped()).expect("readable");
     let table: toml::Table = text.parse().expect("valid TOML");
@@ -36,7 +56,43 @@ fn shipped_config_sets_and_documents_every_key() {
             ],
         ),
         ("chunk", &["size"]),
-        ("nvme", &["dir", "size"]),
+        ("device", &["kind", "budget", "tidal_margin", "sim_memory"]),
+        ("host", &["budget"]),
+        ("nvme", &["dir", "size", "compression"]),
+        ("policy", &["eviction", "prefetch_lookahead"]),
+        (
+            "optimizer",
+            &[
+                "device",
+                "threads",
+                "lr",
+                "beta1",
+                "beta2",
+                "eps",
+                "weight_decay",
+                "mode",
+                "max_grad_norm",
+            ],
+        ),
+        (
+            "workload",
+            &[
+                "model",
+                "mode",
+                "lora_rank",
+                "lora_targets",
+                "iterations",
+                "micro_batch",
+                "sequence",
+                "arch",
+                "layers",
+                "hidden",
+                "heads",
+                "kv_heads",
+                "intermediate",
+                "vocab",
+            ],
+        ),
     ];
     let sections: Vec<&String> = table.keys().collect();
     assert_eq!(sections.len(), expected.len(), "sections: {sections:?}");

@@ -144,14 +144,18 @@ fn sizes(cfg: &Config, args: &IoBenchArgs) -> Result<(u64, u64), CliError> {
     let align = tidestore::io::ALIGN_BYTES as u64;
     let default_file = if args.tune { GIB } else { 4 * GIB };
     let file_bytes = args.file_size.map_or(default_file, Size::bytes);
-    if file_bytes == 0 || file_bytes % align != 0 {
+    if file_bytes == 0 || !file_bytes.is_multiple_of(align) {
         return Err(CliError::Usage {
             flag: "--file-size",
             reason: format!("{file_bytes} bytes is not a positive multiple of {align} (O_DIRECT)"),
         });
     }
-    let mut chunk_bytes = args.chunk_size.unwrap_or(cfg.chunk.size).bytes();
-    if chunk_bytes == 0 || chunk_bytes % align != 0 {
+    let mut chunk_bytes = args
+        .chunk_size
+        .or(cfg.chunk.size.fixed())
+        .unwrap_or(Size::from_mib(64))
+        .bytes();
+    if chunk_bytes == 0 || !chunk_bytes.is_multiple_of(align) {
         return Err(CliError::Usage {
             flag: "--chunk-size",
             reason: format!("{chunk_bytes} bytes is not a positive multiple of {align} (O_DIRECT)"),

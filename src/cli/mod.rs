@@ -18,9 +18,12 @@ macro_rules! out {
     }};
 }
 
+mod bench;
 mod blockdev;
 mod fio;
 mod io_bench;
+mod plan;
+mod plot;
 mod stats;
 
 use std::path::PathBuf;
@@ -47,6 +50,12 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run warm-up plus N iterations of the configured fine-tuning workload through the
+    /// real chunk store and optimizer, and report time, bytes and bandwidth per phase.
+    Bench(bench::BenchArgs),
+    /// Show where a model's chunk lists go on a given GPU / RAM / NVMe, whether it fits,
+    /// and the projected iteration time.
+    Plan(plan::PlanArgs),
     /// Write then read a file in nvme.dir through the chunk I/O engine and report MB/s;
     /// optionally against fio (--compare-fio) or over a sweep of settings (--tune).
     IoBench(io_bench::IoBenchArgs),
@@ -57,6 +66,8 @@ impl Cli {
     pub fn run(self) -> Result<(), CliError> {
         match self.command {
             Command::IoBench(args) => io_bench::run(&self.config, &args),
+            Command::Bench(args) => bench::run(&self.config, &args),
+            Command::Plan(args) => plan::run(&self.config, &args),
         }
     }
 }
@@ -79,6 +90,14 @@ pub enum CliError {
     /// The benchmark itself went wrong (a request lost, a file that cannot be removed).
     #[error("io-bench: {0}")]
     Bench(String),
+
+    /// An output file (the plot, the JSON) could not be written.
+    #[error("{what} {}: {reason}", path.display())]
+    Output {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
 }
 
 impl From<tidestore::io::IoError> for CliError {

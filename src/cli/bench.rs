@@ -1,0 +1,283 @@
+//! `tidestore bench`: the configured workload through the real store and optimizer,
+//! with a progress bar per phase on stderr, then a report on stdout: a table per phase
+//! (time, stall, peaks) and per link (bytes and GB/s), the optimizer's rate, and what was
+//! emulated; `--json` prints the report as JSON instead (schema in the README);
+//! `--plot FILE.svg` draws the last iteration's tier occupancy and link traffic.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use tidestore::bench::{self, BenchReport, PhaseName, Progress};
+use tidestore::plan::human_bytes;
+use tidestore::Config;
+
+use super::{plot, CliError};
+
+/// Options of `bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Measured iterations after the warm-up [default: workload.iterations].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100000))]
+    iterations: Option<u32>,
+
+    /// Print the report as JSON on stdout (the schema is in the README).
+    #[arg(long)]
+    json: bool,
+
+    /// Draw each tier's occupancy and each link's traffic over the moments of the last
+    /// iteration into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+/// Progress bars, one per phase, on stderr (hidden when stderr is not a terminal).
+struct Bars {
+    multi: MultiProgress,
+    bars: HashMap<PhaseName, ProgressBar>,
+    style: ProgressStyle,
+    iterations: u32,
+    current: Option<PhaseName>,
+}
+
+impl Progress for Bars {
+    fn start(&mut self, phase: PhaseName, iteration: u32, steps: u64) {
+        let style = self.style.clone();
+        let multi = &self.multi;
+        let bar = self.bars.entry(phase).or_insert_with(|| {
+            let b = multi.add(ProgressBar::new(steps));
+            b.set_style(style);
+            b.set_prefix(format!("{:<9}", phase.as_str()));
+            b
+        });
+        bar.set_length(steps);
+        bar.set_position(0);
+        self.current = Some(phase);
+        bar.set_message(match (phase, iteration) {
+            (PhaseName::Init, _) => "writing parameters".to_string(),
+            (_, 0) => "warm-up (traced)".to_string(),
+            (_, i) => format!("iteration {i}/{}", self.iterations),
+        });
+    }
+
+    fn advance(&mut self, n: u64) {
+        if let Some(b) = self.current.and_then(|p| self.bars.get(&p)) {
+            b.inc(n);
+        }
+    }
+
+    fn finish(&mut self, phase: PhaseName) {
+        if let Some(b) = self.bars.get(&phase) {
+            if let Some(len) = b.length() {
+                b.set_position(len);
+            }
+        }
+    }
+}
+
+impl Bars {
+    fn done(&self) {
+        for b in self.bars.values() {
+            b.finish();
+        }
+    }
+}
+
+/// Runs the bench.
+pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
+    let mut cfg = Config::load(config)?;
+    if let Some(n) = args.iterations {
+        cfg.workload.iterations = n;
+    }
+    let style =
+        ProgressStyle::with_template("{prefix} [{bar:40}] {pos:>6}/{len:6} {msg} ({elapsed})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+    let mut bars = Bars {
+        multi: MultiProgress::new(),
+        bars: HashMap::new(),
+        style,
+        iterations: cfg.workload.iterations,
+        current: None,
+    };
+    let report = bench::run(&cfg, &mut bars)?;
+    bars.done();
+    if let Some(path) = &args.plot {
+        plot::draw(&report, path).map_err(|reason| CliError::Output {
+            what: "cannot write the plot",
+            path: path.clone(),
+            reason,
+        })?;
+    }
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::Output {
+            what: "cannot encode the report as JSON for",
+            path: PathBuf::from("stdout"),
+            reason: e.to_string(),
+        })?;
+        out!("{text}");
+    } else {
+        print_table(&report);
+        if let Some(path) = &args.plot {
+            out!("plot: {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn gbps(bytes: u64, secs: f64) -> String {
+    if secs > 0.0 {
+        format!("{:.2} GB/s", bytes as f64 / secs / 1e9)
+    } else {
+        "-".into()
+    }
+}
+
+fn print_table(r: &BenchReport) {
+    let n = f64::from(r.iterations.max(1));
+    let per = |b: u64| (b as f64 / n) as u64;
+    out!("tidestore bench: {}", r.workload.description);
+    out!(
+        "device: {} ({} memory); budgets: device {} (tidal margin {}), host {}, nvme {}",
+        r.budgets.device_kind,
+        human_bytes(r.budgets.device_memory_bytes),
+        human_bytes(r.budgets.device_bytes),
+        human_bytes(r.budgets.tidal_margin_bytes),
+        human_bytes(r.budgets.host_bytes),
+        human_bytes(r.budgets.nvme_bytes)
+    );
+    let lists: Vec<String> = r
+        .chunks
+        .lists
+        .iter()
+        .map(|l| format!("{} {} x{}", l.list, human_bytes(l.bytes), l.chunks))
+        .collect();
+    out!(
+        "chunks: {} elements ({}; 16-bit {}, fp32 {}), {}; waste {}",
+        r.chunks.chunk_elements,
+        if r.chunks.searched {
+            "searched"
+        } else {
+            "chunk.size"
+        },
+        human_bytes(r.chunks.param16_chunk_bytes),
+        human_bytes(r.chunks.slot_bytes),
+        lists.join(", "),
+        human_bytes(r.chunks.waste_bytes)
+    );
+    out!(
+        "policy {}, prefetch {} moments; init {:.2} s, warm-up {:.2} s, then {} iterations \
+         of {:.2} s",
+        r.policy,
+        r.prefetch_lookahead,
+        r.init_seconds,
+        r.warmup_seconds,
+        r.iterations,
+        r.seconds_per_iteration
+    );
+    out!();
+    out!("per iteration (mean of {}):", r.iterations);
+    out!(
+        "{:<10} {:>9} {:>10} {:>9} {:>12} {:>12} {:>12}",
+        "phase",
+        "time",
+        "stalled",
+        "accesses",
+        "peak device",
+        "peak host",
+        "peak nvme"
+    );
+    for p in &r.phases {
+        out!(
+            "{:<10} {:>7.3} s {:>8.3} s {:>9} {:>12} {:>12} {:>12}",
+            p.name,
+            p.seconds / n,
+            p.stall_seconds / n,
+            p.accesses / u64::from(r.iterations.max(1)),
+            human_bytes(p.peak_device_bytes),
+            human_bytes(p.peak_host_bytes),
+            human_bytes(p.peak_nvme_bytes)
+        );
+    }
+    out!();
+    out!(
+        "{:<10} {:>24} {:>24} {:>24} {:>24}",
+        "link",
+        "host->device",
+        "device->host",
+        "nvme->host",
+        "host->nvme"
+    );
+    let mut total = [0u64; 4];
+    let mut total_secs = 0.0;
+    for p in &r.phases {
+        let b = [
+            p.host_to_device_bytes,
+            p.device_to_host_bytes,
+            p.nvme_to_host_bytes,
+            p.host_to_nvme_bytes,
+        ];
+        let cells: Vec<String> = b
+            .iter()
+            .map(|&x| format!("{} {}", human_bytes(per(x)), gbps(x, p.seconds)))
+            .collect();
+        out!(
+            "{:<10} {:>24} {:>24} {:>24} {:>24}",
+            p.name,
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3]
+        );
+        for (t, x) in total.iter_mut().zip(b) {
+            *t += x;
+        }
+        total_secs += p.seconds;
+    }
+    let cells: Vec<String> = total
+        .iter()
+        .map(|&x| format!("{} {}", human_bytes(per(x)), gbps(x, total_secs)))
+        .collect();
+    out!(
+        "{:<10} {:>24} {:>24} {:>24} {:>24}",
+        "iteration",
+        cells[0],
+        cells[1],
+        cells[2],
+        cells[3]
+    );
+    out!();
+    out!(
+        "peak per tier: device {}, host {}, nvme {}",
+        human_bytes(r.peak.device_bytes),
+        human_bytes(r.peak.host_bytes),
+        human_bytes(r.peak.nvme_bytes)
+    );
+    let o = &r.optimizer;
+    out!(
+        "optimizer: {} ({}, {} threads), {} params per step, {} steps applied, {} skipped; \
+         {:.3} G params/s with its I/O, {:.3} G params/s in the kernel; grad norm {:.4}",
+        o.placement,
+        o.simd,
+        o.threads,
+        o.params_per_step,
+        o.steps_applied,
+        o.steps_skipped,
+        o.params_per_s / 1e9,
+        o.kernel_params_per_s / 1e9,
+        o.grad_norm
+    );
+    let s = &r.store;
+    out!(
+        "store: {} device evictions, {} host evictions, {} demand loads, {} prefetch loads \
+         ({} hits), {} divergences",
+        s.device_evictions,
+        s.host_evictions,
+        s.demand_loads,
+        s.prefetch_loads,
+        s.prefetch_hits,
+        s.divergences
+    );
+    out!("checksum of every byte read: {}", r.checksum);
+    out!("emulated: {}", r.emulated);
+}

@@ -1,0 +1,336 @@
+//! A chunk store opened for a workload from the configuration, with every up-front
+//! check mapped to the key a user would change.
+//!
+//! [`prepare`] does everything that needs no memory or file: it builds the workload's
+//! tensors, picks the chunk size (`chunk.size = "auto"`: the chunk crate's search), lays
+//! the tensors out, and checks the budgets with the chunk crate's
+//! [`tidestore_chunk::plan_capacity`] (the same check [`ChunkStore::open`] makes). A
+//! device budget smaller than one chunk, a host pool that cannot stage a chunk and a
+//! model larger than host + NVMe are all [`Error::Config`] naming `device.budget`,
+//! `host.budget` or `nvme.size`, before anything is allocated. [`open`] then makes the
+//! device, the host pool and the swap file.
+//!
+//! One chunk is in use at a time (`working_set_chunks = 1`): forward and backward use
+//! one tensor at a time, and the optimizer step copies a tensor's M, V and gradient out
+//! of the store and back (the store lends one mutable view at a time).
+
+use tidestore_chunk::{
+    plan_capacity, search_chunk_size, CapacityPlan, ChunkError, ChunkStore, Layout, LayoutConfig,
+    ListKind, NvmeSource, SearchConfig, StoreConfig, TensorId, SWAP_FILE_NAME,
+};
+use tidestore_io::compress::Compression;
+use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierKind};
+
+use crate::config::{AutoSize, CompressionName, Config, DeviceKindName, Size};
+use crate::error::{Error, Result};
+use crate::workload::Workload;
+
+/// Chunks in use at once (see the module doc).
+pub const WORKING_SET_CHUNKS: u32 = 1;
+
+/// The workload laid out in chunks and checked against the budgets; nothing allocated.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The workload.
+    pub workload: Workload,
+    /// Its layout.
+    pub layout: Layout,
+    /// Element slots per chunk.
+    pub chunk_elements: u64,
+    /// Whether the chunk size came from the search.
+    pub chunk_searched: bool,
+    /// Wasted bytes of the layout (allocated minus payload, all lists).
+    pub waste_bytes: u64,
+    /// The capacity check's result.
+    pub capacity: CapacityPlan,
+    /// Total memory of the device (the simulated one, or the GPU's when known).
+    pub device_memory_bytes: u64,
+    /// Bytes of the largest 16-bit chunk (what the device holds).
+    pub param16_chunk_bytes: u64,
+}
+
+/// A chunk store holding a workload.
+pub struct Session {
+    /// The store.
+    pub store: ChunkStore,
+    /// The workload.
+    pub workload: Workload,
+    /// Tensor ids in the order of `workload.tensors`.
+    pub ids: Vec<TensorId>,
+    /// The preparation's facts (layout moved into the store).
+    pub chunk_elements: u64,
+    /// Whether the chunk size was searched.
+    pub chunk_searched: bool,
+    /// Wasted bytes of the layout.
+    pub waste_bytes: u64,
+    /// Capacity plan.
+    pub capacity: CapacityPlan,
+    /// Device memory.
+    pub device_memory_bytes: u64,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("store", &self.store)
+            .field("workload", &self.workload.describe())
+            .finish()
+    }
+}
+
+/// The layout of `workload` with chunk size `chunk` (auto: searched for `block_bytes`).
+pub fn layout_for(
+    workload: &Workload,
+    chunk: AutoSize,
+    block_bytes: u64,
+) -> Result<(Layout, u64, bool)> {
+    let base = LayoutConfig::new(1);
+    let (elements, searched) = match chunk {
+        AutoSize::Auto => {
+            let report =
+                search_chunk_size(&workload.tensors, &base, &SearchConfig::new(block_bytes))
+                    .map_err(|e| {
+                        Error::config("chunk.size", format!("the chunk-size search failed: {e}"))
+                    })?;
+            (report.chosen.chunk_elements, true)
+        }
+        AutoSize::Fixed(size) => {
+            let bytes = size.bytes();
+            if !bytes.is_multiple_of(8192) {
+                return Err(Error::config(
+                    "chunk.size",
+                    format!(
+                        "{size} is the size of an fp32 chunk; it must be a multiple of 8192 so \
+                         that the 16-bit chunks (half as large) stay 4096-aligned"
+                    ),
+                ));
+            }
+            (bytes / 4, false)
+        }
+    };
+    let layout = Layout::new(
+        LayoutConfig::new(elements),
+        workload.tensors.iter().cloned(),
+    )
+    .map_err(|e| match e {
+        ChunkError::TensorTooLarge {
+            tensor,
+            needed_elements,
+            ..
+        } => Error::config(
+            "chunk.size",
+            format!(
+                "{} cannot hold tensor `{tensor}` ({needed_elements} elements need {} as fp32); \
+                 tensors are never split: use \"auto\" or at least that size",
+                Size::from_bytes(elements * 4),
+                Size::from_bytes(needed_elements * 4),
+            ),
+        ),
+        other => Error::Store(other),
+    })?;
+    Ok((layout, elements, searched))
+}
+
+fn human(b: u64) -> String {
+    crate::plan::human_bytes(b)
+}
+
+/// Builds the workload and its layout and checks every budget (see the module doc).
+pub fn prepare(cfg: &Config) -> Result<Prepared> {
+    let workload = cfg.workload.build()?;
+    let (layout, chunk_elements, chunk_searched) =
+        layout_for(&workload, cfg.chunk.size, cfg.io.block_size.bytes())?;
+    let param16_chunk_bytes = layout.chunk_bytes(ListKind::Param16);
+    let device_budget = cfg.device.budget.bytes();
+    if device_budget < param16_chunk_bytes {
+        return Err(Error::config(
+            "device.budget",
+            format!(
+                "{} is smaller than one chunk: a 16-bit chunk of {} takes {} (chunk.size = {})",
+                human(device_budget),
+                workload.model,
+                human(param16_chunk_bytes),
+                cfg.chunk.size
+            ),
+        ));
+    }
+    let activations = workload.activation_bytes();
+    let device_memory_bytes = match cfg.device.sim_memory {
+        AutoSize::Fixed(m) => m.bytes(),
+        AutoSize::Auto => device_budget + activations.peak() + cfg.device.tidal_margin.bytes(),
+    };
+    let slot_bytes =
+        tidestore_io::align_up(layout.dense_chunk_bytes().into_iter().max().unwrap_or(0) as usize)
+            as u64;
+    let nvme_slots = cfg.nvme.size.bytes() / slot_bytes.max(1);
+    let capacity = plan_capacity(
+        &layout,
+        device_budget,
+        cfg.host.budget.bytes(),
+        WORKING_SET_CHUNKS,
+        nvme_slots,
+        device_memory_bytes.max(device_budget),
+    )
+    .map_err(|e| capacity_error(e, &workload, cfg))?;
+    Ok(Prepared {
+        waste_bytes: layout.waste_bytes(),
+        workload,
+        layout,
+        chunk_elements,
+        chunk_searched,
+        capacity,
+        device_memory_bytes,
+        param16_chunk_bytes,
+    })
+}
+
+/// The chunk crate's capacity errors as config errors naming the key to change.
+fn capacity_error(e: ChunkError, workload: &Workload, cfg: &Config) -> Error {
+    match e {
+        ChunkError::BudgetTooSmall {
+            tier,
+            what,
+            needed_bytes,
+            available_bytes,
+            short_bytes,
+        } => {
+            let key = match tier {
+                TierKind::Device => "device.budget",
+                TierKind::Host => "host.budget",
+                _ => "nvme.size",
+            };
+            Error::config(
+                key,
+                format!(
+                    "too small: {what} needs {}, the budget gives {} ({} short)",
+                    human(needed_bytes),
+                    human(available_bytes),
+                    human(short_bytes)
+                ),
+            )
+        }
+        ChunkError::ModelTooLarge {
+            chunks,
+            slot_bytes,
+            needed_bytes,
+            host_bytes,
+            nvme_bytes,
+            short_bytes,
+            ..
+        } => Error::config(
+            "nvme.size",
+            format!(
+                "the model does not fit: {} needs {chunks} chunks + 1 staging slot of {} = {} \
+                 of host + NVMe, but host.budget ({}) holds {} and nvme.size ({}) holds {} \
+                 ({} short)",
+                workload.describe(),
+                human(slot_bytes),
+                human(needed_bytes),
+                cfg.host.budget,
+                human(host_bytes),
+                cfg.nvme.size,
+                human(nvme_bytes),
+                human(short_bytes)
+            ),
+        ),
+        other => Error::Store(other),
+    }
+}
+
+/// Opens the device, the host pool and the swap file for a prepared workload.
+pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
+    let Prepared {
+        workload,
+        layout,
+        chunk_elements,
+        chunk_searched,
+        waste_bytes,
+        capacity,
+        device_memory_bytes,
+        ..
+    } = prepared;
+    let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
+    dcfg.sim_total_bytes = Some(device_memory_bytes.max(cfg.device.budget.bytes()));
+    let device = match cfg.device.kind {
+        DeviceKindName::Sim => Device::sim(&dcfg),
+        DeviceKindName::Cuda => Device::cuda(&dcfg),
+        DeviceKindName::Auto => Device::auto(&dcfg),
+    }
+    .map_err(|e| match cfg.device.kind {
+        DeviceKindName::Cuda => Error::config("device.kind", format!("no CUDA device: {e}")),
+        _ => Error::Tier(e),
+    })?;
+    let dir = cfg.nvme_dir()?.to_path_buf();
+    let io = cfg.io_config()?;
+    let nvme = match cfg.nvme.compression {
+        CompressionName::Off => NvmeSource::Dir {
+            dir,
+            bytes: cfg.nvme.size.bytes(),
+            io,
+        },
+        CompressionName::Zstd => {
+            let slots = u32::try_from(capacity.nvme_slots.max(1))
+                .map_err(|_| Error::config("nvme.size", "more slots than a swap file holds"))?;
+            let path = dir.join(SWAP_FILE_NAME);
+            // A file of another shape (an earlier run) is replaced.
+            let tier = match NvmeTier::open_or_create(
+                &path,
+                capacity.slot_bytes as usize,
+                slots,
+                &io,
+                Compression::FP32,
+            ) {
+                Ok(t) => t,
+                Err(first) => {
+                    tracing::info!(error = %first, "swap file of another shape; recreating it");
+                    let _ = std::fs::remove_file(&path);
+                    NvmeTier::open_or_create(
+                        &path,
+                        capacity.slot_bytes as usize,
+                        slots,
+                        &io,
+                        Compression::FP32,
+                    )?
+                }
+            };
+            NvmeSource::Tier(Box::new(tier))
+        }
+    };
+    let store_cfg = StoreConfig::new(cfg.device.budget.bytes(), cfg.host.budget.bytes(), nvme)
+        .with_policy(cfg.policy.eviction.into())
+        .with_prefetch(cfg.policy.prefetch_lookahead)
+        .with_working_set_chunks(WORKING_SET_CHUNKS);
+    let store_cfg = StoreConfig {
+        tidal_margin_bytes: cfg.device.tidal_margin.bytes(),
+        ..store_cfg
+    };
+    let store = match ChunkStore::open(layout, store_cfg, device) {
+        Ok(s) => s,
+        Err(e @ (ChunkError::BudgetTooSmall { .. } | ChunkError::ModelTooLarge { .. })) => {
+            return Err(capacity_error(e, &workload, cfg))
+        }
+        Err(e) => return Err(Error::Store(e)),
+    };
+    let ids = (0..workload.tensors.len() as u32).map(TensorId).collect();
+    tracing::info!(
+        workload = %workload.describe(),
+        device = %store.device().kind(),
+        chunk_elements,
+        "chunk store opened"
+    );
+    Ok(Session {
+        store,
+        workload,
+        ids,
+        chunk_elements,
+        chunk_searched,
+        waste_bytes,
+        capacity,
+        device_memory_bytes,
+    })
+}
+
+/// Whether the device is a real GPU.
+pub fn is_gpu(session: &Session) -> bool {
+    session.store.device().kind() == DeviceKind::Cuda
+}

@@ -1,0 +1,163 @@
+//! Guards against `tidestore bench --json` drifting from the schema the README
+//! documents, and `--plot` writing an SVG that does not open or lacks a series: a tiny
+//! workload whose chunks use all three tiers must produce JSON with every documented
+//! field, and an SVG that parses as XML and names every tier and link.
+
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
+
+const TINY: &str = "[io]\nblock_size = 4096\nqueue_depth = 8\n\
+[device]\nkind = \"sim\"\nbudget = \"512KiB\"\n\
+[host]\nbudget = \"2MiB\"\n\
+[nvme]\ndir = \"swap\"\nsize = \"16MiB\"\n\
+[workload]\nmodel = \"custom\"\narch = \"gpt2\"\nlayers = 4\nhidden = 64\nheads = 4\n\
+intermediate = 256\nvocab = 512\nsequence = 64\niterations = 2\n";
+
+#[test]
+fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("tidestore.toml");
+    std::fs::write(&config, TINY).expect("write config");
+    let svg = dir.path().join("run.svg");
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&config)
+        .args(["bench", "--json", "--plot"])
+        .arg(&svg)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the binary");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+
+    // The schema documented in the README, field by field.
+    assert_eq!(v["schema"], "tidestore.bench.v1");
+    assert!(v["emulated"].as_str().expect("text").contains("no matmul"));
+    for f in [
+        "model",
+        "arch",
+        "description",
+        "mode",
+        "params_base",
+        "params_trainable",
+        "tensors",
+        "layers",
+        "micro_batch",
+        "sequence",
+        "activation_peak_bytes",
+    ] {
+        assert!(!v["workload"][f].is_null(), "workload.{f}");
+    }
+    for f in [
+        "device_kind",
+        "device_memory_bytes",
+        "device_bytes",
+        "tidal_margin_bytes",
+        "host_bytes",
+        "nvme_bytes",
+    ] {
+        assert!(
+            v["budgets"][f].is_u64() || v["budgets"][f].is_string(),
+            "budgets.{f}"
+        );
+    }
+    for f in [
+        "chunk_elements",
+        "searched",
+        "param16_chunk_bytes",
+        "slot_bytes",
+        "lists",
+        "waste_bytes",
+    ] {
+        assert!(!v["chunks"][f].is_null(), "chunks.{f}");
+    }
+    for f in [
+        "policy",
+        "prefetch_lookahead",
+        "iterations",
+        "init_seconds",
+        "warmup_seconds",
+        "seconds_per_iteration",
+        "checksum",
+    ] {
+        assert!(!v[f].is_null(), "{f}");
+    }
+    let phases = v["phases"].as_array().expect("phases");
+    let names: Vec<&str> = phases
+        .iter()
+        .map(|p| p["name"].as_str().expect("name"))
+        .collect();
+    assert_eq!(names, ["forward", "backward", "optimizer"]);
+    for p in phases {
+        for f in [
+            "seconds",
+            "host_to_device_bytes",
+            "device_to_host_bytes",
+            "nvme_to_host_bytes",
+            "host_to_nvme_bytes",
+            "stall_seconds",
+            "accesses",
+            "peak_device_bytes",
+            "peak_host_bytes",
+            "peak_nvme_bytes",
+        ] {
+            assert!(p[f].is_number(), "phases[].{f}");
+        }
+    }
+    for f in ["device_bytes", "host_bytes", "nvme_bytes"] {
+        assert!(v["peak"][f].is_u64(), "peak.{f}");
+    }
+    for f in [
+        "placement",
+        "simd",
+        "threads",
+        "params_per_step",
+        "steps_applied",
+        "steps_skipped",
+        "params_per_s",
+        "kernel_params_per_s",
+        "grad_norm",
+    ] {
+        assert!(!v["optimizer"][f].is_null(), "optimizer.{f}");
+    }
+    for f in [
+        "device_evictions",
+        "host_evictions",
+        "demand_loads",
+        "prefetch_loads",
+        "prefetch_hits",
+        "divergences",
+    ] {
+        assert!(v["store"][f].is_u64(), "store.{f}");
+    }
+    // The budgets put chunks on all three tiers.
+    assert!(v["peak"]["nvme_bytes"].as_u64().unwrap() > 0, "NVMe used");
+    assert!(
+        v["store"]["device_evictions"].as_u64().unwrap() > 0,
+        "device evicts"
+    );
+    assert_eq!(v["optimizer"]["steps_applied"], 2);
+
+    let text = std::fs::read_to_string(&svg).expect("the SVG was written");
+    let doc = roxmltree::Document::parse(&text).expect("the SVG is XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let texts: Vec<&str> = doc
+        .descendants()
+        .filter_map(|n| n.text())
+        .map(str::trim)
+        .collect();
+    for series in [
+        "device",
+        "host",
+        "nvme",
+        "device budget (tide)",
+        "host->device",
+        "device->host",
+        "nvme->host",
+        "host->nvme",
+    ] {
+        assert!(texts.contains(&series), "series `{series}` in {texts:?}");
+    }
+}
