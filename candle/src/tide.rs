@@ -1,0 +1,620 @@
+//! [`TideParams`]: a candle model's parameters, gradients, fp32 master weights, Adam M
+//! and V kept in a tidestore [`ChunkStore`], and the step made by tidestore's AdamW.
+//!
+//! One training iteration, as the glue drives the store:
+//! 1. **Forward.** [`ParamSource::param`] accesses the tensor (on the store's device
+//!    tier: the GPU, or its host simulation), copies it into a fresh candle tensor and
+//!    releases it `HOLD_AFTER_FWD`. Trainable tensors become [`Var`]s, so candle tracks
+//!    their gradients; frozen ones (a LoRA base) are plain tensors with no gradient.
+//! 2. **Backward.** [`TideParams::backward`] runs candle's backward, then, in reverse
+//!    registration order, accesses each trainable tensor's gradient place on the host,
+//!    copies the gradient there and releases it `HOLD_AFTER_BWD`. The candle graph and
+//!    its copies of the parameters are dropped.
+//! 3. **Step.** [`TideParams::step`] decides the step (global norm, clipping) with the
+//!    optimizer's [`StepController`] and, tensor by tensor, accesses gradient, master, M
+//!    and V on the host — the store loads their chunks from NVMe where the budgets put
+//!    them, and writes them back when the host pool needs room — and runs
+//!    [`AdamW::step_slice`] on them.
+//!
+//! Two precisions ([`Precision`]):
+//! - `F32`: forward reads the fp32 master copy; gradients are fp32, kept in frozen fp32
+//!   companion tensors `NAME#grad` registered after all parameters (the layout's own
+//!   gradient place is 16-bit), so they fill chunks of their own. Numerically the same as training in
+//!   candle's memory; the parity test runs this way. The 16-bit copy of the parameters
+//!   the layout also allocates stays unused.
+//! - `Bf16`: the layout's mixed precision: forward reads the bf16 copy (widened to f32
+//!   for candle's compute), the bf16 gradient reuses that copy's space, and the step
+//!   writes the new bf16 copy back there.
+//!
+//! Copies made per iteration (documented because they are the cost of the glue):
+//! forward, per parameter: chunk bytes -> a `Vec<f32>` that candle takes over without
+//! copying (plus candle's host -> GPU upload on a CUDA candle device); backward, per
+//! trainable parameter: candle's gradient -> a `Vec<f32>` (a GPU -> host download on
+//! CUDA) -> the chunk; step, per trainable parameter: gradient, master, M, V chunk bytes
+//! -> reused scratch vectors -> the kernel -> master, M, V (and the bf16 copy) back into
+//! their chunks. The scratch copies exist because the store lends one mutable view at a
+//! time.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor, Var};
+use tidestore_chunk::{
+    search_chunk_size, typed, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
+    MoveKind, NvmeSource, Place, SearchConfig, StoreConfig, StoreStats, TensorId, TensorSpec,
+    TensorState,
+};
+use tidestore_io::IoConfig;
+use tidestore_optimizer::{
+    AdamW, ControllerState, CpuConfig, Grads, HyperParams, ParamOut, StepController, StepDecision,
+};
+use tidestore_tiers::{DeviceConfig, DeviceKind};
+
+use crate::error::{Error, Result};
+use crate::source::{check_params, ParamSource, ParamSpec};
+
+/// Which copy of the parameters forward reads, and the gradients' precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// fp32 compute from the master copy, fp32 gradients (see the module doc).
+    #[default]
+    F32,
+    /// bf16 compute copy and bf16 gradients, fp32 master, M and V.
+    Bf16,
+}
+
+/// How [`TideParams::open`] lays out and budgets the store.
+#[derive(Debug, Clone)]
+pub struct TideConfig {
+    /// Forward/gradient precision.
+    pub precision: Precision,
+    /// AdamW hyper-parameters (one group).
+    pub hp: HyperParams,
+    /// Clip the global gradient norm to this, when given.
+    pub max_grad_norm: Option<f32>,
+    /// Chunk size in element slots; `None`: the chunk-size search (capped at twice the
+    /// largest tensor, so a small model still has several chunks per list).
+    pub chunk_elements: Option<u64>,
+    /// Device budget for chunks, in chunks of the largest size (at least 4: the store
+    /// sizes every tier for the step's four chunks in use at once).
+    pub device_chunks: u32,
+    /// Pinned host pool, in chunks of the largest size (at least 5: four in use by the
+    /// step plus one staging buffer). Fewer than the model's chunks put the rest —
+    /// M and V among them — on NVMe.
+    pub host_chunks: u32,
+    /// Directory of the swap file (its own, or a temporary one: the file is reused if it
+    /// has this shape).
+    pub swap_dir: PathBuf,
+    /// Block I/O settings of the swap file.
+    pub io: IoConfig,
+    /// Threads of the CPU AdamW (0: one per core).
+    pub optimizer_threads: usize,
+}
+
+impl TideConfig {
+    /// fp32, the given hyper-parameters, a searched chunk size, 4 device chunks and the
+    /// smallest host pool (5 chunks), swap file in `swap_dir`.
+    pub fn new(hp: HyperParams, swap_dir: impl Into<PathBuf>) -> Self {
+        TideConfig {
+            precision: Precision::F32,
+            hp,
+            max_grad_norm: None,
+            chunk_elements: None,
+            device_chunks: 4,
+            host_chunks: 5,
+            swap_dir: swap_dir.into(),
+            io: IoConfig {
+                block_bytes: 64 * 1024,
+                queue_depth: 16,
+                ..IoConfig::default()
+            },
+            optimizer_threads: 0,
+        }
+    }
+}
+
+/// Bytes moved between host and NVMe, per chunk list (indexed by `ListKind as usize`).
+#[derive(Debug, Default)]
+pub struct NvmeTraffic {
+    read_bytes: [AtomicU64; 5],
+    written_bytes: [AtomicU64; 5],
+}
+
+impl NvmeTraffic {
+    /// Bytes read from NVMe into the host pool for `list`.
+    pub fn read_bytes(&self, list: ListKind) -> u64 {
+        self.read_bytes[list as usize].load(Ordering::Relaxed)
+    }
+
+    /// Bytes written from the host pool to NVMe for `list`.
+    pub fn written_bytes(&self, list: ListKind) -> u64 {
+        self.written_bytes[list as usize].load(Ordering::Relaxed)
+    }
+
+    fn record(&self, e: &MoveEvent) {
+        let list = e.chunk.list() as usize;
+        match e.kind {
+            MoveKind::NvmeToHost => self.read_bytes[list].fetch_add(e.bytes, Ordering::Relaxed),
+            MoveKind::HostToNvme => self.written_bytes[list].fetch_add(e.bytes, Ordering::Relaxed),
+            _ => 0,
+        };
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    spec: ParamSpec,
+    id: TensorId,
+    /// F32 mode: the fp32 gradient companion (in the Param16 list).
+    grad_id: Option<TensorId>,
+    /// The tensor handed out in this forward pass.
+    live: Option<Tensor>,
+}
+
+/// Reused buffers of the step (sized to the largest trainable tensor at open).
+#[derive(Debug, Default)]
+struct Scratch {
+    grad: Vec<f32>,
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    out16: Vec<half::bf16>,
+}
+
+/// A model's parameters and optimizer state in a tidestore chunk store; see the module
+/// doc.
+pub struct TideParams {
+    store: ChunkStore,
+    device: Device,
+    entries: Vec<Entry>,
+    by_name: std::collections::HashMap<String, usize>,
+    precision: Precision,
+    forward_place: Place,
+    opt: AdamW,
+    ctrl: StepController,
+    hp: HyperParams,
+    grad_sq_norm: f64,
+    grads_ready: bool,
+    scratch: Scratch,
+    traffic: Arc<NvmeTraffic>,
+}
+
+impl std::fmt::Debug for TideParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TideParams")
+            .field("params", &self.entries.len())
+            .field("precision", &self.precision)
+            .field("step", &self.ctrl.step())
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+const GRAD_SUFFIX: &str = "#grad";
+
+impl TideParams {
+    /// Registers `params` (spec and initial values, in forward order) in a new chunk
+    /// store, writes their values, and readies the optimizer. Candle tensors are made on
+    /// `device`. Budgets the store cannot work in are refused here, with the bytes
+    /// needed and available.
+    pub fn open(
+        params: &[(ParamSpec, Vec<f32>)],
+        config: &TideConfig,
+        device: &Device,
+    ) -> Result<Self> {
+        check_params(params)?;
+        // Frozen tensors first, then the trainable ones (each in forward order): a LoRA
+        // model's adapters then share a few chunks, instead of each leaving a mostly
+        // empty master, M and V chunk beside its frozen base weight.
+        let (frozen, trainable): (Vec<_>, Vec<_>) = params.iter().partition(|(p, _)| !p.trainable);
+        let mut specs: Vec<TensorSpec> = frozen
+            .iter()
+            .chain(&trainable)
+            .map(|(p, _)| TensorSpec::new(&p.name, &p.shape, DType::F32, p.trainable))
+            .collect();
+        if config.precision == Precision::F32 {
+            // After every parameter, not next to each: mixed into the parameters' chunks
+            // the companions (2 slots per element) would leave the master, M and V chunks
+            // two-thirds empty, and every NVMe transfer three times too long.
+            specs.extend(params.iter().filter(|(p, _)| p.trainable).map(|(p, _)| {
+                let name = format!("{}{GRAD_SUFFIX}", p.name);
+                TensorSpec::new(name, &p.shape, DType::F32, false)
+            }));
+        }
+        let layout_cfg = LayoutConfig::new(1).with_param16_dtype(DType::BF16);
+        let chunk_elements = match config.chunk_elements {
+            Some(c) => c,
+            None => {
+                let mut search = SearchConfig::new(config.io.block_bytes as u64);
+                search.cap_factor = 2;
+                let report = search_chunk_size(&specs, &layout_cfg, &search)?;
+                report.chosen.chunk_elements
+            }
+        };
+        let layout = Layout::new(
+            LayoutConfig {
+                chunk_elements,
+                ..layout_cfg
+            },
+            specs,
+        )?;
+        let ids = params
+            .iter()
+            .map(|(p, _)| {
+                let id = layout
+                    .tensor_id(&p.name)
+                    .ok_or_else(|| Error::UnknownParam {
+                        name: p.name.clone(),
+                    })?;
+                let grad_id = layout.tensor_id(&format!("{}{GRAD_SUFFIX}", p.name));
+                Ok((id, grad_id))
+            })
+            .collect::<Result<Vec<_>>>()?;
+
+        let chunk_max_bytes = layout.dense_chunk_bytes().into_iter().max().unwrap_or(0);
+        let slot_bytes = tidestore_io::align_up(chunk_max_bytes as usize) as u64;
+        let chunks = layout
+            .lists()
+            .iter()
+            .map(|&l| layout.list_chunk_count(l))
+            .sum::<u64>();
+        let device_budget_bytes = u64::from(config.device_chunks) * slot_bytes;
+        let host_budget_bytes = u64::from(config.host_chunks) * slot_bytes;
+        let nvme_bytes = (chunks + 2) * slot_bytes;
+        tracing::info!(
+            chunk_elements,
+            chunks,
+            slot_bytes,
+            device_budget_bytes,
+            host_budget_bytes,
+            nvme_bytes,
+            waste = layout.waste_fraction(),
+            "tidestore-candle: layout"
+        );
+        let store_device = if cfg!(feature = "cuda") {
+            tidestore_tiers::Device::auto(&DeviceConfig::new(device_budget_bytes))
+        } else {
+            tidestore_tiers::Device::sim(&DeviceConfig::new(device_budget_bytes))
+        }
+        .map_err(|e| tidestore_chunk::ChunkError::tier("opening the device tier", None, e))?;
+        // Candle builds its tensors from host memory; a simulated device is host memory,
+        // a CUDA one is not (see the crate doc's weaknesses).
+        let forward_place = match store_device.kind() {
+            DeviceKind::Sim => Place::Device,
+            _ => Place::Host,
+        };
+        let store_cfg = StoreConfig::new(
+            device_budget_bytes,
+            host_budget_bytes,
+            NvmeSource::Dir {
+                dir: config.swap_dir.clone(),
+                bytes: nvme_bytes,
+                io: config.io.clone(),
+            },
+        )
+        // The step holds gradient, master, M and V at once.
+        .with_working_set_chunks(4);
+        let mut store = ChunkStore::open(layout, store_cfg, store_device)?;
+        let traffic = Arc::new(NvmeTraffic::default());
+        let t = traffic.clone();
+        store.set_move_hook(Some(Box::new(move |e: &MoveEvent| t.record(e))));
+
+        let opt = AdamW::new(CpuConfig {
+            threads: config.optimizer_threads,
+            ..CpuConfig::default()
+        })?;
+        let ctrl = StepController::new(config.max_grad_norm, None)?;
+        config.hp.validate()?;
+        let largest = params
+            .iter()
+            .filter(|(p, _)| p.trainable)
+            .map(|(p, _)| p.elements())
+            .max()
+            .unwrap_or(0);
+        let scratch = Scratch {
+            grad: vec![0.0; largest],
+            master: vec![0.0; largest],
+            m: vec![0.0; largest],
+            v: vec![0.0; largest],
+            out16: vec![half::bf16::ZERO; largest],
+        };
+        let entries: Vec<Entry> = params
+            .iter()
+            .zip(ids)
+            .map(|((spec, _), (id, grad_id))| Entry {
+                spec: spec.clone(),
+                id,
+                grad_id,
+                live: None,
+            })
+            .collect();
+        let by_name = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.spec.name.clone(), i))
+            .collect();
+        let mut this = TideParams {
+            store,
+            device: device.clone(),
+            entries,
+            by_name,
+            precision: config.precision,
+            forward_place,
+            opt,
+            ctrl,
+            hp: config.hp,
+            grad_sq_norm: 0.0,
+            grads_ready: false,
+            scratch,
+            traffic,
+        };
+        for (i, (_, values)) in params.iter().enumerate() {
+            this.set_values(i, values)?;
+        }
+        Ok(this)
+    }
+
+    /// Writes a parameter's values (untraced): the master copy (and the bf16 copy in
+    /// `Bf16` mode) of a trainable tensor, the fp32 tensor itself of a frozen one.
+    fn set_values(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let e = &self.entries[i];
+        let id = e.id;
+        if e.spec.trainable {
+            self.store
+                .write(id, ListKind::MasterF32, &f32_bytes(values))?;
+            if self.precision == Precision::Bf16 {
+                let mut b = vec![0u8; values.len() * 2];
+                typed::encode_f32(values, DType::BF16, &mut b);
+                self.store.write(id, ListKind::Param16, &b)?;
+            }
+        } else {
+            self.store
+                .write(id, ListKind::Param16, &f32_bytes(values))?;
+        }
+        Ok(())
+    }
+
+    fn index(&self, name: &str) -> Result<usize> {
+        self.by_name
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::UnknownParam {
+                name: name.to_string(),
+            })
+    }
+
+    /// The list forward reads a parameter from.
+    fn forward_list(&self, trainable: bool) -> ListKind {
+        match (trainable, self.precision) {
+            (true, Precision::F32) => ListKind::MasterF32,
+            _ => ListKind::Param16,
+        }
+    }
+
+    /// Where a trainable tensor's gradient lives: (tensor, list).
+    fn grad_place(&self, e: &Entry) -> (TensorId, ListKind) {
+        match e.grad_id {
+            Some(g) => (g, ListKind::Param16),
+            None => (e.id, ListKind::Param16),
+        }
+    }
+
+    /// Runs candle's backward from `loss` and puts every trainable parameter's gradient
+    /// into the store (a parameter the forward did not use gets a zero gradient).
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let grads = loss.backward()?;
+        self.grad_sq_norm = 0.0;
+        for i in (0..self.entries.len()).rev() {
+            let live = self.entries[i].live.take();
+            if !self.entries[i].spec.trainable {
+                continue;
+            }
+            let n = self.entries[i].spec.elements();
+            let values = match live.as_ref().and_then(|t| grads.get(t)) {
+                Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
+                None => vec![0.0; n],
+            };
+            self.grad_sq_norm += self.opt.grad_sq_norm(Grads::F32(&values));
+            let (tensor, list) = self.grad_place(&self.entries[i]);
+            let g = self.store.access(tensor, list, Place::Host)?;
+            let written = self.store.write_f32(&g, &values);
+            self.store.release(g, TensorState::HoldAfterBwd)?;
+            written?;
+        }
+        self.grads_ready = true;
+        Ok(())
+    }
+
+    /// One AdamW step over every trainable parameter, with the gradients of the last
+    /// [`TideParams::backward`]; ends the store's iteration. Returns the optimizer's
+    /// decision (clipping coefficient, gradient norm).
+    pub fn step(&mut self) -> Result<StepDecision> {
+        if !self.grads_ready {
+            return Err(Error::BadParam {
+                name: String::new(),
+                reason: "step() without backward() since the last step".into(),
+            });
+        }
+        self.grads_ready = false;
+        let decision = self.ctrl.decide(self.grad_sq_norm);
+        if let StepDecision::Apply { state, .. } = decision {
+            self.store.begin_optimizer_step()?;
+            for i in 0..self.entries.len() {
+                if self.entries[i].spec.trainable {
+                    self.step_one(i, state)?;
+                }
+            }
+            self.store.end_optimizer_step()?;
+        }
+        self.store.end_iteration()?;
+        Ok(decision)
+    }
+
+    fn step_one(&mut self, i: usize, state: tidestore_optimizer::StepState) -> Result<()> {
+        let e = &self.entries[i];
+        let (id, n) = (e.id, e.spec.elements());
+        let (gt, gl) = self.grad_place(e);
+        let s = &mut self.scratch;
+        let (grad, master, m, v) = (
+            &mut s.grad[..n],
+            &mut s.master[..n],
+            &mut s.m[..n],
+            &mut s.v[..n],
+        );
+        let out16 = &mut s.out16[..n];
+        let store = &mut self.store;
+        let gg = store.access(gt, gl, Place::Host)?;
+        let gm = store.access(id, ListKind::MasterF32, Place::Host)?;
+        let gmo = store.access(id, ListKind::MomentumF32, Place::Host)?;
+        let gv = store.access(id, ListKind::VarianceF32, Place::Host)?;
+        let result = (|| -> Result<()> {
+            typed::decode_f32(store.bytes(&gg)?, gg.dtype(), grad);
+            typed::decode_f32(store.bytes(&gm)?, DType::F32, master);
+            typed::decode_f32(store.bytes(&gmo)?, DType::F32, m);
+            typed::decode_f32(store.bytes(&gv)?, DType::F32, v);
+            let out = match self.precision {
+                Precision::Bf16 => Some(ParamOut::Bf16(&mut *out16)),
+                Precision::F32 => None,
+            };
+            self.opt
+                .step_slice(state, &self.hp, master, m, v, Grads::F32(grad), out)?;
+            typed::encode_f32(master, DType::F32, store.bytes_mut(&gm)?);
+            typed::encode_f32(m, DType::F32, store.bytes_mut(&gmo)?);
+            typed::encode_f32(v, DType::F32, store.bytes_mut(&gv)?);
+            if self.precision == Precision::Bf16 {
+                // The gradient's space is the bf16 copy's: the new params go there.
+                for (dst, x) in store.bytes_mut(&gg)?.chunks_exact_mut(2).zip(out16.iter()) {
+                    dst.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            Ok(())
+        })();
+        let mut released = Ok(());
+        for g in [gg, gm, gmo, gv] {
+            let r = store.release(g, TensorState::Hold);
+            if released.is_ok() {
+                released = r;
+            }
+        }
+        result?;
+        Ok(released?)
+    }
+
+    /// Steps applied so far.
+    pub fn step_count(&self) -> u64 {
+        self.ctrl.step()
+    }
+
+    /// The optimizer's hyper-parameters.
+    pub fn hyper_params(&self) -> &HyperParams {
+        &self.hp
+    }
+
+    /// The registered parameters, in forward order.
+    pub fn specs(&self) -> impl Iterator<Item = &ParamSpec> {
+        self.entries.iter().map(|e| &e.spec)
+    }
+
+    /// The chunk store (layout, residency, budgets).
+    pub fn store(&self) -> &ChunkStore {
+        &self.store
+    }
+
+    /// The store's counters.
+    pub fn stats(&self) -> StoreStats {
+        self.store.stats()
+    }
+
+    /// Bytes moved between host and NVMe per list since open.
+    pub fn nvme_traffic(&self) -> &NvmeTraffic {
+        &self.traffic
+    }
+
+    /// A parameter's current fp32 values (the master copy of a trainable one); untraced.
+    pub fn values(&mut self, name: &str) -> Result<Vec<f32>> {
+        let e = &self.entries[self.index(name)?];
+        let (id, list) = if e.spec.trainable {
+            (e.id, ListKind::MasterF32)
+        } else {
+            (e.id, ListKind::Param16)
+        };
+        Ok(bytes_f32(&self.store.read(id, list)?))
+    }
+
+    /// A trainable parameter's Adam moments (M, V); untraced.
+    pub fn moments(&mut self, name: &str) -> Result<(Vec<f32>, Vec<f32>)> {
+        let id = self.entries[self.index(name)?].id;
+        let m = bytes_f32(&self.store.read(id, ListKind::MomentumF32)?);
+        let v = bytes_f32(&self.store.read(id, ListKind::VarianceF32)?);
+        Ok((m, v))
+    }
+
+    /// Puts values and moments back (untraced), for [`crate::checkpoint`].
+    pub(crate) fn restore(
+        &mut self,
+        name: &str,
+        values: &[f32],
+        moments: Option<(&[f32], &[f32])>,
+    ) -> Result<()> {
+        let i = self.index(name)?;
+        let e = &self.entries[i];
+        if values.len() != e.spec.elements() {
+            return Err(Error::BadParam {
+                name: name.to_string(),
+                reason: format!("{} values for {} elements", values.len(), e.spec.elements()),
+            });
+        }
+        let id = e.id;
+        self.set_values(i, values)?;
+        if let Some((m, v)) = moments {
+            self.store.write(id, ListKind::MomentumF32, &f32_bytes(m))?;
+            self.store.write(id, ListKind::VarianceF32, &f32_bytes(v))?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer's step count and loss-scaler state, for [`crate::checkpoint`].
+    pub(crate) fn controller_state(&self) -> ControllerState {
+        self.ctrl.state()
+    }
+
+    pub(crate) fn restore_controller(&mut self, state: ControllerState) -> Result<()> {
+        Ok(self.ctrl.restore(state)?)
+    }
+}
+
+impl ParamSource for TideParams {
+    fn param(&mut self, name: &str) -> Result<Tensor> {
+        let i = self.index(name)?;
+        if let Some(t) = &self.entries[i].live {
+            return Ok(t.clone());
+        }
+        let (id, trainable) = (self.entries[i].id, self.entries[i].spec.trainable);
+        let list = self.forward_list(trainable);
+        let g = self.store.access(id, list, self.forward_place)?;
+        let values = self.store.read_f32(&g);
+        self.store.release(g, TensorState::HoldAfterFwd)?;
+        let values = values?;
+        let shape = self.entries[i].spec.shape.as_slice();
+        // `from_vec` takes the vector over: no copy on the CPU, one upload on a GPU.
+        let t = if trainable {
+            Var::from_vec(values, shape, &self.device)?.into_inner()
+        } else {
+            Tensor::from_vec(values, shape, &self.device)?
+        };
+        self.entries[i].live = Some(t.clone());
+        Ok(t)
+    }
+}
+
+pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+pub(crate) fn bytes_f32(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}

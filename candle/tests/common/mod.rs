@@ -1,0 +1,126 @@
+//! Helpers shared by the candle integration tests: a tiny GPT, the same training loop
+//! with candle's AdamW in memory and through tidestore.
+#![allow(dead_code)]
+
+use candle_core::Device;
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use tidestore_candle::{
+    Batches, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
+};
+use tidestore_io::IoConfig;
+use tidestore_optimizer::{HyperParams, Mode};
+
+pub const TEXT: &[u8] = include_bytes!("../../../examples/data/genesis-kjv.txt");
+
+pub fn gpt(lora: Option<usize>) -> Gpt {
+    Gpt::new(GptConfig {
+        vocab: 256,
+        ctx: 16,
+        d_model: 32,
+        heads: 2,
+        layers: 2,
+        lora: lora.map(|rank| LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f32,
+        }),
+    })
+}
+
+pub fn batches() -> Batches {
+    Batches::new(TEXT[..20_000].to_vec(), 4, 16, 7).unwrap()
+}
+
+pub const LR: f64 = 3e-3;
+pub const BETAS: (f64, f64) = (0.9, 0.99);
+pub const EPS: f64 = 1e-8;
+pub const WD: f64 = 0.01;
+
+/// Losses of `steps` steps with candle's AdamW, every tensor in candle memory. A LoRA
+/// model's base starts from `base` when given.
+pub fn train_candle(model: &Gpt, seed: u64, steps: u64) -> Vec<f32> {
+    let dev = Device::Cpu;
+    let mut mem = InMemory::new(&model.init(seed), &dev).unwrap();
+    let mut opt = AdamW::new(
+        mem.vars(),
+        ParamsAdamW {
+            lr: LR,
+            beta1: BETAS.0,
+            beta2: BETAS.1,
+            eps: EPS,
+            weight_decay: WD,
+        },
+    )
+    .unwrap();
+    let data = batches();
+    (0..steps)
+        .map(|s| {
+            let (x, y) = data.get(s, &dev).unwrap();
+            let loss = model.loss(&mut mem, &x, &y).unwrap();
+            opt.backward_step(&loss).unwrap();
+            loss.to_scalar::<f32>().unwrap()
+        })
+        .collect()
+}
+
+pub fn tide_config(dir: &std::path::Path, precision: Precision) -> TideConfig {
+    let hp = HyperParams {
+        lr: LR as f32,
+        beta1: BETAS.0 as f32,
+        beta2: BETAS.1 as f32,
+        eps: EPS as f32,
+        weight_decay: WD as f32,
+        mode: Mode::AdamW,
+    };
+    let mut cfg = TideConfig::new(hp, dir);
+    cfg.precision = precision;
+    // 16 Ki slots: 32 KiB Param16 chunks, 64 KiB fp32 chunks; the model needs ~14
+    // chunks and the host pool holds 5, so M and V live on NVMe between steps.
+    cfg.chunk_elements = Some(16 * 1024);
+    cfg.host_chunks = 5;
+    cfg.device_chunks = 4;
+    cfg.io = IoConfig {
+        block_bytes: 16 * 1024,
+        queue_depth: 8,
+        threads: 2,
+        ..IoConfig::default()
+    };
+    cfg.optimizer_threads = 1;
+    cfg
+}
+
+pub fn open_tide(
+    model: &Gpt,
+    seed: u64,
+    dir: &std::path::Path,
+    precision: Precision,
+) -> TideParams {
+    TideParams::open(
+        &model.init(seed),
+        &tide_config(dir, precision),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+/// Losses of steps `from..to` through tidestore.
+pub fn train_tide(model: &Gpt, p: &mut TideParams, from: u64, to: u64) -> Vec<f32> {
+    let dev = Device::Cpu;
+    let data = batches();
+    (from..to)
+        .map(|s| {
+            let (x, y) = data.get(s, &dev).unwrap();
+            let loss = model.loss(p, &x, &y).unwrap();
+            p.backward(&loss).unwrap();
+            p.step().unwrap();
+            loss.to_scalar::<f32>().unwrap()
+        })
+        .collect()
+}
+
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+        .fold(0.0, f32::max)
+}

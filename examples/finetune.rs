@@ -1,0 +1,327 @@
+//! Trains a small byte-level GPT on a public-domain text (`examples/data/`) with candle,
+//! its parameters, gradients, master weights, Adam M and V kept in tidestore: a host
+//! pool of a few chunks, so M and V stream from an NVMe swap file every step.
+//!
+//! ```text
+//! cargo run --release --example finetune -- --steps 200            # tidestore, M/V on NVMe
+//! cargo run --release --example finetune -- --steps 200 --optimizer candle   # baseline
+//! cargo run --release --example finetune -- --steps 300 --resume    # continue from the checkpoint
+//! cargo run --release --example finetune -- --lora 8 --base target/finetune/ckpt.safetensors
+//! cargo run --release --example finetune --features tidestore-candle/candle-cuda -- ...   # GPU (needs nvcc)
+//! ```
+//!
+//! `--optimizer candle` trains the same model, same data and hyper-parameters with
+//! `candle_nn::AdamW` entirely in memory (no checkpoint): the reference for the loss
+//! curve and the wall time. Prints the loss with a progress bar, a loss curve at the end,
+//! the wall time, and (tidestore) the bytes each tier moved.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::Device;
+use candle_nn::{Optimizer, ParamsAdamW};
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tidestore_candle::{
+    checkpoint, Batches, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision, TideConfig,
+    TideParams,
+};
+use tidestore_chunk::ListKind;
+use tidestore_optimizer::{HyperParams, Mode};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Opt {
+    /// tidestore's AdamW; everything in the chunk store.
+    Tidestore,
+    /// candle_nn::AdamW, everything in candle memory.
+    Candle,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Prec {
+    F32,
+    Bf16,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Fine-tune a small GPT with candle, training state in tidestore")]
+struct Args {
+    /// The training text (bytes are the tokens).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/genesis-kjv.txt"))]
+    text: PathBuf,
+    /// Optimizer steps to reach (a resumed run continues up to this step).
+    #[arg(long, default_value_t = 200)]
+    steps: u64,
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    #[arg(long, default_value_t = 64)]
+    ctx: usize,
+    #[arg(long, default_value_t = 256)]
+    d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Seed of the initial weights and of the batches.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long, value_enum, default_value_t = Opt::Tidestore)]
+    optimizer: Opt,
+    /// Forward weights and gradients: fp32 master, or the bf16 compute copy.
+    #[arg(long, value_enum, default_value_t = Prec::F32)]
+    precision: Prec,
+    /// Pinned host pool in chunks (>= 5); below the model's chunk count M and V go to NVMe.
+    #[arg(long, default_value_t = 8)]
+    host_chunks: u32,
+    /// Device budget in chunks (>= 4).
+    #[arg(long, default_value_t = 4)]
+    device_chunks: u32,
+    /// Chunk size in element slots (default: the chunk-size search).
+    #[arg(long)]
+    chunk_elements: Option<u64>,
+    /// Directory of the NVMe swap file (default: a temporary directory).
+    #[arg(long)]
+    swap_dir: Option<PathBuf>,
+    /// Checkpoint file (default target/finetune/ckpt.safetensors, lora.safetensors with --lora).
+    #[arg(long)]
+    ckpt: Option<PathBuf>,
+    /// Write the checkpoint every this many steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    save_every: u64,
+    /// Continue from the checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// LoRA: freeze the base and train rank-RANK adapters on the attention.
+    #[arg(long, value_name = "RANK")]
+    lora: Option<usize>,
+    /// LoRA scale numerator (adapter output x alpha / rank); default 2 x rank.
+    #[arg(long)]
+    lora_alpha: Option<f32>,
+    /// LoRA: base weights from this checkpoint (e.g. a full run's); default: random init.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    /// Print the loss every this many steps.
+    #[arg(long, default_value_t = 10)]
+    log_every: u64,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let device = Device::cuda_if_available(0)?;
+    let text = std::fs::read(&args.text)?;
+    let model = Gpt::new(GptConfig {
+        vocab: 256,
+        ctx: args.ctx,
+        d_model: args.d_model,
+        heads: args.heads,
+        layers: args.layers,
+        lora: args.lora.map(|rank| LoraConfig {
+            rank,
+            alpha: args.lora_alpha.unwrap_or(2.0 * rank as f32),
+        }),
+    });
+    let data = Batches::new(text, args.batch, args.ctx, args.seed)?;
+    let mut params = model.init(args.seed);
+    if let Some(base) = &args.base {
+        let values = checkpoint::read_params(base)?;
+        let mut n = 0;
+        for (spec, v) in params.iter_mut().filter(|(s, _)| !s.trainable) {
+            if let Some(b) = values.get(&spec.name) {
+                *v = b.clone();
+                n += 1;
+            }
+        }
+        println!("base: {n} frozen tensors from {}", base.display());
+    }
+    let trainable: usize = params
+        .iter()
+        .filter(|(s, _)| s.trainable)
+        .map(|(s, _)| s.elements())
+        .sum();
+    let total: usize = params.iter().map(|(s, _)| s.elements()).sum();
+    println!(
+        "model: {} layers, d_model {}, ctx {}, {total} params ({trainable} trainable{}), device {:?}, text {} bytes",
+        args.layers,
+        args.d_model,
+        args.ctx,
+        if args.lora.is_some() { ", LoRA" } else { "" },
+        device,
+        args.text.metadata().map(|m| m.len()).unwrap_or(0)
+    );
+
+    let started = Instant::now();
+    let curve = match args.optimizer {
+        Opt::Candle => run_candle(&args, &model, &data, &params, &device)?,
+        Opt::Tidestore => run_tidestore(&args, &model, &data, &params, &device)?,
+    };
+    let wall = started.elapsed().as_secs_f64();
+    println!("loss curve (step: loss):");
+    let stride = (curve.len() / 10).max(1);
+    for (i, (step, loss)) in curve.iter().enumerate() {
+        if i % stride == 0 || i + 1 == curve.len() {
+            println!("  {step:>6}: {loss:.4}");
+        }
+    }
+    if !curve.is_empty() {
+        println!(
+            "wall {wall:.1} s for {} steps ({:.3} s/step), optimizer {:?}",
+            curve.len(),
+            wall / curve.len() as f64,
+            args.optimizer
+        );
+    }
+    Ok(())
+}
+
+fn bar(from: u64, to: u64) -> ProgressBar {
+    let pb = ProgressBar::new(to.saturating_sub(from));
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+fn report(pb: &ProgressBar, log_every: u64, step: u64, loss: f32) {
+    pb.inc(1);
+    pb.set_message(format!("loss {loss:.4}"));
+    if step.is_multiple_of(log_every) {
+        let line = format!("step {step:>6}  loss {loss:.4}");
+        // A hidden bar (stdout not a terminal) prints nothing, not even its lines.
+        if pb.is_hidden() {
+            println!("{line}");
+        } else {
+            pb.println(line);
+        }
+    }
+}
+
+type Curve = Vec<(u64, f32)>;
+
+fn run_candle(
+    args: &Args,
+    model: &Gpt,
+    data: &Batches,
+    params: &[(tidestore_candle::ParamSpec, Vec<f32>)],
+    device: &Device,
+) -> Result<Curve, Box<dyn std::error::Error>> {
+    let mut mem = InMemory::new(params, device)?;
+    let mut opt = candle_nn::AdamW::new(
+        mem.vars(),
+        ParamsAdamW {
+            lr: args.lr,
+            weight_decay: args.weight_decay,
+            ..ParamsAdamW::default()
+        },
+    )?;
+    let pb = bar(0, args.steps);
+    let mut curve = Vec::new();
+    for step in 0..args.steps {
+        let (x, y) = data.get(step, device)?;
+        let loss = model.loss(&mut mem as &mut dyn ParamSource, &x, &y)?;
+        opt.backward_step(&loss)?;
+        let l = loss.to_scalar::<f32>()?;
+        curve.push((step + 1, l));
+        report(&pb, args.log_every, step + 1, l);
+    }
+    pb.finish_and_clear();
+    Ok(curve)
+}
+
+fn run_tidestore(
+    args: &Args,
+    model: &Gpt,
+    data: &Batches,
+    params: &[(tidestore_candle::ParamSpec, Vec<f32>)],
+    device: &Device,
+) -> Result<Curve, Box<dyn std::error::Error>> {
+    let hp = HyperParams {
+        lr: args.lr as f32,
+        weight_decay: args.weight_decay as f32,
+        mode: Mode::AdamW,
+        ..HyperParams::default()
+    };
+    let tmp = tempfile::tempdir()?;
+    let swap_dir = args
+        .swap_dir
+        .clone()
+        .unwrap_or_else(|| tmp.path().to_path_buf());
+    let mut cfg = TideConfig::new(hp, &swap_dir);
+    cfg.precision = match args.precision {
+        Prec::F32 => Precision::F32,
+        Prec::Bf16 => Precision::Bf16,
+    };
+    cfg.host_chunks = args.host_chunks;
+    cfg.device_chunks = args.device_chunks;
+    cfg.chunk_elements = args.chunk_elements;
+    let ckpt = args.ckpt.clone().unwrap_or_else(|| {
+        let name = if args.lora.is_some() { "lora" } else { "ckpt" };
+        PathBuf::from(format!("target/finetune/{name}.safetensors"))
+    });
+
+    let mut p = TideParams::open(params, &cfg, device)?;
+    let layout = p.store().layout();
+    println!(
+        "tidestore: {} chunks of up to {} KiB; host pool {} chunks, device {} chunks; swap file in {}",
+        layout.lists().iter().map(|&l| layout.list_chunk_count(l)).sum::<u64>(),
+        layout.dense_chunk_bytes().into_iter().max().unwrap_or(0) / 1024,
+        args.host_chunks,
+        args.device_chunks,
+        swap_dir.display()
+    );
+    if args.resume {
+        checkpoint::load(&mut p, &ckpt)?;
+        println!("resumed from {} at step {}", ckpt.display(), p.step_count());
+    }
+    let from = p.step_count();
+    let pb = bar(from, args.steps);
+    let mut curve = Vec::new();
+    for step in from..args.steps {
+        let (x, y) = data.get(step, device)?;
+        let loss = model.loss(&mut p, &x, &y)?;
+        p.backward(&loss)?;
+        p.step()?;
+        let l = loss.to_scalar::<f32>()?;
+        curve.push((step + 1, l));
+        report(&pb, args.log_every, step + 1, l);
+        if (step + 1).is_multiple_of(args.save_every) && step + 1 < args.steps {
+            checkpoint::save(&mut p, &ckpt)?;
+        }
+    }
+    pb.finish_and_clear();
+    let t = Instant::now();
+    checkpoint::save(&mut p, &ckpt)?;
+    println!(
+        "checkpoint: {} at step {} ({:.2} s)",
+        ckpt.display(),
+        p.step_count(),
+        t.elapsed().as_secs_f64()
+    );
+    let tr = p.nvme_traffic();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    println!(
+        "NVMe traffic: M read {:.1} MiB / written {:.1} MiB, V read {:.1} / written {:.1}, master read {:.1} / written {:.1}, param16+grads read {:.1} / written {:.1}",
+        mib(tr.read_bytes(ListKind::MomentumF32)),
+        mib(tr.written_bytes(ListKind::MomentumF32)),
+        mib(tr.read_bytes(ListKind::VarianceF32)),
+        mib(tr.written_bytes(ListKind::VarianceF32)),
+        mib(tr.read_bytes(ListKind::MasterF32)),
+        mib(tr.written_bytes(ListKind::MasterF32)),
+        mib(tr.read_bytes(ListKind::Param16)),
+        mib(tr.written_bytes(ListKind::Param16)),
+    );
+    print!("store: {}", p.stats());
+    Ok(curve)
+}
