@@ -26,9 +26,9 @@ pub mod uring;
 
 pub use backend::{Backend, BackendKind, RawCompletion, RawOp};
 pub use buffer::{align_up, AlignedBuf, BufferPool, ALIGN_BYTES};
+pub use compress::Compression;
 pub use config::{check_writable_dir, EngineChoice, IoConfig, QUEUE_DEPTH_MAX};
 pub use engine::{Engine, IoCompletion, IoRequest};
 pub use error::{IoError, Op, Result};
 pub use memory::{FaultConfig, MemoryBackend};
-pub use compress::Compression;
 pub use swapfile::{SwapCompletion, SwapFile};
