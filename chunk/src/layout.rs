@@ -18,17 +18,39 @@
 //!   the layer's backward is done ([`Layout::grad_location`] returns that space).
 //!
 //! Packing is next-fit in registration order: a tensor goes after the previous one in
-//! the current chunk if it fits, else it opens the next chunk. A tensor is never split;
-//! one larger than a chunk is an error naming it ([`crate::search`] only proposes sizes
-//! at least as large as the largest tensor). In a trainable-only list, a tensor's
-//! offset counts only the trainable tensors before it in the same chunk, so those
-//! chunks are dense too. A chunk of a trainable-only list exists only when its group
-//! holds at least one trainable tensor (a LoRA base model's frozen chunks have no
-//! master, M or V chunk).
+//! its open chunk if it fits, else it closes that chunk and opens a new one, which takes
+//! the next chunk index. A tensor is never split; one larger than a chunk is an error
+//! naming it ([`crate::search`] only proposes sizes at least as large as the largest
+//! tensor).
+//!
+//! **Frozen and trainable tensors are packed apart** (by default;
+//! [`LayoutConfig::separate_frozen`]): two chunks are open at a time, one receiving the
+//! frozen tensors and one receiving the trainable ones, each filled next-fit in model
+//! order. A Param16 chunk then holds only frozen or only trainable tensors, so only the
+//! groups made of trainable tensors get master, M, V (and grad) chunks, and those are
+//! as full as their Param16 chunk. Without it, a LoRA model (a frozen base with small
+//! trainable adapters interleaved in model order) would put an adapter in nearly every
+//! group and allocate full-size fp32 chunks for each: LLaMA-70B with rank-16 adapters
+//! would get ~78 GiB each of master, M and V for 32.8M trainable parameters. When
+//! every tensor is trainable, or every one frozen, only one chunk is ever open and the
+//! packing is the same either way. With the flag off, all tensors share one open chunk
+//! (plain next-fit, PatrickStar's mirroring), and a group's trainable lists exist as
+//! soon as it holds one trainable tensor.
+//!
+//! With separate packing, chunk indices follow the order in which chunks are opened, so
+//! a tensor's chunk index is non-decreasing in model order among the tensors of its own
+//! kind (frozen or trainable) but not across kinds: a LoRA layer's base weights and its
+//! adapters sit in different chunks.
+//!
+//! In a trainable-only list, a tensor's offset counts only the trainable tensors before
+//! it in the same chunk, so those chunks are dense too. A chunk of a trainable-only list
+//! exists only when its group holds at least one trainable tensor (a frozen group has
+//! no master, M or V chunk).
 //!
 //! Invariants (checked by `tests/layout_props.rs`): every tensor is placed exactly once
 //! per list it belongs to; placements in one chunk do not overlap and end within `C`;
-//! a tensor has the same chunk index in every list; frozen tensors are only in Param16.
+//! a tensor has the same chunk index in every list; frozen tensors are only in Param16;
+//! with separate packing, no Param16 chunk holds both frozen and trainable tensors.
 
 use std::collections::HashMap;
 
@@ -99,15 +121,25 @@ pub struct LayoutConfig {
     pub grad_accumulation: bool,
     /// The 16-bit dtype of the compute copy of trainable fp32 tensors.
     pub param16_dtype: DType,
+    /// Whether frozen and trainable tensors are packed into separate chunks (two open
+    /// chunks during packing; see the module doc). On by default: only groups of
+    /// trainable tensors then get master, M and V chunks. Off, every tensor shares one
+    /// open chunk and any group holding a trainable tensor gets full-size optimizer
+    /// chunks (PatrickStar's plain mirroring; it keeps a LoRA layer's base weights and
+    /// adapters in the same chunk, at the cost of mostly empty fp32 chunks). Layouts
+    /// where every tensor is trainable, or every one frozen, are the same either way.
+    pub separate_frozen: bool,
 }
 
 impl LayoutConfig {
-    /// `chunk_elements` slots per chunk, no gradient accumulation, bf16 compute copies.
+    /// `chunk_elements` slots per chunk, no gradient accumulation, bf16 compute copies,
+    /// frozen and trainable tensors in separate chunks.
     pub fn new(chunk_elements: u64) -> Self {
         LayoutConfig {
             chunk_elements,
             grad_accumulation: false,
             param16_dtype: DType::BF16,
+            separate_frozen: true,
         }
     }
 
@@ -121,6 +153,19 @@ impl LayoutConfig {
     pub fn with_param16_dtype(mut self, dtype: DType) -> Self {
         self.param16_dtype = dtype;
         self
+    }
+
+    /// With frozen and trainable tensors packed into separate chunks (`true`, the
+    /// default) or sharing chunks (`false`); see [`LayoutConfig::separate_frozen`].
+    pub fn with_separate_frozen(mut self, on: bool) -> Self {
+        self.separate_frozen = on;
+        self
+    }
+
+    /// The packing stream a tensor goes to: its own open chunk. 0 for every tensor
+    /// without separate packing; else 0 for frozen and 1 for trainable tensors.
+    pub(crate) fn stream(&self, trainable: bool) -> usize {
+        usize::from(self.separate_frozen && trainable)
     }
 
     fn validate(&self) -> Result<()> {
@@ -231,27 +276,51 @@ pub(crate) struct PackCounts {
     pub(crate) trainable_chunks: u64,
 }
 
-/// Next-fit packing of `items` into chunks of `chunk_elements` slots; the same rule
-/// as [`LayoutBuilder::register`]. Every item must fit (`slots <= chunk_elements`).
-pub(crate) fn pack_counts(items: &[PackItem], chunk_elements: u64) -> PackCounts {
+/// Next-fit packing of `items` into chunks of `chunk_elements` slots, one open chunk
+/// per stream ([`LayoutConfig::stream`]); the same rule as [`LayoutBuilder::register`].
+/// Every item must fit (`slots <= chunk_elements`).
+pub(crate) fn pack_counts(
+    items: &[PackItem],
+    chunk_elements: u64,
+    config: &LayoutConfig,
+) -> PackCounts {
     let mut counts = PackCounts {
         chunks: 0,
         trainable_chunks: 0,
     };
-    let mut fill = 0u64;
-    let mut has_trainable = false;
+    // Per stream: the open chunk's fill (None before the stream's first tensor) and
+    // whether it already holds a trainable tensor.
+    let mut fill: [Option<u64>; 2] = [None, None];
+    let mut has_trainable = [false; 2];
     for item in items {
-        if counts.chunks == 0 || fill + item.slots > chunk_elements {
-            counts.trainable_chunks += u64::from(has_trainable);
-            counts.chunks += 1;
-            fill = 0;
-            has_trainable = false;
+        let trainable = item.trainable_elements > 0;
+        let s = config.stream(trainable);
+        match fill[s] {
+            Some(f) if f + item.slots <= chunk_elements => fill[s] = Some(f + item.slots),
+            _ => {
+                counts.chunks += 1;
+                fill[s] = Some(item.slots);
+                has_trainable[s] = false;
+            }
         }
-        fill += item.slots;
-        has_trainable |= item.trainable_elements > 0;
+        if trainable && !has_trainable[s] {
+            counts.trainable_chunks += 1;
+            has_trainable[s] = true;
+        }
     }
-    counts.trainable_chunks += u64::from(has_trainable);
     counts
+}
+
+/// The slot sizes of `items`, split into the streams packed next-fit independently
+/// (one stream without separate packing): a chunk count changes only where the chunk
+/// size crosses a sum of consecutive items of one stream.
+pub(crate) fn pack_streams(items: &[PackItem], config: &LayoutConfig) -> Vec<Vec<u64>> {
+    let mut streams = vec![Vec::new(), Vec::new()];
+    for item in items {
+        streams[config.stream(item.trainable_elements > 0)].push(item.slots);
+    }
+    streams.retain(|s| !s.is_empty());
+    streams
 }
 
 /// Allocated and payload bytes over every list, for a packing.
@@ -285,6 +354,8 @@ pub struct LayoutBuilder {
     chunk_trainable: Vec<Vec<TensorId>>,
     fill_slots: Vec<u64>,
     fill_trainable: Vec<u64>,
+    /// The open chunk of each packing stream ([`LayoutConfig::stream`]).
+    open: [Option<usize>; 2],
 }
 
 impl LayoutBuilder {
@@ -300,6 +371,7 @@ impl LayoutBuilder {
             chunk_trainable: Vec::new(),
             fill_slots: Vec::new(),
             fill_trainable: Vec::new(),
+            open: [None, None],
         })
     }
 
@@ -326,33 +398,35 @@ impl LayoutBuilder {
                 reason: "more than u32::MAX tensors",
             }
         })?);
-        let open_new = match self.fill_slots.last() {
-            None => true,
-            Some(&fill) => fill + item.slots > chunk_elements,
-        };
-        if open_new {
-            let chunks = self.fill_slots.len() as u64 + 1;
-            if chunks > u64::from(ChunkId::INDEX_MAX) + 1 {
-                return Err(ChunkError::TooManyChunks {
-                    chunks,
-                    limit: u64::from(ChunkId::INDEX_MAX) + 1,
-                });
+        let stream = self.config.stream(spec.trainable);
+        let at = match self.open[stream] {
+            Some(open) if self.fill_slots[open] + item.slots <= chunk_elements => open,
+            _ => {
+                let chunks = self.fill_slots.len() as u64 + 1;
+                if chunks > u64::from(ChunkId::INDEX_MAX) + 1 {
+                    return Err(ChunkError::TooManyChunks {
+                        chunks,
+                        limit: u64::from(ChunkId::INDEX_MAX) + 1,
+                    });
+                }
+                self.fill_slots.push(0);
+                self.fill_trainable.push(0);
+                self.chunk_tensors.push(Vec::new());
+                self.chunk_trainable.push(Vec::new());
+                let opened = self.fill_slots.len() - 1;
+                self.open[stream] = Some(opened);
+                opened
             }
-            self.fill_slots.push(0);
-            self.fill_trainable.push(0);
-            self.chunk_tensors.push(Vec::new());
-            self.chunk_trainable.push(Vec::new());
-        }
-        let last = self.fill_slots.len() - 1;
-        // `last` < INDEX_MAX + 1 <= u32::MAX, checked when the chunk was opened.
-        let index = last as u32;
-        let offset_slots = self.fill_slots[last];
-        self.fill_slots[last] += item.slots;
-        self.chunk_tensors[last].push(id);
+        };
+        // `at` < INDEX_MAX + 1 <= u32::MAX, checked when the chunk was opened.
+        let index = at as u32;
+        let offset_slots = self.fill_slots[at];
+        self.fill_slots[at] += item.slots;
+        self.chunk_tensors[at].push(id);
         let trainable_offset = if spec.trainable {
-            let off = self.fill_trainable[last];
-            self.fill_trainable[last] += item.trainable_elements;
-            self.chunk_trainable[last].push(id);
+            let off = self.fill_trainable[at];
+            self.fill_trainable[at] += item.trainable_elements;
+            self.chunk_trainable[at].push(id);
             Some(off)
         } else {
             None
@@ -615,8 +689,9 @@ mod tests {
 
     #[test]
     fn next_fit_and_mirrored_lists() {
+        // Shared packing: frozen and trainable tensors in the same open chunk.
         let layout = Layout::new(
-            LayoutConfig::new(100),
+            LayoutConfig::new(100).with_separate_frozen(false),
             [
                 t("a", 60, DType::F16, true),
                 t("b", 30, DType::F16, false),
@@ -665,13 +740,24 @@ mod tests {
             (norm.dtype, norm.slots(), norm.bytes()),
             (DType::F32, 20, 40)
         );
+        // Packed apart from the frozen norm: its own chunk.
         let w = layout.location(TensorId(1), ListKind::Param16).unwrap();
         assert_eq!(
-            (w.dtype, w.offset_elements, w.slots()),
-            (DType::F16, 20, 10)
+            (w.chunk.index(), w.dtype, w.offset_elements, w.slots()),
+            (1, DType::F16, 0, 10)
         );
         let m = layout.location(TensorId(1), ListKind::MasterF32).unwrap();
         assert_eq!((m.dtype, m.offset_elements), (DType::F32, 0));
+        // Shared packing: after the norm's 20 slots.
+        let shared = Layout::new(
+            layout.config().with_separate_frozen(false),
+            layout.tensors().to_vec(),
+        )
+        .unwrap();
+        let w = shared.location(TensorId(1), ListKind::Param16).unwrap();
+        assert_eq!((w.chunk.index(), w.offset_elements), (0, 20));
+        let m = shared.location(TensorId(1), ListKind::MasterF32).unwrap();
+        assert_eq!((m.chunk.index(), m.offset_elements), (0, 0));
     }
 
     #[test]
@@ -731,24 +817,120 @@ mod tests {
     }
 
     #[test]
+    fn frozen_and_trainable_packed_apart() {
+        // The same tensors as above, packed apart (the default): a and c share the
+        // trainable chunk 0, b opens the frozen chunk 1, d opens trainable chunk 2.
+        let layout = Layout::new(
+            LayoutConfig::new(100),
+            [
+                t("a", 60, DType::F16, true),
+                t("b", 30, DType::F16, false),
+                t("c", 20, DType::F16, true),
+                t("d", 80, DType::F16, true),
+            ],
+        )
+        .unwrap();
+        assert_eq!(layout.chunks_per_list(), 3);
+        let at = |i: u32| {
+            let l = layout.location(TensorId(i), ListKind::Param16).unwrap();
+            (l.chunk.index(), l.offset_elements)
+        };
+        assert_eq!(
+            [at(0), at(1), at(2), at(3)],
+            [(0, 0), (1, 0), (0, 60), (2, 0)]
+        );
+        let c = layout.location(TensorId(2), ListKind::MasterF32).unwrap();
+        assert_eq!((c.chunk.index(), c.offset_elements), (0, 60));
+        assert!(!layout.chunk_exists(ChunkId::new(ListKind::MasterF32, 1)));
+        assert_eq!(layout.list_chunk_count(ListKind::MasterF32), 2);
+        assert_eq!(
+            layout.chunk_tensors(ChunkId::new(ListKind::MomentumF32, 0)),
+            &[TensorId(0), TensorId(2)]
+        );
+        assert_eq!(
+            layout.grad_location(TensorId(2)),
+            layout.location(TensorId(2), ListKind::Param16)
+        );
+        // Bytes: 3 param chunks of 200 B, 2 x 3 fp32 chunks of 400 B.
+        assert_eq!(layout.total_bytes(), 3 * 200 + 6 * 400);
+    }
+
+    #[test]
+    fn lora_adapters_get_full_optimizer_chunks() {
+        // A frozen base of 8 x 50 with a trainable adapter of 10 after every base
+        // tensor. Shared packing puts an adapter in every group: 5 groups with fp32
+        // chunks. Apart, the 80 adapter elements fill one trainable chunk.
+        let mut specs = Vec::new();
+        for i in 0..8 {
+            specs.push(t(&format!("base{i}"), 50, DType::BF16, false));
+            specs.push(t(&format!("lora{i}"), 10, DType::BF16, true));
+        }
+        let shared = Layout::new(
+            LayoutConfig::new(100).with_separate_frozen(false),
+            specs.clone(),
+        )
+        .unwrap();
+        assert_eq!(shared.list_chunk_count(ListKind::Param16), 8);
+        assert_eq!(shared.list_chunk_count(ListKind::MasterF32), 8);
+        let apart = Layout::new(LayoutConfig::new(100), specs).unwrap();
+        assert_eq!(apart.list_chunk_count(ListKind::Param16), 5);
+        assert_eq!(apart.list_chunk_count(ListKind::MasterF32), 1);
+        let m = apart.chunks(ListKind::MasterF32).next().unwrap();
+        assert_eq!(m.index(), 1);
+        assert_eq!(apart.chunk_used_bytes(m), 80 * 4);
+        assert_eq!(apart.chunk_tensors(m).len(), 8);
+        assert_eq!(
+            apart.chunk_tensors(m.in_list(ListKind::Param16)),
+            apart.chunk_tensors(m)
+        );
+    }
+
+    #[test]
+    fn all_trainable_or_all_frozen_pack_the_same_either_way() {
+        for trainable in [false, true] {
+            let specs: Vec<_> = [60, 30, 20, 80, 100, 1, 99]
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| t(&format!("t{i}"), n, DType::F16, trainable))
+                .collect();
+            let a = Layout::new(LayoutConfig::new(100), specs.clone()).unwrap();
+            let b = Layout::new(LayoutConfig::new(100).with_separate_frozen(false), specs).unwrap();
+            for i in 0..7 {
+                for list in ListKind::ALL {
+                    assert_eq!(a.location(TensorId(i), list), b.location(TensorId(i), list));
+                }
+            }
+            assert_eq!(a.total_bytes(), b.total_bytes());
+        }
+    }
+
+    #[test]
     fn pack_counts_agree_with_layout() {
-        let cfg = LayoutConfig::new(100);
         let specs = vec![
             t("a", 60, DType::F16, false),
             t("b", 50, DType::F16, false),
             t("c", 40, DType::F16, true),
+            t("d", 30, DType::F16, false),
+            t("e", 70, DType::F16, true),
         ];
-        let items: Vec<_> = specs
-            .iter()
-            .map(|s| PackItem::of(s, &cfg).unwrap())
-            .collect();
-        let counts = pack_counts(&items, 100);
-        let layout = Layout::new(cfg, specs).unwrap();
-        assert_eq!(counts.chunks, layout.list_chunk_count(ListKind::Param16));
-        assert_eq!(
-            counts.trainable_chunks,
-            layout.list_chunk_count(ListKind::MasterF32)
-        );
-        assert_eq!(allocated_bytes(counts, 100, &cfg), layout.total_bytes());
+        for separate in [true, false] {
+            let cfg = LayoutConfig::new(100).with_separate_frozen(separate);
+            let items: Vec<_> = specs
+                .iter()
+                .map(|s| PackItem::of(s, &cfg).unwrap())
+                .collect();
+            let counts = pack_counts(&items, 100, &cfg);
+            let layout = Layout::new(cfg, specs.clone()).unwrap();
+            assert_eq!(counts.chunks, layout.list_chunk_count(ListKind::Param16));
+            assert_eq!(
+                counts.trainable_chunks,
+                layout.list_chunk_count(ListKind::MasterF32)
+            );
+            assert_eq!(allocated_bytes(counts, 100, &cfg), layout.total_bytes());
+            assert_eq!(
+                pack_streams(&items, &cfg).len(),
+                if separate { 2 } else { 1 }
+            );
+        }
     }
 }

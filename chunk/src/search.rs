@@ -2,27 +2,35 @@
 //!
 //! Waste is counted over every list the layout will allocate (Param16, and master, M,
 //! V, grad for chunk groups that hold trainable tensors): allocated bytes minus the
-//! bytes tensors occupy. Candidates are chunk sizes whose byte sizes are multiples of
-//! `lcm(4096, io_block_bytes)` in every list (the Param16 list has 2-byte slots, so the
-//! element step is half that alignment), from the largest tensor (rounded up) to a cap
-//! (`cap_factor` x the largest tensor, or [`SearchConfig::max_chunk_elements`]).
+//! bytes tensors occupy. The search evaluates exactly the packing the layout will
+//! produce under the given [`LayoutConfig`], frozen and trainable tensors packed apart
+//! or together ([`LayoutConfig::separate_frozen`]). Candidates are chunk sizes whose
+//! byte sizes are multiples of `lcm(4096, io_block_bytes)` in every list (the Param16
+//! list has 2-byte slots, so the element step is half that alignment), from the largest
+//! tensor (rounded up) to a cap (`cap_factor` x the largest tensor, or
+//! [`SearchConfig::max_chunk_elements`]).
 //!
-//! Why few candidates suffice. Next-fit packing at size `C` only compares `C` with sums
-//! of consecutive tensors ("run sums"). Between two consecutive run sums the packing,
-//! and so every chunk count, is the same, while allocated bytes grow with `C`. So on
-//! each such interval the smallest aligned size is the best, and the optimum over the
-//! whole aligned grid is among `{round_up(lo)} ∪ {round_up(S) : S run sum in (lo, hi]}`.
-//! Run sums above the cap are never enumerated, so a LLaMA-70B-sized registration (~700
-//! tensors, cap 4x the embedding) yields a few thousand candidates, each packed in
-//! O(tensors). When the run sums outnumber the grid points, the grid itself is used.
-//! Either way the result equals an exhaustive scan of the grid
-//! ([`search_chunk_size_exhaustive`]; checked by `tests/search_props.rs`).
+//! Why few candidates suffice. The layout packs each *stream* of tensors next-fit into
+//! its own open chunk: the frozen tensors and the trainable tensors, each in model order
+//! (or all tensors as one stream when they are not packed apart). Next-fit packing at
+//! size `C` only compares `C` with sums of tensors consecutive within one stream ("run
+//! sums"). Between two consecutive run sums the packing, and so every chunk count, is
+//! the same, while allocated bytes grow with `C`. So on each such interval the smallest
+//! aligned size is the best, and the optimum over the whole aligned grid is among
+//! `{round_up(lo)} ∪ {round_up(S) : S run sum in (lo, hi]}`. Run sums above the cap are
+//! never enumerated, so a LLaMA-70B-sized registration (~700 tensors, cap 4x the
+//! embedding) yields a few thousand candidates, each packed in O(tensors). When the run
+//! sums outnumber the grid points, the grid itself is used. Either way the result
+//! equals an exhaustive scan of the grid ([`search_chunk_size_exhaustive`]; checked by
+//! `tests/search_props.rs`).
 //!
 //! Ties go to the smaller chunk (finer-grained moves).
 
 use crate::error::ChunkError;
 use crate::id::ListKind;
-use crate::layout::{allocated_bytes, pack_counts, LayoutConfig, PackItem, TensorSpec};
+use crate::layout::{
+    allocated_bytes, pack_counts, pack_streams, LayoutConfig, PackItem, TensorSpec,
+};
 use crate::Result;
 
 /// The byte alignment every chunk of every list must have at least.
@@ -196,7 +204,7 @@ fn prepare(specs: &[TensorSpec], layout: &LayoutConfig, config: &SearchConfig) -
 }
 
 fn evaluate(p: &Prepared, layout: &LayoutConfig, chunk_elements: u64) -> Candidate {
-    let counts = pack_counts(&p.items, chunk_elements);
+    let counts = pack_counts(&p.items, chunk_elements, layout);
     let allocated = allocated_bytes(counts, chunk_elements, layout);
     let waste = allocated - p.payload_bytes;
     Candidate {
@@ -260,23 +268,25 @@ pub fn search_chunk_size(
     // Deduplicate whenever the list doubles past the grid; give up on pruning once the
     // distinct sizes are as many as the grid's points.
     let mut dedup_at = 2 * grid_points;
-    'runs: for start in 0..p.items.len() {
-        let mut sum = 0u64;
-        for it in &p.items[start..] {
-            sum += it.slots;
-            if sum > hi {
-                break;
-            }
-            if sum > lo {
-                sizes.push(sum.div_ceil(step) * step);
-                if sizes.len() as u64 > dedup_at {
-                    sizes.sort_unstable();
-                    sizes.dedup();
-                    if sizes.len() as u64 >= grid_points {
-                        use_grid = true;
-                        break 'runs;
+    'runs: for stream in pack_streams(&p.items, layout) {
+        for start in 0..stream.len() {
+            let mut sum = 0u64;
+            for &slots in &stream[start..] {
+                sum += slots;
+                if sum > hi {
+                    break;
+                }
+                if sum > lo {
+                    sizes.push(sum.div_ceil(step) * step);
+                    if sizes.len() as u64 > dedup_at {
+                        sizes.sort_unstable();
+                        sizes.dedup();
+                        if sizes.len() as u64 >= grid_points {
+                            use_grid = true;
+                            break 'runs;
+                        }
+                        dedup_at = sizes.len() as u64 + 2 * grid_points;
                     }
-                    dedup_at = sizes.len() as u64 + 2 * grid_points;
                 }
             }
         }
@@ -431,5 +441,67 @@ mod tests {
         assert!(elapsed.as_secs() < 30, "{elapsed:?}");
         let x = search_chunk_size_exhaustive(&s, &cfg, &SearchConfig::new(1 << 20)).unwrap();
         assert_eq!(r.chosen, x.chosen);
+    }
+
+    #[test]
+    fn lora_registration_searches_the_separate_packing() {
+        // A frozen 16-layer base with rank-16 q/v adapters after each projection.
+        let (h, f, r) = (2048usize, 5632usize, 16usize);
+        let mut s = vec![TensorSpec::new("embed", &[32000, h], DType::BF16, false)];
+        for l in 0..16 {
+            for (n, shape, lora) in [
+                ("q", [h, h], true),
+                ("k", [h / 4, h], false),
+                ("v", [h / 4, h], true),
+                ("o", [h, h], false),
+                ("up", [f, h], false),
+                ("down", [h, f], false),
+            ] {
+                s.push(TensorSpec::new(
+                    format!("l{l}.{n}"),
+                    &shape,
+                    DType::BF16,
+                    false,
+                ));
+                if lora {
+                    s.push(TensorSpec::new(
+                        format!("l{l}.{n}.a"),
+                        &[r, h],
+                        DType::F32,
+                        true,
+                    ));
+                    s.push(TensorSpec::new(
+                        format!("l{l}.{n}.b"),
+                        &[shape[0], r],
+                        DType::F32,
+                        true,
+                    ));
+                }
+            }
+        }
+        let search = SearchConfig::new(1 << 20);
+        for separate in [true, false] {
+            let cfg = LayoutConfig::new(1).with_separate_frozen(separate);
+            let got = search_chunk_size(&s, &cfg, &search).unwrap();
+            let x = search_chunk_size_exhaustive(&s, &cfg, &search).unwrap();
+            assert_eq!(got.chosen, x.chosen);
+            let layout = Layout::new(
+                LayoutConfig {
+                    chunk_elements: got.chosen.chunk_elements,
+                    ..cfg
+                },
+                s.clone(),
+            )
+            .unwrap();
+            assert_eq!(layout.total_bytes(), got.chosen.allocated_bytes);
+            assert_eq!(layout.waste_bytes(), got.chosen.waste_bytes);
+            let master = layout.list_chunk_count(ListKind::MasterF32);
+            if separate {
+                // 16 x 4 adapters, 1.7M elements: one chunk.
+                assert_eq!(master, 1);
+            } else {
+                assert!(master > 1, "{master}");
+            }
+        }
     }
 }

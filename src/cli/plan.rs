@@ -249,9 +249,10 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
     }
     if sparse {
         out!(
-            "warning: some lists allocate far more than their tensors use: the chunk crate \
-             mirrors the 16-bit packing, so every chunk group holding a LoRA adapter gets \
-             full-size master, M and V chunks; the plan counts what the store would allocate"
+            "warning: some lists allocate far more than their tensors use: every list shares \
+             one chunk size, at least the largest tensor, so a few small trainable tensors \
+             (LoRA adapters) still take whole master, M and V chunks; the plan counts what \
+             the store would allocate"
         );
     }
     out!();
