@@ -15,10 +15,16 @@
 //! memory ([`crate::workload::Workload::activation_bytes`]), which drives the tidal
 //! device budget exactly as real activations would.
 //!
-//! The optimizer step takes one tensor at a time: its gradient, M and V are copied out
-//! of the store into scratch buffers (allocated once, the size of the largest tensor),
-//! the kernel updates the master weights in place in the host pool, and M, V and the
-//! new 16-bit parameters are copied back. Each of these is an access of the store.
+//! The optimizer step takes one tensor at a time: its 16-bit param/gradient, master, M
+//! and V are accessed in the host pool together (four accesses) and the kernel updates
+//! them in place through the store's disjoint views ([`ChunkStore::views_mut_with_io`]),
+//! no copies out and back. The gradient and the new 16-bit parameters share the same
+//! bytes, so the kernel runs in pieces of [`STEP_PIECE`] parameters, each piece's
+//! gradient staged in a cache-sized buffer; between pieces the store's NVMe transfers
+//! (the host prefetcher's reads of the next chunks, write-backs) are polled so they run
+//! while the kernel computes.
+//!
+//! [`ChunkStore::views_mut_with_io`]: tidestore_chunk::ChunkStore::views_mut_with_io
 
 use std::time::Instant;
 
@@ -345,7 +351,11 @@ struct Runner<'p> {
     checksum: u64,
     /// bf16 gradient pattern, longer than the largest trainable tensor by `PATTERN_SLACK`.
     grad_pattern: Vec<bf16>,
+    /// One piece's gradient (see [`STEP_PIECE`]); the whole tensor's when copying.
     scratch_g: Vec<bf16>,
+    /// Whether the host pool holds a tensor's four chunks at once (else the step copies
+    /// through the scratch buffers below, one chunk in use at a time).
+    in_place: bool,
     scratch_m: Vec<f32>,
     scratch_v: Vec<f32>,
     scratch_p: Vec<bf16>,
@@ -367,6 +377,11 @@ struct Runner<'p> {
 }
 
 const PATTERN_SLACK: usize = 4096;
+
+/// Parameters per kernel call in the optimizer step: the piece's bf16 gradient (256 KiB)
+/// is staged in a buffer that stays in cache, and the store's NVMe transfers are polled
+/// between pieces.
+const STEP_PIECE: usize = 128 * 1024;
 
 fn pattern_offset(tensor: usize, iteration: u32) -> usize {
     (tensor * 131 + iteration as usize * 977) % PATTERN_SLACK
@@ -579,60 +594,118 @@ impl Runner<'_> {
                 self.progress.advance(6);
                 continue;
             };
-            // Gradient, M and V out to scratch.
-            let g = self.access(i, ListKind::Param16, Place::Host)?;
-            bytemuck::cast_slice_mut::<bf16, u8>(&mut self.scratch_g[..len])
-                .copy_from_slice(self.s.store.bytes(&g)?);
-            self.release(g, TensorState::Hold)?;
-            for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
-                let g = self.access(i, list, Place::Host)?;
-                let dst = if list == ListKind::MomentumF32 {
-                    &mut self.scratch_m[..len]
-                } else {
-                    &mut self.scratch_v[..len]
-                };
-                bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(self.s.store.bytes(&g)?);
+            if !self.in_place {
+                self.step_copying(i, len, state)?;
+                continue;
+            }
+            // The tensor's four places in the host pool at once, stepped in place.
+            let gp = self.access(i, ListKind::Param16, Place::Host)?;
+            let gm = self.access(i, ListKind::MasterF32, Place::Host)?;
+            let g1 = self.access(i, ListKind::MomentumF32, Place::Host)?;
+            let g2 = self.access(i, ListKind::VarianceF32, Place::Host)?;
+            {
+                let (views, mut pump) = self.s.store.views_mut_with_io(&[&gp, &gm, &g1, &g2])?;
+                let [p16, master, m, v]: [&mut [u8]; 4] = views
+                    .try_into()
+                    .map_err(|_| Error::Bench("views_mut returned another count".into()))?;
+                let p16: &mut [bf16] =
+                    bytemuck::try_cast_slice_mut(p16).map_err(|_| cast_err("param16"))?;
+                let master: &mut [f32] =
+                    bytemuck::try_cast_slice_mut(master).map_err(|_| cast_err("master"))?;
+                let m: &mut [f32] = bytemuck::try_cast_slice_mut(m).map_err(|_| cast_err("m"))?;
+                let v: &mut [f32] = bytemuck::try_cast_slice_mut(v).map_err(|_| cast_err("v"))?;
+                let started = Instant::now();
+                let mut at = 0;
+                while at < len {
+                    let end = (at + STEP_PIECE).min(len);
+                    let n = end - at;
+                    // The gradient and the new parameters share these bytes: stage the
+                    // piece's gradient in a cache-sized buffer.
+                    self.scratch_g[..n].copy_from_slice(&p16[at..end]);
+                    self.opt.step_slice(
+                        state,
+                        &self.hp,
+                        &mut master[at..end],
+                        &mut m[at..end],
+                        &mut v[at..end],
+                        Grads::Bf16(&self.scratch_g[..n]),
+                        Some(ParamOut::Bf16(&mut p16[at..end])),
+                    )?;
+                    // Keep the NVMe reads of the next chunks (and write-backs) moving.
+                    pump.poll();
+                    at = end;
+                }
+                self.kernel_ns += started.elapsed().as_nanos() as u64;
+            }
+            for g in [gp, gm, g1, g2] {
                 self.release(g, TensorState::Hold)?;
             }
-            // The step, master updated in place.
-            let g = self.access(i, ListKind::MasterF32, Place::Host)?;
-            let master: &mut [f32] = bytemuck::try_cast_slice_mut(self.s.store.bytes_mut(&g)?)
-                .map_err(|_| cast_err("master"))?;
-            let started = Instant::now();
-            self.opt.step_slice(
-                state,
-                &self.hp,
-                master,
-                &mut self.scratch_m[..len],
-                &mut self.scratch_v[..len],
-                Grads::Bf16(&self.scratch_g[..len]),
-                Some(ParamOut::Bf16(&mut self.scratch_p[..len])),
-            )?;
-            self.kernel_ns += started.elapsed().as_nanos() as u64;
-            self.release(g, TensorState::Hold)?;
-            // M, V and the new parameters back.
-            for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
-                let g = self.access(i, list, Place::Host)?;
-                let src = if list == ListKind::MomentumF32 {
-                    &self.scratch_m[..len]
-                } else {
-                    &self.scratch_v[..len]
-                };
-                self.s
-                    .store
-                    .bytes_mut(&g)?
-                    .copy_from_slice(bytemuck::cast_slice(src));
-                self.release(g, TensorState::Hold)?;
-            }
-            let g = self.access(i, ListKind::Param16, Place::Host)?;
-            self.s
-                .store
-                .bytes_mut(&g)?
-                .copy_from_slice(bytemuck::cast_slice(&self.scratch_p[..len]));
-            self.release(g, TensorState::Hold)?;
+            self.progress.advance(3);
         }
         self.s.store.end_optimizer_step()?;
         self.progress.finish(PhaseName::Optimizer);
+        Ok(())
+    }
+}
+
+impl Runner<'_> {
+    /// The step of tensor `i` one chunk at a time (a host pool too small to hold its
+    /// four chunks at once): gradient, M and V copied out to scratch, master updated in
+    /// place, M, V and the new 16-bit parameters copied back.
+    fn step_copying(
+        &mut self,
+        i: usize,
+        len: usize,
+        state: tidestore_optimizer::StepState,
+    ) -> Result<()> {
+        let g = self.access(i, ListKind::Param16, Place::Host)?;
+        bytemuck::cast_slice_mut::<bf16, u8>(&mut self.scratch_g[..len])
+            .copy_from_slice(self.s.store.bytes(&g)?);
+        self.release(g, TensorState::Hold)?;
+        for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
+            let g = self.access(i, list, Place::Host)?;
+            let dst = if list == ListKind::MomentumF32 {
+                &mut self.scratch_m[..len]
+            } else {
+                &mut self.scratch_v[..len]
+            };
+            bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(self.s.store.bytes(&g)?);
+            self.release(g, TensorState::Hold)?;
+        }
+        let g = self.access(i, ListKind::MasterF32, Place::Host)?;
+        let master: &mut [f32] = bytemuck::try_cast_slice_mut(self.s.store.bytes_mut(&g)?)
+            .map_err(|_| cast_err("master"))?;
+        let started = Instant::now();
+        self.opt.step_slice(
+            state,
+            &self.hp,
+            master,
+            &mut self.scratch_m[..len],
+            &mut self.scratch_v[..len],
+            Grads::Bf16(&self.scratch_g[..len]),
+            Some(ParamOut::Bf16(&mut self.scratch_p[..len])),
+        )?;
+        self.kernel_ns += started.elapsed().as_nanos() as u64;
+        self.release(g, TensorState::Hold)?;
+        for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
+            let g = self.access(i, list, Place::Host)?;
+            let src = if list == ListKind::MomentumF32 {
+                &self.scratch_m[..len]
+            } else {
+                &self.scratch_v[..len]
+            };
+            self.s
+                .store
+                .bytes_mut(&g)?
+                .copy_from_slice(bytemuck::cast_slice(src));
+            self.release(g, TensorState::Hold)?;
+        }
+        let g = self.access(i, ListKind::Param16, Place::Host)?;
+        self.s
+            .store
+            .bytes_mut(&g)?
+            .copy_from_slice(bytemuck::cast_slice(&self.scratch_p[..len]));
+        self.release(g, TensorState::Hold)?;
         Ok(())
     }
 }
@@ -734,6 +807,15 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         host_bytes: cfg.host.budget.bytes(),
         nvme_bytes: cfg.nvme.size.bytes(),
     };
+    // Four chunks in use on the host at once, plus one buffer for loads.
+    let in_place = s.capacity.host_buffers >= 5;
+    if !in_place {
+        tracing::info!(
+            host_buffers = s.capacity.host_buffers,
+            "bench: the host pool holds fewer than 5 chunks; the optimizer step copies \
+             through scratch buffers instead of working in place"
+        );
+    }
     let mut r = Runner {
         opt,
         hp,
@@ -741,10 +823,18 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         progress,
         checksum: 0,
         grad_pattern,
-        scratch_g: vec![bf16::ZERO; longest_trainable],
-        scratch_m: vec![0.0; longest_trainable],
-        scratch_v: vec![0.0; longest_trainable],
-        scratch_p: vec![bf16::ZERO; longest_trainable],
+        scratch_g: vec![
+            bf16::ZERO;
+            if in_place {
+                STEP_PIECE.min(longest_trainable)
+            } else {
+                longest_trainable
+            }
+        ],
+        in_place,
+        scratch_m: vec![0.0; if in_place { 0 } else { longest_trainable }],
+        scratch_v: vec![0.0; if in_place { 0 } else { longest_trainable }],
+        scratch_p: vec![bf16::ZERO; if in_place { 0 } else { longest_trainable }],
         grad_sq: 0.0,
         grad_done: vec![false; n],
         trainable,

@@ -463,6 +463,9 @@ pub struct PolicySection {
     pub eviction: EvictionName,
     /// Moments the prefetcher looks ahead (0: no prefetch), at most 4096.
     pub prefetch_lookahead: u32,
+    /// Moments the host-tier prefetcher (NVMe -> host reads for host accesses, e.g.
+    /// the CPU optimizer's) looks ahead (0: off), at most 4096.
+    pub host_prefetch_lookahead: u32,
 }
 
 impl Default for PolicySection {
@@ -470,6 +473,7 @@ impl Default for PolicySection {
         PolicySection {
             eviction: EvictionName::Lifetime,
             prefetch_lookahead: 8,
+            host_prefetch_lookahead: 64,
         }
     }
 }
@@ -660,6 +664,15 @@ impl Config {
             return Err(Error::config(
                 "policy.prefetch_lookahead",
                 format!("{} is outside 0..=4096", self.policy.prefetch_lookahead),
+            ));
+        }
+        if self.policy.host_prefetch_lookahead > 4096 {
+            return Err(Error::config(
+                "policy.host_prefetch_lookahead",
+                format!(
+                    "{} is outside 0..=4096",
+                    self.policy.host_prefetch_lookahead
+                ),
             ));
         }
         Ok(())

@@ -10,9 +10,11 @@
 //! `host.budget` or `nvme.size`, before anything is allocated. [`open`] then makes the
 //! device, the host pool and the swap file.
 //!
-//! One chunk is in use at a time (`working_set_chunks = 1`): forward and backward use
-//! one tensor at a time, and the optimizer step copies a tensor's M, V and gradient out
-//! of the store and back (the store lends one mutable view at a time).
+//! One chunk is in use at a time on the device (`working_set_chunks = 1`): forward and
+//! backward use one tensor at a time. The optimizer step holds a tensor's 16-bit
+//! param/gradient, master, M and V chunks in the host pool at once and works on them in
+//! place (the store's `views_mut`) when the host pool holds those four buffers plus one
+//! for loads; with a smaller pool it copies through scratch, one chunk at a time.
 
 use tidestore_chunk::{
     plan_capacity, search_chunk_size, CapacityPlan, ChunkError, ChunkStore, Layout, LayoutConfig,
@@ -299,6 +301,8 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     let store_cfg = StoreConfig::new(cfg.device.budget.bytes(), cfg.host.budget.bytes(), nvme)
         .with_policy(cfg.policy.eviction.into())
         .with_prefetch(cfg.policy.prefetch_lookahead)
+        .with_host_prefetch(cfg.policy.host_prefetch_lookahead)
+        .with_async_write_back(true)
         .with_working_set_chunks(WORKING_SET_CHUNKS);
     let store_cfg = StoreConfig {
         tidal_margin_bytes: cfg.device.tidal_margin.bytes(),

@@ -59,7 +59,10 @@ fn shipped_config_sets_and_documents_every_key() {
         ("device", &["kind", "budget", "tidal_margin", "sim_memory"]),
         ("host", &["budget"]),
         ("nvme", &["dir", "size", "compression"]),
-        ("policy", &["eviction", "prefetch_lookahead"]),
+        (
+            "policy",
+            &["eviction", "prefetch_lookahead", "host_prefetch_lookahead"],
+        ),
         (
             "optimizer",
             &[

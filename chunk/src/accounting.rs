@@ -59,6 +59,14 @@ pub struct StoreStats {
     pub prefetch_hits: u64,
     /// Prefetched chunks evicted before any access used them.
     pub prefetch_wasted: u64,
+    /// Of `prefetch_loads`: NVMe -> host loads started by the host-tier prefetcher.
+    pub host_prefetch_loads: u64,
+    /// Of `prefetch_hits`: host accesses that found their chunk read (or being read)
+    /// from NVMe by the host-tier prefetcher.
+    pub host_prefetch_hits: u64,
+    /// Host -> NVMe write-backs started without waiting (their buffer returns to the
+    /// pool when they complete).
+    pub async_writes: u64,
     /// Nanoseconds `access` spent waiting for chunks (loads, evictions, copies).
     pub stall_ns: u64,
     /// Iterations ended.
@@ -118,14 +126,17 @@ impl fmt::Display for StoreStats {
         )?;
         writeln!(
             f,
-            "accesses {} ({} hits, {} demand loads); prefetch {} loads, {} hits, {} wasted; \
-             stalled {:.3} ms",
+            "accesses {} ({} hits, {} demand loads); prefetch {} loads, {} hits, {} wasted \
+             (host tier: {} loads, {} hits); {} asynchronous write-backs; stalled {:.3} ms",
             self.accesses,
             self.hits,
             self.demand_loads,
             self.prefetch_loads,
             self.prefetch_hits,
             self.prefetch_wasted,
+            self.host_prefetch_loads,
+            self.host_prefetch_hits,
+            self.async_writes,
             self.stall_ns as f64 / 1e6
         )?;
         writeln!(

@@ -69,6 +69,12 @@ pub struct StoreConfig {
     pub prefetch_lookahead: u32,
     /// Most bytes of chunks the prefetch window may cover (`u64::MAX`: no bound).
     pub prefetch_lookahead_bytes_max: u64,
+    /// Moments the host-tier prefetcher looks ahead on the schedule of host accesses
+    /// (NVMe -> host reads started ahead of need, within the host pool; 0: off).
+    pub host_prefetch_lookahead: u32,
+    /// Host -> NVMe write-backs forced by eviction run without waiting: the buffer
+    /// stays with the I/O until it completes, and the chunk is not used until then.
+    pub async_write_back: bool,
     /// Bytes of the device kept free of chunks above the non-model peak.
     pub tidal_margin_bytes: u64,
     /// Moments ahead whose non-model peak the tidal budget leaves room for.
@@ -82,7 +88,8 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
-    /// Defaults around three budgets: `lifetime` policy, 8 moments of prefetch, no
+    /// Defaults around three budgets: `lifetime` policy, 8 moments of device prefetch
+    /// (host-tier prefetch and asynchronous write-backs off), no
     /// margin, a tidal window of 8 moments, 1 MiB of non-model slack, one chunk in use
     /// at a time.
     pub fn new(device_budget_bytes: u64, host_budget_bytes: u64, nvme: NvmeSource) -> Self {
@@ -94,6 +101,8 @@ impl StoreConfig {
             policy: PolicyKind::Lifetime,
             prefetch_lookahead: 8,
             prefetch_lookahead_bytes_max: u64::MAX,
+            host_prefetch_lookahead: 0,
+            async_write_back: false,
             tidal_margin_bytes: 0,
             tidal_window: 8,
             non_model_slack_bytes: 1 << 20,
@@ -110,6 +119,18 @@ impl StoreConfig {
     /// With another prefetch look-ahead (0 turns prefetch off).
     pub fn with_prefetch(mut self, lookahead: u32) -> Self {
         self.prefetch_lookahead = lookahead;
+        self
+    }
+
+    /// With a host-tier prefetch look-ahead (0 turns it off).
+    pub fn with_host_prefetch(mut self, lookahead: u32) -> Self {
+        self.host_prefetch_lookahead = lookahead;
+        self
+    }
+
+    /// With host -> NVMe write-backs forced by eviction made asynchronous (or not).
+    pub fn with_async_write_back(mut self, on: bool) -> Self {
+        self.async_write_back = on;
         self
     }
 

@@ -264,6 +264,21 @@ pub enum ChunkError {
         reason: &'static str,
     },
 
+    /// [`crate::ChunkStore::views_mut`] was asked for two views whose bytes overlap (the
+    /// same tensor twice, or two ranges of one chunk that intersect).
+    #[error(
+        "views of `{first}` and `{second}` overlap in chunk {chunk}: mutable views must be \
+         disjoint"
+    )]
+    OverlappingViews {
+        /// The first tensor's name.
+        first: String,
+        /// The second tensor's name.
+        second: String,
+        /// Their chunk.
+        chunk: ChunkId,
+    },
+
     /// Bytes written to a tensor whose length differs from the tensor's.
     #[error("tensor `{tensor}` is {expected_bytes} bytes, got {got_bytes}")]
     LengthMismatch {

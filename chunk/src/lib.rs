@@ -48,6 +48,7 @@ pub use dtype::DType;
 pub use error::{ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec};
+pub use mover::IoPump;
 pub use policy::{
     EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PrefetchPlanner, PrefetchStep, Residency,
 };

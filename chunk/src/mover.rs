@@ -25,9 +25,12 @@
 //! accessed. Device completions come in submission order; one routing function puts each
 //! completion's buffers back into its chunk's slot, whoever waits.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tidestore_io::AlignedBuf;
+use tidestore_io::Op;
+use tidestore_tiers::nvme::NvmeCompletion;
 use tidestore_tiers::{
     CopyCompletion, CopyDir, CopyId, Device, DeviceMem, HostTier, NvmeTier, TierError, TierKind,
     TierUsage,
@@ -48,6 +51,9 @@ pub(crate) enum Pending {
     HostToDevice(CopyId),
     /// An NVMe read into a host buffer; then a copy to the reserved device memory.
     NvmeRead,
+    /// An NVMe write-back of the chunk's only current copy: the host buffer is inside
+    /// it, and the chunk is not used until it completes.
+    NvmeWrite,
 }
 
 /// Where one chunk's bytes are.
@@ -64,6 +70,8 @@ pub(crate) struct Slot {
     pub(crate) reserved_dev: Option<DeviceMem>,
     /// Loaded by the prefetcher and not accessed since.
     pub(crate) prefetched: bool,
+    /// Read into the host pool by the host-tier prefetcher and not accessed since.
+    pub(crate) host_prefetched: bool,
     /// Tensors of this chunk in COMPUTE on the device.
     pub(crate) dev_pins: u32,
     /// Tensors of this chunk in COMPUTE on the host.
@@ -80,6 +88,7 @@ impl Slot {
             pending: Pending::None,
             reserved_dev: None,
             prefetched: false,
+            host_prefetched: false,
             dev_pins: 0,
             host_pins: 0,
         }
@@ -155,13 +164,20 @@ pub(crate) struct Mover {
     /// Chunks present on the device (not in flight).
     pub(crate) dev_list: Vec<ChunkId>,
     /// Chunks present in the host pool (not in flight).
-    host_list: Vec<ChunkId>,
+    pub(crate) host_list: Vec<ChunkId>,
     /// Per dense id: present on the device or on its way there (the planner's view).
     pub(crate) dev_mark: Vec<bool>,
     /// The device budget's capacity now (the tidal budget).
     pub(crate) dev_cap: u64,
     pending_h2d: usize,
+    /// NVMe requests in flight (reads and writes).
     pending_nvme: usize,
+    /// NVMe writes in flight.
+    pending_writes: usize,
+    /// NVMe completions taken by an [`IoPump`] and not routed yet.
+    nvme_stash: VecDeque<NvmeCompletion>,
+    /// Write-backs forced by eviction do not wait (see [`Pending::NvmeWrite`]).
+    pub(crate) async_writes: bool,
     pub(crate) stats: StoreStats,
     pub(crate) hook: Option<MoveHook>,
     pub(crate) reason: MoveReason,
@@ -225,6 +241,9 @@ impl Mover {
             dev_cap,
             pending_h2d: 0,
             pending_nvme: 0,
+            pending_writes: 0,
+            nvme_stash: VecDeque::new(),
+            async_writes: false,
             stats: StoreStats::default(),
             hook: None,
             reason: MoveReason::Demand,
@@ -353,7 +372,10 @@ impl Mover {
         }
     }
 
-    fn route_nvme(&mut self, c: tidestore_tiers::nvme::NvmeCompletion) -> Result<()> {
+    fn route_nvme(&mut self, c: NvmeCompletion) -> Result<()> {
+        if c.op == Op::Write {
+            return self.route_nvme_write(c);
+        }
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
         self.pending_nvme = self.pending_nvme.saturating_sub(1);
@@ -376,11 +398,64 @@ impl Mover {
             Err(e) => {
                 self.dev_mark[d] = false;
                 slot.prefetched = false;
+                slot.host_prefetched = false;
                 drop(reserved);
                 drop(c.buf);
                 Err(ChunkError::tier("reading from NVMe", Some(chunk), e))
             }
         }
+    }
+
+    /// An asynchronous write-back finished: the NVMe copy is current and the buffer
+    /// goes back to the pool; on failure the buffer goes back into the slot (still the
+    /// chunk's only current copy).
+    fn route_nvme_write(&mut self, c: NvmeCompletion) -> Result<()> {
+        let chunk = ChunkId::from_dense(c.chunk as usize);
+        let d = chunk.dense();
+        self.pending_nvme = self.pending_nvme.saturating_sub(1);
+        self.pending_writes = self.pending_writes.saturating_sub(1);
+        let slot = &mut self.slots[d];
+        slot.pending = Pending::None;
+        match c.result {
+            Ok(()) => {
+                drop(c.buf);
+                slot.nvme_stored = true;
+                slot.nvme_valid = true;
+                self.stats.host_to_nvme_bytes += c.len_bytes as u64;
+                self.stats.nvme_writes += 1;
+                self.emit(MoveKind::HostToNvme, chunk, c.len_bytes as u64);
+                Ok(())
+            }
+            Err(e) => {
+                slot.host = Some(c.buf);
+                self.host_list.push(chunk);
+                self.host_policy.on_insert(chunk, self.moment);
+                Err(ChunkError::tier("writing to NVMe", Some(chunk), e))
+            }
+        }
+    }
+
+    /// The next NVMe completion: one an [`IoPump`] took first, else a finished one.
+    fn nvme_poll(&mut self) -> Option<NvmeCompletion> {
+        self.nvme_stash.pop_front().or_else(|| self.nvme.poll())
+    }
+
+    /// The next NVMe completion, waiting for one; `None` when nothing is in flight.
+    fn nvme_wait(&mut self) -> Option<NvmeCompletion> {
+        self.nvme_stash.pop_front().or_else(|| self.nvme.wait())
+    }
+
+    /// Keeps NVMe transfers moving while the chunks' buffers are lent out (see
+    /// [`IoPump`]).
+    pub(crate) fn pump_parts(&mut self) -> (&mut Vec<Slot>, IoPump<'_>) {
+        (
+            &mut self.slots,
+            IoPump {
+                nvme: &mut self.nvme,
+                stash: &mut self.nvme_stash,
+                active: self.pending_nvme > 0,
+            },
+        )
     }
 
     /// Routes every finished NVMe read before a synchronous NVMe request.
@@ -392,11 +467,11 @@ impl Mover {
     /// request starts, every completion queued while it waits carries another token.
     fn drain_nvme(&mut self) {
         while self.pending_nvme > 0 {
-            let Some(c) = self.nvme.poll() else {
+            let Some(c) = self.nvme_poll() else {
                 return;
             };
             if let Err(e) = self.route_nvme(c) {
-                tracing::warn!(error = %e, "chunk store: a prefetch read from NVMe failed");
+                tracing::warn!(error = %e, "chunk store: an asynchronous NVMe transfer failed");
             }
         }
     }
@@ -412,7 +487,7 @@ impl Mover {
             }
         }
         if self.pending_nvme > 0 {
-            while let Some(c) = self.nvme.poll() {
+            while let Some(c) = self.nvme_poll() {
                 if let Err(e) = self.route_nvme(c) {
                     first_err.get_or_insert(e);
                 }
@@ -424,7 +499,7 @@ impl Mover {
     /// Waits for one transfer in flight; false when none is.
     fn wait_any(&mut self) -> Result<bool> {
         if self.pending_nvme > 0 {
-            if let Some(c) = self.nvme.wait() {
+            if let Some(c) = self.nvme_wait() {
                 self.route_nvme(c)?;
                 return Ok(true);
             }
@@ -449,7 +524,7 @@ impl Mover {
                     let done = self.wait_copy_id(id, c)?;
                     self.route_copy(done)?;
                 }
-                Pending::NvmeRead => {
+                Pending::NvmeRead | Pending::NvmeWrite => {
                     if !self.wait_any()? {
                         // Nothing in flight after all: the slot's flag was stale.
                         self.slots[c.dense()].pending = Pending::None;
@@ -482,6 +557,19 @@ impl Mover {
         loop {
             if let Ok(buf) = self.host.try_take(chunk.dense() as u64) {
                 return Ok(buf);
+            }
+            if self.pending_writes > 0 {
+                // A write-back in flight gives a buffer back: wait for it rather than
+                // evicting more (the prefetcher never waits).
+                if room.not_before.is_none() && self.wait_any()? {
+                    continue;
+                }
+                return Err(ChunkError::TierFull {
+                    tier: TierKind::Host,
+                    chunk,
+                    needed_bytes: self.host.buf_bytes() as u64,
+                    capacity_bytes: self.host.budget().capacity_bytes(),
+                });
             }
             let schedule = self.schedule.clone();
             let candidates: Vec<ChunkId> = self
@@ -524,12 +612,15 @@ impl Mover {
 
     /// Takes `w`'s host copy out of the pool, writing it to NVMe first when it is the
     /// chunk's only current copy. On a failed write the copy stays where it was.
-    fn evict_host(&mut self, w: ChunkId) -> Result<()> {
+    pub(crate) fn evict_host(&mut self, w: ChunkId) -> Result<()> {
         let d = w.dense();
         let Some(buf) = self.slots[d].host.take() else {
             return Ok(());
         };
         remove_from(&mut self.host_list, w);
+        if std::mem::take(&mut self.slots[d].host_prefetched) {
+            self.stats.prefetch_wasted += 1;
+        }
         let slot = &self.slots[d];
         if slot.dev.is_some() || slot.nvme_valid {
             drop(buf);
@@ -545,6 +636,23 @@ impl Mover {
             return Err(e);
         }
         let len = self.len(w);
+        if self.async_writes {
+            // The buffer stays with the write until it completes (route_nvme_write);
+            // the chunk waits for it before any other use.
+            self.nvme.submit_write(d as u64, buf, len);
+            self.slots[d].pending = Pending::NvmeWrite;
+            self.pending_nvme += 1;
+            self.pending_writes += 1;
+            self.stats.async_writes += 1;
+            self.stats.host_evictions += 1;
+            self.host_policy.on_evict(w, self.moment);
+            // Start it now (submitted requests start at the next poll).
+            let first = self.nvme.poll();
+            if let Some(c) = first {
+                self.nvme_stash.push_back(c);
+            }
+            return Ok(());
+        }
         self.drain_nvme();
         let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
         if let Err(e) = result {
@@ -577,7 +685,7 @@ impl Mover {
         }
         let reclaim = |s: &Slot| {
             s.nvme_stored
-                && s.pending != Pending::NvmeRead
+                && !matches!(s.pending, Pending::NvmeRead | Pending::NvmeWrite)
                 && (!s.nvme_valid || s.host.is_some() || s.dev.is_some())
         };
         // Stale copies first, then copies current elsewhere.
@@ -609,6 +717,7 @@ impl Mover {
         let d = c.dense();
         if let Some(buf) = self.slots[d].host.take() {
             remove_from(&mut self.host_list, c);
+            self.slots[d].host_prefetched = false;
             return Ok(buf);
         }
         self.fill_host(c, room)?;
@@ -844,6 +953,7 @@ impl Mover {
             return;
         };
         remove_from(&mut self.host_list, c);
+        self.slots[d].host_prefetched = false;
         let len = self.len(c);
         let id = self.device.copy_to_device(d as u64, buf, mem, len);
         self.slots[d].pending = Pending::HostToDevice(id);
@@ -935,6 +1045,35 @@ impl Mover {
         Ok(true)
     }
 
+    /// Starts reading `c` from NVMe into the host pool ahead of need, into a buffer
+    /// that is free now (the host prefetcher makes room by its plan first; it never
+    /// evicts here). Returns false when no buffer is free. Chunks with nothing to read
+    /// (a host or device copy, a transfer in flight, never written) are done.
+    pub(crate) fn prefetch_host(&mut self, c: ChunkId) -> Result<bool> {
+        let d = c.dense();
+        let s = &self.slots[d];
+        if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
+            return Ok(true);
+        }
+        let Ok(buf) = self.host.try_take(d as u64) else {
+            return Ok(false);
+        };
+        self.nvme.submit_read(d as u64, buf);
+        let slot = &mut self.slots[d];
+        slot.pending = Pending::NvmeRead;
+        slot.host_prefetched = true;
+        self.pending_nvme += 1;
+        self.stats.prefetch_loads += 1;
+        self.stats.host_prefetch_loads += 1;
+        Ok(true)
+    }
+
+    /// Whether the host-tier prefetcher has nothing to load for `c`.
+    pub(crate) fn host_ready(&self, c: ChunkId) -> bool {
+        let s = &self.slots[c.dense()];
+        s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid
+    }
+
     // ------------------------------------------------------------- coherence
 
     /// `c` is about to change on the device: its host and NVMe copies become stale.
@@ -943,6 +1082,7 @@ impl Mover {
         self.slots[d].nvme_valid = false;
         if let Some(buf) = self.slots[d].host.take() {
             drop(buf);
+            self.slots[d].host_prefetched = false;
             remove_from(&mut self.host_list, c);
             self.host_policy.on_evict(c, self.moment);
             self.emit(MoveKind::Invalidate, c, 0);
@@ -974,5 +1114,38 @@ impl Mover {
 fn stopped(reason: &str) -> TierError {
     TierError::CopyEngineStopped {
         reason: reason.into(),
+    }
+}
+
+/// Keeps NVMe transfers moving while the store's chunk buffers are lent out as views
+/// ([`crate::ChunkStore::views_mut_with_io`]): a request starts in pieces of the I/O
+/// block size, at most the queue depth at once, and the next pieces start only when the
+/// engine is polled. [`IoPump::poll`] polls it; completions are kept and routed into
+/// their chunks at the store's next call.
+pub struct IoPump<'a> {
+    nvme: &'a mut NvmeTier,
+    stash: &'a mut VecDeque<NvmeCompletion>,
+    active: bool,
+}
+
+impl std::fmt::Debug for IoPump<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoPump")
+            .field("active", &self.active)
+            .field("stashed", &self.stash.len())
+            .finish()
+    }
+}
+
+impl IoPump<'_> {
+    /// Starts queued NVMe pieces and takes finished requests, without waiting. Cheap
+    /// when nothing is in flight.
+    pub fn poll(&mut self) {
+        if !self.active {
+            return;
+        }
+        while let Some(c) = self.nvme.poll() {
+            self.stash.push_back(c);
+        }
     }
 }

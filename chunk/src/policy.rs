@@ -317,6 +317,21 @@ impl PrefetchPlanner {
         now: u64,
         tier: Residency<'_>,
     ) -> Result<Vec<PrefetchStep>> {
+        self.plan_split(schedule, schedule, now, tier)
+    }
+
+    /// As [`PrefetchPlanner::plan`], with the chunks to load read from `needs` and the
+    /// victims' next uses from `uses` (same moments): a tier whose loads serve only some
+    /// accesses (the host tier's prefetch serves host accesses) still never evicts a
+    /// chunk that any access needs sooner than the one it brings.
+    pub fn plan_split(
+        &self,
+        needs: &Schedule,
+        uses: &Schedule,
+        now: u64,
+        tier: Residency<'_>,
+    ) -> Result<Vec<PrefetchStep>> {
+        let schedule = needs;
         let size = |c: ChunkId| {
             tier.chunk_bytes
                 .get(c.dense())
@@ -355,7 +370,7 @@ impl PrefetchPlanner {
             .evictable
             .iter()
             .map(|&c| {
-                let next = schedule
+                let next = uses
                     .next_use_from(c, now + 1, self.horizon)
                     .unwrap_or(u64::MAX);
                 (next, c)

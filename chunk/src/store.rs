@@ -44,7 +44,7 @@ use crate::dtype::DType;
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
 use crate::layout::{Layout, TensorLocation};
-use crate::mover::{is_no_room, Mover, Pending, Policies};
+use crate::mover::{is_no_room, IoPump, Mover, Pending, Policies};
 use crate::policy::{Lifetime, PolicyKind, PrefetchPlanner, Residency};
 use crate::state::{StateTable, TensorState};
 use crate::tracer::{Follow, Follower, Horizon, MomentKind, Schedule, Tracer};
@@ -184,6 +184,7 @@ struct Settings {
     step_device_budget_bytes: Option<u64>,
     policy: PolicyKind,
     lookahead: u32,
+    host_lookahead: u32,
     margin_bytes: u64,
     window: u32,
     slack_bytes: u64,
@@ -196,6 +197,10 @@ pub struct ChunkStore {
     lists: Vec<Option<ListStates>>,
     settings: Settings,
     planner: PrefetchPlanner,
+    /// The host tier's prefetch planner (the same rule, over host accesses).
+    host_planner: PrefetchPlanner,
+    /// Per dense id: the bytes a chunk takes in the host pool (one whole buffer).
+    host_chunk_bytes: Vec<u64>,
     plan: CapacityPlan,
     mode: Mode,
     follower: Follower,
@@ -209,6 +214,10 @@ pub struct ChunkStore {
     warmup: Vec<(u32, u64, Phase)>,
     /// During tracing, per moment: the chunk accessed on the device, if any.
     device_moments: Vec<Option<ChunkId>>,
+    /// During tracing, per moment: the chunk accessed on the host, if any.
+    host_moments: Vec<Option<ChunkId>>,
+    /// The schedule of host accesses (same moments): what the host prefetcher loads.
+    host_schedule: Option<Arc<Schedule>>,
     /// The schedule of device accesses only (same moments as the followed one): what
     /// the device's `lifetime` policy and the prefetcher read.
     device_schedule: Option<Arc<Schedule>>,
@@ -256,6 +265,8 @@ impl ChunkStore {
             policy,
             prefetch_lookahead,
             prefetch_lookahead_bytes_max,
+            host_prefetch_lookahead,
+            async_write_back,
             tidal_margin_bytes,
             tidal_window,
             non_model_slack_bytes,
@@ -357,6 +368,7 @@ impl ChunkStore {
             step_device_budget_bytes,
             policy,
             lookahead: prefetch_lookahead,
+            host_lookahead: host_prefetch_lookahead,
             margin_bytes: tidal_margin_bytes,
             window: tidal_window,
             slack_bytes: non_model_slack_bytes,
@@ -374,9 +386,16 @@ impl ChunkStore {
             .set_budget_capacity(cap)
             .map_err(|e| ChunkError::tier("setting the device budget", None, e))?;
         let mut mover = Mover::new(device, host, nvme, len_bytes, cap, dev_policy, host_policy);
+        mover.async_writes = async_write_back;
         for c in &adopted {
             mover.adopt_nvme(*c);
         }
+        let host_buf_bytes = mover.host.buf_bytes() as u64;
+        let host_chunk_bytes: Vec<u64> = mover
+            .len_bytes
+            .iter()
+            .map(|&b| if b > 0 { host_buf_bytes } else { 0 })
+            .collect();
         if !adopted.is_empty() {
             tracing::info!(
                 chunks = adopted.len(),
@@ -415,6 +434,8 @@ impl ChunkStore {
             settings,
             planner: PrefetchPlanner::new(prefetch_lookahead, Horizon::Cyclic)
                 .with_lookahead_bytes_max(prefetch_lookahead_bytes_max),
+            host_planner: PrefetchPlanner::new(host_prefetch_lookahead, Horizon::Cyclic),
+            host_chunk_bytes,
             plan,
             mode: Mode::Tracing(Tracer::new()),
             follower: Follower::new(non_model_slack_bytes),
@@ -424,6 +445,8 @@ impl ChunkStore {
             phase: Phase::ForwardBackward,
             warmup: Vec::new(),
             device_moments: Vec::new(),
+            host_moments: Vec::new(),
+            host_schedule: None,
             device_schedule: None,
             pinned_device_bytes: 0,
             non_model_reported_bytes: 0,
@@ -771,7 +794,14 @@ impl ChunkStore {
                     self.pinned_device_bytes += dev_bytes;
                 }
             }
-            Place::Host => slot.host_pins += 1,
+            Place::Host => {
+                if slot.host_prefetched {
+                    slot.host_prefetched = false;
+                    self.mover.stats.prefetch_hits += 1;
+                    self.mover.stats.host_prefetch_hits += 1;
+                }
+                slot.host_pins += 1;
+            }
         }
         let ls = self.list_states(list);
         ls.table.transition(TensorId(local), TensorState::Compute)?;
@@ -782,10 +812,14 @@ impl ChunkStore {
                 self.device_moments.resize(m as usize, None);
                 self.device_moments
                     .push((place == Place::Device).then_some(chunk));
+                self.host_moments.resize(m as usize, None);
+                self.host_moments
+                    .push((place == Place::Host).then_some(chunk));
             }
         }
-        if place == Place::Device {
-            self.prefetch(moment);
+        match place {
+            Place::Device => self.prefetch(moment),
+            Place::Host => self.prefetch_host(moment),
         }
         Ok(Guard {
             tensor,
@@ -941,6 +975,92 @@ impl ChunkStore {
         }
     }
 
+    /// Writable views of several accessed tensors at once, in the order of `guards`
+    /// (in different chunks or in one, on either tier where host-addressable). Every
+    /// chunk counts as changed where its guard is (see [`ChunkStore::view_mut`]).
+    /// Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap (the
+    /// same tensor twice included), [`ChunkError::BadView`] for a guard no longer in
+    /// use or for GPU memory.
+    pub fn views_mut(&mut self, guards: &[&Guard]) -> Result<Vec<&mut [u8]>> {
+        self.views_mut_with_io(guards).map(|(views, _)| views)
+    }
+
+    /// As [`ChunkStore::views_mut`], with an [`IoPump`] to keep the store's NVMe
+    /// transfers (prefetches, write-backs) moving while the views are in use: poll it
+    /// between pieces of work.
+    pub fn views_mut_with_io(&mut self, guards: &[&Guard]) -> Result<(Vec<&mut [u8]>, IoPump<'_>)> {
+        for g in guards {
+            self.check_guard(g)?;
+            if g.place == Place::Device && self.mover.device.kind() == DeviceKind::Cuda {
+                return Err(self.not_addressable(g));
+            }
+        }
+        // Sorted by (chunk, offset): overlaps are between neighbours.
+        let mut order: Vec<usize> = (0..guards.len()).collect();
+        order.sort_by_key(|&i| (guards[i].chunk.dense(), guards[i].offset_bytes));
+        for w in order.windows(2) {
+            let (a, b) = (guards[w[0]], guards[w[1]]);
+            if a.chunk == b.chunk && a.offset_bytes + a.len_bytes > b.offset_bytes {
+                return Err(ChunkError::OverlappingViews {
+                    first: self.name(a.tensor),
+                    second: self.name(b.tensor),
+                    chunk: a.chunk,
+                });
+            }
+        }
+        let lost = ChunkError::BadView {
+            tensor: guards
+                .first()
+                .map_or_else(String::new, |g| self.name(g.tensor)),
+            reason: "its chunk is not resident (store bug)",
+        };
+        for g in guards {
+            match g.place {
+                Place::Host => self.mover.dirty_on_host(g.chunk),
+                Place::Device => self.mover.dirty_on_device(g.chunk),
+            }
+        }
+        let (slots, pump) = self.mover.pump_parts();
+        let mut out: Vec<Option<&mut [u8]>> = (0..guards.len()).map(|_| None).collect();
+        let mut k = 0;
+        for (d, slot) in slots.iter_mut().enumerate() {
+            if k == order.len() {
+                break;
+            }
+            let first = guards[order[k]];
+            if first.chunk.dense() != d {
+                continue;
+            }
+            let mut rest: &mut [u8] = match first.place {
+                Place::Host => match slot.host.as_mut() {
+                    Some(buf) => &mut buf[..],
+                    None => return Err(lost),
+                },
+                Place::Device => match slot.dev.as_mut().map(|m| m.view_mut()) {
+                    Some(DeviceViewMut::Host(bytes)) => bytes,
+                    _ => return Err(lost),
+                },
+            };
+            let mut consumed = 0;
+            while k < order.len() && guards[order[k]].chunk.dense() == d {
+                let i = order[k];
+                let g = guards[i];
+                let skip = g.offset_bytes - consumed;
+                if skip + g.len_bytes > rest.len() {
+                    return Err(lost);
+                }
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+                let (view, tail) = tail.split_at_mut(g.len_bytes);
+                out[i] = Some(view);
+                rest = tail;
+                consumed = g.offset_bytes + g.len_bytes;
+                k += 1;
+            }
+        }
+        let views = out.into_iter().collect::<Option<Vec<_>>>().ok_or(lost)?;
+        Ok((views, pump))
+    }
+
     /// The accessed tensor's bytes where they are host-addressable (the host pool, or
     /// the simulated device); [`ChunkError::BadView`] for GPU memory.
     pub fn bytes(&self, g: &Guard) -> Result<&[u8]> {
@@ -1084,6 +1204,7 @@ impl ChunkStore {
                 if t.moments().is_empty() {
                     self.warmup.clear();
                     self.device_moments.clear();
+                    self.host_moments.clear();
                     return Ok(());
                 }
                 let moments = t.moments().len();
@@ -1103,6 +1224,13 @@ impl ChunkStore {
                     (0..moments as u32).map(|m| s.non_model_bytes(m)).collect();
                 let ds = Arc::new(Schedule::from_groups(&groups, &non_model));
                 self.device_schedule = Some(ds.clone());
+                let mut host_groups: Vec<Vec<ChunkId>> = std::mem::take(&mut self.host_moments)
+                    .into_iter()
+                    .map(|c| c.into_iter().collect())
+                    .collect();
+                host_groups.resize(moments, Vec::new());
+                self.host_schedule =
+                    Some(Arc::new(Schedule::from_groups(&host_groups, &non_model)));
                 if self.settings.policy == PolicyKind::Lifetime {
                     self.mover
                         .dev_policy
@@ -1127,8 +1255,10 @@ impl ChunkStore {
                     );
                     self.mover.schedule = None;
                     self.device_schedule = None;
+                    self.host_schedule = None;
                     self.warmup.clear();
                     self.device_moments.clear();
+                    self.host_moments.clear();
                 } else {
                     self.cycles += 1;
                     self.mode = Mode::Following(s);
@@ -1243,6 +1373,98 @@ impl ChunkStore {
             if !self.mover.prefetch_device(step.chunk, step.needed_at)? {
                 break;
             }
+        }
+        Ok(())
+    }
+
+    /// The host tier's prefetch: NVMe -> host reads of the chunks the host accesses of
+    /// the next moments need, planned by the same [`PrefetchPlanner`] rule as the
+    /// device's (a victim is never needed, by any access, before the chunk it makes
+    /// room for), within the host pool. Reads run while the caller computes.
+    fn prefetch_host(&mut self, now: u64) {
+        if self.settings.host_lookahead == 0 || self.diverged || self.is_tracing() {
+            return;
+        }
+        let (Some(hs), Some(s)) = (&self.host_schedule, &self.mover.schedule) else {
+            return;
+        };
+        let len = u64::from(hs.len());
+        if len == 0 {
+            return;
+        }
+        let mut missing = false;
+        'scan: for k in 1..=u64::from(self.settings.host_lookahead) {
+            for c in hs.chunks_at(((now + k) % len) as u32) {
+                if !self.mover.host_ready(*c) {
+                    missing = true;
+                    break 'scan;
+                }
+            }
+        }
+        if !missing {
+            return;
+        }
+        let (hs, s) = (hs.clone(), s.clone());
+        if let Err(e) = self.prefetch_host_planned(&hs, &s, now) {
+            tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
+        }
+        self.mover.reason = MoveReason::Demand;
+    }
+
+    fn prefetch_host_planned(&mut self, hs: &Schedule, s: &Schedule, now: u64) -> Result<()> {
+        self.mover.harvest()?;
+        let resident: Vec<bool> = (0..self.mover.slots.len())
+            .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
+            .collect();
+        let evictable: Vec<ChunkId> = self
+            .mover
+            .host_list
+            .iter()
+            .copied()
+            .filter(|c| self.mover.slots[c.dense()].host_pins == 0)
+            .collect();
+        let budget = self.mover.host.budget();
+        let plan = self.host_planner.plan_split(
+            hs,
+            s,
+            now,
+            Residency {
+                resident: &resident,
+                evictable: &evictable,
+                chunk_bytes: &self.host_chunk_bytes,
+                free_bytes: budget.capacity_bytes().saturating_sub(budget.used_bytes()),
+            },
+        )?;
+        let mut started = false;
+        for step in plan {
+            for &v in &step.evict {
+                let victim_next_use = s
+                    .next_use_from(v, now + 1, Horizon::Cyclic)
+                    .unwrap_or(u64::MAX);
+                self.mover.reason = MoveReason::Prefetch {
+                    for_chunk: step.chunk,
+                    needed_at: step.needed_at,
+                    victim_next_use,
+                };
+                match self.mover.evict_host(v) {
+                    Ok(()) => {}
+                    Err(e) if is_no_room(&e) => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+            self.mover.reason = MoveReason::Prefetch {
+                for_chunk: step.chunk,
+                needed_at: step.needed_at,
+                victim_next_use: u64::MAX,
+            };
+            if !self.mover.prefetch_host(step.chunk)? {
+                break;
+            }
+            started = true;
+        }
+        if started {
+            // Submitted requests start at the engine's next poll.
+            self.mover.harvest()?;
         }
         Ok(())
     }

@@ -10,7 +10,9 @@
 //!   pattern per write), and every tensor reads back exactly at the end;
 //! - at every move the hook sees every tier within its budget, and a prefetch never
 //!   evicts a device chunk needed no later than the one it brings;
-//! - the store's device-link counters equal the device's own.
+//! - the store's device-link counters equal the device's own;
+//! - all of this with the host-tier prefetcher (NVMe -> host reads ahead of host
+//!   accesses) and asynchronous write-backs on or off.
 
 mod common;
 
@@ -61,6 +63,8 @@ struct Case {
     nvme_extra: u64,
     policy: usize,
     lookahead: u32,
+    host_lookahead: u32,
+    async_writes: bool,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -74,7 +78,11 @@ fn case() -> impl Strategy<Value = Case> {
         0u64..6,
         0u64..4,
         0usize..3,
-        prop::sample::select(vec![0u32, 0, 2, 6]),
+        (
+            prop::sample::select(vec![0u32, 0, 2, 6]),
+            prop::sample::select(vec![0u32, 3, 8, 24]),
+            any::<bool>(),
+        ),
     )
         .prop_map(
             |(
@@ -87,7 +95,7 @@ fn case() -> impl Strategy<Value = Case> {
                 host_extra,
                 nvme_extra,
                 policy,
-                lookahead,
+                (lookahead, host_lookahead, async_writes),
             )| Case {
                 tensors,
                 extra_slots,
@@ -99,6 +107,8 @@ fn case() -> impl Strategy<Value = Case> {
                 nvme_extra,
                 policy,
                 lookahead,
+                host_lookahead,
+                async_writes,
             },
         )
 }
@@ -160,6 +170,8 @@ fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
     let cfg = config(device, host_slots * slot, nvme_dir(&dir, nvme_slots * slot))
         .with_policy(PolicyKind::ALL[c.policy])
         .with_prefetch(c.lookahead)
+        .with_host_prefetch(c.host_lookahead)
+        .with_async_write_back(c.async_writes)
         .with_working_set_chunks(2);
     let mut store = ChunkStore::open(layout, cfg, sim_device(device)).unwrap();
     let w = watch(&mut store);
@@ -275,6 +287,8 @@ fn tight_budgets_exercise_every_tier() {
         nvme_extra: 0,
         policy: 0,
         lookahead: 4,
+        host_lookahead: 0,
+        async_writes: false,
     };
     let s = run(c).unwrap();
     eprintln!("{s}");
@@ -288,4 +302,46 @@ fn tight_budgets_exercise_every_tier() {
     );
     assert!(s.prefetch_loads > 0 && s.prefetch_hits > 0, "prefetch used");
     assert!(s.divergences >= 1 && s.traced_iterations >= 2, "re-traced");
+}
+
+/// Host accesses over chunks that mostly live on NVMe, with the host prefetcher and
+/// asynchronous write-backs on: bytes exact, budgets held, host prefetches used.
+#[test]
+fn host_prefetch_and_async_write_backs_on_tight_budgets() {
+    let c = Case {
+        tensors: (0..12)
+            .map(|i| (1500 + 100 * i, (i % 3) as u8, i % 4 != 0))
+            .collect(),
+        extra_slots: 0,
+        grad_acc: false,
+        ops: (0..40)
+            .map(|i| Op {
+                tensor: i * 3,
+                list: i % 5,
+                host: i % 5 != 0,
+                write: i % 2 == 0,
+                hold_over: i % 4 == 1,
+            })
+            .collect(),
+        changed: vec![Op {
+            tensor: 1,
+            list: 0,
+            host: true,
+            write: true,
+            hold_over: false,
+        }],
+        device_frac: 0.0,
+        host_extra: 2,
+        nvme_extra: 0,
+        policy: 0,
+        lookahead: 4,
+        host_lookahead: 16,
+        async_writes: true,
+    };
+    let s = run(c).unwrap();
+    eprintln!("{s}");
+    assert!(s.host_prefetch_loads > 0, "host prefetch used");
+    assert!(s.host_prefetch_hits > 0, "host prefetch hits counted");
+    assert!(s.async_writes > 0, "asynchronous write-backs used");
+    assert!(s.host_to_nvme_bytes > 0 && s.nvme_to_host_bytes > 0);
 }

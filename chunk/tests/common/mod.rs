@@ -66,8 +66,8 @@ pub struct Watch {
 }
 
 /// A hook that records every move and checks, at each one, that every tier is within
-/// its budget and that a prefetch never evicted a device chunk needed sooner than (or
-/// as soon as) the chunk it brings.
+/// its budget and that a prefetch (device or host tier) never evicted a chunk needed
+/// sooner than (or as soon as) the chunk it brings.
 pub fn watch(store: &mut ChunkStore) -> Arc<Mutex<Watch>> {
     let w = Arc::new(Mutex::new(Watch::default()));
     let w2 = w.clone();
@@ -95,7 +95,13 @@ pub fn watch(store: &mut ChunkStore) -> Arc<Mutex<Watch>> {
             for_chunk,
         } = e.reason
         {
-            if matches!(e.kind, MoveKind::DropDevice | MoveKind::DeviceToHost)
+            if matches!(
+                e.kind,
+                MoveKind::DropDevice
+                    | MoveKind::DeviceToHost
+                    | MoveKind::DropHost
+                    | MoveKind::HostToNvme
+            )
                 && e.chunk != for_chunk
                 && victim_next_use <= needed_at
             {
