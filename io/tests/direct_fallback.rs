@@ -5,6 +5,8 @@
 //! The refusal is made real with a seccomp filter, on one thread, that answers EINVAL to
 //! every `openat` asking for O_DIRECT.
 
+mod common;
+
 use tidestore_io::compress::Compression;
 use tidestore_io::{AlignedBuf, IoConfig, SwapFile};
 
@@ -61,21 +63,7 @@ fn refuse_o_direct_on_this_thread() -> bool {
             k: libc::SECCOMP_RET_ALLOW,
         },
     ];
-    let prog = libc::sock_fprog {
-        len: filter.len() as u16,
-        filter: filter.as_mut_ptr(),
-    };
-    // SAFETY: plain prctl calls; `prog` and `filter` outlive the call, which copies them.
-    unsafe {
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-            return false;
-        }
-        libc::prctl(
-            libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER,
-            &prog as *const libc::sock_fprog,
-        ) == 0
-    }
+    common::install_seccomp_filter(&mut filter)
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! The test blocks `io_uring_setup` for real with a seccomp filter installed on one
 //! thread (filters apply to the installing thread and its children only).
 
+mod common;
+
 use tidestore_io::{BackendKind, Engine, EngineChoice, IoConfig, IoError};
 
 /// Make `io_uring_setup` fail with ENOSYS on the calling thread. Returns false when the
@@ -39,21 +41,7 @@ fn block_io_uring_on_this_thread() -> bool {
             k: libc::SECCOMP_RET_ALLOW,
         },
     ];
-    let prog = libc::sock_fprog {
-        len: filter.len() as u16,
-        filter: filter.as_mut_ptr(),
-    };
-    // SAFETY: plain prctl calls; `prog` and `filter` outlive the call, which copies them.
-    unsafe {
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-            return false;
-        }
-        libc::prctl(
-            libc::PR_SET_SECCOMP,
-            libc::SECCOMP_MODE_FILTER,
-            &prog as *const libc::sock_fprog,
-        ) == 0
-    }
+    common::install_seccomp_filter(&mut filter)
 }
 
 fn cfg(engine: EngineChoice) -> IoConfig {
