@@ -735,16 +735,21 @@ impl Config {
     pub fn check_dirs(&self) -> Result<()> {
         let dir = self.nvme_dir()?;
         if !dir.exists() {
-            if let Err(e) = std::fs::create_dir(dir) {
-                return Err(Error::config(
-                    "nvme.dir",
-                    format!(
-                        "{} does not exist and cannot be created: {e}",
-                        dir.display()
-                    ),
-                ));
+            match std::fs::create_dir(dir) {
+                Ok(()) => tracing::info!(dir = %dir.display(), "created nvme.dir"),
+                // Another process or thread made it between the check and here: fine, the
+                // writability check below still looks at what is there.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(Error::config(
+                        "nvme.dir",
+                        format!(
+                            "{} does not exist and cannot be created: {e}",
+                            dir.display()
+                        ),
+                    ))
+                }
             }
-            tracing::info!(dir = %dir.display(), "created nvme.dir");
         }
         tidestore_io::check_writable_dir("nvme.dir", dir).map_err(from_io_validation)
     }
