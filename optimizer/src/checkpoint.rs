@@ -12,7 +12,7 @@
 //!
 //! # Atomicity and integrity
 //! The file is written to `.<name>.tmp.<pid>` in the same directory (header with
-//! placeholder checksums, then the tensors streamed one group array at a time through a
+//! provisional (zero) checksums, then the tensors streamed one group array at a time through a
 //! ring buffer, then the header again with the real checksums — same length), `fsync`ed,
 //! renamed over `<name>`, and the directory `fsync`ed. A crash leaves either the old
 //! checkpoint or the new one, never a mix; a stray temp file is never read. Loading
@@ -52,7 +52,7 @@ fn io_ck(path: &Path, what: &str, e: std::io::Error) -> OptimError {
 }
 
 /// The safetensors header (JSON, padded with spaces to a multiple of 8) for `lens` with
-/// the given checksums (all zero for the placeholder).
+/// the given checksums (all zero for the provisional header).
 fn header_bytes(lens: &[usize], state: &ControllerState, crcs: &[u32]) -> Vec<u8> {
     let mut meta = serde_json::Map::new();
     meta.insert("format".into(), CHECKPOINT_FORMAT.into());
@@ -144,14 +144,14 @@ impl StreamingOptimizer {
 
     fn write_checkpoint(&mut self, tmp: &Path, state: &ControllerState) -> Result<()> {
         let lens: Vec<usize> = self.groups.iter().map(|g| g.len).collect();
-        let placeholder = header_bytes(&lens, state, &[]);
+        let provisional = header_bytes(&lens, state, &[]);
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .open(tmp)
             .map_err(|e| io_ck(tmp, "creating", e))?;
-        f.write_all(&placeholder)
+        f.write_all(&provisional)
             .map_err(|e| io_ck(tmp, "writing the header", e))?;
         let mut crcs = Vec::with_capacity(lens.len() * ARRAYS.len());
         for (i, &len) in lens.iter().enumerate() {
@@ -172,7 +172,7 @@ impl StreamingOptimizer {
             }
         }
         let header = header_bytes(&lens, state, &crcs);
-        if header.len() != placeholder.len() {
+        if header.len() != provisional.len() {
             return Err(ck_err(tmp, "header changed length between passes"));
         }
         f.seek(SeekFrom::Start(0))
