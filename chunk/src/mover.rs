@@ -1068,6 +1068,12 @@ impl Mover {
         Ok(true)
     }
 
+    /// Host-pool bytes held by write-backs in flight: they come back to the pool when
+    /// the writes complete.
+    pub(crate) fn host_bytes_writing(&self) -> u64 {
+        self.pending_writes as u64 * self.host.buf_bytes() as u64
+    }
+
     /// Whether the host-tier prefetcher has nothing to load for `c`.
     pub(crate) fn host_ready(&self, c: ChunkId) -> bool {
         let s = &self.slots[c.dense()];

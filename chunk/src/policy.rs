@@ -22,7 +22,9 @@
 //! first would serve the future out of order). Prefetching is not free under a tight
 //! budget: it evicts at planning time, when chunks about to finish their use are not
 //! yet candidates, so it can move more bytes than demand loading with Belady's rule;
-//! it trades bytes for fewer stalls.
+//! it trades bytes for fewer stalls. [`PrefetchPlanner::plan_split`] (the host tier's)
+//! also takes the chunks in use and waits rather than evict a chunk that Belady's rule,
+//! at the moment the load is needed, would keep over one of them.
 //!
 //! Costs: `choose_victim` is O(candidates) for `Lru`/`Fifo` and O(candidates x log
 //! uses) for `Lifetime`; notifications are O(1) (amortised: per-chunk arrays grow on
@@ -317,19 +319,43 @@ impl PrefetchPlanner {
         now: u64,
         tier: Residency<'_>,
     ) -> Result<Vec<PrefetchStep>> {
-        self.plan_split(schedule, schedule, now, tier)
+        self.plan_inner(schedule, schedule, now, tier, None)
     }
 
     /// As [`PrefetchPlanner::plan`], with the chunks to load read from `needs` and the
     /// victims' next uses from `uses` (same moments): a tier whose loads serve only some
     /// accesses (the host tier's prefetch serves host accesses) still never evicts a
     /// chunk that any access needs sooner than the one it brings.
+    ///
+    /// `held` are the tier's other resident chunks, those that cannot be evicted now (in
+    /// use). Victims also follow Belady's order *at the moment each load is needed*:
+    /// ranking every resident chunk (held ones, and evictable ones used before then,
+    /// included) by its next use at or after that moment, a victim is taken only when
+    /// it is the farthest one left; when the farthest is held or still needed before the
+    /// load, planning stops, and the load waits until that chunk can go (a later plan,
+    /// or the demand load). Without this, a chunk about to finish its use (pinned at
+    /// planning time, next used much later) is passed over for one needed sooner, which
+    /// then has to be written back and read again: the host prefetcher evicting the
+    /// 16-bit parameters the next forward needs first, while the optimizer state it just
+    /// stepped (next used one iteration later) is still pinned.
     pub fn plan_split(
         &self,
         needs: &Schedule,
         uses: &Schedule,
         now: u64,
         tier: Residency<'_>,
+        held: &[ChunkId],
+    ) -> Result<Vec<PrefetchStep>> {
+        self.plan_inner(needs, uses, now, tier, Some(held))
+    }
+
+    fn plan_inner(
+        &self,
+        needs: &Schedule,
+        uses: &Schedule,
+        now: u64,
+        tier: Residency<'_>,
+        held: Option<&[ChunkId]>,
     ) -> Result<Vec<PrefetchStep>> {
         let schedule = needs;
         let size = |c: ChunkId| {
@@ -366,18 +392,29 @@ impl PrefetchPlanner {
                 }
             }
         }
+        let next_use = |c: ChunkId, from: u64| {
+            uses.next_use_from(c, from, self.horizon)
+                .unwrap_or(u64::MAX)
+        };
         let mut victims: Vec<(u64, ChunkId)> = tier
             .evictable
             .iter()
-            .map(|&c| {
-                let next = uses
-                    .next_use_from(c, now + 1, self.horizon)
-                    .unwrap_or(u64::MAX);
-                (next, c)
-            })
+            .map(|&c| (next_use(c, now + 1), c))
             .collect();
         // Only chunks not needed within the window; farthest next use first, ties to
         // the smaller dense id (as `Lifetime`).
+        let mut blockers: Vec<ChunkId> = Vec::new();
+        if held.is_some() {
+            // Evictable chunks the window needs cannot go now, but may be the farthest
+            // at a load's moment.
+            blockers.extend(
+                victims
+                    .iter()
+                    .filter(|&&(next, _)| next <= window_end)
+                    .map(|&(_, c)| c),
+            );
+        }
+        blockers.extend(held.unwrap_or(&[]).iter().copied());
         victims.retain(|&(next, _)| next > window_end);
         victims.sort_by_key(|&(next, c)| (std::cmp::Reverse(next), c.dense()));
         let mut free = tier.free_bytes;
@@ -385,10 +422,18 @@ impl PrefetchPlanner {
         let mut plan = Vec::new();
         for (chunk, needed_at) in needed {
             let bytes = size(chunk)?;
+            // The farthest next use at `needed_at` among chunks that cannot go now: a
+            // victim must be at least as far (ties go to the victim).
+            let wall = blockers
+                .iter()
+                .map(|&b| next_use(b, needed_at))
+                .max()
+                .unwrap_or(0);
             let (mut trial_free, mut trial_taken) = (free, taken);
             while trial_free < bytes
                 && trial_taken < victims.len()
                 && victims[trial_taken].0 > needed_at
+                && (held.is_none() || next_use(victims[trial_taken].1, needed_at) >= wall)
             {
                 trial_free += size(victims[trial_taken].1)?;
                 trial_taken += 1;
@@ -538,5 +583,42 @@ mod tests {
             )
             .unwrap();
         assert!(plan.is_empty());
+    }
+
+    #[test]
+    fn split_plan_waits_for_a_held_chunk_that_goes_farther() {
+        // Moments: 0 uses 1 and 2, then 3, 4, 0, 1, 2 (needed by the host: 3 at 1).
+        let g: Vec<Vec<ChunkId>> = vec![
+            vec![c(1), c(2)],
+            vec![c(3)],
+            vec![c(4)],
+            vec![c(0)],
+            vec![c(1)],
+            vec![c(2)],
+        ];
+        let s = Schedule::from_groups(&g, &[]);
+        let planner = PrefetchPlanner::new(1, Horizon::Once);
+        let sizes = vec![10u64; 20];
+        let mut resident = vec![false; 20];
+        for i in [0, 1, 2] {
+            resident[c(i).dense()] = true;
+        }
+        let tier = Residency {
+            resident: &resident,
+            evictable: &[c(0)],
+            chunk_bytes: &sizes,
+            free_bytes: 0,
+        };
+        // Without held chunks: 0 (next use 3) makes room for 3 (needed at 1).
+        let plan = planner.plan_split(&s, &s, 0, tier, &[]).unwrap();
+        assert_eq!(plan.len(), 1);
+        assert_eq!(plan[0].evict, vec![c(0)]);
+        // 1 and 2, in use now, go farther (4, 5) than 0: the load waits for them.
+        assert!(planner
+            .plan_split(&s, &s, 0, tier, &[c(1), c(2)])
+            .unwrap()
+            .is_empty());
+        // The plain planner is unchanged.
+        assert_eq!(planner.plan(&s, 0, tier).unwrap(), plan);
     }
 }

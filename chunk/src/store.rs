@@ -1416,13 +1416,13 @@ impl ChunkStore {
         let resident: Vec<bool> = (0..self.mover.slots.len())
             .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
             .collect();
-        let evictable: Vec<ChunkId> = self
+        // Chunks in use cannot go now, but may be what Belady's rule would evict when a
+        // load is needed (see `plan_split`).
+        let (held, evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
             .mover
             .host_list
             .iter()
-            .copied()
-            .filter(|c| self.mover.slots[c.dense()].host_pins == 0)
-            .collect();
+            .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
         let budget = self.mover.host.budget();
         let plan = self.host_planner.plan_split(
             hs,
@@ -1432,8 +1432,14 @@ impl ChunkStore {
                 resident: &resident,
                 evictable: &evictable,
                 chunk_bytes: &self.host_chunk_bytes,
-                free_bytes: budget.capacity_bytes().saturating_sub(budget.used_bytes()),
+                // Buffers of write-backs in flight count as free: they return soon, and
+                // evicting more instead would write (and later read) chunks for nothing.
+                free_bytes: budget
+                    .capacity_bytes()
+                    .saturating_sub(budget.used_bytes())
+                    .saturating_add(self.mover.host_bytes_writing()),
             },
+            &held,
         )?;
         let mut started = false;
         for step in plan {
