@@ -28,24 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(b) = std::env::var("ADAMW_BENCH_BLOCK") {
         cfg.block_params = b.parse()?;
     }
-    println!(
-        "{:>11} {:>3} {:>5} {:>10} {:>9} {:>10} {:>8} {:>8} {:>6}  bytes/param",
-        "params", "thr", "path", "simd", "ms/step", "Gparams/s", "GB/s", "probeGB/s", "frac"
-    );
-    bench::run_with(&cfg, |r| {
-        println!(
-            "{:>11} {:>3} {:>5} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>8.2} {:>6.3}  {}",
-            r.params,
-            r.threads,
-            r.path.name(),
-            format!("{:?}", r.simd),
-            r.step_s_median * 1e3,
-            r.params_per_s / 1e9,
-            r.step_gb_per_s,
-            r.probe_gb_per_s,
-            r.fraction_of_probe,
-            r.bytes_per_param
-        );
-    })?;
+    println!("{}", bench::table_header());
+    bench::run_with(&cfg, |r| println!("{}", r.table_line()))?;
     Ok(())
 }

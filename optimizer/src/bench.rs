@@ -227,6 +227,34 @@ impl Arrays {
 }
 
 /// Median of a non-empty list (mean of the middle two for even lengths).
+/// Column titles matching [`BenchRow::table_line`].
+pub fn table_header() -> String {
+    format!(
+        "{:>11} {:>3} {:>5} {:>10} {:>9} {:>10} {:>8} {:>9} {:>6}  bytes/param",
+        "params", "thr", "path", "simd", "ms/step", "Gparams/s", "GB/s", "probeGB/s", "frac"
+    )
+}
+
+impl BenchRow {
+    /// One line of the results table: median step time, params/s, GB/s at the bytes
+    /// counted per parameter, the probe's GB/s over the same arrays, and the fraction.
+    pub fn table_line(&self) -> String {
+        format!(
+            "{:>11} {:>3} {:>5} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {}",
+            self.params,
+            self.threads,
+            self.path.name(),
+            format!("{:?}", self.simd),
+            self.step_s_median * 1e3,
+            self.params_per_s / 1e9,
+            self.step_gb_per_s,
+            self.probe_gb_per_s,
+            self.fraction_of_probe,
+            self.bytes_per_param
+        )
+    }
+}
+
 pub fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);

@@ -18,6 +18,7 @@ macro_rules! out {
     }};
 }
 
+mod adamw_bench;
 mod bench;
 mod blockdev;
 mod fio;
@@ -59,6 +60,9 @@ enum Command {
     /// Write then read a file in nvme.dir through the chunk I/O engine and report MB/s;
     /// optionally against fio (--compare-fio) or over a sweep of settings (--tune).
     IoBench(io_bench::IoBenchArgs),
+    /// Measure the CPU AdamW kernel (parameters/s) against an in-place read-modify-write
+    /// memory probe over arrays of the same sizes, in the same run.
+    AdamwBench(adamw_bench::AdamwBenchArgs),
 }
 
 impl Cli {
@@ -68,6 +72,7 @@ impl Cli {
             Command::IoBench(args) => io_bench::run(&self.config, &args),
             Command::Bench(args) => bench::run(&self.config, &args),
             Command::Plan(args) => plan::run(&self.config, &args),
+            Command::AdamwBench(args) => adamw_bench::run(&args),
         }
     }
 }

@@ -1,0 +1,61 @@
+//! `tidestore adamw-bench`: the CPU AdamW kernel's parameters/s against an in-place
+//! read-modify-write memory probe over arrays of the same sizes, measured in the same
+//! run (alternating step and probe), as a table of medians.
+
+use clap::Args;
+
+use tidestore_optimizer::bench::{self, BenchConfig, BenchPath};
+
+use super::CliError;
+
+#[derive(Debug, Args)]
+pub struct AdamwBenchArgs {
+    /// Parameter counts to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [10_000_000usize, 100_000_000])]
+    params: Vec<usize>,
+    /// Thread counts to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 2])]
+    threads: Vec<usize>,
+    /// Measured repeats of each (step, probe) pair; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// Only the fp32 path (fp32 grads, no 16-bit output) or only the mixed path (bf16
+    /// grads in, bf16 params out); both by default.
+    #[arg(long, value_parser = ["fp32", "bf16"])]
+    path: Option<String>,
+}
+
+pub fn run(args: &AdamwBenchArgs) -> Result<(), CliError> {
+    if args.params.contains(&0) {
+        return Err(CliError::Usage {
+            flag: "--params",
+            reason: "parameter counts must be positive".into(),
+        });
+    }
+    if args.threads.contains(&0) {
+        return Err(CliError::Usage {
+            flag: "--threads",
+            reason: "thread counts must be positive".into(),
+        });
+    }
+    if args.repeats == 0 {
+        return Err(CliError::Usage {
+            flag: "--repeats",
+            reason: "at least one repeat is needed for a median".into(),
+        });
+    }
+    let mut cfg = BenchConfig {
+        sizes: args.params.clone(),
+        threads: args.threads.clone(),
+        repeats: args.repeats,
+        ..BenchConfig::default()
+    };
+    match args.path.as_deref() {
+        Some("fp32") => cfg.paths = vec![BenchPath::Fp32],
+        Some("bf16") => cfg.paths = vec![BenchPath::Bf16],
+        _ => {}
+    }
+    out!("{}", bench::table_header());
+    bench::run_with(&cfg, |r| out!("{}", r.table_line())).map_err(tidestore::Error::from)?;
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! Guards against the binary's optimizer bench mode breaking: a small run prints one
+//! table row per (size, threads, path) with a positive rate and a probe fraction, and
+//! impossible flags exit 2 naming the flag.
+
+use std::process::Command;
+
+fn tidestore(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tidestore"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+#[test]
+fn a_small_run_prints_a_row_per_setting() {
+    let out = tidestore(&[
+        "adamw-bench",
+        "--params",
+        "100000,200000",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout.lines();
+    assert!(lines.next().unwrap_or_default().contains("Gparams/s"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(
+        rows.len(),
+        4,
+        "2 sizes x 1 thread count x 2 paths:\n{stdout}"
+    );
+    for row in rows {
+        let rate: f64 = row[5].parse().expect("Gparams/s is a number");
+        let fraction: f64 = row[8].parse().expect("fraction is a number");
+        assert!(rate > 0.0 && fraction > 0.0, "{row:?}");
+    }
+}
+
+#[test]
+fn impossible_flags_exit_2_naming_the_flag() {
+    for (flag, value) in [("--threads", "0"), ("--params", "0"), ("--repeats", "0")] {
+        let out = tidestore(&["adamw-bench", flag, value]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(flag));
+    }
+}
