@@ -1307,20 +1307,8 @@ impl ChunkStore {
         let Some(s) = &self.device_schedule else {
             return;
         };
-        let len = u64::from(s.len());
-        if len == 0 {
-            return;
-        }
-        let mut missing = false;
-        'scan: for k in 1..=u64::from(self.settings.lookahead) {
-            for c in s.chunks_at(((now + k) % len) as u32) {
-                if !self.mover.dev_mark[c.dense()] {
-                    missing = true;
-                    break 'scan;
-                }
-            }
-        }
-        if !missing {
+        let dev_mark = &self.mover.dev_mark;
+        if !needs_any(s, now, self.settings.lookahead, |c| !dev_mark[c.dense()]) {
             return;
         }
         let s = s.clone();
@@ -1388,20 +1376,10 @@ impl ChunkStore {
         let (Some(hs), Some(s)) = (&self.host_schedule, &self.mover.schedule) else {
             return;
         };
-        let len = u64::from(hs.len());
-        if len == 0 {
-            return;
-        }
-        let mut missing = false;
-        'scan: for k in 1..=u64::from(self.settings.host_lookahead) {
-            for c in hs.chunks_at(((now + k) % len) as u32) {
-                if !self.mover.host_ready(*c) {
-                    missing = true;
-                    break 'scan;
-                }
-            }
-        }
-        if !missing {
+        let mover = &self.mover;
+        if !needs_any(hs, now, self.settings.host_lookahead, |c| {
+            !mover.host_ready(c)
+        }) {
             return;
         }
         let (hs, s) = (hs.clone(), s.clone());
@@ -1512,4 +1490,23 @@ impl Drop for ChunkStore {
             tracing::warn!(error = %e, "chunk store: a transfer failed while closing");
         }
     }
+}
+
+/// Whether any chunk used in the `lookahead` moments after `now` (wrapping around the
+/// traced iteration) satisfies `missing`: the cheap test that decides whether a prefetch
+/// planner needs to run at all.
+fn needs_any(
+    schedule: &Schedule,
+    now: u64,
+    lookahead: u32,
+    mut missing: impl FnMut(ChunkId) -> bool,
+) -> bool {
+    let len = u64::from(schedule.len());
+    len != 0
+        && (1..=u64::from(lookahead)).any(|k| {
+            schedule
+                .chunks_at(((now + k) % len) as u32)
+                .iter()
+                .any(|&c| missing(c))
+        })
 }
