@@ -45,7 +45,7 @@ use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
 use crate::layout::{Layout, TensorLocation};
 use crate::mover::{is_no_room, IoPump, Mover, Pending, Policies};
-use crate::policy::{Lifetime, PolicyKind, PrefetchPlanner, Residency};
+use crate::policy::{Lifetime, PolicyKind, PrefetchPlanner, PrefetchStep, Residency};
 use crate::state::{StateTable, TensorState};
 use crate::tracer::{Follow, Follower, Horizon, MomentKind, Schedule, Tracer};
 use crate::Result;
@@ -1339,25 +1339,14 @@ impl ChunkStore {
         )?;
         for step in plan {
             for &v in &step.evict {
-                let victim_next_use = s
-                    .next_use_from(v, now + 1, Horizon::Cyclic)
-                    .unwrap_or(u64::MAX);
-                self.mover.reason = MoveReason::Prefetch {
-                    for_chunk: step.chunk,
-                    needed_at: step.needed_at,
-                    victim_next_use,
-                };
+                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
                 match self.mover.evict_device(v, Some(step.needed_at), step.chunk) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = MoveReason::Prefetch {
-                for_chunk: step.chunk,
-                needed_at: step.needed_at,
-                victim_next_use: u64::MAX,
-            };
+            self.mover.reason = prefetch_reason(&step, None);
             if !self.mover.prefetch_device(step.chunk, step.needed_at)? {
                 break;
             }
@@ -1422,25 +1411,14 @@ impl ChunkStore {
         let mut started = false;
         for step in plan {
             for &v in &step.evict {
-                let victim_next_use = s
-                    .next_use_from(v, now + 1, Horizon::Cyclic)
-                    .unwrap_or(u64::MAX);
-                self.mover.reason = MoveReason::Prefetch {
-                    for_chunk: step.chunk,
-                    needed_at: step.needed_at,
-                    victim_next_use,
-                };
+                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
                 match self.mover.evict_host(v) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = MoveReason::Prefetch {
-                for_chunk: step.chunk,
-                needed_at: step.needed_at,
-                victim_next_use: u64::MAX,
-            };
+            self.mover.reason = prefetch_reason(&step, None);
             if !self.mover.prefetch_host(step.chunk)? {
                 break;
             }
@@ -1509,4 +1487,18 @@ fn needs_any(
                 .iter()
                 .any(|&c| missing(c))
         })
+}
+
+/// The reason recorded for a prefetch's moves: the load of `step.chunk` itself (`victim`
+/// `None`), or the eviction of a victim, with the victim's next use on `schedule` after
+/// `now` (`u64::MAX` when it is not used again).
+fn prefetch_reason(step: &PrefetchStep, victim: Option<(&Schedule, ChunkId, u64)>) -> MoveReason {
+    let victim_next_use = victim
+        .and_then(|(schedule, v, now)| schedule.next_use_from(v, now + 1, Horizon::Cyclic))
+        .unwrap_or(u64::MAX);
+    MoveReason::Prefetch {
+        for_chunk: step.chunk,
+        needed_at: step.needed_at,
+        victim_next_use,
+    }
 }
