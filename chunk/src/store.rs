@@ -143,6 +143,14 @@ pub enum TensorViewMut<'a> {
     Device(DeviceViewMut<'a>),
 }
 
+/// What is left of one chunk's bytes while views are cut from it.
+enum Region<'a> {
+    /// Host-addressable bytes (`true`: the simulated device).
+    Host(&'a mut [u8], bool),
+    /// A GPU allocation: views are pointers into it.
+    Cuda { ptr: u64, len_bytes: usize },
+}
+
 /// Where a chunk's current copies are (for tests and reports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkResidency {
@@ -995,6 +1003,31 @@ impl ChunkStore {
                 return Err(self.not_addressable(g));
             }
         }
+        let lost = self.lost_any(guards);
+        let (views, pump) = self.tensor_views_mut_with_io(guards)?;
+        let bytes = views
+            .into_iter()
+            .map(|v| match v {
+                TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => Ok(b),
+                TensorViewMut::Device(DeviceViewMut::Cuda { .. }) => Err(lost.clone()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((bytes, pump))
+    }
+
+    /// Writable views of several accessed tensors at once, wherever they are: host
+    /// bytes for the host pool and the simulated device, device pointers on a GPU (for
+    /// kernels), in the order of `guards`, with an [`IoPump`] as in
+    /// [`ChunkStore::views_mut_with_io`]. Every chunk counts as changed where its guard
+    /// is. Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap,
+    /// [`ChunkError::BadView`] for a guard no longer in use.
+    pub fn tensor_views_mut_with_io(
+        &mut self,
+        guards: &[&Guard],
+    ) -> Result<(Vec<TensorViewMut<'_>>, IoPump<'_>)> {
+        for g in guards {
+            self.check_guard(g)?;
+        }
         // Sorted by (chunk, offset): overlaps are between neighbours.
         let mut order: Vec<usize> = (0..guards.len()).collect();
         order.sort_by_key(|&i| (guards[i].chunk.dense(), guards[i].offset_bytes));
@@ -1008,12 +1041,7 @@ impl ChunkStore {
                 });
             }
         }
-        let lost = ChunkError::BadView {
-            tensor: guards
-                .first()
-                .map_or_else(String::new, |g| self.name(g.tensor)),
-            reason: "its chunk is not resident (store bug)",
-        };
+        let lost = self.lost_any(guards);
         for g in guards {
             match g.place {
                 Place::Host => self.mover.dirty_on_host(g.chunk),
@@ -1021,7 +1049,7 @@ impl ChunkStore {
             }
         }
         let (slots, pump) = self.mover.pump_parts();
-        let mut out: Vec<Option<&mut [u8]>> = (0..guards.len()).map(|_| None).collect();
+        let mut out: Vec<Option<TensorViewMut<'_>>> = (0..guards.len()).map(|_| None).collect();
         let mut k = 0;
         for (d, slot) in slots.iter_mut().enumerate() {
             if k == order.len() {
@@ -1031,34 +1059,65 @@ impl ChunkStore {
             if first.chunk.dense() != d {
                 continue;
             }
-            let mut rest: &mut [u8] = match first.place {
+            // A chunk's guards all name one place (a chunk is accessed where it is).
+            let mut rest: Region<'_> = match first.place {
                 Place::Host => match slot.host.as_mut() {
-                    Some(buf) => &mut buf[..],
+                    Some(buf) => Region::Host(&mut buf[..], false),
                     None => return Err(lost),
                 },
                 Place::Device => match slot.dev.as_mut().map(|m| m.view_mut()) {
-                    Some(DeviceViewMut::Host(bytes)) => bytes,
-                    _ => return Err(lost),
+                    Some(DeviceViewMut::Host(bytes)) => Region::Host(bytes, true),
+                    Some(DeviceViewMut::Cuda { ptr, len_bytes }) => Region::Cuda { ptr, len_bytes },
+                    None => return Err(lost),
                 },
             };
             let mut consumed = 0;
             while k < order.len() && guards[order[k]].chunk.dense() == d {
                 let i = order[k];
                 let g = guards[i];
-                let skip = g.offset_bytes - consumed;
-                if skip + g.len_bytes > rest.len() {
+                if g.place != first.place {
                     return Err(lost);
                 }
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
-                let (view, tail) = tail.split_at_mut(g.len_bytes);
-                out[i] = Some(view);
-                rest = tail;
+                let skip = g.offset_bytes - consumed;
+                match &mut rest {
+                    Region::Host(bytes, on_device) => {
+                        if skip + g.len_bytes > bytes.len() {
+                            return Err(lost);
+                        }
+                        let (_, tail) = std::mem::take(bytes).split_at_mut(skip);
+                        let (view, tail) = tail.split_at_mut(g.len_bytes);
+                        out[i] = Some(if *on_device {
+                            TensorViewMut::Device(DeviceViewMut::Host(view))
+                        } else {
+                            TensorViewMut::Host(view)
+                        });
+                        *bytes = tail;
+                    }
+                    Region::Cuda { ptr, len_bytes } => {
+                        if g.offset_bytes + g.len_bytes > *len_bytes {
+                            return Err(lost);
+                        }
+                        out[i] = Some(TensorViewMut::Device(DeviceViewMut::Cuda {
+                            ptr: *ptr + g.offset_bytes as u64,
+                            len_bytes: g.len_bytes,
+                        }));
+                    }
+                }
                 consumed = g.offset_bytes + g.len_bytes;
                 k += 1;
             }
         }
         let views = out.into_iter().collect::<Option<Vec<_>>>().ok_or(lost)?;
         Ok((views, pump))
+    }
+
+    fn lost_any(&self, guards: &[&Guard]) -> ChunkError {
+        ChunkError::BadView {
+            tensor: guards
+                .first()
+                .map_or_else(String::new, |g| self.name(g.tensor)),
+            reason: "its chunk is not resident (store bug)",
+        }
     }
 
     /// The accessed tensor's bytes where they are host-addressable (the host pool, or

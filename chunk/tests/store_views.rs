@@ -101,3 +101,47 @@ fn overlapping_views_are_refused() {
     s.release(d0, TensorState::Hold).unwrap();
     s.release(d1, TensorState::Hold).unwrap();
 }
+
+#[test]
+fn tensor_views_name_where_each_tensor_is() {
+    use tidestore_chunk::TensorViewMut;
+    use tidestore_tiers::DeviceViewMut;
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = store(&dir);
+    let h = s
+        .access(TensorId(2), ListKind::MasterF32, Place::Host)
+        .unwrap();
+    let d0 = s
+        .access(TensorId(0), ListKind::Param16, Place::Device)
+        .unwrap();
+    let d1 = s
+        .access(TensorId(1), ListKind::Param16, Place::Device)
+        .unwrap();
+    {
+        let (views, _pump) = s.tensor_views_mut_with_io(&[&d1, &h, &d0]).unwrap();
+        for (fill, (k, v)) in (5u8..).zip(views.into_iter().enumerate()) {
+            let bytes = match (k, v) {
+                (1, TensorViewMut::Host(b)) => b,
+                (0 | 2, TensorViewMut::Device(DeviceViewMut::Host(b))) => b,
+                (k, v) => panic!("view {k} is in the wrong place: {v:?}"),
+            };
+            bytes.fill(fill);
+        }
+    }
+    assert!(s.bytes(&d1).unwrap().iter().all(|&x| x == 5));
+    assert!(s.bytes(&h).unwrap().iter().all(|&x| x == 6));
+    assert!(s.bytes(&d0).unwrap().iter().all(|&x| x == 7));
+    assert!(matches!(
+        s.tensor_views_mut_with_io(&[&d0, &h, &d0]),
+        Err(ChunkError::OverlappingViews { .. })
+    ));
+    for g in [h, d0, d1] {
+        s.release(g, TensorState::Hold).unwrap();
+    }
+    s.sync().unwrap();
+    assert!(s
+        .read(TensorId(0), ListKind::Param16)
+        .unwrap()
+        .iter()
+        .all(|&x| x == 7));
+}
