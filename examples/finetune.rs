@@ -109,7 +109,19 @@ struct Args {
     log_every: u64,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // The message names the option or key (and its causes, which the
+            // crates' errors print inline); not the Debug form.
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -118,7 +130,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
     let device = Device::cuda_if_available(0)?;
-    let text = std::fs::read(&args.text)?;
+    let text =
+        std::fs::read(&args.text).map_err(|e| format!("--text {}: {e}", args.text.display()))?;
     let model = Gpt::new(GptConfig {
         vocab: 256,
         ctx: args.ctx,
