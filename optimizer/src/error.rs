@@ -33,6 +33,17 @@ pub enum OptimError {
         reason: &'static str,
     },
 
+    /// A device view handed to the optimizer cannot be stepped as given: of another
+    /// kind than `master` (host vs CUDA), misaligned for its element, overlapping another
+    /// view, or of a dtype the step cannot write.
+    #[error("device view `{view}`: {reason}")]
+    DeviceView {
+        /// The view (`master`, `m`, `v`, `grads`, `out`, `bytes`).
+        view: &'static str,
+        /// What is wrong with it, with the numbers.
+        reason: String,
+    },
+
     /// A SIMD level was forced that this CPU cannot run.
     #[error("SIMD level {level:?} is not supported by this CPU")]
     SimdUnsupported {

@@ -8,9 +8,12 @@
 //!   (the NVRTC log for a compile error); no cudarc type is public.
 //! - The math is the CPU kernel's, operation for operation, with explicit roundings and
 //!   `--fmad=false`: a group gives the same bits on either side.
-//! - [`GpuAdamW::step`] launches on the optimizer's own stream and synchronizes it before
-//!   returning, so the device memory borrowed by the call is never used by the kernel
-//!   after the borrow ends. The context is the device's primary context (cudarc's
+//! - [`GpuAdamW::step`] (a whole-chunk [`DeviceGroup`]) and the tensor-slice path of
+//!   [`crate::placement::HybridAdamW::step_device_slices`] both end in one pointer-based
+//!   step over views checked by [`DeviceSlices`] (kind, length, alignment, overlap); it
+//!   launches on the optimizer's own stream and synchronizes it before returning, so the
+//!   device memory borrowed by the call is never used by the kernel after the borrow
+//!   ends. In place, the gradient and output pointers are the same. The context is the device's primary context (cudarc's
 //!   `CudaContext::new`), the one the device tier allocates in, so its pointers are valid.
 //!
 //! Every `unsafe` is an FFI call in a small function below with its `# Safety` contract.
@@ -24,7 +27,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::{OptimError, Result};
 use crate::params::{Consts, HyperParams, StepState};
-use crate::placement::{device_ptr, device_ptr_mut, DeviceGroup};
+use crate::placement::{CudaPtrs, DeviceGroup, DeviceSlices};
 use crate::slices::Dtype;
 
 /// The CUDA C source of the kernels.
@@ -93,10 +96,13 @@ pub fn nvrtc_available() -> bool {
 /// # Safety
 /// - `func` is one of the `adamw_*` kernels of [`ADAMW_CU`], loaded in the context of
 ///   `stream`, whose gradient/output dtypes match the memory behind `g` and `out`;
-/// - `p`, `m`, `v` are live device allocations of that context of at least `4 * n`
-///   bytes each, `g` of at least `n` elements of the kernel's gradient dtype, `out` of at
-///   least `n` 16-bit elements (or anything, null included, for an `_none_` kernel);
-///   `p`, `m`, `v`, `out` do not overlap each other or `g`;
+/// - `p`, `m`, `v` are live device memory of that context of at least `4 * n` bytes
+///   each, `g` of at least `n` elements of the kernel's gradient dtype, `out` of at least
+///   `n` 16-bit elements (or anything, null included, for an `_none_` kernel), each
+///   aligned to its element;
+/// - `p`, `m`, `v` overlap nothing else; `g` and `out` either do not overlap or are the
+///   same pointer with the kernel's gradient dtype equal to its output dtype (in place:
+///   each thread reads its element's gradient before writing its output there);
 /// - none of them is freed, read or written by anyone else until `stream` has been
 ///   synchronized after this launch.
 #[allow(clippy::too_many_arguments)]
@@ -247,53 +253,55 @@ impl GpuAdamW {
     /// One AdamW / Adam-L2 step over a group in device memory, finished when this
     /// returns.
     pub fn step(&self, state: StepState, hp: &HyperParams, group: DeviceGroup<'_>) -> Result<()> {
+        self.step_ptrs(state, hp, DeviceSlices::from(group).into_cuda()?)
+    }
+
+    /// One step over checked CUDA views (whole groups and tensor slices alike), finished
+    /// when this returns.
+    pub(crate) fn step_ptrs(
+        &self,
+        state: StepState,
+        hp: &HyperParams,
+        ptrs: CudaPtrs<'_>,
+    ) -> Result<()> {
         let c = Consts::new(state, hp)?;
-        let n = group.len;
-        let p = device_ptr_mut(group.master, n * 4, "master")?;
-        let m = device_ptr_mut(group.m, n * 4, "m")?;
-        let v = device_ptr_mut(group.v, n * 4, "v")?;
-        let g = device_ptr(group.grads, n * group.grad_dtype.size_bytes(), "grads")?;
-        let (out, out_dtype) = match group.out {
-            Some((o, d)) => {
-                if d == Dtype::F32 {
-                    return Err(OptimError::InvalidParam {
-                        name: "out dtype",
-                        value: 32.0,
-                        reason: "16-bit output only (F16 or Bf16)",
-                    });
-                }
-                (device_ptr_mut(o, n * 2, "out")?, Some(d))
-            }
+        let a = *ptrs.args();
+        let (out, out_dtype) = match a.out {
+            Some((o, d)) => (o, Some(d)),
             None => (0, None),
         };
-        let name = kernel_name(group.grad_dtype, out_dtype, c.l2);
+        let name = kernel_name(a.g_dtype, out_dtype, c.l2);
         let func = self
             .funcs
             .iter()
             .find(|(k, _)| *k == name)
             .map(|(_, f)| f)
             .ok_or_else(|| cuda_err("kernel lookup", format!("{name} not loaded")))?;
-        if n == 0 {
+        if a.n == 0 {
             return Ok(());
         }
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;
-        // SAFETY: `func` is the kernel for these dtypes; every pointer comes from a
-        // `DeviceMem::Cuda` of this device's primary context whose size was checked above
-        // against `n` elements; `master`, `m`, `v` and `out` are distinct `&mut` borrows
-        // (so distinct allocations) and `grads` a shared one, all held by `group` until
-        // this function returns — after the stream is synchronized below.
+        // SAFETY: `func` is the kernel for `a.g_dtype` and `out_dtype`. `ptrs` comes only
+        // from `DeviceSlices::into_cuda`, which checked that every view is CUDA memory of
+        // at least `n` elements of its dtype, aligned to its element, with `p`, `m`, `v`
+        // overlapping nothing and `out` either disjoint from `g` or equal to it with the
+        // same 16-bit dtype (in place) — the launch contract. The views are the device
+        // tier's memory of this ordinal's primary context, the context `func` is loaded
+        // in (the contract of `HybridAdamW::step_device_slices`). `ptrs` holds their
+        // borrows for the whole of this call (it is an argument), which returns only
+        // after the stream is synchronized below.
         unsafe {
             launch_adamw(
                 &self.stream,
                 func,
-                p,
-                m,
-                v,
-                g,
+                a.p,
+                a.m,
+                a.v,
+                a.g,
                 out,
-                n as u64,
+                a.n as u64,
                 AdamConstsRepr::from(&c),
             )
         }

@@ -1,12 +1,14 @@
 //! Stand-in for the GPU AdamW when the `cuda` feature is off: the same names, so code
 //! above never needs a `cfg`. [`GpuAdamW`] is uninhabited and its constructor returns
-//! [`OptimError::NotCompiledWithCuda`]; [`compile_ptx`] does too.
+//! [`OptimError::NotCompiledWithCuda`]; [`compile_ptx`] does too. Device views in CUDA
+//! memory are therefore refused with that error by
+//! [`crate::placement::HybridAdamW::step_device_slices`].
 
 #![deny(unsafe_code)]
 
 use crate::error::{OptimError, Result};
 use crate::params::{HyperParams, StepState};
-use crate::placement::DeviceGroup;
+use crate::placement::{CudaPtrs, DeviceGroup};
 
 /// The CUDA C source of the kernels (shipped in every build so it can be inspected).
 pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
@@ -37,6 +39,16 @@ impl GpuAdamW {
         _state: StepState,
         _hp: &HyperParams,
         _group: DeviceGroup<'_>,
+    ) -> Result<()> {
+        match *self {}
+    }
+
+    /// Never called: no value of this type exists.
+    pub(crate) fn step_ptrs(
+        &self,
+        _state: StepState,
+        _hp: &HyperParams,
+        _ptrs: CudaPtrs<'_>,
     ) -> Result<()> {
         match *self {}
     }

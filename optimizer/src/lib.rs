@@ -97,4 +97,8 @@ pub use error::{OptimError, Result};
 pub use group::ParamGroup;
 pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};
 pub use params::{HyperParams, Mode, StepState};
+pub use placement::{
+    DeviceGrads, DeviceGroup, DeviceSlices, GroupPlacement, HybridAdamW, Placement,
+    PlacementReport, ResidentGroup,
+};
 pub use slices::{Dtype, Grads, ParamOut};

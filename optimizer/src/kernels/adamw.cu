@@ -10,6 +10,12 @@
 // One kernel per (gradient dtype, output dtype, L2 mode): adamw_<g>_<o>_<mode>, with
 // g in {f32, f16, bf16}, o in {none, f16, bf16}, mode in {adamw, l2}. Grid-stride loop
 // over n elements; every pointer is to n elements of its dtype.
+//
+// Aliasing: p, m and v are __restrict__ (they overlap nothing). g and out are not: they
+// may be the same pointer (in-place step: the 16-bit gradient is read from the bytes the
+// new 16-bit parameters are written to, g's dtype then equal to out's). That is safe
+// because element i's gradient is read, and its output written, by the same thread, the
+// read first; no thread touches another's element. Otherwise g and out do not overlap.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -113,9 +119,10 @@ __device__ __forceinline__ float load_grad(const void* g, u64 i) {
 template <int GK, int OK, bool L2>
 __device__ __forceinline__ void adamw_body(
     float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
-    const void* __restrict__ g, u16* __restrict__ out, u64 n, AdamConsts c) {
+    const void* g, u16* out, u64 n, AdamConsts c) {
     u64 stride = (u64)blockDim.x * (u64)gridDim.x;
     for (u64 i = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x; i < n; i += stride) {
+        // Read before out[i] is written below: g and out may be the same pointer.
         float gi = __fmul_rn(load_grad<GK>(g, i), c.grad_scale);
         float pi = p[i];
         if (L2) {
