@@ -3,7 +3,8 @@
 //! much, and the projected iteration time.
 //!
 //! The placement follows the store's rules (see [`tidestore_chunk::config`]): every
-//! chunk has a home slot in the host pool or the swap file (one slot = one fp32 chunk),
+//! chunk has a home slot in the host pool or the swap file (one slot = the largest chunk
+//! as stored: chunks are allocated and moved as the prefix their tensors use),
 //! plus one staging slot; the device holds copies of as many 16-bit chunks as its
 //! forward/backward budget allows (the GPU less the activation peak and the margin).
 //! Home slots go to the chunks whose NVMe traffic they save the most: 16-bit chunks not
@@ -66,7 +67,8 @@ pub struct ListPlan {
     pub list: String,
     /// Chunks of the list.
     pub chunks: u64,
-    /// Bytes of the list (whole chunks, as the store allocates them).
+    /// Bytes of the list as the store allocates and moves them (each chunk's used
+    /// prefix, page-rounded).
     pub bytes: u64,
     /// Bytes of the list that tensors occupy.
     pub payload_bytes: u64,
@@ -112,7 +114,7 @@ pub struct PlanReport {
     pub device_chunk_budget_bytes: u64,
     /// Bytes of a 16-bit chunk.
     pub param16_chunk_bytes: u64,
-    /// Bytes of a host buffer / NVMe slot.
+    /// Bytes of a host buffer / NVMe slot (the largest chunk as stored).
     pub slot_bytes: u64,
     /// Per list.
     pub lists: Vec<ListPlan>,
@@ -152,45 +154,70 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     // Device: as many 16-bit chunks as fit.
     let n16 = layout.list_chunk_count(ListKind::Param16);
     let dev16 = (device_budget / p16_chunk).min(n16);
-    // Home slots: one staging slot; the host pool first to non-resident 16-bit chunks,
-    // then master, M, V; the rest and the device-resident chunks on NVMe.
-    let host_slots = (machine.host_budget_bytes / slot_bytes.max(1)).saturating_sub(1);
-    let mut left = host_slots;
-    let mut take = |n: u64| {
-        let t = n.min(left);
-        left -= t;
-        t
+    // 16-bit chunks off the device are read in forward and backward; trained ones are
+    // also written (gradients) and read and written again by the step. Master, M and V
+    // are read and written once per step. LoRA adapters are a small part of the 16-bit
+    // list; their traffic is counted with the optimizer state.
+    let frozen_only = workload.params_trainable() == 0 || workload.lora.is_some();
+    let (p16_reads, p16_writes): (u32, u32) = if frozen_only { (2, 0) } else { (3, 2) };
+    let stored_per_chunk = |list: ListKind| {
+        layout.list_stored_bytes(list) as f64 / layout.list_chunk_count(list).max(1) as f64
     };
-    let host16 = take(n16 - dev16);
-    let mut lists = vec![ListPlan {
-        list: ListKind::Param16.as_str().into(),
-        chunks: n16,
-        bytes: layout.list_bytes(ListKind::Param16),
-        payload_bytes: layout.list_payload_bytes(ListKind::Param16),
-        device_chunks: dev16,
-        host_chunks: host16,
-        nvme_chunks: n16 - host16,
-    }];
+    let per_s = |rate: f64| {
+        if rate > 0.0 {
+            1.0 / rate
+        } else {
+            f64::INFINITY
+        }
+    };
+    let (r, w) = (
+        per_s(machine.nvme_read_bytes_per_s),
+        per_s(machine.nvme_write_bytes_per_s),
+    );
+    // Home slots: one staging slot; the host pool to the chunks whose NVMe traffic it
+    // saves the most seconds of per slot; the rest, and the device-resident chunks, on
+    // NVMe.
+    let mut wanted = vec![(
+        ListKind::Param16,
+        n16 - dev16,
+        stored_per_chunk(ListKind::Param16)
+            * (f64::from(p16_reads) * r + f64::from(p16_writes) * w),
+    )];
     for l in [
         ListKind::MasterF32,
         ListKind::MomentumF32,
         ListKind::VarianceF32,
     ] {
         let n = layout.list_chunk_count(l);
-        if n == 0 {
-            continue;
+        if n > 0 {
+            wanted.push((l, n, stored_per_chunk(l) * (r + w)));
         }
-        let h = take(n);
-        lists.push(ListPlan {
-            list: l.as_str().into(),
-            chunks: n,
-            bytes: layout.list_bytes(l),
-            payload_bytes: layout.list_payload_bytes(l),
-            device_chunks: 0,
-            host_chunks: h,
-            nvme_chunks: n - h,
-        });
     }
+    let mut order: Vec<usize> = (0..wanted.len()).collect();
+    order.sort_by(|&a, &b| wanted[b].2.total_cmp(&wanted[a].2));
+    let mut left = (machine.host_budget_bytes / slot_bytes.max(1)).saturating_sub(1);
+    let mut homed = vec![0u64; wanted.len()];
+    for i in order {
+        homed[i] = wanted[i].1.min(left);
+        left -= homed[i];
+    }
+    let lists: Vec<ListPlan> = wanted
+        .iter()
+        .zip(&homed)
+        .map(|(&(l, _, _), &h)| {
+            let n = layout.list_chunk_count(l);
+            let device = if l == ListKind::Param16 { dev16 } else { 0 };
+            ListPlan {
+                list: l.as_str().into(),
+                chunks: n,
+                bytes: layout.list_stored_bytes(l),
+                payload_bytes: layout.list_payload_bytes(l),
+                device_chunks: device,
+                host_chunks: h,
+                nvme_chunks: n - h,
+            }
+        })
+        .collect();
 
     let nvme_slots = machine.nvme_bytes / slot_bytes.max(1);
     match plan_capacity(
@@ -237,15 +264,9 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     }
 
     // Traffic per iteration.
-    let frozen_only = workload.params_trainable() == 0 || workload.lora.is_some();
-    let trainable16 = if frozen_only {
-        0
-    } else {
-        layout.list_bytes(ListKind::Param16)
-    };
     let bytes_of = |n: u64, list: ListKind| -> u64 {
         let c = layout.list_chunk_count(list).max(1);
-        layout.list_bytes(list) * n / c
+        layout.list_stored_bytes(list) * n / c
     };
     let p16 = &lists[0];
     let off_device16 = bytes_of(p16.chunks - p16.device_chunks, ListKind::Param16);
@@ -253,16 +274,14 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         (p16.chunks - p16.device_chunks).saturating_sub(p16.host_chunks),
         ListKind::Param16,
     );
-    // LoRA adapters are a small part of the 16-bit list; their traffic is counted with
-    // the optimizer state below.
-    let (pcie, mut nvme_r, mut nvme_w) = if trainable16 == 0 {
+    let (pcie, mut nvme_r, mut nvme_w) = if frozen_only {
         (2 * off_device16, 2 * nvme16_off_device, 0)
     } else {
         let on_device = bytes_of(p16.device_chunks, ListKind::Param16);
         (
             3 * off_device16 + 2 * on_device,
-            3 * nvme16_off_device,
-            2 * nvme16_off_device,
+            u64::from(p16_reads) * nvme16_off_device,
+            u64::from(p16_writes) * nvme16_off_device,
         )
     };
     let fb_nvme_r = nvme_r;
@@ -359,15 +378,7 @@ mod tests {
 
     #[test]
     fn llama_70b_lora_on_a_24gb_gpu_uses_all_three_tiers() {
-        let w = Workload::new(
-            ModelName::Llama70b,
-            models::LLAMA_70B,
-            Some((16, LoraTargets::Qv)),
-            1,
-            1024,
-        );
-        let (layout, _, _) =
-            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let (w, layout) = llama_70b_lora();
         let m = Machine {
             gpu_bytes: 24_000_000_000,
             tidal_margin_bytes: 0,
@@ -394,5 +405,85 @@ mod tests {
         let p = plan(&w, &layout, &small).unwrap();
         assert!(!p.fits);
         assert!(p.shortfalls[0].short_bytes > 0);
+    }
+
+    fn llama_70b_lora() -> (Workload, Layout) {
+        let w = Workload::new(
+            ModelName::Llama70b,
+            models::LLAMA_70B,
+            Some((16, LoraTargets::Qv)),
+            1,
+            1024,
+        );
+        let (layout, _, _) =
+            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        (w, layout)
+    }
+
+    #[test]
+    fn adapters_state_is_stored_as_the_bytes_it_uses() {
+        let (w, layout) = llama_70b_lora();
+        let m = Machine {
+            gpu_bytes: 24_000_000_000,
+            tidal_margin_bytes: 0,
+            host_budget_bytes: 56_000_000_000,
+            nvme_bytes: 2_000_000_000_000,
+            pcie_bytes_per_s: 25e9,
+            nvme_read_bytes_per_s: 7e9,
+            nvme_write_bytes_per_s: 5e9,
+            optimizer_params_per_s: 1e9,
+        };
+        let p = plan(&w, &layout, &m).unwrap();
+        // A host buffer / NVMe slot is the largest stored chunk: a 16-bit one, not an
+        // fp32 chunk (twice the size) of which the adapters use a few percent.
+        assert!(p.slot_bytes <= p.param16_chunk_bytes, "{p:?}");
+        assert_eq!(
+            p.slot_bytes,
+            *layout.dense_chunk_bytes().iter().max().unwrap()
+        );
+        let adapters_fp32 = 4 * w.params_trainable();
+        for l in &p.lists[1..] {
+            assert!(l.bytes >= l.payload_bytes, "{l:?}");
+            assert!(l.bytes - l.payload_bytes < 4096 * l.chunks, "{l:?}");
+        }
+        // Master, M and V on NVMe: read and written once, each the adapters' bytes
+        // (page-rounded).
+        assert!(p.nvme_write_bytes >= 3 * adapters_fp32);
+        assert!(p.nvme_write_bytes < 3 * adapters_fp32 + 3 * 4096 * 4);
+    }
+
+    #[test]
+    fn host_homes_go_where_they_save_the_most_nvme_seconds() {
+        let w = Workload::new(ModelName::Gpt2, models::GPT2, None, 1, 1024);
+        let (layout, _, _) =
+            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let slot = *layout.dense_chunk_bytes().iter().max().unwrap();
+        let m = Machine {
+            gpu_bytes: 1 << 30,
+            tidal_margin_bytes: 0,
+            host_budget_bytes: 4 * slot,
+            nvme_bytes: 1 << 40,
+            pcie_bytes_per_s: 25e9,
+            nvme_read_bytes_per_s: 7e9,
+            nvme_write_bytes_per_s: 5e9,
+            optimizer_params_per_s: 1e9,
+        };
+        let device_all = plan(&w, &layout, &m).unwrap();
+        assert_eq!(
+            device_all.lists[0].device_chunks,
+            device_all.lists[0].chunks
+        );
+        // Every 16-bit chunk on the device: the three host homes go to optimizer state.
+        let homed: u64 = device_all.lists[1..].iter().map(|l| l.host_chunks).sum();
+        assert_eq!(homed, 3);
+        // With 16-bit chunks off the device, their forward/backward/step traffic per
+        // chunk (three reads and two writes) outweighs one step's read and write of an
+        // fp32 chunk of twice the bytes: they are homed first, the rest after.
+        let tight = Machine { gpu_bytes: 0, ..m };
+        let p = plan(&w, &layout, &tight).unwrap();
+        let n16 = p.lists[0].chunks;
+        assert_eq!(p.lists[0].host_chunks, 3.min(n16), "{:?}", p.lists);
+        let fp32_homed: u64 = p.lists[1..].iter().map(|l| l.host_chunks).sum();
+        assert_eq!(fp32_homed, 3 - 3.min(n16), "{:?}", p.lists);
     }
 }

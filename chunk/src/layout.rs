@@ -59,6 +59,10 @@ use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
 use crate::Result;
 
+/// What a chunk's allocated and moved bytes are rounded up to (a page: O_DIRECT I/O and
+/// the tiers' budgets count in pages).
+pub const CHUNK_ALIGN_BYTES: u64 = 4096;
+
 /// A tensor as the model declares it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
@@ -633,6 +637,13 @@ impl Layout {
         self.list_chunk_count(list) * self.chunk_bytes(list)
     }
 
+    /// Bytes the store allocates and moves for `list`: the sum of its chunks'
+    /// [`Layout::dense_chunk_bytes`] (used prefixes, page-rounded).
+    pub fn list_stored_bytes(&self, list: ListKind) -> u64 {
+        let dense = self.dense_chunk_bytes();
+        self.chunks(list).map(|c| dense[c.dense()]).sum()
+    }
+
     /// Bytes of `list` occupied by tensors.
     pub fn list_payload_bytes(&self, list: ListKind) -> u64 {
         self.chunks(list).map(|c| self.chunk_used_bytes(c)).sum()
@@ -666,13 +677,23 @@ impl Layout {
         }
     }
 
-    /// Byte size per dense chunk id, every list (0 for ids of chunks that do not
-    /// exist); the `chunk_bytes` of an [`crate::AccessTrace`].
+    /// Bytes the store allocates and moves for each dense chunk id, every list (0 for
+    /// ids of chunks that do not exist); the `chunk_bytes` of an [`crate::AccessTrace`].
+    ///
+    /// Tensors pack from a chunk's start, so what they occupy is a prefix: a chunk is
+    /// that prefix rounded up to [`CHUNK_ALIGN_BYTES`] (never past [`Layout::chunk_bytes`]).
+    /// The unused tail of a partly filled chunk — a list's last chunk, or the master, M
+    /// and V chunks of a few LoRA adapters — is never allocated on the device, copied
+    /// or written to NVMe.
     pub fn dense_chunk_bytes(&self) -> Vec<u64> {
         let mut v = vec![0; self.dense_len()];
         for list in ListKind::ALL {
+            let full = self.chunk_bytes(list);
             for c in self.chunks(list) {
-                v[c.dense()] = self.chunk_bytes(list);
+                v[c.dense()] = self
+                    .chunk_used_bytes(c)
+                    .next_multiple_of(CHUNK_ALIGN_BYTES)
+                    .min(full);
             }
         }
         v
@@ -853,6 +874,41 @@ mod tests {
         );
         // Bytes: 3 param chunks of 200 B, 2 x 3 fp32 chunks of 400 B.
         assert_eq!(layout.total_bytes(), 3 * 200 + 6 * 400);
+    }
+
+    #[test]
+    fn chunks_are_allocated_and_moved_as_their_used_prefix() {
+        // 16Ki-element chunks: a 64 KiB master chunk holding one 1000-element adapter
+        // is one page, a full 16-bit chunk stays whole, a list's last chunk is cut.
+        let specs = vec![
+            t("base0", 16 * 1024, DType::BF16, false),
+            t("base1", 5000, DType::BF16, false),
+            t("lora", 1000, DType::BF16, true),
+        ];
+        let layout = Layout::new(LayoutConfig::new(16 * 1024), specs).unwrap();
+        let dense = layout.dense_chunk_bytes();
+        let size = |c: ChunkId| dense[c.dense()];
+        let p16: Vec<ChunkId> = layout.chunks(ListKind::Param16).collect();
+        assert_eq!(size(p16[0]), 32 * 1024, "a full chunk is whole");
+        assert_eq!(size(p16[1]), 12 * 1024, "10000 B used, rounded to pages");
+        assert_eq!(size(p16[2]), 4096, "2000 B of adapter");
+        for list in [
+            ListKind::MasterF32,
+            ListKind::MomentumF32,
+            ListKind::VarianceF32,
+        ] {
+            let c = layout.chunks(list).next().unwrap();
+            assert_eq!(layout.chunk_bytes(list), 64 * 1024);
+            assert_eq!(size(c), 4096, "{list:?}: 4000 B of fp32 state");
+        }
+        // A chunk size that is not a page multiple never rounds past the chunk.
+        let odd = Layout::new(
+            LayoutConfig::new(1001),
+            vec![t("a", 1000, DType::BF16, true)],
+        )
+        .unwrap();
+        let c = odd.chunks(ListKind::MasterF32).next().unwrap();
+        assert_eq!(odd.dense_chunk_bytes()[c.dense()], 4004);
     }
 
     #[test]

@@ -47,7 +47,9 @@ pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::DType;
 pub use error::{ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
-pub use layout::{Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec};
+pub use layout::{
+    Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,
+};
 pub use mover::IoPump;
 pub use policy::{
     EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PrefetchPlanner, PrefetchStep, Residency,

@@ -218,8 +218,10 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         human_bytes(m.tidal_margin_bytes)
     );
     out!(
-        "chunks: 16-bit {}, fp32 {} (one host buffer / NVMe slot each)",
+        "chunks: 16-bit {}, fp32 {}, stored as the part their tensors use; host buffer / \
+         NVMe slot {} (the largest stored chunk; one per chunk)",
         human_bytes(r.param16_chunk_bytes),
+        human_bytes(2 * r.param16_chunk_bytes),
         human_bytes(r.slot_bytes)
     );
     out!();
@@ -235,7 +237,7 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
     );
     let mut sparse = false;
     for l in &r.lists {
-        sparse |= l.bytes > 4 * l.payload_bytes.max(1);
+        sparse |= l.chunks * r.slot_bytes > 4 * l.bytes.max(1) && l.host_chunks > 0;
         out!(
             "{:<8} {:>7} {:>12} {:>12} {:>16} {:>12} {:>12}",
             l.list,
@@ -249,10 +251,10 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
     }
     if sparse {
         out!(
-            "warning: some lists allocate far more than their tensors use: every list shares \
-             one chunk size, at least the largest tensor, so a few small trainable tensors \
-             (LoRA adapters) still take whole master, M and V chunks; the plan counts what \
-             the store would allocate"
+            "warning: some chunks homed in the host pool are far smaller than its buffers: \
+             every chunk's home is one whole host buffer or NVMe slot, sized for the \
+             largest chunk, so small chunks (a few LoRA adapters' master, M and V) waste \
+             most of theirs; the plan counts what the store would use"
         );
     }
     out!();
