@@ -15,14 +15,33 @@
 //! memory ([`crate::workload::Workload::activation_bytes`]), which drives the tidal
 //! device budget exactly as real activations would.
 //!
-//! The optimizer step takes one tensor at a time: its 16-bit param/gradient, master, M
-//! and V are accessed in the host pool together (four accesses) and the kernel updates
-//! them in place through the store's disjoint views ([`ChunkStore::views_mut_with_io`]),
-//! no copies out and back. The gradient and the new 16-bit parameters share the same
-//! bytes, so the kernel runs in pieces of [`STEP_PIECE`] parameters, each piece's
-//! gradient staged in a cache-sized buffer; between pieces the store's NVMe transfers
-//! (the host prefetcher's reads of the next chunks, write-backs) are polled so they run
-//! while the kernel computes.
+//! Where the bytes are touched: on the simulated device and in the host pool the bench
+//! reads and writes them on the host; on a CUDA device (feature `cuda`) forward and
+//! backward run the kernels of `crate::gpu` on the tensors where they lie (a checksum
+//! accumulated on the device and read back once per phase, the gradient pattern written
+//! there), each finished before its tensor is released. Both sides compute the same bits:
+//! the gradient pattern is counter-based ([`grad_value`]: element `k` of a tensor depends
+//! on `k` alone), so a kernel fills a tensor in parallel with what the host precomputes
+//! for the gradient norm.
+//!
+//! The optimizer step takes one tensor at a time, where `optimizer.device` puts it
+//! (`choose_placement`):
+//! - `cpu`: its 16-bit param/gradient, master, M and V are accessed in the host pool
+//!   together (four accesses) and the CPU kernel updates them in place through the
+//!   store's disjoint views ([`ChunkStore::views_mut_with_io`]), no copies out and back.
+//!   The gradient and the new 16-bit parameters share the same bytes, so the kernel runs
+//!   in pieces of [`STEP_PIECE`] parameters, each piece's gradient staged in a
+//!   cache-sized buffer; between pieces the store's NVMe transfers (the host
+//!   prefetcher's reads of the next chunks, write-backs) are polled so they run while the
+//!   kernel computes. A host pool of fewer than five buffers copies through scratch.
+//! - `gpu`: the same four are accessed on the device and stepped where they are
+//!   ([`HybridAdamW::step_device_slices`]): the GPU kernel on a CUDA device, the CPU
+//!   kernel over the simulation's memory on the simulated one (reported as simulated).
+//!   The step-phase device budget must hold the four chunks of the largest trainable
+//!   tensor, checked before the first iteration.
+//! - `auto`: `gpu` where the device is a CUDA GPU, the GPU kernel is ready and the
+//!   step-phase device budget holds all trainable state (so the step moves nothing);
+//!   `cpu` otherwise, and always on the simulated device.
 //!
 //! [`ChunkStore::views_mut_with_io`]: tidestore_chunk::ChunkStore::views_mut_with_io
 
@@ -30,14 +49,25 @@ use std::time::Instant;
 
 use half::bf16;
 use serde::Serialize;
-use tidestore_chunk::{Guard, ListKind, Place, StoreStats, TensorId, TensorState, TierSnapshot};
-use tidestore_optimizer::{
-    AdamW, CpuConfig, Grads, HyperParams, Mode, ParamOut, StepController, StepDecision,
+use tidestore_chunk::{
+    Guard, Layout, ListKind, Place, StoreStats, TensorId, TensorState, TensorView, TensorViewMut,
+    TierSnapshot,
 };
+use tidestore_optimizer::placement::{DeviceGrads, DeviceSlices, HybridAdamW, Placement};
+use tidestore_optimizer::{
+    AdamW, CpuConfig, Dtype, Grads, HyperParams, Mode, OptimError, ParamOut, StepController,
+    StepDecision,
+};
+use tidestore_tiers::{DeviceView, DeviceViewMut};
 
-use crate::config::{Config, DecayMode, OptimizerDevice};
+use crate::config::{Config, DecayMode, DeviceKindName, OptimizerDevice};
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
+use crate::gpu::BenchKernels;
 use crate::session::{self, Session};
+use crate::workload::Workload;
+#[cfg(not(feature = "cuda"))]
+use no_cuda::BenchKernels;
 
 /// The JSON schema name and version of [`BenchReport`].
 pub const SCHEMA: &str = "tidestore.bench.v1";
@@ -210,11 +240,16 @@ pub struct PeakReport {
 /// The optimizer.
 #[derive(Debug, Clone, Serialize)]
 pub struct OptimizerReport {
-    /// Where it ran: `cpu`.
+    /// Where the step ran: `cpu` (the host pool, the CPU kernel) or `gpu` (the device).
     pub placement: String,
+    /// With `gpu`: the device is the simulation, so the CPU kernel stepped the
+    /// simulated device memory on the host.
+    pub simulated: bool,
+    /// Why there, in one phrase (`optimizer.device` and, for `auto`, what decided).
+    pub placement_reason: String,
     /// SIMD level of the CPU kernel.
     pub simd: String,
-    /// CPU threads.
+    /// CPU threads of the CPU kernel.
     pub threads: usize,
     /// Parameters updated per step.
     pub params_per_step: u64,
@@ -341,14 +376,26 @@ impl Counters {
     }
 }
 
+/// Where the optimizer step runs (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StepPlacement {
+    /// Whether the four chunks of a tensor are stepped on the device (else in the host
+    /// pool).
+    on_device: bool,
+    /// Why, in one phrase.
+    reason: String,
+}
+
 /// The running state of one bench.
 struct Runner<'p> {
     s: Session,
-    opt: AdamW,
+    opt: HybridAdamW,
     hp: HyperParams,
     ctrl: StepController,
     progress: &'p mut dyn Progress,
     checksum: u64,
+    /// The GPU kernels, on a CUDA device only.
+    kernels: Option<BenchKernels>,
     /// bf16 gradient pattern, longer than the largest trainable tensor by `PATTERN_SLACK`.
     grad_pattern: Vec<bf16>,
     /// One piece's gradient (see [`STEP_PIECE`]); the whole tensor's when copying.
@@ -359,6 +406,10 @@ struct Runner<'p> {
     scratch_m: Vec<f32>,
     scratch_v: Vec<f32>,
     scratch_p: Vec<bf16>,
+    /// Where the step runs.
+    placement: StepPlacement,
+    /// Whether a device step ran over simulated memory.
+    simulated: bool,
     grad_sq: f64,
     grad_done: Vec<bool>,
     trainable: Vec<usize>,
@@ -383,24 +434,47 @@ const PATTERN_SLACK: usize = 4096;
 /// between pieces.
 const STEP_PIECE: usize = 128 * 1024;
 
+/// Seed of the initial parameters' pattern.
+const INIT_SEED: u64 = 7;
+/// Seed of the gradient pattern.
+pub const GRAD_SEED: u64 = 11;
+/// Gradients are the pattern in [-1, 1) times this.
+pub const GRAD_SCALE: f32 = 1e-3;
+
 fn pattern_offset(tensor: usize, iteration: u32) -> usize {
     (tensor * 131 + iteration as usize * 977) % PATTERN_SLACK
 }
 
-/// A deterministic pseudo-random stream in [-1, 1).
+/// Output `index` (0-based) of the splitmix64 generator started at state `seed`: a
+/// counter-based stream, so any element is computed on its own (by a GPU thread too).
+pub const fn splitmix64(seed: u64, index: u64) -> u64 {
+    let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The top 24 bits of `x` as an f32 in [-1, 1); every step is exact.
+pub fn unit_f32(x: u64) -> f32 {
+    ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+}
+
+/// Element `index` of the bench's bf16 gradient pattern of `seed`: exactly what the GPU
+/// kernel `bench_grad_fill` writes (f32 product rounded to nearest, then bf16 rounded
+/// to nearest even).
+pub fn grad_value(seed: u64, index: u64, scale: f32) -> bf16 {
+    bf16::from_f32(unit_f32(splitmix64(seed, index)) * scale)
+}
+
+/// A deterministic pseudo-random stream in [-1, 1): elements `0..n` of `seed`.
 fn noise(seed: u64, n: usize) -> impl Iterator<Item = f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n).map(move |_| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ((x >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-    })
+    (0..n as u64).map(move |k| unit_f32(splitmix64(seed, k)))
 }
 
 /// Wrapping sum of `bytes` as little-endian u64 words from its start (the tail
-/// zero-padded), so the same bytes give the same sum wherever they lie.
-fn checksum(bytes: &[u8]) -> u64 {
+/// zero-padded), so the same bytes give the same sum wherever they lie. The GPU kernel
+/// `bench_checksum` computes the same sum of a device range.
+pub fn checksum(bytes: &[u8]) -> u64 {
     let mut words = bytes.chunks_exact(8);
     let mut sum = words.by_ref().fold(0u64, |a, c| {
         let mut w = [0u8; 8];
@@ -414,6 +488,50 @@ fn checksum(bytes: &[u8]) -> u64 {
         sum = sum.wrapping_add(u64::from_le_bytes(w));
     }
     sum
+}
+
+#[cfg(not(feature = "cuda"))]
+mod no_cuda {
+    //! Stand-in for `crate::gpu::BenchKernels` in a build without the `cuda` feature:
+    //! uninhabited, so the bench's calls compile without a `cfg` and can never run (a
+    //! CUDA device cannot be opened without the feature: `device.kind = "cuda"` fails
+    //! at session open).
+
+    use tidestore_tiers::{DeviceView, DeviceViewMut};
+
+    use crate::error::{Error, Result};
+
+    pub(crate) enum BenchKernels {}
+
+    impl BenchKernels {
+        pub(crate) fn new(_ordinal: usize) -> Result<Self> {
+            Err(Error::Bench(
+                "GPU kernels: this build has no `cuda` feature".into(),
+            ))
+        }
+
+        pub(crate) fn checksum(&mut self, _view: &DeviceView<'_>) -> Result<()> {
+            match *self {}
+        }
+
+        pub(crate) fn checksum_and_fill(
+            &mut self,
+            _view: &mut DeviceViewMut<'_>,
+            _seed: u64,
+            _first: u64,
+            _scale: f32,
+        ) -> Result<()> {
+            match *self {}
+        }
+
+        pub(crate) fn take_checksum(&mut self) -> Result<u64> {
+            match *self {}
+        }
+    }
+}
+
+fn no_kernels() -> Error {
+    Error::Bench("a tensor is in GPU memory but the bench's GPU kernels are not loaded".into())
 }
 
 fn cast_err(what: &str) -> Error {
@@ -468,7 +586,7 @@ impl Runner<'_> {
     fn init(&mut self) -> Result<()> {
         let n = self.s.workload.tensors.len();
         let longest = (0..n).map(|i| self.elements(i)).max().unwrap_or(0);
-        let values: Vec<f32> = noise(7, longest + PATTERN_SLACK)
+        let values: Vec<f32> = noise(INIT_SEED, longest + PATTERN_SLACK)
             .map(|x| x * 0.02)
             .collect();
         let values16: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
@@ -507,16 +625,56 @@ impl Runner<'_> {
             self.s.store.report_non_model_bytes(non_model);
             for &i in &b.tensors {
                 let g = self.access(i, ListKind::Param16, Place::Device)?;
-                self.checksum = self
-                    .checksum
-                    .wrapping_add(checksum(self.s.store.bytes(&g)?));
+                self.add_checksum(&g)?;
                 self.release(g, TensorState::HoldAfterFwd)?;
             }
             if b.is_layer {
                 layer += 1;
             }
         }
+        self.collect_device_checksum()?;
         self.progress.finish(PhaseName::Forward);
+        Ok(())
+    }
+
+    /// Adds the checksum of the accessed tensor: on the host where its bytes are
+    /// host-addressable, else by the GPU kernel (finished when this returns).
+    fn add_checksum(&mut self, g: &Guard) -> Result<()> {
+        match self.s.store.view(g)? {
+            TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => {
+                self.checksum = self.checksum.wrapping_add(checksum(b));
+                Ok(())
+            }
+            TensorView::Device(v) => self.kernels.as_mut().ok_or_else(no_kernels)?.checksum(&v),
+        }
+    }
+
+    /// Adds the checksum of the accessed tensor `i` (see [`Runner::add_checksum`]), then
+    /// writes its gradient of `iteration` over it (the GPU kernel computes the same
+    /// elements as `grad_pattern`), and returns the gradient's squared norm.
+    fn checksum_and_write_grads(&mut self, g: &Guard, i: usize, iteration: u32) -> Result<f64> {
+        let len = self.elements(i);
+        let o = pattern_offset(i, iteration);
+        let grads = &self.grad_pattern[o..o + len];
+        match self.s.store.view_mut(g)? {
+            TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => {
+                self.checksum = self.checksum.wrapping_add(checksum(b));
+                b.copy_from_slice(bytemuck::cast_slice(grads));
+            }
+            TensorViewMut::Device(mut v) => self
+                .kernels
+                .as_mut()
+                .ok_or_else(no_kernels)?
+                .checksum_and_fill(&mut v, GRAD_SEED, o as u64, GRAD_SCALE)?,
+        }
+        Ok(self.opt.cpu().grad_sq_norm(Grads::Bf16(grads)))
+    }
+
+    /// Adds what the GPU kernels accumulated in this phase (one read-back).
+    fn collect_device_checksum(&mut self) -> Result<()> {
+        if let Some(k) = self.kernels.as_mut() {
+            self.checksum = self.checksum.wrapping_add(k.take_checksum()?);
+        }
         Ok(())
     }
 
@@ -538,20 +696,12 @@ impl Runner<'_> {
                 .report_non_model_bytes(act.at(layer, b.name == "head"));
             for &i in b.tensors.iter().rev() {
                 let g = self.access(i, ListKind::Param16, Place::Device)?;
-                self.checksum = self
-                    .checksum
-                    .wrapping_add(checksum(self.s.store.bytes(&g)?));
                 let trainable = self.s.workload.tensors[i].trainable;
                 if trainable && !self.grad_done[i] {
-                    let len = self.elements(i);
-                    let o = pattern_offset(i, iteration);
-                    let grads = &self.grad_pattern[o..o + len];
-                    self.s
-                        .store
-                        .bytes_mut(&g)?
-                        .copy_from_slice(bytemuck::cast_slice(grads));
-                    self.grad_sq += self.opt.grad_sq_norm(Grads::Bf16(grads));
+                    self.grad_sq += self.checksum_and_write_grads(&g, i, iteration)?;
                     self.grad_done[i] = true;
+                } else {
+                    self.add_checksum(&g)?;
                 }
                 let to = if trainable {
                     TensorState::HoldAfterBwd
@@ -562,6 +712,7 @@ impl Runner<'_> {
             }
         }
         self.s.store.report_non_model_bytes(0);
+        self.collect_device_checksum()?;
         self.progress.finish(PhaseName::Backward);
         Ok(())
     }
@@ -585,15 +736,24 @@ impl Runner<'_> {
                 None
             }
         };
+        let place = if self.placement.on_device {
+            Place::Device
+        } else {
+            Place::Host
+        };
         for &i in &trainable {
             let len = self.elements(i);
             let Some(state) = state else {
                 // Skipped: the gradients are consumed all the same.
-                let g = self.access(i, ListKind::Param16, Place::Host)?;
+                let g = self.access(i, ListKind::Param16, place)?;
                 self.release(g, TensorState::Hold)?;
                 self.progress.advance(6);
                 continue;
             };
+            if self.placement.on_device {
+                self.step_on_device(i, len, state)?;
+                continue;
+            }
             if !self.in_place {
                 self.step_copying(i, len, state)?;
                 continue;
@@ -622,7 +782,7 @@ impl Runner<'_> {
                     // The gradient and the new parameters share these bytes: stage the
                     // piece's gradient in a cache-sized buffer.
                     self.scratch_g[..n].copy_from_slice(&p16[at..end]);
-                    self.opt.step_slice(
+                    self.opt.cpu().step_slice(
                         state,
                         &self.hp,
                         &mut master[at..end],
@@ -649,6 +809,70 @@ impl Runner<'_> {
 }
 
 impl Runner<'_> {
+    /// The step of tensor `i` on the device: its 16-bit param/gradient, master, M and V
+    /// accessed there at once and stepped where they are (the GPU kernel, or the CPU
+    /// kernel over the simulated device's memory), the new 16-bit parameters written
+    /// over the gradient. The kernel has finished when the optimizer returns, before the
+    /// guards are released.
+    fn step_on_device(
+        &mut self,
+        i: usize,
+        len: usize,
+        state: tidestore_optimizer::StepState,
+    ) -> Result<()> {
+        let gp = self.access(i, ListKind::Param16, Place::Device)?;
+        let gm = self.access(i, ListKind::MasterF32, Place::Device)?;
+        let g1 = self.access(i, ListKind::MomentumF32, Place::Device)?;
+        let g2 = self.access(i, ListKind::VarianceF32, Place::Device)?;
+        let placed = {
+            let (views, mut pump) = self
+                .s
+                .store
+                .tensor_views_mut_with_io(&[&gp, &gm, &g1, &g2])?;
+            let [p16, master, m, v]: [DeviceViewMut<'_>; 4] = views
+                .into_iter()
+                .map(|v| match v {
+                    TensorViewMut::Device(d) => Ok(d),
+                    TensorViewMut::Host(_) => Err(Error::Bench(
+                        "a device access gave a view of the host pool".into(),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?
+                .try_into()
+                .map_err(|_| Error::Bench("tensor_views_mut returned another count".into()))?;
+            let started = Instant::now();
+            let placed = self.opt.step_device_slices(
+                state,
+                &self.hp,
+                DeviceSlices {
+                    len,
+                    master,
+                    m,
+                    v,
+                    grads: DeviceGrads::InPlace {
+                        bytes: p16,
+                        dtype: Dtype::Bf16,
+                    },
+                },
+            )?;
+            self.kernel_ns += started.elapsed().as_nanos() as u64;
+            pump.poll();
+            placed
+        };
+        if placed.placement != Placement::Gpu {
+            return Err(Error::Bench(format!(
+                "the optimizer stepped device memory on {:?}",
+                placed.placement
+            )));
+        }
+        self.simulated |= placed.simulated;
+        for g in [gp, gm, g1, g2] {
+            self.release(g, TensorState::Hold)?;
+        }
+        self.progress.advance(3);
+        Ok(())
+    }
+
     /// The step of tensor `i` one chunk at a time (a host pool too small to hold its
     /// four chunks at once): gradient, M and V copied out to scratch, master updated in
     /// place, M, V and the new 16-bit parameters copied back.
@@ -676,7 +900,7 @@ impl Runner<'_> {
         let master: &mut [f32] = bytemuck::try_cast_slice_mut(self.s.store.bytes_mut(&g)?)
             .map_err(|_| cast_err("master"))?;
         let started = Instant::now();
-        self.opt.step_slice(
+        self.opt.cpu().step_slice(
             state,
             &self.hp,
             master,
@@ -725,26 +949,208 @@ fn hyper_params(cfg: &Config) -> HyperParams {
     }
 }
 
-/// The CPU AdamW the config asks for (the GPU kernel is not in this build: asking for it
-/// is an error naming `optimizer.device`).
+/// The CPU AdamW the config asks for (`optimizer.threads`). It steps the host pool, and
+/// with `optimizer.device` on the device of a simulated device, the simulated memory.
 pub fn cpu_optimizer(cfg: &Config) -> Result<AdamW> {
-    if cfg.optimizer.device == OptimizerDevice::Gpu {
-        return Err(Error::config(
-            "optimizer.device",
-            "\"gpu\": the optimizer crate has no GPU AdamW kernel in this build yet; use \
-             \"auto\" or \"cpu\"",
-        ));
-    }
     Ok(AdamW::new(CpuConfig {
         threads: cfg.optimizer.threads as usize,
         ..CpuConfig::default()
     })?)
 }
 
+/// The lists a tensor's step touches.
+const STEP_LISTS: [ListKind; 4] = [
+    ListKind::Param16,
+    ListKind::MasterF32,
+    ListKind::MomentumF32,
+    ListKind::VarianceF32,
+];
+
+/// The device budget for chunks during the optimizer step, as the store sets it then:
+/// the device's memory less what is not chunks (measured on a GPU; on the simulated
+/// device the bench reports none during the step) less `device.tidal_margin`.
+#[derive(Debug, Clone, Copy)]
+struct StepBudget {
+    bytes: u64,
+    total_bytes: u64,
+    non_model_bytes: u64,
+    margin_bytes: u64,
+}
+
+impl StepBudget {
+    fn new(cfg: &Config, total_bytes: u64, non_model_bytes: u64) -> Self {
+        let margin_bytes = cfg.device.tidal_margin.bytes();
+        StepBudget {
+            bytes: total_bytes
+                .saturating_sub(non_model_bytes)
+                .saturating_sub(margin_bytes),
+            total_bytes,
+            non_model_bytes,
+            margin_bytes,
+        }
+    }
+
+    /// The simulated device's, known before it is made (the memory `session::open`
+    /// gives it).
+    fn simulated(cfg: &Config, prepared: &session::Prepared) -> Self {
+        let total = prepared.device_memory_bytes.max(cfg.device.budget.bytes());
+        StepBudget::new(cfg, total, 0)
+    }
+
+    /// The opened device's (on a GPU, less the memory in use by others now).
+    fn of(cfg: &Config, s: &Session) -> Result<Self> {
+        let device = s.store.device();
+        let total = device.mem_info()?.total_bytes;
+        let non_model = if session::is_gpu(s) {
+            device.non_model_bytes()?
+        } else {
+            0
+        };
+        Ok(StepBudget::new(cfg, total, non_model))
+    }
+}
+
+/// Device bytes the step on the device needs: the four chunks of the trainable tensor
+/// whose four chunks take most (what is in use at once), and every chunk holding
+/// trainable state (what would let the step move nothing). Chunks count as the device
+/// budget counts them (rounded up to 4096).
+#[derive(Debug, Clone)]
+struct StepNeeds {
+    largest_bytes: u64,
+    largest_tensor: String,
+    /// The largest tensor's chunks, per list of [`STEP_LISTS`].
+    largest_chunks: [u64; 4],
+    all_bytes: u64,
+}
+
+fn step_needs(layout: &Layout, workload: &Workload) -> StepNeeds {
+    let dense = layout.dense_chunk_bytes();
+    let dev_bytes = |d: usize| tidestore_io::align_up(dense[d] as usize) as u64;
+    let mut needs = StepNeeds {
+        largest_bytes: 0,
+        largest_tensor: String::new(),
+        largest_chunks: [0; 4],
+        all_bytes: 0,
+    };
+    let mut seen = vec![false; dense.len()];
+    for (i, t) in workload.tensors.iter().enumerate() {
+        if !t.trainable {
+            continue;
+        }
+        let mut chunks = [0u64; 4];
+        for (c, list) in chunks.iter_mut().zip(STEP_LISTS) {
+            if let Some(loc) = layout.location(TensorId(i as u32), list) {
+                let d = loc.chunk.dense();
+                *c = dev_bytes(d);
+                if !seen[d] {
+                    seen[d] = true;
+                    needs.all_bytes += *c;
+                }
+            }
+        }
+        let sum = chunks.iter().sum();
+        if sum > needs.largest_bytes {
+            needs.largest_bytes = sum;
+            needs.largest_tensor = t.name.clone();
+            needs.largest_chunks = chunks;
+        }
+    }
+    needs
+}
+
+fn human(b: u64) -> String {
+    crate::plan::human_bytes(b)
+}
+
+/// Where the optimizer step runs, from `optimizer.device` (see the module doc), or a
+/// config error naming `optimizer.device` when `gpu` cannot run.
+fn choose_placement(
+    cfg: &Config,
+    on_gpu: bool,
+    budget: StepBudget,
+    needs: &StepNeeds,
+    gpu_kernel: std::result::Result<(), OptimError>,
+) -> Result<StepPlacement> {
+    let place = |on_device: bool, reason: String| Ok(StepPlacement { on_device, reason });
+    match cfg.optimizer.device {
+        OptimizerDevice::Cpu => place(false, "optimizer.device = \"cpu\"".into()),
+        OptimizerDevice::Gpu => {
+            if on_gpu {
+                if let Err(e) = gpu_kernel {
+                    return Err(Error::config(
+                        "optimizer.device",
+                        format!("\"gpu\": the GPU AdamW kernel is not ready: {e}"),
+                    ));
+                }
+            }
+            if needs.largest_bytes > budget.bytes {
+                let [p16, master, m, v] = needs.largest_chunks;
+                return Err(Error::config(
+                    "optimizer.device",
+                    format!(
+                        "\"gpu\" steps each trainable tensor with its four chunks on the \
+                         device at once: tensor `{}` needs {} (param16 {}, master {}, m {}, \
+                         v {}), but the device budget during the step is {} ({} of device \
+                         memory less {} in use by others less {} tidal_margin), {} short; \
+                         use \"cpu\" or \"auto\", or more device memory{}",
+                        needs.largest_tensor,
+                        human(needs.largest_bytes),
+                        human(p16),
+                        human(master),
+                        human(m),
+                        human(v),
+                        human(budget.bytes),
+                        human(budget.total_bytes),
+                        human(budget.non_model_bytes),
+                        human(budget.margin_bytes),
+                        human(needs.largest_bytes - budget.bytes),
+                        if on_gpu { "" } else { " (device.sim_memory)" }
+                    ),
+                ));
+            }
+            place(
+                true,
+                if on_gpu {
+                    "optimizer.device = \"gpu\"".into()
+                } else {
+                    "optimizer.device = \"gpu\" on the simulated device".into()
+                },
+            )
+        }
+        OptimizerDevice::Auto => {
+            if !on_gpu {
+                return place(false, "auto: the device is simulated".into());
+            }
+            if let Err(e) = gpu_kernel {
+                return place(false, format!("auto: no GPU AdamW kernel ({e})"));
+            }
+            if needs.all_bytes > budget.bytes {
+                return place(
+                    false,
+                    format!(
+                        "auto: the trainable state ({}) does not fit the step's device \
+                         budget ({})",
+                        human(needs.all_bytes),
+                        human(budget.bytes)
+                    ),
+                );
+            }
+            place(
+                true,
+                format!(
+                    "auto: a CUDA GPU whose step budget ({}) holds all trainable state ({})",
+                    human(budget.bytes),
+                    human(needs.all_bytes)
+                ),
+            )
+        }
+    }
+}
+
 /// Runs the bench the configuration describes (see the module doc). Every up-front
 /// check happens before the first iteration.
 pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
-    let opt = cpu_optimizer(cfg)?;
+    let cpu = cpu_optimizer(cfg)?;
     let hp = hyper_params(cfg);
     hp.validate()
         .map_err(|e| Error::config("optimizer", e.to_string()))?;
@@ -752,21 +1158,60 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         (cfg.optimizer.max_grad_norm > 0.0).then_some(cfg.optimizer.max_grad_norm as f32);
     let ctrl = StepController::new(max_norm, None)?;
     let prepared = session::prepare(cfg)?;
+    // Tensors are registered in workload order: tensor i is `TensorId(i)`.
+    let needs = step_needs(&prepared.layout, &prepared.workload);
+    let no_gpu = |reason: &str| OptimError::NoGpu {
+        reason: reason.into(),
+    };
+    // A simulated device is known before anything is allocated: its placement too.
+    let early = if cfg.device.kind == DeviceKindName::Sim {
+        Some(choose_placement(
+            cfg,
+            false,
+            StepBudget::simulated(cfg, &prepared),
+            &needs,
+            Err(no_gpu("the device is simulated")),
+        )?)
+    } else {
+        None
+    };
     let s = session::open(cfg, prepared)?;
-    if session::is_gpu(&s) {
-        return Err(Error::config(
-            "device.kind",
-            "the bench reads and writes tensor bytes from the host; on a CUDA device that \
-             needs device kernels this build does not have yet: use kind = \"sim\"",
-        ));
-    }
+    let on_gpu = session::is_gpu(&s);
+    // On a GPU, forward and backward run the bench's kernels; the GPU AdamW is made only
+    // where the step may run on it.
+    let kernels = if on_gpu {
+        Some(BenchKernels::new(session::DEVICE_ORDINAL)?)
+    } else {
+        None
+    };
+    let opt = if on_gpu && cfg.optimizer.device != OptimizerDevice::Cpu {
+        HybridAdamW::new(cpu, session::DEVICE_ORDINAL)
+    } else {
+        let reason = if on_gpu {
+            "optimizer.device = \"cpu\""
+        } else {
+            "the device is simulated"
+        };
+        HybridAdamW::cpu_only(cpu, no_gpu(reason))
+    };
+    let placement = match early {
+        Some(p) => p,
+        None => choose_placement(
+            cfg,
+            on_gpu,
+            StepBudget::of(cfg, &s)?,
+            &needs,
+            opt.gpu_status(),
+        )?,
+    };
+    tracing::info!(on_device = placement.on_device, reason = %placement.reason, "bench: optimizer step placement");
     let w = &s.workload;
     let n = w.tensors.len();
     let trainable: Vec<usize> = (0..n).filter(|&i| w.tensors[i].trainable).collect();
     let elems = |i: usize| -> usize { w.tensors[i].shape.iter().product() };
     let longest_trainable = trainable.iter().map(|&i| elems(i)).max().unwrap_or(0);
-    let grad_pattern: Vec<bf16> = noise(11, longest_trainable + PATTERN_SLACK)
-        .map(|x| bf16::from_f32(x * 1e-3))
+    let grad_pattern: Vec<bf16> = (0..(longest_trainable + PATTERN_SLACK) as u64)
+        .map(|k| grad_value(GRAD_SEED, k, GRAD_SCALE))
         .collect();
     let workload = WorkloadReport {
         model: w.model.to_string(),
@@ -809,32 +1254,34 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     };
     // Four chunks in use on the host at once, plus one buffer for loads.
     let in_place = s.capacity.host_buffers >= 5;
-    if !in_place {
+    if !in_place && !placement.on_device {
         tracing::info!(
             host_buffers = s.capacity.host_buffers,
             "bench: the host pool holds fewer than 5 chunks; the optimizer step copies \
              through scratch buffers instead of working in place"
         );
     }
+    // Scratch of the host step: one piece's gradient in place, whole tensors copying.
+    let (piece, whole) = match (placement.on_device, in_place) {
+        (true, _) => (0, 0),
+        (false, true) => (STEP_PIECE.min(longest_trainable), 0),
+        (false, false) => (longest_trainable, longest_trainable),
+    };
     let mut r = Runner {
         opt,
         hp,
         ctrl,
         progress,
         checksum: 0,
+        kernels,
         grad_pattern,
-        scratch_g: vec![
-            bf16::ZERO;
-            if in_place {
-                STEP_PIECE.min(longest_trainable)
-            } else {
-                longest_trainable
-            }
-        ],
+        scratch_g: vec![bf16::ZERO; piece],
         in_place,
-        scratch_m: vec![0.0; if in_place { 0 } else { longest_trainable }],
-        scratch_v: vec![0.0; if in_place { 0 } else { longest_trainable }],
-        scratch_p: vec![bf16::ZERO; if in_place { 0 } else { longest_trainable }],
+        scratch_m: vec![0.0; whole],
+        scratch_v: vec![0.0; whole],
+        scratch_p: vec![bf16::ZERO; whole],
+        placement,
+        simulated: false,
         grad_sq: 0.0,
         grad_done: vec![false; n],
         trainable,
@@ -928,9 +1375,11 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     let trainable_params = r.s.workload.params_trainable();
     let steps = r.steps_applied;
     let optimizer = OptimizerReport {
-        placement: "cpu".into(),
-        simd: format!("{:?}", r.opt.simd_level()).to_lowercase(),
-        threads: r.opt.threads(),
+        placement: if r.placement.on_device { "gpu" } else { "cpu" }.into(),
+        simulated: r.simulated,
+        placement_reason: r.placement.reason.clone(),
+        simd: format!("{:?}", r.opt.cpu().simd_level()).to_lowercase(),
+        threads: r.opt.cpu().threads(),
         params_per_step: trainable_params,
         steps_applied: steps,
         steps_skipped: r.steps_skipped,
@@ -991,5 +1440,138 @@ mod tests {
         let mut shifted = vec![0u8; 1];
         shifted.extend_from_slice(&bytes);
         assert_eq!(checksum(&shifted[1..]), checksum(&bytes));
+    }
+
+    /// The CUDA source of the bench's kernels (also in builds without `cuda`).
+    const BENCH_CU: &str = include_str!("kernels/bench.cu");
+
+    #[test]
+    fn splitmix64_is_the_published_generator() {
+        // Vigna's splitmix64.c: state 0, and the test vector of state 1234567.
+        assert_eq!(splitmix64(0, 0), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(splitmix64(0, 1), 0x6E78_9E6A_A1B9_65F4);
+        assert_eq!(splitmix64(0, 2), 0x06C4_5D18_8009_454F);
+        assert_eq!(splitmix64(1_234_567, 0), 6_457_827_717_110_365_317);
+        assert_eq!(splitmix64(1_234_567, 1), 3_203_168_211_198_807_973);
+    }
+
+    /// The kernel's `f32_to_bf16_bits`, line for line.
+    fn kernel_bf16_bits(f: f32) -> u16 {
+        let x = f.to_bits();
+        if (x & 0x7fff_ffff) > 0x7f80_0000 {
+            return ((x >> 16) | 0x0040) as u16;
+        }
+        let round_bit = 0x0000_8000u32;
+        if (x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0 {
+            return ((x >> 16) + 1) as u16;
+        }
+        (x >> 16) as u16
+    }
+
+    /// The kernel's `unit_f32`, built from integers only: the top 24 bits `t` give
+    /// `t / 2^23 - 1`, exactly representable, so the f32 is exact.
+    fn kernel_unit_exact(x: u64) -> f32 {
+        let t = (x >> 40) as i64; // 24 bits
+        let v = (t - (1 << 23)) as f64 / (1u64 << 23) as f64;
+        v as f32
+    }
+
+    #[test]
+    fn the_host_generator_is_what_the_fill_kernel_computes() {
+        // Every operation of `bench_grad_fill`, as the kernel writes it, against the
+        // `half` crate path the host uses.
+        for (first, n) in [(0u64, 1 << 16), (977, 1 << 16), (u64::MAX - 100, 100)] {
+            for k in 0..n {
+                let index = first.wrapping_add(k);
+                let x = splitmix64(GRAD_SEED, index);
+                let unit = unit_f32(x);
+                assert_eq!(unit.to_bits(), kernel_unit_exact(x).to_bits(), "exact unit");
+                assert!((-1.0..1.0).contains(&unit));
+                let want = kernel_bf16_bits(unit * GRAD_SCALE);
+                assert_eq!(grad_value(GRAD_SEED, index, GRAD_SCALE).to_bits(), want);
+            }
+        }
+        // The bf16 rounding rule on its edge cases: ties to even, carries into the
+        // exponent, overflow to infinity, subnormals, NaN kept quiet with its payload.
+        for bits in [
+            0x3f80_8000u32, // tie, even below: stays
+            0x3f81_8000,    // tie, odd below: rounds up
+            0x3f80_8001,    // above the tie
+            0x3f80_7fff,    // below the tie
+            0x3fff_ffff,    // carries into the exponent
+            0x7f7f_ffff,    // largest finite: to infinity
+            0x7f80_0000,    // infinity
+            0xff80_0000,
+            0x0000_8001, // subnormal
+            0x8000_0000, // -0
+            0x7fc0_0001, // quiet NaN with a payload
+            0x7f80_0001, // signalling NaN: made quiet
+            0xffff_ffff,
+        ] {
+            let f = f32::from_bits(bits);
+            assert_eq!(
+                bf16::from_f32(f).to_bits(),
+                kernel_bf16_bits(f),
+                "{bits:#010x}"
+            );
+        }
+        // The kernel source uses these constants and steps (a change on one side only
+        // fails here; tests/bench_gpu.rs compares the bits on a GPU).
+        let src: String = BENCH_CU.split_whitespace().collect();
+        for needle in [
+            "u64z=seed+(index+1u)*0x9E3779B97F4A7C15ull;",
+            "z=(z^(z>>30))*0xBF58476D1CE4E5B9ull;",
+            "z=(z^(z>>27))*0x94D049BB133111EBull;",
+            "returnz^(z>>31);",
+            "__fsub_rn(__fdiv_rn(__ull2float_rn(x>>40),8388608.0f),1.0f)",
+            "unit_f32(splitmix64(seed,first+k))",
+            "f32_to_bf16_bits(__fmul_rn(x,scale))",
+        ] {
+            assert!(src.contains(needle), "bench.cu lacks `{needle}`");
+        }
+        assert_eq!(8_388_608.0f32, (1u64 << 23) as f32);
+    }
+
+    /// The checksum kernel's algorithm, thread by thread: the aligned words covering
+    /// the range, bytes outside it masked (never read), each rotated right by 8 times
+    /// the misalignment, summed in any order.
+    fn kernel_checksum_model(memory: &[u8], start: usize, n: usize) -> u64 {
+        let shift = start % 8;
+        let base = start - shift;
+        let (lo, hi) = (shift, shift + n);
+        let words = hi.div_ceil(8);
+        let rot = 8 * shift as u32;
+        // Reverse order, to show the order does not matter.
+        (0..words).rev().fold(0u64, |sum, k| {
+            let w = if k * 8 >= lo && k * 8 + 8 <= hi {
+                u64::from_le_bytes(memory[base + k * 8..base + k * 8 + 8].try_into().unwrap())
+            } else {
+                (0..8).fold(0u64, |w, b| {
+                    let at = k * 8 + b;
+                    if at >= lo && at < hi {
+                        w | (u64::from(memory[base + at]) << (8 * b))
+                    } else {
+                        w
+                    }
+                })
+            };
+            sum.wrapping_add(w.rotate_right(rot))
+        })
+    }
+
+    #[test]
+    fn the_checksum_kernels_rotated_aligned_words_give_the_host_sum() {
+        let memory: Vec<u8> = (0..4200u64)
+            .map(|i| (splitmix64(5, i) >> 32) as u8)
+            .collect();
+        for start in 0..16 {
+            for n in [0, 1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4096] {
+                assert_eq!(
+                    kernel_checksum_model(&memory, start, n),
+                    checksum(&memory[start..start + n]),
+                    "start {start}, {n} bytes"
+                );
+            }
+        }
     }
 }

@@ -478,16 +478,24 @@ impl Default for PolicySection {
     }
 }
 
-/// `optimizer.device`: where AdamW runs.
+/// `optimizer.device`: where AdamW runs. `tidestore bench` steps one trainable tensor at a
+/// time, its 16-bit param/gradient, fp32 master, M and V together.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerDevice {
-    /// On the GPU for groups resident there when a GPU kernel is available, else the CPU.
+    /// `gpu` where the device is a CUDA GPU, the GPU AdamW kernel is ready and the
+    /// device budget during the step holds all trainable state (so the step moves no
+    /// chunk); `cpu` otherwise, and always on the simulated device.
     #[default]
     Auto,
-    /// Always the CPU kernel.
+    /// The CPU kernel over the tensors' chunks in the pinned host pool.
     Cpu,
-    /// The GPU kernel or an error.
+    /// The tensors' chunks on the device, stepped there: the GPU kernel on a CUDA GPU,
+    /// the CPU kernel over the simulated device's memory on the simulated one. The
+    /// device budget during the step (the device's memory less what is not chunks less
+    /// `device.tidal_margin`) must hold the four chunks of the largest trainable tensor,
+    /// and on a GPU the GPU kernel must be ready; otherwise the bench refuses to start,
+    /// naming this key.
     Gpu,
 }
 

@@ -10,17 +10,23 @@
 //! - [`session`]: a chunk store opened for a workload from the config, with every
 //!   up-front check mapped to the config key at fault;
 //! - [`bench`]: warm-up plus N iterations of forward, backward and optimizer step
-//!   through the real store and the real optimizer, measured;
+//!   through the real store and the real optimizer, measured; with the `cuda` feature
+//!   on a GPU its tensors are read and written there by the kernels of `gpu`;
 //! - [`plan`]: where each chunk list goes on a given machine, and the projected step.
 //!
 //! Nothing here prints; the `tidestore` binary does, and everything else is logged with
 //! `tracing`.
 
-#![forbid(unsafe_code)]
+// `unsafe` only in the GPU module (FFI to CUDA, each call in a small function with its
+// contract); without the `cuda` feature the crate has none at all.
+#![cfg_attr(not(feature = "cuda"), forbid(unsafe_code))]
+#![cfg_attr(feature = "cuda", deny(unsafe_code))]
 
 pub mod bench;
 pub mod config;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod plan;
 pub mod session;
 pub mod workload;

@@ -12,9 +12,11 @@
 //!
 //! One chunk is in use at a time on the device (`working_set_chunks = 1`): forward and
 //! backward use one tensor at a time. The optimizer step holds a tensor's 16-bit
-//! param/gradient, master, M and V chunks in the host pool at once and works on them in
-//! place (the store's `views_mut`) when the host pool holds those four buffers plus one
-//! for loads; with a smaller pool it copies through scratch, one chunk at a time.
+//! param/gradient, master, M and V chunks at once, in the host pool (`optimizer.device`
+//! cpu: in place through the store's `views_mut` when the pool holds those four buffers
+//! plus one for loads, else copied through scratch one chunk at a time) or on the
+//! device (gpu: the bench checks, before it starts, that the step's device budget holds
+//! them).
 
 use tidestore_chunk::{
     plan_capacity, search_chunk_size, CapacityPlan, ChunkError, ChunkStore, Layout, LayoutConfig,
@@ -29,6 +31,10 @@ use crate::workload::Workload;
 
 /// Chunks in use at once (see the module doc).
 pub const WORKING_SET_CHUNKS: u32 = 1;
+
+/// The CUDA device the device tier opens; GPU kernels that work on its chunks open the
+/// same device's primary context.
+pub const DEVICE_ORDINAL: usize = 0;
 
 /// The workload laid out in chunks and checked against the budgets; nothing allocated.
 #[derive(Debug)]
@@ -252,6 +258,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
         ..
     } = prepared;
     let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
+    dcfg.ordinal = DEVICE_ORDINAL;
     dcfg.sim_total_bytes = Some(device_memory_bytes.max(cfg.device.budget.bytes()));
     let device = match cfg.device.kind {
         DeviceKindName::Sim => Device::sim(&dcfg),

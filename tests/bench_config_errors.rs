@@ -159,3 +159,40 @@ fn model_that_does_not_fit() {
     assert!(body.contains("llama-70b"), "{body}");
     assert_refused(&run(&body), "nvme.size", "does not fit");
 }
+
+#[test]
+fn optimizer_on_a_device_too_small_for_a_tensors_four_chunks() {
+    // fp32 chunks of up to 512 KiB: the step of `wte` on the device holds its 16-bit
+    // chunk and three fp32 chunks (1.55 MiB) at once, more than the 1 MiB simulated
+    // device.
+    let body = format!("[optimizer]\ndevice = \"gpu\"\n[chunk]\nsize = \"512KiB\"\n{TINY}")
+        .replace("[device]\n", "[device]\nsim_memory = \"1MiB\"\n");
+    let r = run(&body);
+    assert_refused(&r, "optimizer.device", "short");
+    let stderr = String::from_utf8_lossy(&r.out.stderr);
+    assert!(
+        stderr.contains("tensor `wte` needs 1.55 MiB")
+            && stderr.contains("the device budget during the step is 1.00 MiB"),
+        "names what is needed and what the step's budget gives: {stderr}"
+    );
+}
+
+#[test]
+fn optimizer_on_a_device_that_holds_the_step_runs() {
+    let body = format!("[optimizer]\ndevice = \"gpu\"\n{TINY}")
+        .replace("[device]\n", "[device]\nsim_memory = \"8MiB\"\n");
+    let r = run(&body);
+    let stderr = String::from_utf8_lossy(&r.out.stderr);
+    assert_eq!(r.out.status.code(), Some(0), "{stderr}");
+}
+
+#[test]
+fn device_kind_cuda_without_a_gpu() {
+    let r = run(&with("device.kind", "kind = \"cuda\""));
+    if cfg!(feature = "cuda") && r.out.status.code() == Some(0) {
+        // A GPU is here: the bench ran on it (tests/bench_gpu.rs checks what it gives).
+        println!("skipped: a CUDA GPU is present, so `cuda` is not refused");
+        return;
+    }
+    assert_refused(&r, "device.kind", "no CUDA device");
+}

@@ -111,6 +111,8 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
     }
     for f in [
         "placement",
+        "simulated",
+        "placement_reason",
         "simd",
         "threads",
         "params_per_step",
@@ -139,6 +141,13 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
         "device evicts"
     );
     assert_eq!(v["optimizer"]["steps_applied"], 2);
+    // optimizer.device = auto on the simulated device: the host step, saying why.
+    assert_eq!(v["optimizer"]["placement"], "cpu");
+    assert_eq!(v["optimizer"]["simulated"], false);
+    assert!(v["optimizer"]["placement_reason"]
+        .as_str()
+        .expect("text")
+        .contains("simulated"));
 
     let text = std::fs::read_to_string(&svg).expect("the SVG was written");
     let doc = roxmltree::Document::parse(&text).expect("the SVG is XML");

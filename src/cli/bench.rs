@@ -254,12 +254,16 @@ fn print_table(r: &BenchReport) {
         human_bytes(r.peak.nvme_bytes)
     );
     let o = &r.optimizer;
+    let kernel = format!("CPU kernel {}, {} threads", o.simd, o.threads);
+    let place = match (o.placement.as_str(), o.simulated) {
+        ("gpu", false) => "gpu".to_string(),
+        ("gpu", true) => format!("gpu simulated on the host ({kernel})"),
+        (p, _) => format!("{p} ({kernel})"),
+    };
     out!(
-        "optimizer: {} ({}, {} threads), {} params per step, {} steps applied, {} skipped; \
+        "optimizer: step on {place} [{}], {} params per step, {} steps applied, {} skipped; \
          {:.3} G params/s with its I/O, {:.3} G params/s in the kernel; grad norm {:.4}",
-        o.placement,
-        o.simd,
-        o.threads,
+        o.placement_reason,
         o.params_per_step,
         o.steps_applied,
         o.steps_skipped,
