@@ -80,6 +80,12 @@ pub trait Backend: Send {
         Ok(false)
     }
 
+    /// Operations issued on registered (fixed) buffers so far; 0 for backends without
+    /// them.
+    fn ops_fixed(&self) -> u64 {
+        0
+    }
+
     /// Make written data durable.
     fn sync_data(&mut self) -> Result<()>;
 

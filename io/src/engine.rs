@@ -7,11 +7,23 @@
 //! short transfer, and turns errors into [`IoError`]s that carry the op, offset and length.
 //! The buffer comes back inside the [`IoCompletion`], whatever happened.
 //!
+//! A request submitted with [`Engine::submit_checksummed`] also gets the crc32c of its
+//! first bytes, computed *while the rest of it is still in flight*: each piece that
+//! completes is folded into a running checksum as soon as every byte before it has been
+//! (pieces complete nearly in order; one that arrives early waits for its predecessors).
+//! So the checksum of a read costs no time after its last byte arrives beyond that of its
+//! last piece, and a write starts without waiting for its checksum.
+//!
 //! Invariants:
 //! - a buffer handed to the backend is owned by the engine until every piece of its
 //!   request has completed; dropping the engine waits for in-flight pieces first;
 //! - a request completes exactly once; its result is the first error of any piece, or Ok
 //!   when every byte was moved;
+//! - a checksummed request's checksum covers exactly the bytes that completed, in order,
+//!   as they lay in the buffer once their piece completed (for a read: the bytes the
+//!   device delivered; for a write: the bytes the device was given, which nobody can
+//!   change while the engine owns the buffer); only byte ranges whose pieces have
+//!   completed are ever read by the engine, never memory the kernel may still write;
 //! - nothing on the submit/complete path allocates once the slabs have grown to the
 //!   number of requests the caller keeps in flight (bounded by the caller's buffers).
 
@@ -44,6 +56,10 @@ pub struct IoCompletion {
     pub buf: AlignedBuf,
     pub user_data: u64,
     pub result: Result<()>,
+    /// The crc32c of the request's first `crc_len_bytes` (see
+    /// [`Engine::submit_checksummed`]); `None` for a request submitted without one or
+    /// one that failed.
+    pub crc32c: Option<u32>,
 }
 
 /// How many times a piece that moved zero bytes or was interrupted is tried again before
@@ -54,6 +70,17 @@ struct ReqState {
     req: IoRequest,
     pieces_left: u32,
     error: Option<IoError>,
+    crc: Option<RunningCrc>,
+}
+
+/// The checksum of a request's prefix, advanced as its pieces complete.
+#[derive(Debug, Clone, Copy)]
+struct RunningCrc {
+    /// Bytes the checksum covers when complete.
+    len_bytes: usize,
+    /// Bytes folded in so far (always a prefix).
+    done_bytes: usize,
+    value: u32,
 }
 
 #[derive(Clone, Copy)]
@@ -79,6 +106,10 @@ pub struct Engine {
     free_ids: Vec<u32>,
     reaped: Vec<RawCompletion>,
     done: VecDeque<IoCompletion>,
+    /// Per request slot: byte ranges `(start, end)` of a checksummed request that have
+    /// completed beyond its checksum's prefix (kept across requests so they do not
+    /// allocate once grown).
+    crc_ranges: Vec<Vec<(usize, usize)>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -116,6 +147,7 @@ impl Engine {
             free_ids: (0..depth as u32).rev().collect(),
             reaped: Vec::with_capacity(depth),
             done: VecDeque::with_capacity(64),
+            crc_ranges: Vec::with_capacity(64),
         })
     }
 
@@ -179,6 +211,12 @@ impl Engine {
         self.backend.register_pool(pool)
     }
 
+    /// Block operations issued on registered (fixed) buffers so far (io_uring
+    /// `READ_FIXED` / `WRITE_FIXED`); 0 on backends without them.
+    pub fn ops_fixed(&self) -> u64 {
+        self.backend.ops_fixed()
+    }
+
     /// Requests submitted and not yet returned by [`Engine::wait`] / [`Engine::poll`].
     pub fn outstanding(&self) -> usize {
         self.requests.len() - self.free_requests.len() + self.done.len()
@@ -187,8 +225,30 @@ impl Engine {
     /// Queue a request. It starts at the next [`Engine::flush`], [`Engine::wait`] or
     /// [`Engine::poll`]; a malformed request completes at once with the error.
     pub fn submit(&mut self, req: IoRequest) {
+        self.submit_inner(req, None);
+    }
+
+    /// As [`Engine::submit`], and the completion carries the crc32c of the request's
+    /// first `crc_len_bytes` (at most its `len_bytes`), computed as its pieces complete
+    /// (see the module doc). A `crc_len_bytes` beyond the request is an
+    /// [`IoError::InvalidRequest`].
+    pub fn submit_checksummed(&mut self, req: IoRequest, crc_len_bytes: usize) {
+        self.submit_inner(req, Some(crc_len_bytes));
+    }
+
+    fn submit_inner(&mut self, req: IoRequest, crc_len_bytes: Option<usize>) {
         if let Err(e) = self.check(&req) {
-            self.done.push_back(finish(req, Err(e)));
+            self.done.push_back(finish(req, Err(e), None));
+            return;
+        }
+        if let Some(n) = crc_len_bytes.filter(|&n| n > req.len_bytes) {
+            let e = IoError::InvalidRequest {
+                reason: format!(
+                    "checksum of {n} bytes over a {} of {} bytes",
+                    req.op, req.len_bytes
+                ),
+            };
+            self.done.push_back(finish(req, Err(e), None));
             return;
         }
         let pieces = req.len_bytes.div_ceil(self.block_bytes) as u32;
@@ -196,14 +256,21 @@ impl Engine {
             Some(s) => s,
             None => {
                 self.requests.push(None);
+                self.crc_ranges.push(Vec::new());
                 (self.requests.len() - 1) as u32
             }
         };
         let len_bytes = req.len_bytes;
+        self.crc_ranges[slot as usize].clear();
         self.requests[slot as usize] = Some(ReqState {
             req,
             pieces_left: pieces,
             error: None,
+            crc: crc_len_bytes.map(|n| RunningCrc {
+                len_bytes: n,
+                done_bytes: 0,
+                value: 0,
+            }),
         });
         let mut start_bytes = 0;
         while start_bytes < len_bytes {
@@ -431,7 +498,10 @@ impl Engine {
             }
             return;
         }
-        let moved = res as usize;
+        let moved = (res as usize).min(piece.len_bytes);
+        if moved > 0 {
+            self.crc_completed(piece.slot, piece.start_bytes, piece.start_bytes + moved);
+        }
         if moved >= piece.len_bytes {
             self.piece_done(piece.slot);
         } else if moved == 0 {
@@ -459,6 +529,37 @@ impl Engine {
         }
     }
 
+    /// Bytes `start..end` of request `slot` have completed: fold into its checksum every
+    /// completed byte that now continues its prefix.
+    fn crc_completed(&mut self, slot: u32, start: usize, end: usize) {
+        let Some(state) = self.requests[slot as usize].as_mut() else {
+            return;
+        };
+        let Some(crc) = state.crc.as_mut() else {
+            return;
+        };
+        let ranges = &mut self.crc_ranges[slot as usize];
+        ranges.push((start, end));
+        // Pieces complete nearly in order, so this finds the next range at once.
+        while crc.done_bytes < crc.len_bytes {
+            let Some(i) = ranges.iter().position(|&(s, _)| s == crc.done_bytes) else {
+                break;
+            };
+            let (from, to) = ranges.swap_remove(i);
+            let to = to.min(crc.len_bytes);
+            if to > from {
+                // SAFETY: `from..to` lies inside the buffer (`to <= len_bytes <= capacity`,
+                // checked at submit) and every byte of it belongs to a piece (or the moved
+                // part of a short piece) whose completion has been reaped: pieces cover
+                // disjoint ranges and a short piece's resubmission covers only its unmoved
+                // rest, so no operation in flight reads or writes these bytes now.
+                let bytes = unsafe { completed_bytes(&state.req.buf, from, to) };
+                crc.value = crc32c::crc32c_append(crc.value, bytes);
+            }
+            crc.done_bytes = crc.done_bytes.max(to);
+        }
+    }
+
     fn record_error(&mut self, slot: u32, e: IoError) {
         let state = self.requests[slot as usize].as_mut().expect("live request");
         if state.error.is_none() {
@@ -472,16 +573,41 @@ impl Engine {
         if state.pieces_left == 0 {
             let state = self.requests[slot as usize].take().expect("live request");
             self.free_requests.push(slot);
-            let result = match state.error {
-                Some(e) => Err(e),
-                None => Ok(()),
+            let (result, crc) = match (state.error, state.crc) {
+                (Some(e), _) => (Err(e), None),
+                (None, None) => (Ok(()), None),
+                (None, Some(c)) if c.done_bytes >= c.len_bytes => (Ok(()), Some(c.value)),
+                (None, Some(c)) => (
+                    // Every piece completed in full, so the prefix must be complete.
+                    Err(IoError::InvalidRequest {
+                        reason: format!(
+                            "checksum covered {} of {} bytes of a completed {} (engine bug)",
+                            c.done_bytes, c.len_bytes, state.req.op
+                        ),
+                    }),
+                    None,
+                ),
             };
-            self.done.push_back(finish(state.req, result));
+            self.done.push_back(finish(state.req, result, crc));
         }
     }
 }
 
-fn finish(req: IoRequest, result: Result<()>) -> IoCompletion {
+/// The bytes `from..to` of `buf`, without forming a reference to the rest of it (which
+/// the kernel may be writing).
+///
+/// # Safety
+/// `from <= to <= buf.capacity()`, and nothing may write `from..to` while the returned
+/// slice lives.
+unsafe fn completed_bytes(buf: &AlignedBuf, from: usize, to: usize) -> &[u8] {
+    debug_assert!(from <= to && to <= buf.capacity());
+    // SAFETY: the range is inside the buffer's allocation (caller's first condition), the
+    // pointer is valid for reads of it as long as `buf` lives (the returned lifetime), and
+    // it is not written meanwhile (caller's second condition).
+    unsafe { std::slice::from_raw_parts(buf.as_ptr().add(from), to - from) }
+}
+
+fn finish(req: IoRequest, result: Result<()>, crc32c: Option<u32>) -> IoCompletion {
     IoCompletion {
         op: req.op,
         offset_bytes: req.offset_bytes,
@@ -489,6 +615,7 @@ fn finish(req: IoRequest, result: Result<()>) -> IoCompletion {
         buf: req.buf,
         user_data: req.user_data,
         result,
+        crc32c,
     }
 }
 

@@ -37,6 +37,38 @@ pub fn open(path: &Path, direct: bool, create: bool) -> Result<(File, bool)> {
     Ok((f, false))
 }
 
+/// Take an exclusive advisory lock (`flock`) on the file at `path` for as long as the
+/// returned handle lives, so two processes (or two owners in one) never write the same
+/// swap file at once: each would overwrite the other's chunks and read them back as
+/// corrupt. A file locked elsewhere is [`IoError::Setup`] with `EWOULDBLOCK`; a
+/// filesystem without `flock` support is logged and not locked.
+pub fn lock_exclusive(path: &Path) -> Result<Option<File>> {
+    use std::os::fd::AsRawFd;
+    let file = File::open(path).map_err(|e| IoError::Setup {
+        what: "opening (to lock)",
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    // SAFETY: plain syscall on a descriptor that is open for the duration of the call; it
+    // touches no memory of ours.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(Some(file));
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Err(IoError::Setup {
+            what: "locking (another process or handle is using it)",
+            path: path.to_path_buf(),
+            source: err,
+        }),
+        _ => {
+            tracing::warn!(path = %path.display(), error = %err, "cannot lock the file; it is not protected from concurrent use");
+            Ok(None)
+        }
+    }
+}
+
 /// Reserve `len_bytes` of real blocks for `file` (fallocate), growing it if needed.
 /// Filesystems without fallocate get `set_len` (sparse), logged.
 pub fn allocate(file: &File, len_bytes: u64) -> Result<()> {

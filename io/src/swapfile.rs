@@ -36,6 +36,12 @@
 //!   made at open);
 //! - at most one request per chunk is in flight; a second one completes at once with an
 //!   error;
+//! - a file-backed swap file is locked (`flock`, exclusive) while it is open, so a
+//!   second owner (another process sharing `nvme.dir`) gets a setup error instead of
+//!   overwriting chunks under the first;
+//! - checksums are taken by the engine as each request's pieces complete (see
+//!   [`Engine::submit_checksummed`]), so neither a write nor the verification of a read
+//!   waits for a whole-chunk checksum pass;
 //! - after any failed write or sync the file is *poisoned*: every later write and flush
 //!   fails with [`IoError::Poisoned`] (no retry: the kernel may have dropped the dirty
 //!   pages), while chunks written before stay readable. The chunk whose write failed is
@@ -44,7 +50,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 
-use crate::buffer::{align_up, AlignedBuf, ALIGN_BYTES};
+use crate::buffer::{align_up, AlignedBuf, BufferPool, ALIGN_BYTES};
 use crate::compress::{self, Codec, Compression};
 use crate::config::{check_writable_dir, IoConfig};
 use crate::engine::{Engine, IoCompletion, IoRequest};
@@ -360,6 +366,10 @@ pub struct SwapFile {
     poisoned: Option<String>,
     header_buf: Option<AlignedBuf>,
     map_buf: Option<AlignedBuf>,
+    /// Whether [`SwapFile::register_pool`] may register buffers (`io.fixed_buffers`).
+    fixed_buffers: bool,
+    /// The exclusive lock on a file-backed swap file, held while it is open.
+    _lock: Option<std::fs::File>,
 }
 
 impl std::fmt::Debug for SwapFile {
@@ -404,6 +414,9 @@ impl SwapFile {
             });
         }
         let engine = Engine::open(path, cfg, true)?;
+        // Held from before the header is written; failing here means another creator
+        // raced us to this path, whose file it is to keep.
+        let lock = crate::file::lock_exclusive(path)?;
         match SwapFile::format(
             engine,
             path.to_path_buf(),
@@ -411,7 +424,11 @@ impl SwapFile {
             slot_count,
             compression,
         ) {
-            Ok(swap) => Ok(swap),
+            Ok(mut swap) => {
+                swap.fixed_buffers = cfg.fixed_buffers;
+                swap._lock = lock;
+                Ok(swap)
+            }
             Err(e) => {
                 if let Err(rm) = std::fs::remove_file(path) {
                     tracing::warn!(path = %path.display(), error = %rm, "could not remove a half-made swap file");
@@ -433,8 +450,13 @@ impl SwapFile {
     /// Bad magic, another version, damaged headers or a file shorter than the slots its
     /// header claims are [`IoError::BadHeader`].
     pub fn open(path: &Path, cfg: &IoConfig) -> Result<Self> {
+        // Locked before anything is read: another process may be rewriting it.
+        let lock = crate::file::lock_exclusive(path)?;
         let engine = Engine::open(path, cfg, false)?;
-        SwapFile::open_with_engine(engine, path.to_path_buf())
+        let mut swap = SwapFile::open_with_engine(engine, path.to_path_buf())?;
+        swap.fixed_buffers = cfg.fixed_buffers;
+        swap._lock = lock;
+        Ok(swap)
     }
 
     /// Open the file at `path` if it exists, else create it. An existing file must have
@@ -617,6 +639,8 @@ impl SwapFile {
             poisoned: None,
             header_buf: Some(AlignedBuf::new_zeroed(HEADER_PAGE_BYTES)?),
             map_buf: Some(AlignedBuf::new_zeroed(layout.map_bytes as usize)?),
+            fixed_buffers: true,
+            _lock: None,
         })
     }
 
@@ -711,6 +735,23 @@ impl SwapFile {
         &self.engine
     }
 
+    /// Register `pool` (the buffers chunks are read into and written from) with the
+    /// engine, so requests on its buffers become io_uring `READ_FIXED` / `WRITE_FIXED`
+    /// (no page pinning per request). Returns whether it took: `false` when
+    /// `io.fixed_buffers` is off, on backends without fixed buffers, or when the kernel
+    /// refuses (RLIMIT_MEMLOCK; logged). Buffers of other pools keep working as plain
+    /// requests. Waits for every request in flight first (registration needs an idle
+    /// ring); their completions stay for [`SwapFile::wait`].
+    pub fn register_pool(&mut self, pool: &BufferPool) -> Result<bool> {
+        if !self.fixed_buffers {
+            return Ok(false);
+        }
+        while let Some(c) = self.engine.wait() {
+            self.on_completion(c);
+        }
+        self.engine.register_pool(pool)
+    }
+
     fn entry(&self, chunk: u64) -> Option<(u32, &SlotEntry)> {
         let &slot = self.map.get(&chunk)?;
         let e = &self.slots[slot as usize];
@@ -741,8 +782,9 @@ impl SwapFile {
         (c.result.map(|()| c.len_bytes), c.buf)
     }
 
-    /// Start writing `chunk` from the first `len_bytes` of `buf`; the checksum (and the
-    /// compressed image) is made now. The completion comes from [`SwapFile::wait`] or
+    /// Start writing `chunk` from the first `len_bytes` of `buf`; the compressed image is
+    /// made now, the checksum by the engine as the write's pieces complete (so the write
+    /// starts at once). The completion comes from [`SwapFile::wait`] or
     /// [`SwapFile::poll`]; a request refused at once (poisoned file, chunk busy, no free
     /// slot, too large) completes with its error. With compression on, this may wait for
     /// an earlier compressed write to finish when all image buffers are in flight.
@@ -1003,7 +1045,8 @@ impl SwapFile {
                     op: Op::Write,
                     len_bytes,
                     stored_bytes: n,
-                    crc: crc32c::crc32c(&image[..n]),
+                    // Taken by the engine as the write's pieces complete.
+                    crc: 0,
                     compressed: true,
                     held: Some(buf),
                 },
@@ -1018,7 +1061,8 @@ impl SwapFile {
                     op: Op::Write,
                     len_bytes,
                     stored_bytes: len_bytes,
-                    crc: crc32c::crc32c(&buf[..len_bytes]),
+                    // Taken by the engine as the write's pieces complete.
+                    crc: 0,
                     compressed: false,
                     held: None,
                 },
@@ -1026,14 +1070,18 @@ impl SwapFile {
                 align_up(len_bytes),
             ),
         };
+        let stored_bytes = state.stored_bytes;
         let token = self.track(state);
-        self.engine.submit(IoRequest {
-            op: Op::Write,
-            offset_bytes,
-            len_bytes: io_bytes,
-            buf: io_buf,
-            user_data: token,
-        });
+        self.engine.submit_checksummed(
+            IoRequest {
+                op: Op::Write,
+                offset_bytes,
+                len_bytes: io_bytes,
+                buf: io_buf,
+                user_data: token,
+            },
+            stored_bytes,
+        );
         self.engine.flush();
         token
     }
@@ -1077,13 +1125,16 @@ impl SwapFile {
             compressed: entry.compressed,
             held: None,
         });
-        self.engine.submit(IoRequest {
-            op: Op::Read,
-            offset_bytes: self.layout.slot_offset(slot),
-            len_bytes: align_up(stored_bytes),
-            buf,
-            user_data: token,
-        });
+        self.engine.submit_checksummed(
+            IoRequest {
+                op: Op::Read,
+                offset_bytes: self.layout.slot_offset(slot),
+                len_bytes: align_up(stored_bytes),
+                buf,
+                user_data: token,
+            },
+            stored_bytes,
+        );
         self.engine.flush();
         token
     }
@@ -1153,6 +1204,15 @@ impl SwapFile {
         self.slots[slot].busy = false;
         let completion = match state.op {
             Op::Write => {
+                // The checksum of the bytes written, taken by the engine as they went out
+                // (computed here only if the engine did not, which it always does).
+                let crc = c.crc32c.unwrap_or_else(|| {
+                    if c.result.is_ok() {
+                        crc32c::crc32c(&c.buf[..state.stored_bytes])
+                    } else {
+                        0
+                    }
+                });
                 let buf = match state.held {
                     Some(caller) => {
                         self.write_bufs.push(c.buf);
@@ -1166,7 +1226,7 @@ impl SwapFile {
                             chunk: state.chunk,
                             len_bytes: state.len_bytes as u64,
                             stored_bytes: state.stored_bytes as u64,
-                            crc: state.crc,
+                            crc,
                             used: true,
                             compressed: state.compressed,
                             busy: false,
@@ -1202,7 +1262,10 @@ impl SwapFile {
             }
             Op::Read => {
                 let mut buf = c.buf;
-                let result = c.result.and_then(|()| self.verify_read(&state, &mut buf));
+                let found = c.crc32c;
+                let result = c
+                    .result
+                    .and_then(|()| self.verify_read(&state, found, &mut buf));
                 SwapCompletion {
                     chunk: state.chunk,
                     op: Op::Read,
@@ -1216,8 +1279,15 @@ impl SwapFile {
         self.ready.push_back(completion);
     }
 
-    fn verify_read(&mut self, state: &InFlight, buf: &mut AlignedBuf) -> Result<()> {
-        let found = crc32c::crc32c(&buf[..state.stored_bytes]);
+    /// Check a read chunk against its checksum (`found`: the engine's checksum of the
+    /// bytes read, taken as they arrived), then decompress it if it is compressed.
+    fn verify_read(
+        &mut self,
+        state: &InFlight,
+        found: Option<u32>,
+        buf: &mut AlignedBuf,
+    ) -> Result<()> {
+        let found = found.unwrap_or_else(|| crc32c::crc32c(&buf[..state.stored_bytes]));
         if found != state.crc {
             tracing::warn!(
                 chunk = state.chunk,

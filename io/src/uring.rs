@@ -480,6 +480,10 @@ impl Backend for UringBackend {
         }
     }
 
+    fn ops_fixed(&self) -> u64 {
+        self.stats.ops_fixed
+    }
+
     fn sync_data(&mut self) -> Result<()> {
         crate::file::sync_data(&self.file)
     }
