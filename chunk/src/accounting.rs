@@ -53,11 +53,13 @@ pub struct StoreStats {
     pub hits: u64,
     /// Loads the computation waited for (chunk not there, not prefetched).
     pub demand_loads: u64,
-    /// Loads started ahead of need by the prefetcher.
+    /// Loads started ahead of need by the prefetcher (including NVMe reads queued for
+    /// the buffer of a write-back in flight).
     pub prefetch_loads: u64,
     /// Accesses that found their chunk loaded (or loading) by the prefetcher.
     pub prefetch_hits: u64,
-    /// Prefetched chunks evicted before any access used them.
+    /// Prefetched chunks evicted before any access used them (or whose queued read was
+    /// dropped before it started).
     pub prefetch_wasted: u64,
     /// Of `prefetch_loads`: NVMe -> host loads started by the host-tier prefetcher.
     pub host_prefetch_loads: u64,
@@ -67,6 +69,11 @@ pub struct StoreStats {
     /// Host -> NVMe write-backs started without waiting (their buffer returns to the
     /// pool when they complete).
     pub async_writes: u64,
+    /// Of `prefetch_loads`: NVMe reads queued for the buffer of a write-back in flight
+    /// (they start as it completes, so the write and the read overlap at the device).
+    pub queued_reads: u64,
+    /// Most NVMe requests (chunk reads and writes) in flight at once.
+    pub nvme_in_flight_max: u64,
     /// Nanoseconds `access` spent waiting for chunks (loads, evictions, copies).
     pub stall_ns: u64,
     /// Iterations ended.
@@ -138,6 +145,11 @@ impl fmt::Display for StoreStats {
             self.host_prefetch_hits,
             self.async_writes,
             self.stall_ns as f64 / 1e6
+        )?;
+        writeln!(
+            f,
+            "nvme: at most {} requests in flight; {} reads queued behind write-backs",
+            self.nvme_in_flight_max, self.queued_reads
         )?;
         writeln!(
             f,

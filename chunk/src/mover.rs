@@ -20,10 +20,16 @@
 //! asserts that every tier is within its budget).
 //!
 //! Transfers: demand loads and write-backs are synchronous (submitted, then waited
-//! for); prefetches run asynchronously (a host->device copy, or an NVMe read followed
-//! by a copy) and are collected by [`Mover::harvest`] or waited for when their chunk is
-//! accessed. Device completions come in submission order; one routing function puts each
-//! completion's buffers back into its chunk's slot, whoever waits.
+//! for), unless write-backs are asynchronous (`async_writes`); prefetches run
+//! asynchronously (a host->device copy, or an NVMe read followed by a copy) and are
+//! collected by [`Mover::harvest`] or waited for when their chunk is accessed. A
+//! prefetch that needs a host buffer held by an asynchronous write-back (often one the
+//! prefetcher just started to make room) does not give up: its read waits in a queue
+//! and starts the moment that write completes, so a whole row of write-backs and the
+//! reads that replace it are in flight together, and the device always has work queued.
+//! A demand load waiting for a buffer goes before the queue. Device completions come in
+//! submission order; one routing function puts each completion's buffers back into its
+//! chunk's slot, whoever waits.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -51,6 +57,10 @@ pub(crate) enum Pending {
     HostToDevice(CopyId),
     /// An NVMe read into a host buffer; then a copy to the reserved device memory.
     NvmeRead,
+    /// A prefetch's NVMe read (into the host pool, or to stage a device prefetch whose
+    /// device memory is reserved) that waits in [`Mover`]'s read queue for the buffer a
+    /// write-back in flight gives back; the chunk's only current copy is on NVMe.
+    NvmeReadQueued,
     /// An NVMe write-back of the chunk's only current copy: the host buffer is inside
     /// it, and the chunk is not used until it completes.
     NvmeWrite,
@@ -174,6 +184,15 @@ pub(crate) struct Mover {
     pending_nvme: usize,
     /// NVMe writes in flight.
     pending_writes: usize,
+    /// Prefetch reads waiting for a buffer ([`Pending::NvmeReadQueued`]), in order of
+    /// need; each is owed one of the buffers the write-backs in flight give back, so
+    /// there are never more of them than `pending_writes` once settled (see
+    /// `settle_queue`). They start as those writes complete, so write-backs and the
+    /// reads that follow them are in flight together.
+    read_queue: VecDeque<ChunkId>,
+    /// While set, queued reads do not start: a demand load is waiting for a buffer and
+    /// goes first (its chunk is needed now, theirs later).
+    hold_queue: bool,
     /// NVMe completions taken by an [`IoPump`] and not routed yet.
     nvme_stash: VecDeque<NvmeCompletion>,
     /// Write-backs forced by eviction do not wait (see [`Pending::NvmeWrite`]).
@@ -242,6 +261,8 @@ impl Mover {
             pending_h2d: 0,
             pending_nvme: 0,
             pending_writes: 0,
+            read_queue: VecDeque::new(),
+            hold_queue: false,
             nvme_stash: VecDeque::new(),
             async_writes: false,
             stats: StoreStats::default(),
@@ -424,12 +445,16 @@ impl Mover {
                 self.stats.host_to_nvme_bytes += c.len_bytes as u64;
                 self.stats.nvme_writes += 1;
                 self.emit(MoveKind::HostToNvme, chunk, c.len_bytes as u64);
+                // Its buffer is back: the read owed it starts now.
+                self.settle_queue();
                 Ok(())
             }
             Err(e) => {
                 slot.host = Some(c.buf);
                 self.host_list.push(chunk);
                 self.host_policy.on_insert(chunk, self.moment);
+                // One buffer fewer comes back than the queue was promised.
+                self.settle_queue();
                 Err(ChunkError::tier("writing to NVMe", Some(chunk), e))
             }
         }
@@ -493,7 +518,77 @@ impl Mover {
                 }
             }
         }
+        self.settle_queue();
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Starts the queued reads that find a free buffer, then drops (from the back, the
+    /// latest needed) those no write-back in flight will bring a buffer to: a queued
+    /// read never waits for a buffer that is not coming, nor holds device memory for
+    /// one. Nothing happens while a demand load waits for a buffer (`hold_queue`); it
+    /// settles the queue itself once it has one.
+    fn settle_queue(&mut self) {
+        if self.hold_queue {
+            return;
+        }
+        self.start_queued_reads();
+        self.trim_read_queue();
+    }
+
+    /// One more NVMe request is in flight (`pending_nvme` already counts it, or `sync`:
+    /// a synchronous one beside those).
+    fn note_nvme_in_flight(&mut self, sync: bool) {
+        let n = self.pending_nvme as u64 + u64::from(sync);
+        self.stats.nvme_in_flight_max = self.stats.nvme_in_flight_max.max(n);
+    }
+
+    /// Starts the queued host prefetch reads that find a free buffer, in queue order
+    /// (not while a demand load waits for one, see `hold_queue`).
+    fn start_queued_reads(&mut self) {
+        while !self.hold_queue {
+            let Some(&c) = self.read_queue.front() else {
+                return;
+            };
+            let d = c.dense();
+            let Ok(buf) = self.host.try_take(d as u64) else {
+                return;
+            };
+            self.read_queue.pop_front();
+            self.nvme.submit_read(d as u64, buf);
+            self.slots[d].pending = Pending::NvmeRead;
+            self.pending_nvme += 1;
+            self.note_nvme_in_flight(false);
+        }
+    }
+
+    /// Drops queued reads from the back until no more are queued than buffers the
+    /// write-backs in flight will give back.
+    fn trim_read_queue(&mut self) {
+        while self.read_queue.len() > self.pending_writes {
+            if let Some(c) = self.read_queue.pop_back() {
+                self.cancel_queued(c);
+            }
+        }
+    }
+
+    /// `c`'s queued read will not happen: nothing is pending for it any more (device
+    /// memory reserved for a device prefetch is given back); it loads on demand.
+    fn cancel_queued(&mut self, c: ChunkId) {
+        let d = c.dense();
+        let slot = &mut self.slots[d];
+        if slot.pending == Pending::NvmeReadQueued {
+            slot.pending = Pending::None;
+            slot.host_prefetched = false;
+            if let Some(mem) = slot.reserved_dev.take() {
+                drop(mem);
+                slot.prefetched = false;
+                self.dev_mark[d] = false;
+            }
+            self.stats.prefetch_wasted += 1;
+        }
+        if let Some(i) = self.read_queue.iter().position(|&q| q == c) {
+            self.read_queue.remove(i);
+        }
     }
 
     /// Waits for one transfer in flight; false when none is.
@@ -530,11 +625,23 @@ impl Mover {
                         self.slots[c.dense()].pending = Pending::None;
                     }
                 }
+                Pending::NvmeReadQueued => {
+                    // Write-backs completing give buffers to the queue (in order); with
+                    // nothing left in flight, the read is not coming: load on demand.
+                    self.settle_queue();
+                    if self.slots[c.dense()].pending == Pending::NvmeReadQueued
+                        && !self.wait_any()?
+                    {
+                        self.cancel_queued(c);
+                    }
+                }
             }
         }
     }
 
-    /// Waits for every transfer in flight.
+    /// Waits for every transfer in flight. Queued reads start as write-backs finish and
+    /// are waited for too; any that still find no buffer at the end are dropped (loaded
+    /// on demand later).
     pub(crate) fn wait_all(&mut self) -> Result<()> {
         let mut first_err = None;
         loop {
@@ -545,6 +652,9 @@ impl Mover {
                     first_err.get_or_insert(e);
                 }
             }
+        }
+        while let Some(c) = self.read_queue.pop_front() {
+            self.cancel_queued(c);
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -560,8 +670,9 @@ impl Mover {
             }
             if self.pending_writes > 0 {
                 // A write-back in flight gives a buffer back: wait for it rather than
-                // evicting more (the prefetcher never waits).
-                if room.not_before.is_none() && self.wait_any()? {
+                // evicting more (the prefetcher never waits). Queued prefetch reads do
+                // not take it first: this chunk is needed sooner.
+                if room.not_before.is_none() && self.wait_for_demand()? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -606,14 +717,35 @@ impl Mover {
                     policy: "host",
                 });
             };
-            self.evict_host(victim)?;
+            self.evict_host(victim, room.not_before.is_none())?;
         }
     }
 
+    /// Waits for one transfer in flight on behalf of a demand load (false when none is):
+    /// a buffer it brings back goes to the load, not to the queued prefetch reads, which
+    /// are then owed one fewer.
+    fn wait_for_demand(&mut self) -> Result<bool> {
+        self.hold_queue = true;
+        let waited = self.wait_any();
+        self.hold_queue = false;
+        self.trim_read_queue();
+        waited
+    }
+
     /// Takes `w`'s host copy out of the pool, writing it to NVMe first when it is the
-    /// chunk's only current copy. On a failed write the copy stays where it was.
-    pub(crate) fn evict_host(&mut self, w: ChunkId) -> Result<()> {
+    /// chunk's only current copy. On a failed write the copy stays where it was. With
+    /// `may_wait` (a demand load makes room), a swap file whose slots are all held by
+    /// transfers in flight is waited on rather than reported full.
+    pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
         let d = w.dense();
+        let slot = &self.slots[d];
+        if slot.host.is_none() {
+            return Ok(());
+        }
+        if slot.dev.is_none() && !slot.nvme_valid {
+            // Found before the copy leaves its slot: waiting routes other transfers.
+            self.ensure_nvme_slot(w, may_wait)?;
+        }
         let Some(buf) = self.slots[d].host.take() else {
             return Ok(());
         };
@@ -630,11 +762,6 @@ impl Mover {
             self.emit(MoveKind::DropHost, w, 0);
             return Ok(());
         }
-        if let Err(e) = self.ensure_nvme_slot(w) {
-            self.slots[d].host = Some(buf);
-            self.host_list.push(w);
-            return Err(e);
-        }
         let len = self.len(w);
         if self.async_writes {
             // The buffer stays with the write until it completes (route_nvme_write);
@@ -643,6 +770,7 @@ impl Mover {
             self.slots[d].pending = Pending::NvmeWrite;
             self.pending_nvme += 1;
             self.pending_writes += 1;
+            self.note_nvme_in_flight(false);
             self.stats.async_writes += 1;
             self.stats.host_evictions += 1;
             self.host_policy.on_evict(w, self.moment);
@@ -654,6 +782,7 @@ impl Mover {
             return Ok(());
         }
         self.drain_nvme();
+        self.note_nvme_in_flight(true);
         let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
         if let Err(e) = result {
             self.slots[d].host = Some(buf);
@@ -673,32 +802,44 @@ impl Mover {
     }
 
     /// Makes sure writing `w` to NVMe finds a slot: its own, a free one, or one freed
-    /// from a chunk whose NVMe copy is stale or also current elsewhere.
-    fn ensure_nvme_slot(&mut self, w: ChunkId) -> Result<()> {
+    /// from a chunk whose NVMe copy is stale or also current elsewhere. A chunk being
+    /// read holds its slot until the read lands (then its copy is current elsewhere
+    /// too): with `may_wait`, transfers in flight are waited for rather than the file
+    /// reported full.
+    fn ensure_nvme_slot(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
         let d = w.dense();
         if self.slots[d].nvme_stored {
             return Ok(());
         }
-        let budget = self.nvme.budget();
-        if budget.free_bytes() >= self.nvme.slot_bytes() as u64 {
-            return Ok(());
-        }
         let reclaim = |s: &Slot| {
             s.nvme_stored
-                && !matches!(s.pending, Pending::NvmeRead | Pending::NvmeWrite)
+                && !matches!(
+                    s.pending,
+                    Pending::NvmeRead | Pending::NvmeReadQueued | Pending::NvmeWrite
+                )
                 && (!s.nvme_valid || s.host.is_some() || s.dev.is_some())
         };
-        // Stale copies first, then copies current elsewhere.
-        let pick = (0..self.slots.len())
-            .filter(|&i| i != d && reclaim(&self.slots[i]))
-            .min_by_key(|&i| self.slots[i].nvme_valid);
-        let Some(r) = pick else {
-            return Err(ChunkError::TierFull {
-                tier: TierKind::Nvme,
-                chunk: w,
-                needed_bytes: self.nvme.slot_bytes() as u64,
-                capacity_bytes: budget.capacity_bytes(),
-            });
+        let r = loop {
+            let budget = self.nvme.budget();
+            if budget.free_bytes() >= self.nvme.slot_bytes() as u64 {
+                return Ok(());
+            }
+            // Stale copies first, then copies current elsewhere.
+            let pick = (0..self.slots.len())
+                .filter(|&i| i != d && reclaim(&self.slots[i]))
+                .min_by_key(|&i| self.slots[i].nvme_valid);
+            match pick {
+                Some(r) => break r,
+                None if may_wait && self.wait_for_demand()? => {}
+                None => {
+                    return Err(ChunkError::TierFull {
+                        tier: TierKind::Nvme,
+                        chunk: w,
+                        needed_bytes: self.nvme.slot_bytes() as u64,
+                        capacity_bytes: budget.capacity_bytes(),
+                    })
+                }
+            }
         };
         let rc = ChunkId::from_dense(r);
         self.nvme
@@ -735,6 +876,7 @@ impl Mover {
         let len = self.len(c);
         if self.slots[d].nvme_valid {
             self.drain_nvme();
+            self.note_nvme_in_flight(true);
             let (result, buf) = self.nvme.read_chunk(d as u64, buf);
             match result {
                 Ok(n) if n == len => {}
@@ -1016,20 +1158,35 @@ impl Mover {
         };
         if self.slots[d].host.is_none() {
             if self.slots[d].nvme_valid {
+                // A staging buffer now, or one a write-back in flight (perhaps the one
+                // just started to make room) gives back: the read then waits in the
+                // queue, and the copy to the reserved memory follows it.
                 let buf = match self.take_host_buffer(c, room) {
-                    Ok(b) => b,
+                    Ok(b) => Some(b),
+                    Err(e) if is_no_room(&e) && self.read_queue.len() < self.pending_writes => None,
                     Err(e) if is_no_room(&e) => return Ok(false),
                     Err(e) => return Err(e),
                 };
-                self.nvme.submit_read(d as u64, buf);
                 let slot = &mut self.slots[d];
-                slot.pending = Pending::NvmeRead;
                 slot.reserved_dev = Some(mem);
                 slot.prefetched = true;
                 self.dev_mark[d] = true;
-                self.pending_nvme += 1;
                 self.stats.prefetch_loads += 1;
                 self.dev_policy.on_insert(c, self.moment);
+                match buf {
+                    Some(buf) => {
+                        self.nvme.submit_read(d as u64, buf);
+                        self.slots[d].pending = Pending::NvmeRead;
+                        self.pending_nvme += 1;
+                        self.note_nvme_in_flight(false);
+                    }
+                    None => {
+                        self.slots[d].pending = Pending::NvmeReadQueued;
+                        self.read_queue.push_back(c);
+                        self.stats.queued_reads += 1;
+                        self.settle_queue();
+                    }
+                }
                 return Ok(true);
             }
             match self.fill_host(c, room) {
@@ -1046,32 +1203,50 @@ impl Mover {
     }
 
     /// Starts reading `c` from NVMe into the host pool ahead of need, into a buffer
-    /// that is free now (the host prefetcher makes room by its plan first; it never
-    /// evicts here). Returns false when no buffer is free. Chunks with nothing to read
-    /// (a host or device copy, a transfer in flight, never written) are done.
+    /// that is free now, or queues the read for a buffer that a write-back in flight
+    /// gives back (the host prefetcher makes room by its plan first, evicting with
+    /// asynchronous write-backs; it never evicts here). Returns false when no buffer is
+    /// free or owed. Chunks with nothing to read (a host or device copy, a transfer in
+    /// flight or queued, never written) are done.
     pub(crate) fn prefetch_host(&mut self, c: ChunkId) -> Result<bool> {
         let d = c.dense();
         let s = &self.slots[d];
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
             return Ok(true);
         }
-        let Ok(buf) = self.host.try_take(d as u64) else {
+        if self.read_queue.is_empty() {
+            if let Ok(buf) = self.host.try_take(d as u64) {
+                self.nvme.submit_read(d as u64, buf);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::NvmeRead;
+                slot.host_prefetched = true;
+                self.pending_nvme += 1;
+                self.note_nvme_in_flight(false);
+                self.stats.prefetch_loads += 1;
+                self.stats.host_prefetch_loads += 1;
+                return Ok(true);
+            }
+        }
+        if self.read_queue.len() >= self.pending_writes {
             return Ok(false);
-        };
-        self.nvme.submit_read(d as u64, buf);
+        }
+        self.read_queue.push_back(c);
         let slot = &mut self.slots[d];
-        slot.pending = Pending::NvmeRead;
+        slot.pending = Pending::NvmeReadQueued;
         slot.host_prefetched = true;
-        self.pending_nvme += 1;
         self.stats.prefetch_loads += 1;
         self.stats.host_prefetch_loads += 1;
+        self.stats.queued_reads += 1;
+        // A buffer may be free already (a write-back that finished since).
+        self.settle_queue();
         Ok(true)
     }
 
-    /// Host-pool bytes held by write-backs in flight: they come back to the pool when
-    /// the writes complete.
+    /// Host-pool bytes held by write-backs in flight and not yet owed to a queued read:
+    /// they come back to the pool when the writes complete.
     pub(crate) fn host_bytes_writing(&self) -> u64 {
-        self.pending_writes as u64 * self.host.buf_bytes() as u64
+        self.pending_writes.saturating_sub(self.read_queue.len()) as u64
+            * self.host.buf_bytes() as u64
     }
 
     /// Whether the host-tier prefetcher has nothing to load for `c`.

@@ -334,7 +334,7 @@ impl ChunkStore {
         // Everything fits: allocate.
         let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
             .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
-        let nvme = match source {
+        let mut nvme = match source {
             Source::Tier(tier) => *tier,
             Source::Dir(dir, io) => {
                 let slots = u32::try_from(nvme_slots.max(1)).map_err(|_| ChunkError::Config {
@@ -393,6 +393,19 @@ impl ChunkStore {
         device
             .set_budget_capacity(cap)
             .map_err(|e| ChunkError::tier("setting the device budget", None, e))?;
+        // Chunks move between the host pool and NVMe only: with the pool registered as
+        // fixed buffers, no request pins pages.
+        match nvme.register_pool(host.pool()) {
+            Ok(fixed) => {
+                tracing::debug!(
+                    fixed,
+                    "chunk store: host pool offered to the swap file's engine"
+                )
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "chunk store: host pool not registered with the io engine; plain requests")
+            }
+        }
         let mut mover = Mover::new(device, host, nvme, len_bytes, cap, dev_policy, host_policy);
         mover.async_writes = async_write_back;
         for c in &adopted {
@@ -477,6 +490,11 @@ impl ChunkStore {
     /// The device.
     pub fn device(&self) -> &Device {
         &self.mover.device
+    }
+
+    /// The NVMe tier (its swap file and io engine), for reports and tests.
+    pub fn nvme(&self) -> &NvmeTier {
+        &self.mover.nvme
     }
 
     /// Whether the current iteration is being traced.
@@ -1351,10 +1369,18 @@ impl ChunkStore {
         self.update_tide(self.current_moment())
     }
 
-    /// Back to the tidal forward/backward budget (evicting what no longer fits).
+    /// Back to the tidal forward/backward budget (evicting what no longer fits), and
+    /// the device prefetcher starts on the moments that follow.
     pub fn end_optimizer_step(&mut self) -> Result<()> {
         self.phase = Phase::ForwardBackward;
-        self.update_tide(self.current_moment())
+        let next = self.current_moment();
+        self.update_tide(next)?;
+        // The step's last moments were host accesses, which do not run the device
+        // prefetcher: start the loads the next device moments need now, so their NVMe
+        // reads (and the write-backs that make room for them) overlap what the caller
+        // does before its next access.
+        self.prefetch(next.saturating_sub(1));
+        Ok(())
     }
 
     // ------------------------------------------------------------- prefetch
@@ -1471,7 +1497,7 @@ impl ChunkStore {
         for step in plan {
             for &v in &step.evict {
                 self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
-                match self.mover.evict_host(v) {
+                match self.mover.evict_host(v, false) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),

@@ -9,7 +9,10 @@
 //! - every read is verified against the chunk's checksum by the swap file: a chunk comes
 //!   back exactly as written or as an error, never changed;
 //! - buffers pass into each request and come back in its [`NvmeCompletion`], as in the
-//!   io engine; bytes moved are counted when a request succeeds.
+//!   io engine; bytes moved are counted when a request succeeds;
+//! - the host tier's pool may be registered with the swap file's engine
+//!   ([`NvmeTier::register_pool`]): requests on its buffers then use io_uring fixed
+//!   buffers, and requests on any other buffer work as before.
 
 #![deny(unsafe_code)]
 
@@ -17,7 +20,7 @@ use std::path::Path;
 
 use tidestore_io::compress::Compression;
 use tidestore_io::swapfile::{SwapCompletion, SwapFile};
-use tidestore_io::{AlignedBuf, IoConfig, IoError, Op};
+use tidestore_io::{AlignedBuf, BufferPool, IoConfig, IoError, Op};
 
 use crate::budget::{Budget, TierKind};
 use crate::error::{Result, TierError};
@@ -139,6 +142,15 @@ impl NvmeTier {
     /// The swap file underneath.
     pub fn swap_file(&self) -> &SwapFile {
         &self.file
+    }
+
+    /// Register `pool` (the host tier's) with the swap file's engine as io_uring fixed
+    /// buffers; returns whether it took (see `SwapFile::register_pool`). Requests on
+    /// other buffers are unaffected.
+    pub fn register_pool(&mut self, pool: &BufferPool) -> Result<bool> {
+        self.file
+            .register_pool(pool)
+            .map_err(|e| TierError::io(TierKind::Nvme, None, e))
     }
 
     /// Turn an io error into the tier's error: a full file is the NVMe budget exceeded.
