@@ -301,13 +301,14 @@ impl BenchKernels {
     /// finished when this returns. Host bytes (the simulation) are an error: the caller
     /// sums those itself.
     pub(crate) fn checksum(&mut self, view: &DeviceView<'_>) -> Result<()> {
-        let DeviceView::Cuda { ptr, len_bytes } = *view else {
+        let DeviceView::Cuda(span) = view else {
             return Err(cuda_err("checksum", "host bytes given to a GPU kernel"));
         };
-        // SAFETY: a `DeviceView::Cuda` reaches this crate-private method only from the
-        // chunk store's view of a guarded tensor on the device tier (same ordinal, so this
-        // primary context): live and unwritten while `view` is borrowed, and the stream
-        // is synchronized below, before this returns.
+        let (ptr, len_bytes) = (span.ptr(), span.len_bytes());
+        // SAFETY: a `CudaSpan` is device-tier memory (only the tier, or an `unsafe`
+        // promise, makes one), here the chunk store's view of a guarded tensor on the
+        // device of this ordinal (so this primary context): live and unwritten while
+        // `view` is borrowed, and the stream is synchronized below, before this returns.
         let queued = unsafe { self.queue_checksum(ptr, len_bytes) };
         // Synchronized even after an error, so nothing queued outlives the borrow.
         let synced = self.sync();
@@ -324,12 +325,13 @@ impl BenchKernels {
         first: u64,
         scale: f32,
     ) -> Result<()> {
-        let DeviceViewMut::Cuda { ptr, len_bytes } = *view else {
+        let DeviceViewMut::Cuda(span) = view else {
             return Err(cuda_err(
                 "gradient fill",
                 "host bytes given to a GPU kernel",
             ));
         };
+        let (ptr, len_bytes) = (span.ptr(), span.len_bytes());
         // SAFETY: as in `checksum`, from a mutable store view (nobody else touches the
         // range while it is borrowed); the checksum reads before the fill writes, in
         // stream order; the stream is synchronized below, before this returns.

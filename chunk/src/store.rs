@@ -35,7 +35,7 @@ use std::time::Instant;
 
 use tidestore_io::compress::Compression;
 use tidestore_tiers::{
-    Device, DeviceKind, DeviceView, DeviceViewMut, HostTier, NvmeTier, TierKind,
+    CudaSpanMut, Device, DeviceKind, DeviceView, DeviceViewMut, HostTier, NvmeTier, TierKind,
 };
 
 use crate::accounting::{MoveHook, MoveReason, StoreStats, TierSnapshot};
@@ -147,8 +147,8 @@ pub enum TensorViewMut<'a> {
 enum Region<'a> {
     /// Host-addressable bytes (`true`: the simulated device).
     Host(&'a mut [u8], bool),
-    /// A GPU allocation: views are pointers into it.
-    Cuda { ptr: u64, len_bytes: usize },
+    /// GPU memory (`None` only while a view is being cut from it).
+    Cuda(Option<CudaSpanMut<'a>>),
 }
 
 /// Where a chunk's current copies are (for tests and reports).
@@ -961,10 +961,9 @@ impl ChunkStore {
                 let mem = slot.dev.as_ref().ok_or_else(|| self.lost(g))?;
                 Ok(TensorView::Device(match mem.view() {
                     DeviceView::Host(bytes) => DeviceView::Host(&bytes[range]),
-                    DeviceView::Cuda { ptr, .. } => DeviceView::Cuda {
-                        ptr: ptr + g.offset_bytes as u64,
-                        len_bytes: g.len_bytes,
-                    },
+                    DeviceView::Cuda(span) => {
+                        DeviceView::Cuda(span.get(range).ok_or_else(|| self.lost(g))?)
+                    }
                 }))
             }
         }
@@ -989,13 +988,10 @@ impl ChunkStore {
                 Ok(TensorViewMut::Host(&mut buf[range]))
             }
             Place::Device => {
-                let mem = slot.dev.as_mut().ok_or(lost)?;
+                let mem = slot.dev.as_mut().ok_or(lost.clone())?;
                 Ok(TensorViewMut::Device(match mem.view_mut() {
                     DeviceViewMut::Host(bytes) => DeviceViewMut::Host(&mut bytes[range]),
-                    DeviceViewMut::Cuda { ptr, .. } => DeviceViewMut::Cuda {
-                        ptr: ptr + g.offset_bytes as u64,
-                        len_bytes: g.len_bytes,
-                    },
+                    DeviceViewMut::Cuda(span) => DeviceViewMut::Cuda(span.get(range).ok_or(lost)?),
                 }))
             }
         }
@@ -1027,7 +1023,7 @@ impl ChunkStore {
             .into_iter()
             .map(|v| match v {
                 TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => Ok(b),
-                TensorViewMut::Device(DeviceViewMut::Cuda { .. }) => Err(lost.clone()),
+                TensorViewMut::Device(DeviceViewMut::Cuda(_)) => Err(lost.clone()),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((bytes, pump))
@@ -1085,7 +1081,7 @@ impl ChunkStore {
                 },
                 Place::Device => match slot.dev.as_mut().map(|m| m.view_mut()) {
                     Some(DeviceViewMut::Host(bytes)) => Region::Host(bytes, true),
-                    Some(DeviceViewMut::Cuda { ptr, len_bytes }) => Region::Cuda { ptr, len_bytes },
+                    Some(DeviceViewMut::Cuda(span)) => Region::Cuda(Some(span)),
                     None => return Err(lost),
                 },
             };
@@ -1111,14 +1107,14 @@ impl ChunkStore {
                         });
                         *bytes = tail;
                     }
-                    Region::Cuda { ptr, len_bytes } => {
-                        if g.offset_bytes + g.len_bytes > *len_bytes {
-                            return Err(lost);
-                        }
-                        out[i] = Some(TensorViewMut::Device(DeviceViewMut::Cuda {
-                            ptr: *ptr + g.offset_bytes as u64,
-                            len_bytes: g.len_bytes,
-                        }));
+                    Region::Cuda(span) => {
+                        let (view, tail) = span
+                            .take()
+                            .and_then(|s| s.split_at(skip))
+                            .and_then(|(_, tail)| tail.split_at(g.len_bytes))
+                            .ok_or(lost.clone())?;
+                        out[i] = Some(TensorViewMut::Device(DeviceViewMut::Cuda(view)));
+                        *span = Some(tail);
                     }
                 }
                 consumed = g.offset_bytes + g.len_bytes;
@@ -1143,7 +1139,7 @@ impl ChunkStore {
     pub fn bytes(&self, g: &Guard) -> Result<&[u8]> {
         match self.view(g)? {
             TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => Ok(b),
-            TensorView::Device(DeviceView::Cuda { .. }) => Err(self.not_addressable(g)),
+            TensorView::Device(DeviceView::Cuda(_)) => Err(self.not_addressable(g)),
         }
     }
 
@@ -1153,7 +1149,7 @@ impl ChunkStore {
         let err = self.not_addressable(g);
         match self.view_mut(g)? {
             TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => Ok(b),
-            TensorViewMut::Device(DeviceViewMut::Cuda { .. }) => Err(err),
+            TensorViewMut::Device(DeviceViewMut::Cuda(_)) => Err(err),
         }
     }
 

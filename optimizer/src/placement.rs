@@ -258,10 +258,9 @@ impl HybridAdamW {
     /// none ([`HybridAdamW::gpu_status`]). With [`DeviceGrads::InPlace`] the bits are
     /// those of [`AdamW::step_slice`] given a separate copy of the gradient.
     ///
-    /// CUDA views must be memory of the GPU kernel's device (the device tier's
-    /// allocations on the same ordinal), alive and untouched by anyone else during the
-    /// call: a `DeviceViewMut::Cuda` is a bare pointer, and its length is all that can be
-    /// checked here.
+    /// CUDA views are spans of the device tier's allocations
+    /// ([`tidestore_tiers::CudaSpanMut`]): borrowed, so alive and untouched by anyone
+    /// else during the call; they must be on the GPU kernel's device (the same ordinal).
     pub fn step_device_slices(
         &self,
         state: StepState,
@@ -349,14 +348,14 @@ impl Span {
 fn parts(v: &DeviceView<'_>) -> (bool, u64, usize) {
     match v {
         DeviceView::Host(b) => (false, b.as_ptr().addr() as u64, b.len()),
-        DeviceView::Cuda { ptr, len_bytes } => (true, *ptr, *len_bytes),
+        DeviceView::Cuda(span) => (true, span.ptr(), span.len_bytes()),
     }
 }
 
 fn parts_mut(v: &DeviceViewMut<'_>) -> (bool, u64, usize) {
     match v {
         DeviceViewMut::Host(b) => (false, b.as_ptr().addr() as u64, b.len()),
-        DeviceViewMut::Cuda { ptr, len_bytes } => (true, *ptr, *len_bytes),
+        DeviceViewMut::Cuda(span) => (true, span.ptr(), span.len_bytes()),
     }
 }
 
@@ -547,7 +546,7 @@ impl Plain for half::bf16 {}
 fn host_mut<'a>(v: DeviceViewMut<'a>, name: &'static str) -> Result<&'a mut [u8]> {
     match v {
         DeviceViewMut::Host(b) => Ok(b),
-        DeviceViewMut::Cuda { .. } => Err(mixed(name, false)),
+        DeviceViewMut::Cuda(_) => Err(mixed(name, false)),
     }
 }
 
@@ -618,7 +617,7 @@ fn step_host(cpu: &AdamW, state: StepState, hp: &HyperParams, s: DeviceSlices<'_
         DeviceGrads::Separate { grads, dtype, out } => {
             let gb = match grads {
                 DeviceView::Host(b) => b,
-                DeviceView::Cuda { .. } => return Err(mixed("grads", false)),
+                DeviceView::Cuda(_) => return Err(mixed("grads", false)),
             };
             let grads = grads_of(gb, dtype, n)?;
             let out = match out {

@@ -19,7 +19,9 @@ use tidestore_optimizer::{
     AdamW, CpuConfig, DeviceGrads, DeviceSlices, Dtype, Grads, GroupPlacement, HybridAdamW,
     HyperParams, Mode, OptimError, ParamOut, Placement, StepState,
 };
-use tidestore_tiers::{Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut};
+use tidestore_tiers::{
+    CudaSpan, CudaSpanMut, Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut,
+};
 
 // ---------------------------------------------------------------------------------------
 // Helpers.
@@ -27,14 +29,14 @@ use tidestore_tiers::{Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut
 fn host(mem: &mut DeviceMem) -> &mut [u8] {
     match mem.view_mut() {
         DeviceViewMut::Host(b) => b,
-        DeviceViewMut::Cuda { .. } => unreachable!("simulated device"),
+        DeviceViewMut::Cuda(_) => unreachable!("simulated device"),
     }
 }
 
 fn host_ref(mem: &DeviceMem) -> &[u8] {
     match mem.view() {
         DeviceView::Host(b) => b,
-        DeviceView::Cuda { .. } => unreachable!("simulated device"),
+        DeviceView::Cuda(_) => unreachable!("simulated device"),
     }
 }
 
@@ -611,10 +613,7 @@ impl DeviceSlicesSpec {
         let master = DeviceViewMut::Host(cut(0, p, 4));
         let m = DeviceViewMut::Host(cut(1, m, 4));
         let v = if self.cuda_v {
-            DeviceViewMut::Cuda {
-                ptr: 1 << 40,
-                len_bytes: 4 * n,
-            }
+            fake(0, 0, 4 * n)
         } else {
             DeviceViewMut::Host(cut(2, v, 4))
         };
@@ -642,13 +641,12 @@ impl DeviceSlicesSpec {
     }
 }
 
-/// Made-up CUDA pointers, 1 MiB apart, 256-aligned: never launched on, since each call
+/// Made-up CUDA spans, 1 MiB apart, 256-aligned: never launched on, since each call
 /// below is refused by a check that runs before the GPU is touched.
 fn fake(i: u64, off: u64, len_bytes: usize) -> DeviceViewMut<'static> {
-    DeviceViewMut::Cuda {
-        ptr: (1 << 40) + (i << 20) + off,
-        len_bytes,
-    }
+    // SAFETY: test-only and never dereferenced: every step given these spans is refused
+    // by the view checks (or for want of a GPU kernel) before any launch.
+    DeviceViewMut::Cuda(unsafe { CudaSpanMut::from_raw((1 << 40) + (i << 20) + off, len_bytes) })
 }
 
 fn fake_slices(n: usize, f: impl Fn(usize) -> (u64, u64, usize)) -> DeviceSlices<'static> {
@@ -721,10 +719,8 @@ fn cuda_views_that_are_wrong_are_refused_before_any_launch() {
         m: fake(1, 0, 4 * n),
         v: fake(2, 0, 4 * n),
         grads: DeviceGrads::Separate {
-            grads: DeviceView::Cuda {
-                ptr: (1 << 40) + (3 << 20),
-                len_bytes: 2 * n,
-            },
+            // SAFETY: as `fake`: refused before any launch.
+            grads: DeviceView::Cuda(unsafe { CudaSpan::from_raw((1 << 40) + (3 << 20), 2 * n) }),
             dtype: Dtype::Bf16,
             out: Some((fake(3, 0, 2 * n), Dtype::Bf16)),
         },
@@ -802,12 +798,12 @@ mod gpu {
     /// The view of `mem`'s bytes `[at, at + len)`, a tensor inside its chunk.
     fn view(mem: &mut DeviceMem, at: usize, len: usize, is_gpu: bool) -> DeviceViewMut<'_> {
         match mem.view_mut() {
-            DeviceViewMut::Cuda { ptr, len_bytes } => {
-                assert!(is_gpu && at + len <= len_bytes);
-                DeviceViewMut::Cuda {
-                    ptr: ptr + at as u64,
-                    len_bytes: len,
-                }
+            DeviceViewMut::Cuda(span) => {
+                assert!(is_gpu);
+                DeviceViewMut::Cuda(
+                    span.get(at..at + len)
+                        .expect("the tensor lies in its chunk"),
+                )
             }
             DeviceViewMut::Host(b) => {
                 assert!(!is_gpu);
@@ -884,9 +880,7 @@ mod gpu {
                         Case::Separate { g, out } => {
                             let gview = match view(mg, off * gs, n * gs, is_gpu) {
                                 DeviceViewMut::Host(b) => DeviceView::Host(b),
-                                DeviceViewMut::Cuda { ptr, len_bytes } => {
-                                    DeviceView::Cuda { ptr, len_bytes }
-                                }
+                                DeviceViewMut::Cuda(span) => DeviceView::Cuda(span.into_span()),
                             };
                             DeviceGrads::Separate {
                                 grads: gview,

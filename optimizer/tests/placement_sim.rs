@@ -13,7 +13,7 @@ use tidestore_tiers::{Device, DeviceConfig, DeviceViewMut};
 fn fill(mem: &mut tidestore_tiers::DeviceMem, bytes: &[u8]) {
     match mem.view_mut() {
         DeviceViewMut::Host(b) => b[..bytes.len()].copy_from_slice(bytes),
-        DeviceViewMut::Cuda { .. } => unreachable!("simulated device"),
+        DeviceViewMut::Cuda(_) => unreachable!("simulated device"),
     }
 }
 

@@ -25,8 +25,8 @@ use tidestore_io::BufferPool;
 
 use crate::budget::Lease;
 use crate::device::{
-    CopyDir, CopyId, CopyRequest, DeviceBackend, DeviceConfig, DeviceCore, DeviceMem, DeviceView,
-    DeviceViewMut, MemInfo, PinnedRegion, RawDone,
+    CopyDir, CopyId, CopyRequest, CudaSpan, CudaSpanMut, DeviceBackend, DeviceConfig, DeviceCore,
+    DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, RawDone,
 };
 use crate::error::{Result, TierError};
 
@@ -183,17 +183,15 @@ impl CudaMem {
     }
 
     pub(crate) fn view(&self) -> DeviceView<'_> {
-        DeviceView::Cuda {
-            ptr: self.ptr,
-            len_bytes: self.bytes,
-        }
+        // SAFETY: `ptr..ptr + bytes` is this allocation, live until `self` drops, which the
+        // span's borrow of `self` outlasts; writes need `&mut self` (`view_mut`).
+        DeviceView::Cuda(unsafe { CudaSpan::from_raw(self.ptr, self.bytes) })
     }
 
     pub(crate) fn view_mut(&mut self) -> DeviceViewMut<'_> {
-        DeviceViewMut::Cuda {
-            ptr: self.ptr,
-            len_bytes: self.bytes,
-        }
+        // SAFETY: as `view`, borrowed exclusively: nobody else reaches this allocation
+        // through the tier while the span lives.
+        DeviceViewMut::Cuda(unsafe { CudaSpanMut::from_raw(self.ptr, self.bytes) })
     }
 }
 

@@ -30,6 +30,7 @@ use crate::stats::LinkStats;
 
 pub use crate::cuda::{CudaDevice, CudaMem, CudaPinnedRegion};
 pub use crate::sim::{SimDevice, SimMem};
+pub use crate::span::{CudaSpan, CudaSpanMut};
 
 /// Id of a copy, unique per device, handed out by [`Device::submit_copy`] and carried by
 /// its completion.
@@ -185,19 +186,19 @@ pub enum DeviceMem {
     Cuda(CudaMem),
 }
 
-/// A read-only view of device memory for compute: host bytes in the simulation, a device
-/// pointer on a GPU.
+/// A read-only view of device memory for compute: host bytes in the simulation, a span
+/// of GPU memory (see [`CudaSpan`]) on a GPU.
 #[derive(Debug)]
 pub enum DeviceView<'a> {
     Host(&'a [u8]),
-    Cuda { ptr: u64, len_bytes: usize },
+    Cuda(CudaSpan<'a>),
 }
 
 /// A writable view of device memory for compute.
 #[derive(Debug)]
 pub enum DeviceViewMut<'a> {
     Host(&'a mut [u8]),
-    Cuda { ptr: u64, len_bytes: usize },
+    Cuda(CudaSpanMut<'a>),
 }
 
 macro_rules! mem_dispatch {

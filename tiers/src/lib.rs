@@ -10,7 +10,8 @@
 //! - [`stats`]: peaks per tier and bytes moved per link.
 //!
 //! Nothing here prints; everything is logged with `tracing`. FFI lives only in the CUDA
-//! backend; every other module denies `unsafe`.
+//! backend; every other module denies `unsafe` (but for the two `unsafe fn` constructors
+//! of GPU spans, which promise an address is device memory).
 
 pub mod budget;
 pub mod device;
@@ -18,6 +19,7 @@ pub mod error;
 pub mod host;
 pub mod nvme;
 mod sim;
+mod span;
 pub mod stats;
 
 #[cfg(feature = "cuda")]
@@ -29,8 +31,9 @@ mod cuda;
 
 pub use budget::{Budget, Lease, SharedBudget, TierKind};
 pub use device::{
-    CopyCompletion, CopyDir, CopyId, CopyRequest, CudaDevice, CudaMem, Device, DeviceConfig,
-    DeviceKind, DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, SimDevice, SimMem,
+    CopyCompletion, CopyDir, CopyId, CopyRequest, CudaDevice, CudaMem, CudaSpan, CudaSpanMut,
+    Device, DeviceConfig, DeviceKind, DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion,
+    SimDevice, SimMem,
 };
 pub use error::{Result, TierError};
 pub use host::HostTier;

@@ -40,7 +40,7 @@ fn cuda_round_trip_from_pinned_pool() {
             *b = (i as u64 ^ chunk.wrapping_mul(131)) as u8;
         }
         let mem = dev.alloc(chunk, CHUNK).unwrap();
-        assert!(matches!(mem.view(), DeviceView::Cuda { .. }));
+        assert!(matches!(mem.view(), DeviceView::Cuda(_)));
         ids.push(dev.copy_to_device(chunk, buf, mem, CHUNK));
     }
     let mut back = Vec::new();

@@ -53,7 +53,7 @@ fn round_trip_with_many_in_flight() {
         c.result.unwrap();
         match c.mem.view() {
             DeviceView::Host(bytes) => assert_eq!(bytes, &pattern(chunk as u64, CHUNK)[..]),
-            DeviceView::Cuda { .. } => panic!("simulated memory gave a device pointer"),
+            DeviceView::Cuda(_) => panic!("simulated memory gave a device pointer"),
         }
         let mut host = c.host;
         host.fill(0);
