@@ -323,8 +323,9 @@ impl<'de> Deserialize<'de> for AutoSize {
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct ChunkSection {
-    /// Bytes of one fp32 chunk (master, M, V), which is also one host buffer and one
-    /// slot of the swap file; 16-bit chunks are half as large. `"auto"`: the chunk
+    /// Bytes of one fp32 chunk (master, M, V); 16-bit chunks are half as large. A chunk
+    /// is stored as the part its tensors use; one host buffer and one slot of the swap
+    /// file is the largest stored chunk. `"auto"`: the chunk
     /// crate's search picks the size that wastes least for the workload's tensors.
     /// A fixed size is a positive multiple of 4096.
     pub size: AutoSize,
@@ -419,7 +420,7 @@ impl Default for DeviceSection {
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct HostSection {
-    /// Bytes of the pinned host pool (whole buffers of one fp32 chunk each).
+    /// Bytes of the pinned host pool (whole buffers of the largest stored chunk each).
     pub budget: Size,
 }
 

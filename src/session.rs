@@ -23,7 +23,7 @@ use tidestore_chunk::{
     ListKind, NvmeSource, SearchConfig, StoreConfig, TensorId, SWAP_FILE_NAME,
 };
 use tidestore_io::compress::Compression;
-use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierKind};
+use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierError, TierKind};
 
 use crate::config::{AutoSize, CompressionName, Config, DeviceKindName, Size};
 use crate::error::{Error, Result};
@@ -271,40 +271,43 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     })?;
     let dir = cfg.nvme_dir()?.to_path_buf();
     let io = cfg.io_config()?;
-    let nvme = match cfg.nvme.compression {
-        CompressionName::Off => NvmeSource::Dir {
-            dir,
-            bytes: cfg.nvme.size.bytes(),
-            io,
-        },
-        CompressionName::Zstd => {
-            let slots = u32::try_from(capacity.nvme_slots.max(1))
-                .map_err(|_| Error::config("nvme.size", "more slots than a swap file holds"))?;
-            let path = dir.join(SWAP_FILE_NAME);
-            // A file of another shape (an earlier run) is replaced.
-            let tier = match NvmeTier::open_or_create(
-                &path,
-                capacity.slot_bytes as usize,
-                slots,
-                &io,
-                Compression::FP32,
-            ) {
-                Ok(t) => t,
-                Err(first) => {
-                    tracing::info!(error = %first, "swap file of another shape; recreating it");
-                    let _ = std::fs::remove_file(&path);
-                    NvmeTier::open_or_create(
-                        &path,
-                        capacity.slot_bytes as usize,
-                        slots,
-                        &io,
-                        Compression::FP32,
-                    )?
-                }
-            };
-            NvmeSource::Tier(Box::new(tier))
-        }
+    // The bench's swap file is scratch: one of another shape (an earlier run, another
+    // chunk size) is replaced, one of this shape is emptied. Any other failure (another process holding the file's
+    // lock, a full disk) is an error, and the file is left alone.
+    let compression = match cfg.nvme.compression {
+        CompressionName::Off => Compression::Off,
+        CompressionName::Zstd => Compression::FP32,
     };
+    let slots = u32::try_from(capacity.nvme_slots.max(1))
+        .map_err(|_| Error::config("nvme.size", "more slots than a swap file holds"))?;
+    let path = dir.join(SWAP_FILE_NAME);
+    let open =
+        || NvmeTier::open_or_create(&path, capacity.slot_bytes as usize, slots, &io, compression);
+    let tier = match open() {
+        Err(TierError::Io {
+            source: source @ tidestore_io::IoError::BadHeader { .. },
+            ..
+        }) => {
+            tracing::info!(error = %source, "swap file of another shape; recreating it");
+            std::fs::remove_file(&path).map_err(|e| {
+                Error::config(
+                    "nvme.dir",
+                    format!("removing {} to recreate it: {e}", path.display()),
+                )
+            })?;
+            open()?
+        }
+        other => other?,
+    };
+    // Every run starts from nothing: the chunks an earlier run left (which the store
+    // would otherwise take as their contents, M and V included) are dropped.
+    let mut tier = tier;
+    let stale: Vec<u64> = tier.swap_file().chunks().map(|(id, _)| id).collect();
+    for id in stale {
+        tier.remove(id)
+            .map_err(|e| Error::config("nvme.dir", format!("clearing {}: {e}", path.display())))?;
+    }
+    let nvme = NvmeSource::Tier(Box::new(tier));
     let store_cfg = StoreConfig::new(cfg.device.budget.bytes(), cfg.host.budget.bytes(), nvme)
         .with_policy(cfg.policy.eviction.into())
         .with_prefetch(cfg.policy.prefetch_lookahead)
