@@ -163,11 +163,13 @@ pub struct ChunkReport {
     pub searched: bool,
     /// Bytes of a 16-bit chunk.
     pub param16_chunk_bytes: u64,
-    /// Bytes of an fp32 chunk (= a host buffer and an NVMe slot).
+    /// Bytes of a host buffer and an NVMe slot: the largest chunk as stored (a chunk is
+    /// stored as the part its tensors use; an fp32 chunk holds twice a 16-bit one).
     pub slot_bytes: u64,
     /// Chunks per list: `param16`, `master`, `m`, `v`.
     pub lists: Vec<ListReport>,
-    /// Allocated minus payload bytes over all lists.
+    /// Chunk capacity no tensor uses, over all lists (not stored: chunks are allocated
+    /// and moved as their used prefix).
     pub waste_bytes: u64,
 }
 
@@ -178,7 +180,7 @@ pub struct ListReport {
     pub list: String,
     /// Chunks.
     pub chunks: u64,
-    /// Bytes.
+    /// Bytes as stored (each chunk's used prefix, page-rounded).
     pub bytes: u64,
 }
 
@@ -1239,7 +1241,7 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
             .map(|l| ListReport {
                 list: l.as_str().into(),
                 chunks: layout.list_chunk_count(l),
-                bytes: layout.list_bytes(l),
+                bytes: layout.list_stored_bytes(l),
             })
             .collect(),
         waste_bytes: s.waste_bytes,

@@ -153,7 +153,8 @@ fn print_table(r: &BenchReport) {
         .map(|l| format!("{} {} x{}", l.list, human_bytes(l.bytes), l.chunks))
         .collect();
     out!(
-        "chunks: {} elements ({}; 16-bit {}, fp32 {}), {}; waste {}",
+        "chunks: {} elements ({}; 16-bit {}, fp32 {}; host buffer / swap slot {}), stored \
+         {}; capacity no tensor uses {} (not stored)",
         r.chunks.chunk_elements,
         if r.chunks.searched {
             "searched"
@@ -161,6 +162,7 @@ fn print_table(r: &BenchReport) {
             "chunk.size"
         },
         human_bytes(r.chunks.param16_chunk_bytes),
+        human_bytes(2 * r.chunks.param16_chunk_bytes),
         human_bytes(r.chunks.slot_bytes),
         lists.join(", "),
         human_bytes(r.chunks.waste_bytes)
