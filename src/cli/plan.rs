@@ -229,7 +229,7 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         "{:<8} {:>7} {:>12} {:>12} {:>16} {:>12} {:>12}",
         "list",
         "chunks",
-        "allocated",
+        "stored",
         "payload",
         "device (fwd/bwd)",
         "host (home)",
