@@ -30,7 +30,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 
 use crate::error::{Error, Result};
@@ -131,24 +131,9 @@ pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
 }
 
 fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
-    if !nvrtc_available() {
-        return Err(cuda_err(
-            "nvrtc compile",
-            "libnvrtc not found (install nvidia-cuda-nvrtc-cu12 and put its lib dir on \
-             LD_LIBRARY_PATH)",
-        ));
-    }
-    let opts = CompileOptions {
-        fmad: Some(false),
-        ftz: Some(false),
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
-        arch,
-        options,
-        name: Some("tidestore_bench.cu".into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(BENCH_CU, opts).map_err(|e| cuda_err("nvrtc compile", format!("{e:?}")))
+    tidestore_optimizer::gpu::compile_source(BENCH_CU, "tidestore_bench.cu", arch, options)
+        .map(Ptx::from_src)
+        .map_err(|e| cuda_err("nvrtc compile", e))
 }
 
 /// The bench's kernels on one GPU, with their stream and checksum accumulator.

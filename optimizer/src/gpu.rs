@@ -147,7 +147,17 @@ pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
     Ok(compile(arch, Vec::new())?.to_src())
 }
 
-fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
+/// Compiles the CUDA C `source` (called `file` in NVRTC's messages) to PTX text with the
+/// options every tidestore kernel is built with — no FMA contraction, no flush to zero,
+/// IEEE division and square root: the roundings that make a kernel give the CPU's bits —
+/// plus `options` (`arch`: e.g. `compute_86`; `None`: NVRTC's default). Needs libnvrtc
+/// only, no GPU.
+pub fn compile_source(
+    source: &str,
+    file: &str,
+    arch: Option<&'static str>,
+    options: Vec<String>,
+) -> Result<String> {
     if !nvrtc_available() {
         return Err(OptimError::Cuda {
             op: "nvrtc compile",
@@ -161,10 +171,16 @@ fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
         prec_sqrt: Some(true),
         arch,
         options,
-        name: Some("tidestore_adamw.cu".into()),
+        name: Some(file.into()),
         ..Default::default()
     };
-    compile_ptx_with_opts(ADAMW_CU, opts).map_err(|e| cuda_err("nvrtc compile", format!("{e:?}")))
+    compile_ptx_with_opts(source, opts)
+        .map(|ptx| ptx.to_src())
+        .map_err(|e| cuda_err("nvrtc compile", format!("{file}: {e:?}")))
+}
+
+fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
+    compile_source(ADAMW_CU, "tidestore_adamw.cu", arch, options).map(Ptx::from_src)
 }
 
 fn kernel_name(g: Dtype, out: Option<Dtype>, l2: bool) -> String {

@@ -23,6 +23,16 @@ pub fn compile_ptx(_arch: Option<&'static str>) -> Result<String> {
     Err(OptimError::NotCompiledWithCuda)
 }
 
+/// Always [`OptimError::NotCompiledWithCuda`].
+pub fn compile_source(
+    _source: &str,
+    _file: &str,
+    _arch: Option<&'static str>,
+    _options: Vec<String>,
+) -> Result<String> {
+    Err(OptimError::NotCompiledWithCuda)
+}
+
 /// The GPU AdamW; cannot exist in a build without the `cuda` feature.
 #[derive(Debug)]
 pub enum GpuAdamW {}
