@@ -379,16 +379,7 @@ mod tests {
     #[test]
     fn llama_70b_lora_on_a_24gb_gpu_uses_all_three_tiers() {
         let (w, layout) = llama_70b_lora();
-        let m = Machine {
-            gpu_bytes: 24_000_000_000,
-            tidal_margin_bytes: 0,
-            host_budget_bytes: 56_000_000_000,
-            nvme_bytes: 2_000_000_000_000,
-            pcie_bytes_per_s: 25e9,
-            nvme_read_bytes_per_s: 7e9,
-            nvme_write_bytes_per_s: 5e9,
-            optimizer_params_per_s: 1e9,
-        };
+        let m = gpu24_ram64_nvme2t();
         let p = plan(&w, &layout, &m).unwrap();
         assert!(p.fits, "{:?}", p.shortfalls);
         let p16 = &p.lists[0];
@@ -407,6 +398,20 @@ mod tests {
         assert!(p.shortfalls[0].short_bytes > 0);
     }
 
+    /// A 24 GB GPU, 56 GB of pinned host pool, a 2 TB NVMe; PCIe 25, NVMe 7 / 5 GB/s.
+    fn gpu24_ram64_nvme2t() -> Machine {
+        Machine {
+            gpu_bytes: 24_000_000_000,
+            tidal_margin_bytes: 0,
+            host_budget_bytes: 56_000_000_000,
+            nvme_bytes: 2_000_000_000_000,
+            pcie_bytes_per_s: 25e9,
+            nvme_read_bytes_per_s: 7e9,
+            nvme_write_bytes_per_s: 5e9,
+            optimizer_params_per_s: 1e9,
+        }
+    }
+
     fn llama_70b_lora() -> (Workload, Layout) {
         let w = Workload::new(
             ModelName::Llama70b,
@@ -423,16 +428,7 @@ mod tests {
     #[test]
     fn adapters_state_is_stored_as_the_bytes_it_uses() {
         let (w, layout) = llama_70b_lora();
-        let m = Machine {
-            gpu_bytes: 24_000_000_000,
-            tidal_margin_bytes: 0,
-            host_budget_bytes: 56_000_000_000,
-            nvme_bytes: 2_000_000_000_000,
-            pcie_bytes_per_s: 25e9,
-            nvme_read_bytes_per_s: 7e9,
-            nvme_write_bytes_per_s: 5e9,
-            optimizer_params_per_s: 1e9,
-        };
+        let m = gpu24_ram64_nvme2t();
         let p = plan(&w, &layout, &m).unwrap();
         // A host buffer / NVMe slot is the largest stored chunk: a 16-bit one, not an
         // fp32 chunk (twice the size) of which the adapters use a few percent.
@@ -460,13 +456,9 @@ mod tests {
         let slot = *layout.dense_chunk_bytes().iter().max().unwrap();
         let m = Machine {
             gpu_bytes: 1 << 30,
-            tidal_margin_bytes: 0,
             host_budget_bytes: 4 * slot,
             nvme_bytes: 1 << 40,
-            pcie_bytes_per_s: 25e9,
-            nvme_read_bytes_per_s: 7e9,
-            nvme_write_bytes_per_s: 5e9,
-            optimizer_params_per_s: 1e9,
+            ..gpu24_ram64_nvme2t()
         };
         let device_all = plan(&w, &layout, &m).unwrap();
         assert_eq!(

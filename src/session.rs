@@ -283,7 +283,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     let path = dir.join(SWAP_FILE_NAME);
     let open =
         || NvmeTier::open_or_create(&path, capacity.slot_bytes as usize, slots, &io, compression);
-    let tier = match open() {
+    let mut tier = match open() {
         Err(TierError::Io {
             source: source @ tidestore_io::IoError::BadHeader { .. },
             ..
@@ -301,7 +301,6 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     };
     // Every run starts from nothing: the chunks an earlier run left (which the store
     // would otherwise take as their contents, M and V included) are dropped.
-    let mut tier = tier;
     let stale: Vec<u64> = tier.swap_file().chunks().map(|(id, _)| id).collect();
     for id in stale {
         tier.remove(id)

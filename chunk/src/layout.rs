@@ -640,8 +640,7 @@ impl Layout {
     /// Bytes the store allocates and moves for `list`: the sum of its chunks'
     /// [`Layout::dense_chunk_bytes`] (used prefixes, page-rounded).
     pub fn list_stored_bytes(&self, list: ListKind) -> u64 {
-        let dense = self.dense_chunk_bytes();
-        self.chunks(list).map(|c| dense[c.dense()]).sum()
+        self.chunks(list).map(|c| self.chunk_stored_bytes(c)).sum()
     }
 
     /// Bytes of `list` occupied by tensors.
@@ -688,15 +687,19 @@ impl Layout {
     pub fn dense_chunk_bytes(&self) -> Vec<u64> {
         let mut v = vec![0; self.dense_len()];
         for list in ListKind::ALL {
-            let full = self.chunk_bytes(list);
             for c in self.chunks(list) {
-                v[c.dense()] = self
-                    .chunk_used_bytes(c)
-                    .next_multiple_of(CHUNK_ALIGN_BYTES)
-                    .min(full);
+                v[c.dense()] = self.chunk_stored_bytes(c);
             }
         }
         v
+    }
+
+    /// Bytes the store allocates and moves for `chunk` (see
+    /// [`Layout::dense_chunk_bytes`]); 0 for a chunk that does not exist.
+    pub fn chunk_stored_bytes(&self, chunk: ChunkId) -> u64 {
+        self.chunk_used_bytes(chunk)
+            .next_multiple_of(CHUNK_ALIGN_BYTES)
+            .min(self.chunk_bytes(chunk.list()))
     }
 }
 

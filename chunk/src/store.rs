@@ -1221,10 +1221,7 @@ impl ChunkStore {
         let buf = self.mover.slots[chunk.dense()]
             .host
             .as_mut()
-            .ok_or(ChunkError::BadView {
-                tensor: String::new(),
-                reason: "host copy missing after load (store bug)",
-            })?;
+            .ok_or_else(host_copy_missing)?;
         buf[off..off + data.len()].copy_from_slice(data);
         if from == Some(TensorState::Free) {
             self.list_states(list)
@@ -1246,10 +1243,7 @@ impl ChunkStore {
         let buf = self.mover.slots[chunk.dense()]
             .host
             .as_ref()
-            .ok_or(ChunkError::BadView {
-                tensor: String::new(),
-                reason: "host copy missing after load (store bug)",
-            })?;
+            .ok_or_else(host_copy_missing)?;
         Ok(buf[off..off + len].to_vec())
     }
 
@@ -1548,6 +1542,14 @@ impl Drop for ChunkStore {
         if let Err(e) = self.mover.wait_all() {
             tracing::warn!(error = %e, "chunk store: a transfer failed while closing");
         }
+    }
+}
+
+/// A chunk [`Mover::ensure_host`] just loaded has no host copy: a store bug, as an error.
+fn host_copy_missing() -> ChunkError {
+    ChunkError::BadView {
+        tensor: String::new(),
+        reason: "host copy missing after load (store bug)",
     }
 }
 

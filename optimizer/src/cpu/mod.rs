@@ -335,41 +335,32 @@ fn probe_leaf(level: SimdLevel, j: StepJob<'_>, one: f32, zero: f32) {
     }
 }
 
-fn sq_norm_leaf(level: SimdLevel, g: Grads<'_>) -> f64 {
-    let len = g.len();
-    let (gk, p) = grad_raw(g);
-    // SAFETY: `p` points to the `len` elements of the gradient slice, alive for the call;
-    // `level` is supported by this CPU.
-    unsafe {
-        match level {
-            #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
-                dispatch_grad!(avx512::sq_norm, gk, (p, len))
+/// `fn $name(level, g) -> $ret`: the gradient-only kernel `$kernel` (`sq_norm`,
+/// `all_finite`) of SIMD level `level` over `g`.
+macro_rules! grad_leaf {
+    ($name:ident, $kernel:ident, $ret:ty) => {
+        fn $name(level: SimdLevel, g: Grads<'_>) -> $ret {
+            let len = g.len();
+            let (gk, p) = grad_raw(g);
+            // SAFETY: `p` points to the `len` elements of the gradient slice, alive for
+            // the call; `level` is supported by this CPU.
+            unsafe {
+                match level {
+                    #[cfg(target_arch = "x86_64")]
+                    SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                        dispatch_grad!(avx512::$kernel, gk, (p, len))
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    SimdLevel::Avx2 => dispatch_grad!(avx2::$kernel, gk, (p, len)),
+                    _ => dispatch_grad!(scalar::$kernel, gk, (p, len)),
+                }
             }
-            #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx2 => dispatch_grad!(avx2::sq_norm, gk, (p, len)),
-            _ => dispatch_grad!(scalar::sq_norm, gk, (p, len)),
         }
-    }
+    };
 }
 
-fn finite_leaf(level: SimdLevel, g: Grads<'_>) -> bool {
-    let len = g.len();
-    let (gk, p) = grad_raw(g);
-    // SAFETY: `p` points to the `len` elements of the gradient slice, alive for the call;
-    // `level` is supported by this CPU.
-    unsafe {
-        match level {
-            #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
-                dispatch_grad!(avx512::all_finite, gk, (p, len))
-            }
-            #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx2 => dispatch_grad!(avx2::all_finite, gk, (p, len)),
-            _ => dispatch_grad!(scalar::all_finite, gk, (p, len)),
-        }
-    }
-}
+grad_leaf!(sq_norm_leaf, sq_norm, f64);
+grad_leaf!(finite_leaf, all_finite, bool);
 
 fn accumulate_leaf(level: SimdLevel, j: AccJob<'_>, scale: f32) {
     let len = j.acc.len();
