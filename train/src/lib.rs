@@ -1,0 +1,16 @@
+//! tidestore-train: training over a tidestore chunk store.
+//!
+//! The layers below keep tensors in chunks ([`tidestore_chunk::ChunkStore`]) and step
+//! AdamW over slices ([`tidestore_optimizer`], pure compute). This crate is where the two
+//! meet, once: the step loop that steps each tensor's groups where the store holds them,
+//! and the checkpoints streamed out of the store and back. It knows no framework: the
+//! benchmark, the candle glue and a library user drive the same loop.
+//!
+//! Every fallible function returns [`TrainError`], the one error type of the crate.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod error;
+
+pub use error::{Result, TrainError};
