@@ -12,5 +12,10 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod step;
 
 pub use error::{Result, TrainError};
+pub use step::{
+    GradPlace, Observer, Overlap, StepConfig, StepLoop, StepOutcome, StepPlace, StepStats,
+    StepTensor,
+};
