@@ -17,6 +17,10 @@ pub enum Error {
     /// The optimizer refused or failed.
     #[error("optimizer: {0}")]
     Optim(#[from] OptimError),
+
+    /// The step loop refused or failed.
+    #[error(transparent)]
+    Train(#[from] tidestore_train::TrainError),
     /// A parameter name that was never registered.
     #[error("unknown parameter `{name}`")]
     UnknownParam {

@@ -10,11 +10,11 @@
 //!    registration order, accesses each trainable tensor's gradient place on the host,
 //!    copies the gradient there and releases it `HOLD_AFTER_BWD`. The candle graph and
 //!    its copies of the parameters are dropped.
-//! 3. **Step.** [`TideParams::step`] decides the step (global norm, clipping) with the
-//!    optimizer's [`StepController`] and, tensor by tensor, accesses gradient, master, M
-//!    and V on the host — the store loads their chunks from NVMe where the budgets put
-//!    them, and writes them back when the host pool needs room — and runs
-//!    [`AdamW::step_slice`] on them.
+//! 3. **Step.** [`TideParams::step`] hands the step to tidestore's one step loop
+//!    ([`tidestore_train::StepLoop`]): it decides the step (global norm, clipping) and,
+//!    tensor by tensor, accesses gradient, master, M and V in the host pool — the store
+//!    loads their chunks from NVMe where the budgets put them, and writes them back when
+//!    the pool needs room — and runs the CPU AdamW kernel on them in place.
 //!
 //! Two precisions ([`Precision`]):
 //! - `F32`: forward reads the fp32 master copy; gradients are fp32, kept in frozen fp32
@@ -30,10 +30,8 @@
 //! forward, per parameter: chunk bytes -> a `Vec<f32>` that candle takes over without
 //! copying (plus candle's host -> GPU upload on a CUDA candle device); backward, per
 //! trainable parameter: candle's gradient -> a `Vec<f32>` (a GPU -> host download on
-//! CUDA) -> the chunk; step, per trainable parameter: gradient, master, M, V chunk bytes
-//! -> reused scratch vectors -> the kernel -> master, M, V (and the bf16 copy) back into
-//! their chunks. The scratch copies exist because the store lends one mutable view at a
-//! time.
+//! CUDA) -> the chunk. The step works on the chunks in place (with a host pool of at
+//! least five chunks; a smaller one steps through scratch copies, one chunk at a time).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,9 +45,10 @@ use tidestore_chunk::{
 };
 use tidestore_io::IoConfig;
 use tidestore_optimizer::{
-    AdamW, ControllerState, CpuConfig, Grads, HyperParams, ParamOut, StepController, StepDecision,
+    AdamW, ControllerState, CpuConfig, Grads, HybridAdamW, HyperParams, OptimError, StepDecision,
 };
 use tidestore_tiers::{DeviceConfig, DeviceKind};
+use tidestore_train::{GradPlace, Overlap, StepConfig, StepLoop, StepPlace, StepTensor};
 
 use crate::error::{Error, Result};
 use crate::source::{check_params, ParamSource, ParamSpec};
@@ -152,16 +151,6 @@ struct Entry {
     live: Option<Tensor>,
 }
 
-/// Reused buffers of the step (sized to the largest trainable tensor at open).
-#[derive(Debug, Default)]
-struct Scratch {
-    grad: Vec<f32>,
-    master: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    out16: Vec<half::bf16>,
-}
-
 /// A model's parameters and optimizer state in a tidestore chunk store; see the module
 /// doc.
 pub struct TideParams {
@@ -171,12 +160,8 @@ pub struct TideParams {
     by_name: std::collections::HashMap<String, usize>,
     precision: Precision,
     forward_place: Place,
-    opt: AdamW,
-    ctrl: StepController,
-    hp: HyperParams,
-    grad_sq_norm: f64,
+    step: StepLoop,
     grads_ready: bool,
-    scratch: Scratch,
     traffic: Arc<NvmeTraffic>,
 }
 
@@ -185,7 +170,7 @@ impl std::fmt::Debug for TideParams {
         f.debug_struct("TideParams")
             .field("params", &self.entries.len())
             .field("precision", &self.precision)
-            .field("step", &self.ctrl.step())
+            .field("step", &self.step.step_count())
             .field("store", &self.store)
             .finish()
     }
@@ -300,25 +285,6 @@ impl TideParams {
         let t = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| t.record(e))));
 
-        let opt = AdamW::new(CpuConfig {
-            threads: config.optimizer_threads,
-            ..CpuConfig::default()
-        })?;
-        let ctrl = StepController::new(config.max_grad_norm, None)?;
-        config.hp.validate()?;
-        let largest = params
-            .iter()
-            .filter(|(p, _)| p.trainable)
-            .map(|(p, _)| p.elements())
-            .max()
-            .unwrap_or(0);
-        let scratch = Scratch {
-            grad: vec![0.0; largest],
-            master: vec![0.0; largest],
-            m: vec![0.0; largest],
-            v: vec![0.0; largest],
-            out16: vec![half::bf16::ZERO; largest],
-        };
         let entries: Vec<Entry> = params
             .iter()
             .zip(ids)
@@ -334,6 +300,7 @@ impl TideParams {
             .enumerate()
             .map(|(i, e)| (e.spec.name.clone(), i))
             .collect();
+        let step = step_loop(&store, &entries, config)?;
         let mut this = TideParams {
             store,
             device: device.clone(),
@@ -341,12 +308,8 @@ impl TideParams {
             by_name,
             precision: config.precision,
             forward_place,
-            opt,
-            ctrl,
-            hp: config.hp,
-            grad_sq_norm: 0.0,
+            step,
             grads_ready: false,
-            scratch,
             traffic,
         };
         for (i, (_, values)) in params.iter().enumerate() {
@@ -404,7 +367,6 @@ impl TideParams {
     /// into the store (a parameter the forward did not use gets a zero gradient).
     pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
         let grads = loss.backward()?;
-        self.grad_sq_norm = 0.0;
         for i in (0..self.entries.len()).rev() {
             let live = self.entries[i].live.take();
             if !self.entries[i].spec.trainable {
@@ -415,20 +377,25 @@ impl TideParams {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0.0; n],
             };
-            self.grad_sq_norm += self.opt.grad_sq_norm(Grads::F32(&values));
+            let sq = self
+                .step
+                .optimizer()
+                .cpu()
+                .grad_sq_norm(Grads::F32(&values));
             let (tensor, list) = self.grad_place(&self.entries[i]);
             let g = self.store.access(tensor, list, Place::Host)?;
             let written = self.store.write_f32(&g, &values);
             self.store.release(g, TensorState::HoldAfterBwd)?;
             written?;
+            self.step.grad_ready(self.entries[i].id, sq)?;
         }
         self.grads_ready = true;
         Ok(())
     }
 
     /// One AdamW step over every trainable parameter, with the gradients of the last
-    /// [`TideParams::backward`]; ends the store's iteration. Returns the optimizer's
-    /// decision (clipping coefficient, gradient norm).
+    /// [`TideParams::backward`], by tidestore's step loop; ends the store's iteration.
+    /// Returns the optimizer's decision (clipping coefficient, gradient norm).
     pub fn step(&mut self) -> Result<StepDecision> {
         if !self.grads_ready {
             return Err(Error::BadParam {
@@ -437,78 +404,19 @@ impl TideParams {
             });
         }
         self.grads_ready = false;
-        let decision = self.ctrl.decide(self.grad_sq_norm);
-        if let StepDecision::Apply { state, .. } = decision {
-            self.store.begin_optimizer_step()?;
-            for i in 0..self.entries.len() {
-                if self.entries[i].spec.trainable {
-                    self.step_one(i, state)?;
-                }
-            }
-            self.store.end_optimizer_step()?;
-        }
+        let outcome = self.step.finish(&mut self.store, &mut |_| {})?;
         self.store.end_iteration()?;
-        Ok(decision)
-    }
-
-    fn step_one(&mut self, i: usize, state: tidestore_optimizer::StepState) -> Result<()> {
-        let e = &self.entries[i];
-        let (id, n) = (e.id, e.spec.elements());
-        let (gt, gl) = self.grad_place(e);
-        let s = &mut self.scratch;
-        let (grad, master, m, v) = (
-            &mut s.grad[..n],
-            &mut s.master[..n],
-            &mut s.m[..n],
-            &mut s.v[..n],
-        );
-        let out16 = &mut s.out16[..n];
-        let store = &mut self.store;
-        let gg = store.access(gt, gl, Place::Host)?;
-        let gm = store.access(id, ListKind::MasterF32, Place::Host)?;
-        let gmo = store.access(id, ListKind::MomentumF32, Place::Host)?;
-        let gv = store.access(id, ListKind::VarianceF32, Place::Host)?;
-        let result = (|| -> Result<()> {
-            typed::decode_f32(store.bytes(&gg)?, gg.dtype(), grad);
-            typed::decode_f32(store.bytes(&gm)?, DType::F32, master);
-            typed::decode_f32(store.bytes(&gmo)?, DType::F32, m);
-            typed::decode_f32(store.bytes(&gv)?, DType::F32, v);
-            let out = match self.precision {
-                Precision::Bf16 => Some(ParamOut::Bf16(&mut *out16)),
-                Precision::F32 => None,
-            };
-            self.opt
-                .step_slice(state, &self.hp, master, m, v, Grads::F32(grad), out)?;
-            typed::encode_f32(master, DType::F32, store.bytes_mut(&gm)?);
-            typed::encode_f32(m, DType::F32, store.bytes_mut(&gmo)?);
-            typed::encode_f32(v, DType::F32, store.bytes_mut(&gv)?);
-            if self.precision == Precision::Bf16 {
-                // The gradient's space is the bf16 copy's: the new params go there.
-                for (dst, x) in store.bytes_mut(&gg)?.chunks_exact_mut(2).zip(out16.iter()) {
-                    dst.copy_from_slice(&x.to_le_bytes());
-                }
-            }
-            Ok(())
-        })();
-        let mut released = Ok(());
-        for g in [gg, gm, gmo, gv] {
-            let r = store.release(g, TensorState::Hold);
-            if released.is_ok() {
-                released = r;
-            }
-        }
-        result?;
-        Ok(released?)
+        Ok(outcome.decision)
     }
 
     /// Steps applied so far.
     pub fn step_count(&self) -> u64 {
-        self.ctrl.step()
+        self.step.step_count()
     }
 
     /// The optimizer's hyper-parameters.
     pub fn hyper_params(&self) -> &HyperParams {
-        &self.hp
+        self.step.hyper_params()
     }
 
     /// The registered parameters, in forward order.
@@ -576,11 +484,11 @@ impl TideParams {
 
     /// The optimizer's step count and loss-scaler state, for [`crate::checkpoint`].
     pub(crate) fn controller_state(&self) -> ControllerState {
-        self.ctrl.state()
+        self.step.controller_state()
     }
 
     pub(crate) fn restore_controller(&mut self, state: ControllerState) -> Result<()> {
-        Ok(self.ctrl.restore(state)?)
+        Ok(self.step.restore(state)?)
     }
 }
 
@@ -606,6 +514,43 @@ impl ParamSource for TideParams {
         self.entries[i].live = Some(t.clone());
         Ok(t)
     }
+}
+
+/// The step loop over `entries`' trainable tensors: on the host, gradients in their fp32
+/// companions (`F32`) or over the bf16 copy (`Bf16`), stepped after backward.
+fn step_loop(store: &ChunkStore, entries: &[Entry], config: &TideConfig) -> Result<StepLoop> {
+    let cpu = AdamW::new(CpuConfig {
+        threads: config.optimizer_threads,
+        ..CpuConfig::default()
+    })?;
+    let opt = HybridAdamW::cpu_only(
+        cpu,
+        OptimError::NoGpu {
+            reason: "the candle glue steps in the host pool".into(),
+        },
+    );
+    let tensors = entries
+        .iter()
+        .filter(|e| e.spec.trainable)
+        .map(|e| StepTensor {
+            tensor: e.id,
+            grad: match e.grad_id {
+                Some(grad) => GradPlace::Separate {
+                    grad,
+                    write_param16: false,
+                },
+                None => GradPlace::InParam16,
+            },
+        })
+        .collect();
+    let cfg = StepConfig {
+        hp: config.hp,
+        max_grad_norm: config.max_grad_norm,
+        loss_scaler: None,
+        place: StepPlace::Host,
+        overlap: Overlap::Off,
+    };
+    Ok(StepLoop::new(store, opt, tensors, cfg)?)
 }
 
 pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
