@@ -388,7 +388,7 @@ pub enum DeviceKindName {
 }
 
 /// `[device]`: the GPU tier (or its simulation in host memory).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct DeviceSection {
@@ -402,6 +402,10 @@ pub struct DeviceSection {
     /// Memory of the simulated device; `"auto"`: the budget plus the workload's
     /// activation peak plus the margin. Ignored on a GPU (its real memory is used).
     pub sim_memory: AutoSize,
+    /// Host <-> device link rate in GB/s (10^9 bytes/s) each way: the simulated device's
+    /// copies take at least this long, and the bench's bound and `plan` count PCIe time
+    /// at this rate.
+    pub pcie_gbps: f64,
 }
 
 impl Default for DeviceSection {
@@ -411,6 +415,7 @@ impl Default for DeviceSection {
             budget: Size::from_gib(4),
             tidal_margin: Size::from_mib(0),
             sim_memory: AutoSize::Auto,
+            pcie_gbps: 25.0,
         }
     }
 }
@@ -500,6 +505,18 @@ pub enum OptimizerDevice {
     Gpu,
 }
 
+/// `optimizer.overlap`: when tensors are stepped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverlapName {
+    /// After backward.
+    #[default]
+    Off,
+    /// During backward, each chunk of gradients as soon as it is final (needs
+    /// `max_grad_norm = 0`: clipping needs every gradient before the first step).
+    Backward,
+}
+
 /// `optimizer.mode`: how weight decay enters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -534,6 +551,8 @@ pub struct OptimizerSection {
     pub mode: DecayMode,
     /// Clip the global gradient norm to this; 0 turns clipping off.
     pub max_grad_norm: f64,
+    /// When tensors are stepped: after backward, or during it.
+    pub overlap: OverlapName,
 }
 
 impl Default for OptimizerSection {
@@ -548,6 +567,7 @@ impl Default for OptimizerSection {
             weight_decay: 0.01,
             mode: DecayMode::Adamw,
             max_grad_norm: 1.0,
+            overlap: OverlapName::Off,
         }
     }
 }
@@ -645,6 +665,13 @@ impl Config {
     }
 
     fn validate_tiers(&self) -> Result<()> {
+        let pcie = self.device.pcie_gbps;
+        if !(pcie.is_finite() && pcie > 0.0 && pcie <= 10_000.0) {
+            return Err(Error::config(
+                "device.pcie_gbps",
+                format!("{pcie} is outside (0, 10000] GB/s"),
+            ));
+        }
         if self.device.budget.bytes() == 0 {
             return Err(Error::config(
                 "device.budget",
@@ -734,6 +761,17 @@ impl Config {
             return Err(Error::config(
                 "optimizer.threads",
                 format!("{} is outside 0..=1024", o.threads),
+            ));
+        }
+        if o.overlap == OverlapName::Backward && o.max_grad_norm > 0.0 {
+            return Err(Error::config(
+                "optimizer.overlap",
+                format!(
+                    "\"backward\" steps tensors before the last gradient exists, but \
+                     global-norm clipping (optimizer.max_grad_norm = {}) needs every \
+                     gradient first; set max_grad_norm = 0 or overlap = \"off\"",
+                    o.max_grad_norm
+                ),
             ));
         }
         Ok(())

@@ -76,9 +76,26 @@ pub enum Error {
     #[error("optimizer: {0}")]
     Optimizer(#[from] tidestore_optimizer::OptimError),
 
+    /// An error of the step loop or a checkpoint.
+    #[error(transparent)]
+    Train(tidestore_train::TrainError),
+
     /// A benchmark run that went wrong in a way none of the layers reports.
     #[error("bench: {0}")]
     Bench(String),
+}
+
+impl From<tidestore_train::TrainError> for Error {
+    /// The layers' errors keep their own variants; a bad setting is [`Error::Config`].
+    fn from(e: tidestore_train::TrainError) -> Self {
+        use tidestore_train::TrainError;
+        match e {
+            TrainError::Config { key, reason } => Error::config(key, reason),
+            TrainError::Store(e) => Error::Store(e),
+            TrainError::Optim(e) => Error::Optimizer(e),
+            other => Error::Train(other),
+        }
+    }
 }
 
 /// `Result` with [`Error`] as the default error.

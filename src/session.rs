@@ -260,6 +260,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
     dcfg.ordinal = DEVICE_ORDINAL;
     dcfg.sim_total_bytes = Some(device_memory_bytes.max(cfg.device.budget.bytes()));
+    dcfg.sim_link_bytes_per_s = Some((cfg.device.pcie_gbps * 1e9) as u64);
     let device = match cfg.device.kind {
         DeviceKindName::Sim => Device::sim(&dcfg),
         DeviceKindName::Cuda => Device::cuda(&dcfg),

@@ -121,9 +121,32 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
         "params_per_s",
         "kernel_params_per_s",
         "grad_norm",
+        "overlap",
+        "tensors_overlapped",
     ] {
         assert!(!v["optimizer"][f].is_null(), "optimizer.{f}");
     }
+    for f in [
+        "tflops",
+        "compute_seconds",
+        "pcie_seconds",
+        "nvme_seconds",
+        "optimizer_seconds",
+        "bound_seconds",
+        "efficiency",
+    ] {
+        assert!(v["bound"][f].is_number(), "bound.{f}");
+    }
+    for f in ["read_bytes_per_s", "write_bytes_per_s", "mixed_bytes_per_s"] {
+        let rate = v["bound"]["disk"][f].as_f64().expect("disk rate");
+        assert!(rate > 0.0, "bound.disk.{f} = {rate}");
+    }
+    // NVMe traffic, so the NVMe bound is positive and the bound is the largest part.
+    let b = &v["bound"];
+    assert!(b["nvme_seconds"].as_f64().unwrap() > 0.0);
+    assert!(b["bound_seconds"].as_f64().unwrap() >= b["nvme_seconds"].as_f64().unwrap());
+    assert_eq!(v["optimizer"]["overlap"], "off");
+    assert_eq!(v["optimizer"]["tensors_overlapped"], 0);
     for f in [
         "device_evictions",
         "host_evictions",

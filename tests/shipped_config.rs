@@ -56,7 +56,10 @@ fn shipped_config_sets_and_documents_every_key() {
             ],
         ),
         ("chunk", &["size"]),
-        ("device", &["kind", "budget", "tidal_margin", "sim_memory"]),
+        (
+            "device",
+            &["kind", "budget", "tidal_margin", "sim_memory", "pcie_gbps"],
+        ),
         ("host", &["budget"]),
         ("nvme", &["dir", "size", "compression"]),
         (
@@ -75,6 +78,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "weight_decay",
                 "mode",
                 "max_grad_norm",
+                "overlap",
             ],
         ),
         (
@@ -87,6 +91,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "iterations",
                 "micro_batch",
                 "sequence",
+                "tflops",
                 "arch",
                 "layers",
                 "hidden",

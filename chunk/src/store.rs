@@ -1508,6 +1508,14 @@ impl ChunkStore {
 
     // ------------------------------------------------------------- whole-store
 
+    /// Moves the store's transfers on without waiting: finished NVMe reads and writes
+    /// and device copies are taken in, and queued requests started. The store's I/O
+    /// advances only inside its calls, so a caller whose own work runs for a while (a
+    /// device computing) calls this now and then to keep the disk busy.
+    pub fn poll_io(&mut self) -> Result<()> {
+        self.mover.harvest()
+    }
+
     /// Waits for every transfer in flight.
     pub fn sync(&mut self) -> Result<()> {
         self.mover.wait_all()

@@ -284,6 +284,31 @@ fn print_table(r: &BenchReport) {
         s.prefetch_hits,
         s.divergences
     );
+    let b = &r.bound;
+    let compute = if b.tflops > 0.0 {
+        format!("compute {:.3} s at {} TFLOP/s", b.compute_seconds, b.tflops)
+    } else {
+        "compute not modeled (workload.tflops = 0)".to_string()
+    };
+    out!(
+        "overlap {}: {} tensor steps during backward; bound per iteration {:.3} s = max({compute}, \
+         PCIe {:.3} s, NVMe {:.3} s, optimizer kernel {:.3} s); efficiency {:.2} (bound / \
+         measured)",
+        o.overlap,
+        o.tensors_overlapped,
+        b.bound_seconds,
+        b.pcie_seconds,
+        b.nvme_seconds,
+        b.optimizer_seconds,
+        b.efficiency
+    );
+    out!(
+        "disk (measured before the first iteration): read {:.2} GB/s, write {:.2} GB/s, \
+         mixed {:.2} GB/s",
+        b.disk.read_bytes_per_s / 1e9,
+        b.disk.write_bytes_per_s / 1e9,
+        b.disk.mixed_bytes_per_s / 1e9
+    );
     out!("checksum of every byte read: {}", r.checksum);
     out!("emulated: {}", r.emulated);
 }

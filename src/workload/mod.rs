@@ -145,7 +145,7 @@ impl LoraTargets {
 }
 
 /// `[workload]`: the model and how it is trained.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 #[non_exhaustive]
 pub struct WorkloadSection {
@@ -163,6 +163,9 @@ pub struct WorkloadSection {
     pub micro_batch: u32,
     /// Tokens per sequence (sizes the emulated activations), >= 1.
     pub sequence: u32,
+    /// The device's compute rate in TFLOP/s for the bench's compute model (forward and
+    /// backward take their FLOPs' time at this rate); 0: compute takes no time.
+    pub tflops: f64,
     /// Custom models only: `gpt2` (LayerNorm with biases, fc/proj MLP, tied head,
     /// learned positions) or `llama` (RMSNorm, gate/up/down MLP, untied head).
     pub arch: Option<Arch>,
@@ -191,6 +194,7 @@ impl Default for WorkloadSection {
             iterations: 3,
             micro_batch: 1,
             sequence: 1024,
+            tflops: 0.0,
             arch: None,
             layers: None,
             hidden: None,
@@ -223,6 +227,15 @@ impl WorkloadSection {
         }
         if self.sequence == 0 {
             return Err(Error::config("workload.sequence", "must be at least 1"));
+        }
+        if !(self.tflops.is_finite() && (0.0..=1e6).contains(&self.tflops)) {
+            return Err(Error::config(
+                "workload.tflops",
+                format!(
+                    "{} is outside 0..=1000000 (0: compute not modeled)",
+                    self.tflops
+                ),
+            ));
         }
         self.shape().map(|_| ())
     }
