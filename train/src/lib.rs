@@ -11,6 +11,10 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod checkpoint;
+pub mod checkpoint_dir;
 pub mod error;
 
+pub use checkpoint::{CheckpointState, CHECKPOINT_FORMAT};
+pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
