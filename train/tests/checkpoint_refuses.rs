@@ -110,6 +110,9 @@ fn a_truncated_file_is_refused() {
     }
 }
 
+/// A change made to a file's bytes.
+type Edit = Box<dyn FnOnce(&mut Vec<u8>)>;
+
 #[test]
 fn a_bad_header_is_malformed() {
     let dir = tempfile::tempdir().unwrap();
@@ -119,7 +122,7 @@ fn a_bad_header_is_malformed() {
             .position(|w| w == s.as_bytes())
             .unwrap_or_else(|| panic!("{s} not in the header"))
     };
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Vec<u8>)>, &str)> = vec![
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "not json",
             Box::new(|b: &mut Vec<u8>| b[8] = b'x'),
