@@ -1,0 +1,970 @@
+//! The step loop: AdamW over tensors whose 16-bit parameters (and gradients), fp32
+//! master copy, M and V live in a [`ChunkStore`], each tensor stepped where the store
+//! puts it. It is the one loop of tidestore: the bench, the candle glue and library
+//! users drive it the same way.
+//!
+//! # One iteration
+//! 1. During backward, as each tensor's gradient is final in the store, the caller says
+//!    so with [`StepLoop::grad_ready`], with the gradient's squared L2 norm (the caller
+//!    has the values when it writes them).
+//! 2. With [`Overlap::Backward`], tensors are grouped by the chunk that holds their
+//!    gradients; a group whose every gradient is final is queued, and
+//!    [`StepLoop::step_ready`] steps queued tensors while the caller's device computes
+//!    the next block (up to a deadline, so the step never holds the device's next
+//!    launch back for long). A chunk still in use by backward is never in a complete
+//!    group, so the step never fights backward for a chunk.
+//! 3. [`StepLoop::finish`] decides the step (global norm, clipping, overflow) with the
+//!    optimizer's [`StepController`], switches the store to its optimizer-step budget
+//!    and steps every tensor not stepped yet.
+//!
+//! # Where a tensor is stepped
+//! [`StepPlace::Host`]: its chunks are accessed in the pinned host pool and the CPU
+//! kernel updates them in place, piece by piece, polling the store's NVMe transfers
+//! between pieces so that the reads of the next tensors and the write-backs of the last
+//! ones keep moving. When the pool cannot hold a tensor's chunks at once (plus one
+//! buffer for loads), the tensor is stepped one chunk at a time through scratch copies.
+//! [`StepPlace::Device`]: its chunks are accessed on the device and stepped there (the
+//! GPU kernel on CUDA; the CPU kernel over the simulated device's memory).
+//!
+//! # Overlap, clipping and overflow
+//! Stepping a tensor during backward uses the step's decision before the last gradient
+//! exists. Global-norm clipping needs the norm of every gradient and a skipped step
+//! (overflow) must leave every tensor alone, so [`Overlap::Backward`] is refused with a
+//! clipping norm or a loss scaler: clipping with the norm known so far would be wrong,
+//! and rolling stepped tensors back would need a second copy of their state. Without
+//! them the decision is known up front (step `n + 1`, gradients as they are), and
+//! overlapped steps are bit-identical to [`Overlap::Off`]. A non-finite gradient that
+//! arrives after tensors were stepped cannot be skipped any more: [`StepLoop::finish`]
+//! returns [`TrainError::Protocol`] naming it (bf16 training has no overflow to skip;
+//! such a gradient means the run diverged).
+//!
+//! Every access is released on every path, errors included; the store's moments are
+//! reported to an observer (progress bars, plots) after each access and release.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use half::{bf16, f16};
+use tidestore_chunk::{
+    ChunkId, ChunkStore, DType, Guard, ListKind, Place, TensorId, TensorState, TensorViewMut,
+};
+use tidestore_optimizer::{
+    ControllerState, DeviceGrads, DeviceSlices, Dtype, Grads, HybridAdamW, HyperParams,
+    LossScalerConfig, ParamOut, Placement, StepController, StepDecision, StepState,
+};
+use tidestore_tiers::{DeviceView, DeviceViewMut};
+
+use crate::error::{Result, TrainError};
+
+/// Where tensors are stepped (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPlace {
+    /// In the pinned host pool, by the CPU kernel.
+    Host,
+    /// On the device: the GPU kernel, or the CPU kernel over the simulated device.
+    Device,
+}
+
+/// When tensors are stepped (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overlap {
+    /// After backward, in [`StepLoop::finish`].
+    Off,
+    /// During backward, as soon as a group's gradients are final.
+    Backward,
+}
+
+/// Where a tensor's gradient is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradPlace {
+    /// Written over its 16-bit parameters (the layout's mixed precision): the step reads
+    /// the gradient there and writes the new 16-bit parameters over it.
+    InParam16,
+    /// In another tensor's `Param16` place (any dtype); the new 16-bit parameters go to
+    /// the tensor's own `Param16` place when `write_param16`.
+    Separate {
+        /// The gradient's tensor.
+        grad: TensorId,
+        /// Whether to refresh the 16-bit copy of the parameters.
+        write_param16: bool,
+    },
+}
+
+/// A tensor the loop steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepTensor {
+    /// The parameter tensor (with `MasterF32`, `MomentumF32` and `VarianceF32` places).
+    pub tensor: TensorId,
+    /// Where its gradient is.
+    pub grad: GradPlace,
+}
+
+/// How the loop steps.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepConfig {
+    /// AdamW hyper-parameters.
+    pub hp: HyperParams,
+    /// Clip the global gradient norm to this, when given.
+    pub max_grad_norm: Option<f32>,
+    /// Dynamic loss scaling (fp16 gradients), when given.
+    pub loss_scaler: Option<LossScalerConfig>,
+    /// Where tensors are stepped.
+    pub place: StepPlace,
+    /// When tensors are stepped.
+    pub overlap: Overlap,
+}
+
+/// Counters of the loop since it was made (or [`StepLoop::reset_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Steps applied.
+    pub steps_applied: u64,
+    /// Steps skipped (overflow).
+    pub steps_skipped: u64,
+    /// Tensor steps made.
+    pub tensors_stepped: u64,
+    /// Of those, made during backward ([`Overlap::Backward`]).
+    pub tensors_overlapped: u64,
+    /// Parameters stepped.
+    pub params_stepped: u64,
+    /// Time in the optimizer kernel (not waiting for chunks), in nanoseconds.
+    pub kernel_ns: u64,
+    /// Whether a device step ran over the simulated device's memory.
+    pub simulated: bool,
+    /// The global gradient norm of the last applied step.
+    pub grad_norm: f64,
+}
+
+/// What [`StepLoop::finish`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// The controller's decision.
+    pub decision: StepDecision,
+    /// Tensors stepped during backward.
+    pub overlapped: usize,
+}
+
+/// Parameters per kernel call in the host pool: the piece's 16-bit gradient is staged in
+/// a buffer that stays in cache, and the store's NVMe transfers are polled between
+/// pieces.
+const STEP_PIECE: usize = 128 * 1024;
+
+#[derive(Debug)]
+struct Entry {
+    spec: StepTensor,
+    name: String,
+    len: usize,
+    /// The chunk holding its gradient (its group).
+    group: ChunkId,
+    grad_dtype: DType,
+    /// The 16-bit copy's dtype, when the step writes it.
+    out_dtype: Option<DType>,
+    grad_final: bool,
+    stepped: bool,
+}
+
+impl Entry {
+    /// (tensor, list) of the gradient.
+    fn grad_at(&self) -> TensorId {
+        match self.spec.grad {
+            GradPlace::InParam16 => self.spec.tensor,
+            GradPlace::Separate { grad, .. } => grad,
+        }
+    }
+
+    /// The places the step uses, in access order: the gradient, the 16-bit copy when
+    /// written apart from it, master, M, V.
+    fn places(&self) -> Vec<(TensorId, ListKind)> {
+        let t = self.spec.tensor;
+        let mut p = vec![(self.grad_at(), ListKind::Param16)];
+        if let GradPlace::Separate {
+            write_param16: true,
+            ..
+        } = self.spec.grad
+        {
+            p.push((t, ListKind::Param16));
+        }
+        p.extend([
+            (t, ListKind::MasterF32),
+            (t, ListKind::MomentumF32),
+            (t, ListKind::VarianceF32),
+        ]);
+        p
+    }
+}
+
+/// Reused buffers of the host steps (sized once, at construction).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// A piece's 16-bit gradient (in place) or a whole tensor's gradient bytes (copying).
+    grad: Vec<u32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    out16: Vec<u16>,
+}
+
+/// Called after every access and release the loop makes, with the store as it is then.
+pub type Observer<'a> = &'a mut dyn FnMut(&ChunkStore);
+
+/// The step loop over a store (see the module doc).
+#[derive(Debug)]
+pub struct StepLoop {
+    opt: HybridAdamW,
+    hp: HyperParams,
+    ctrl: StepController,
+    place: StepPlace,
+    overlap: Overlap,
+    entries: Vec<Entry>,
+    by_tensor: HashMap<TensorId, usize>,
+    /// Per group (gradient chunk): members, and how many gradients are not final.
+    groups: HashMap<ChunkId, (Vec<usize>, usize)>,
+    ready: VecDeque<usize>,
+    /// The decision overlapped steps use (made at the first of them).
+    early: Option<StepState>,
+    grad_sq: f64,
+    finals: usize,
+    /// Whether the host pool holds a tensor's chunks at once.
+    in_place: bool,
+    scratch: Scratch,
+    stats: StepStats,
+}
+
+impl StepLoop {
+    /// A loop stepping `tensors` of `store` with `opt`. Refused here, before anything is
+    /// touched: a tensor without master, M or V places, a gradient of an unsupported
+    /// dtype, a tensor listed twice, invalid hyper-parameters, and [`Overlap::Backward`]
+    /// with clipping or loss scaling (see the module doc).
+    pub fn new(
+        store: &ChunkStore,
+        opt: HybridAdamW,
+        tensors: Vec<StepTensor>,
+        cfg: StepConfig,
+    ) -> Result<Self> {
+        cfg.hp.validate()?;
+        if cfg.overlap == Overlap::Backward {
+            let what = match (cfg.max_grad_norm, cfg.loss_scaler) {
+                (Some(_), _) => Some("global-norm clipping (max_grad_norm)"),
+                (None, Some(_)) => Some("dynamic loss scaling"),
+                (None, None) => None,
+            };
+            if let Some(what) = what {
+                return Err(TrainError::Config {
+                    key: "optimizer.overlap",
+                    reason: format!(
+                        "\"backward\" steps tensors before the last gradient exists, and \
+                         {what} needs every gradient first; turn it off or set overlap = \
+                         \"off\""
+                    ),
+                });
+            }
+        }
+        let ctrl = StepController::new(cfg.max_grad_norm, cfg.loss_scaler)?;
+        let layout = store.layout();
+        let mut entries = Vec::with_capacity(tensors.len());
+        let mut by_tensor = HashMap::with_capacity(tensors.len());
+        let mut groups: HashMap<ChunkId, (Vec<usize>, usize)> = HashMap::new();
+        for spec in tensors {
+            let entry = entry_of(layout, spec)?;
+            if by_tensor.insert(spec.tensor, entries.len()).is_some() {
+                return Err(TrainError::Tensor {
+                    tensor: entry.name,
+                    reason: "listed twice in the step loop".into(),
+                });
+            }
+            let g = groups.entry(entry.group).or_default();
+            g.0.push(entries.len());
+            g.1 += 1;
+            entries.push(entry);
+        }
+        let places_max = entries.iter().map(|e| e.places().len()).max().unwrap_or(0);
+        let in_place = store.capacity_plan().host_buffers > places_max as u64;
+        let longest = entries.iter().map(|e| e.len).max().unwrap_or(0);
+        let scratch = match (cfg.place, in_place) {
+            (StepPlace::Device, _) => Scratch::default(),
+            (StepPlace::Host, true) => Scratch {
+                grad: vec![0; STEP_PIECE.min(longest).div_ceil(2)],
+                ..Scratch::default()
+            },
+            (StepPlace::Host, false) => Scratch {
+                grad: vec![0; longest],
+                m: vec![0.0; longest],
+                v: vec![0.0; longest],
+                out16: vec![0; longest],
+            },
+        };
+        if !in_place && cfg.place == StepPlace::Host {
+            tracing::info!(
+                host_buffers = store.capacity_plan().host_buffers,
+                chunks_per_tensor = places_max,
+                "step loop: the host pool cannot hold a tensor's chunks at once; stepping \
+                 one chunk at a time through scratch copies"
+            );
+        }
+        Ok(StepLoop {
+            opt,
+            hp: cfg.hp,
+            ctrl,
+            place: cfg.place,
+            overlap: cfg.overlap,
+            entries,
+            by_tensor,
+            groups,
+            ready: VecDeque::new(),
+            early: None,
+            grad_sq: 0.0,
+            finals: 0,
+            in_place,
+            scratch,
+            stats: StepStats::default(),
+        })
+    }
+
+    /// The optimizer (its CPU kernel's SIMD level and threads, its GPU status).
+    pub fn optimizer(&self) -> &HybridAdamW {
+        &self.opt
+    }
+
+    /// The hyper-parameters.
+    pub fn hyper_params(&self) -> &HyperParams {
+        &self.hp
+    }
+
+    /// Where tensors are stepped.
+    pub fn place(&self) -> StepPlace {
+        self.place
+    }
+
+    /// When tensors are stepped.
+    pub fn overlap(&self) -> Overlap {
+        self.overlap
+    }
+
+    /// Whether host steps work in place (else through scratch copies).
+    pub fn in_place(&self) -> bool {
+        self.in_place
+    }
+
+    /// Steps applied so far (the controller's count).
+    pub fn step_count(&self) -> u64 {
+        self.ctrl.step()
+    }
+
+    /// The loss scale to multiply the loss by (1.0 without a scaler).
+    pub fn loss_scale(&self) -> f32 {
+        self.ctrl.loss_scale()
+    }
+
+    /// The controller's state, for checkpoints.
+    pub fn controller_state(&self) -> ControllerState {
+        self.ctrl.state()
+    }
+
+    /// Restores a checkpointed controller state (between iterations only).
+    pub fn restore(&mut self, state: ControllerState) -> Result<()> {
+        if self.finals != 0 {
+            return Err(TrainError::Protocol(
+                "restore() during an iteration (gradients already reported)".into(),
+            ));
+        }
+        Ok(self.ctrl.restore(state)?)
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> StepStats {
+        self.stats
+    }
+
+    /// Zeroes the counters.
+    pub fn reset_stats(&mut self) {
+        self.stats = StepStats::default();
+    }
+
+    /// Tensors queued for an overlapped step.
+    pub fn queued(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// `tensor`'s gradient is final in the store, with squared L2 norm `sq_norm` (of
+    /// the raw, loss-scaled values). With [`Overlap::Backward`], its group is queued
+    /// when this was its last gradient.
+    pub fn grad_ready(&mut self, tensor: TensorId, sq_norm: f64) -> Result<()> {
+        let &i = self.by_tensor.get(&tensor).ok_or_else(|| {
+            TrainError::Protocol(format!("grad_ready for {tensor}, which is not stepped"))
+        })?;
+        let e = &mut self.entries[i];
+        if e.grad_final {
+            return Err(TrainError::Protocol(format!(
+                "the gradient of `{}` reported final twice in one iteration",
+                e.name
+            )));
+        }
+        e.grad_final = true;
+        self.finals += 1;
+        self.grad_sq += sq_norm;
+        let group = self
+            .groups
+            .get_mut(&e.group)
+            .expect("every entry's group was registered with it");
+        group.1 -= 1;
+        if group.1 == 0 && self.overlap == Overlap::Backward {
+            self.ready.extend(group.0.iter().copied());
+        }
+        Ok(())
+    }
+
+    /// Steps queued tensors ([`Overlap::Backward`]) until `deadline` has passed (all of
+    /// them without one); returns how many were stepped. Nothing is stepped while the
+    /// gradients so far are not finite (see the module doc).
+    pub fn step_ready(
+        &mut self,
+        store: &mut ChunkStore,
+        deadline: Option<Instant>,
+        observe: Observer<'_>,
+    ) -> Result<usize> {
+        if self.ready.is_empty() || !self.grad_sq.is_finite() {
+            return Ok(0);
+        }
+        let state = *self
+            .early
+            .get_or_insert(StepState::new(self.ctrl.step() + 1));
+        let mut n = 0;
+        while let Some(i) = self.ready.pop_front() {
+            self.step_entry(store, i, state, observe)?;
+            self.stats.tensors_overlapped += 1;
+            n += 1;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Ends the iteration's step: decides it from every gradient's norm, and steps every
+    /// tensor not stepped yet between the store's
+    /// [`ChunkStore::begin_optimizer_step`] and [`ChunkStore::end_optimizer_step`]. A
+    /// skipped step consumes the gradients (each gradient place accessed and released)
+    /// and changes nothing else. Every tensor's gradient must have been reported.
+    pub fn finish(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<StepOutcome> {
+        if let Some(e) = self.entries.iter().find(|e| !e.grad_final) {
+            return Err(TrainError::Protocol(format!(
+                "finish() before the gradient of `{}` was reported",
+                e.name
+            )));
+        }
+        let overlapped = self.entries.iter().filter(|e| e.stepped).count();
+        let decision = self.ctrl.decide(self.grad_sq);
+        let result = match decision {
+            StepDecision::Apply {
+                state, grad_norm, ..
+            } => {
+                if let Some(early) = self.early.filter(|&early| early != state) {
+                    return Err(TrainError::Protocol(format!(
+                        "overlapped steps used {early:?} but the step is {state:?}"
+                    )));
+                }
+                self.stats.steps_applied += 1;
+                self.stats.grad_norm = grad_norm;
+                self.step_rest(store, state, observe)
+            }
+            StepDecision::Skip { .. } if overlapped > 0 => Err(TrainError::Protocol(format!(
+                "a non-finite gradient arrived after {overlapped} tensors were stepped \
+                 during backward; optimizer.overlap = \"backward\" cannot skip a step"
+            ))),
+            StepDecision::Skip { .. } => {
+                self.stats.steps_skipped += 1;
+                self.consume_grads(store, observe)
+            }
+        };
+        self.new_iteration();
+        result.map(|()| StepOutcome {
+            decision,
+            overlapped,
+        })
+    }
+
+    fn new_iteration(&mut self) {
+        for e in &mut self.entries {
+            e.grad_final = false;
+            e.stepped = false;
+        }
+        for g in self.groups.values_mut() {
+            g.1 = g.0.len();
+        }
+        self.ready.clear();
+        self.early = None;
+        self.grad_sq = 0.0;
+        self.finals = 0;
+    }
+
+    fn step_rest(
+        &mut self,
+        store: &mut ChunkStore,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        store.begin_optimizer_step()?;
+        for i in 0..self.entries.len() {
+            if !self.entries[i].stepped {
+                self.step_entry(store, i, state, observe)?;
+            }
+        }
+        store.end_optimizer_step()?;
+        Ok(())
+    }
+
+    fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
+        let place = self.store_place();
+        for e in &self.entries {
+            let g = store.access(e.grad_at(), ListKind::Param16, place)?;
+            observe(store);
+            store.release(g, TensorState::Hold)?;
+            observe(store);
+        }
+        Ok(())
+    }
+
+    fn store_place(&self) -> Place {
+        match self.place {
+            StepPlace::Host => Place::Host,
+            StepPlace::Device => Place::Device,
+        }
+    }
+
+    /// Steps entry `i`: its places accessed, stepped, released on every path.
+    fn step_entry(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        if self.entries[i].stepped {
+            return Err(TrainError::Protocol(format!(
+                "`{}` stepped twice in one step",
+                self.entries[i].name
+            )));
+        }
+        match (self.place, self.in_place) {
+            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe)?,
+            (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe)?,
+            (StepPlace::Device, _) => self.step_device(store, i, state, observe)?,
+        }
+        let e = &mut self.entries[i];
+        e.stepped = true;
+        self.stats.tensors_stepped += 1;
+        self.stats.params_stepped += e.len as u64;
+        Ok(())
+    }
+
+    /// Accesses every place of entry `i` at `place`, runs `f` with the guards, and
+    /// releases them all (to `Hold`) whatever `f` returned.
+    fn with_places<R>(
+        store: &mut ChunkStore,
+        places: &[(TensorId, ListKind)],
+        place: Place,
+        observe: Observer<'_>,
+        f: impl FnOnce(&mut ChunkStore, &[&Guard]) -> Result<R>,
+    ) -> Result<R> {
+        let mut guards = Vec::with_capacity(places.len());
+        let mut result = Ok(());
+        for &(t, l) in places {
+            match store.access(t, l, place) {
+                Ok(g) => {
+                    guards.push(g);
+                    observe(store);
+                }
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        let out = result.and_then(|()| {
+            let refs: Vec<&Guard> = guards.iter().collect();
+            f(store, &refs)
+        });
+        let mut released = Ok(());
+        for g in guards {
+            let r = store.release(g, TensorState::Hold);
+            observe(store);
+            if released.is_ok() {
+                released = r.map_err(TrainError::from);
+            }
+        }
+        let out = out?;
+        released?;
+        Ok(out)
+    }
+
+    fn step_host_in_place(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let places = e.places();
+        let (opt, hp, scratch) = (&self.opt, &self.hp, &mut self.scratch);
+        let kernel_ns =
+            Self::with_places(store, &places, Place::Host, observe, |store, guards| {
+                let (mut views, mut pump) = store.views_mut_with_io(guards)?;
+                let (v, m, master) = (
+                    views.pop().expect("five or four places"),
+                    views.pop().expect("five or four places"),
+                    views.pop().expect("five or four places"),
+                );
+                let master = f32s(master, &e.name, "master")?;
+                let m = f32s(m, &e.name, "m")?;
+                let v = f32s(v, &e.name, "v")?;
+                let grad_bytes = views.swap_remove(0);
+                let mut out = views.pop();
+                let mut ns = 0u64;
+                let mut at = 0;
+                while at < e.len {
+                    let end = (at + STEP_PIECE).min(e.len);
+                    let n = end - at;
+                    let started = Instant::now();
+                    let in_place16 = matches!(e.spec.grad, GradPlace::InParam16);
+                    if in_place16 {
+                        // The gradient and the new parameters share these bytes: stage the
+                        // piece's gradient in a cache-sized buffer.
+                        let staged: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch.grad[..]);
+                        staged[..2 * n].copy_from_slice(&grad_bytes[2 * at..2 * end]);
+                        let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
+                        let out16 = &mut grad_bytes[2 * at..2 * end];
+                        let out = param_out(out16, e.grad_dtype, &e.name)?;
+                        opt.cpu().step_slice(
+                            state,
+                            hp,
+                            &mut master[at..end],
+                            &mut m[at..end],
+                            &mut v[at..end],
+                            grads,
+                            Some(out),
+                        )?;
+                    } else {
+                        let w = e.grad_dtype.size_bytes() as usize;
+                        let grads = grads_of(&grad_bytes[w * at..w * end], e.grad_dtype, &e.name)?;
+                        let out = match (&mut out, e.out_dtype) {
+                            (Some(o), Some(d)) => {
+                                Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?)
+                            }
+                            _ => None,
+                        };
+                        opt.cpu().step_slice(
+                            state,
+                            hp,
+                            &mut master[at..end],
+                            &mut m[at..end],
+                            &mut v[at..end],
+                            grads,
+                            out,
+                        )?;
+                    }
+                    ns += started.elapsed().as_nanos() as u64;
+                    // Keep the NVMe reads of the next tensors (and write-backs) moving.
+                    pump.poll();
+                    at = end;
+                }
+                Ok(ns)
+            })?;
+        self.stats.kernel_ns += kernel_ns;
+        Ok(())
+    }
+
+    /// The step one chunk in use at a time (a host pool too small for a tensor's chunks
+    /// at once): gradient, M and V copied out to scratch, master updated in place, M, V
+    /// and the new 16-bit parameters copied back.
+    fn step_host_copying(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let (t, len) = (e.spec.tensor, e.len);
+        let s = &mut self.scratch;
+        let grad_len = len * e.grad_dtype.size_bytes() as usize;
+        let grad: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.grad[..])[..grad_len];
+        copy_out(store, (e.grad_at(), ListKind::Param16), grad, observe)?;
+        let (m, v) = (&mut s.m[..len], &mut s.v[..len]);
+        copy_out(
+            store,
+            (t, ListKind::MomentumF32),
+            bytemuck::cast_slice_mut(m),
+            observe,
+        )?;
+        copy_out(
+            store,
+            (t, ListKind::VarianceF32),
+            bytemuck::cast_slice_mut(v),
+            observe,
+        )?;
+        let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
+        let (opt, hp) = (&self.opt, &self.hp);
+        let ns = Self::with_places(
+            store,
+            &[(t, ListKind::MasterF32)],
+            Place::Host,
+            observe,
+            |store, guards| {
+                let master = f32s(store.bytes_mut(guards[0])?, &e.name, "master")?;
+                let grads = grads_of(grad, e.grad_dtype, &e.name)?;
+                let out = match e.out_dtype {
+                    Some(d) => Some(param_out(out_bytes, d, &e.name)?),
+                    None => None,
+                };
+                let started = Instant::now();
+                opt.cpu().step_slice(state, hp, master, m, v, grads, out)?;
+                Ok(started.elapsed().as_nanos() as u64)
+            },
+        )?;
+        self.stats.kernel_ns += ns;
+        copy_in(
+            store,
+            (t, ListKind::MomentumF32),
+            bytemuck::cast_slice(m),
+            observe,
+        )?;
+        copy_in(
+            store,
+            (t, ListKind::VarianceF32),
+            bytemuck::cast_slice(v),
+            observe,
+        )?;
+        if e.out_dtype.is_some() {
+            let out: &[u8] = bytemuck::cast_slice(&s.out16[..len]);
+            copy_in(store, (t, ListKind::Param16), out, observe)?;
+        }
+        Ok(())
+    }
+
+    /// The step on the device: every place accessed there and stepped where it is; the
+    /// kernel has finished when the optimizer returns, before the guards are released.
+    fn step_device(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let places = e.places();
+        let (opt, hp) = (&self.opt, &self.hp);
+        let (ns, simulated) =
+            Self::with_places(store, &places, Place::Device, observe, |store, guards| {
+                let (views, mut pump) = store.tensor_views_mut_with_io(guards)?;
+                let mut views = views
+                    .into_iter()
+                    .map(|v| match v {
+                        TensorViewMut::Device(d) => Ok(d),
+                        TensorViewMut::Host(_) => Err(TrainError::Tensor {
+                            tensor: e.name.clone(),
+                            reason: "a device access gave a view of the host pool".into(),
+                        }),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let v = views.pop().expect("five or four places");
+                let m = views.pop().expect("five or four places");
+                let master = views.pop().expect("five or four places");
+                let grad = views.swap_remove(0);
+                let grads = match e.spec.grad {
+                    GradPlace::InParam16 => DeviceGrads::InPlace {
+                        bytes: grad,
+                        dtype: dtype_of(e.grad_dtype),
+                    },
+                    GradPlace::Separate { .. } => DeviceGrads::Separate {
+                        grads: read_only(grad),
+                        dtype: dtype_of(e.grad_dtype),
+                        out: views.pop().zip(e.out_dtype.map(dtype_of)),
+                    },
+                };
+                let started = Instant::now();
+                let placed = opt.step_device_slices(
+                    state,
+                    hp,
+                    DeviceSlices {
+                        len: e.len,
+                        master,
+                        m,
+                        v,
+                        grads,
+                    },
+                )?;
+                let ns = started.elapsed().as_nanos() as u64;
+                pump.poll();
+                if placed.placement != Placement::Gpu {
+                    return Err(TrainError::Tensor {
+                        tensor: e.name.clone(),
+                        reason: format!(
+                            "the optimizer stepped device memory on {:?}",
+                            placed.placement
+                        ),
+                    });
+                }
+                Ok((ns, placed.simulated))
+            })?;
+        self.stats.kernel_ns += ns;
+        self.stats.simulated |= simulated;
+        Ok(())
+    }
+}
+
+/// The entry of `spec`, checked against the layout.
+fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry> {
+    let name_of = |t: TensorId| {
+        layout
+            .tensor(t)
+            .map_or_else(|| t.to_string(), |s| s.name.clone())
+    };
+    let name = name_of(spec.tensor);
+    let missing = |what: String| TrainError::Tensor {
+        tensor: name.clone(),
+        reason: what,
+    };
+    if layout.tensor(spec.tensor).is_none() {
+        return Err(missing("not registered in the store's layout".into()));
+    }
+    for list in [
+        ListKind::MasterF32,
+        ListKind::MomentumF32,
+        ListKind::VarianceF32,
+    ] {
+        if layout.location(spec.tensor, list).is_none() {
+            return Err(missing(format!(
+                "has no {list} place: only trainable tensors are stepped"
+            )));
+        }
+    }
+    let master = layout
+        .location(spec.tensor, ListKind::MasterF32)
+        .expect("checked above");
+    let len = usize::try_from(master.elements)
+        .map_err(|_| missing("more elements than this machine addresses".into()))?;
+    let grad_tensor = match spec.grad {
+        GradPlace::InParam16 => spec.tensor,
+        GradPlace::Separate { grad, .. } => grad,
+    };
+    let grad_loc = layout
+        .location(grad_tensor, ListKind::Param16)
+        .ok_or_else(|| {
+            missing(format!(
+                "its gradient tensor `{}` has no param16 place",
+                name_of(grad_tensor)
+            ))
+        })?;
+    if grad_loc.elements != master.elements {
+        return Err(missing(format!(
+            "its gradient `{}` holds {} bytes of {}, not {len} elements",
+            name_of(grad_tensor),
+            grad_loc.bytes(),
+            grad_loc.dtype
+        )));
+    }
+    let p16 = layout.location(spec.tensor, ListKind::Param16);
+    let out_dtype = match spec.grad {
+        GradPlace::InParam16 => {
+            if grad_loc.dtype == DType::F32 {
+                return Err(missing(
+                    "a gradient in place of the 16-bit parameters must be 16-bit".into(),
+                ));
+            }
+            Some(grad_loc.dtype)
+        }
+        GradPlace::Separate {
+            write_param16: true,
+            ..
+        } => match p16 {
+            Some(l) if l.dtype != DType::F32 => Some(l.dtype),
+            _ => return Err(missing("has no 16-bit param16 place to write".into())),
+        },
+        GradPlace::Separate { .. } => None,
+    };
+    Ok(Entry {
+        spec,
+        name,
+        len,
+        group: grad_loc.chunk,
+        grad_dtype: grad_loc.dtype,
+        out_dtype,
+        grad_final: false,
+        stepped: false,
+    })
+}
+
+fn cast_err(tensor: &str, what: &str) -> TrainError {
+    TrainError::Tensor {
+        tensor: tensor.into(),
+        reason: format!("its {what} bytes are not aligned for their element type"),
+    }
+}
+
+fn f32s<'a>(bytes: &'a mut [u8], tensor: &str, what: &str) -> Result<&'a mut [f32]> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| cast_err(tensor, what))
+}
+
+fn grads_of<'a>(bytes: &'a [u8], dtype: DType, tensor: &str) -> Result<Grads<'a>> {
+    let err = |_| cast_err(tensor, "gradient");
+    Ok(match dtype {
+        DType::F32 => Grads::F32(bytemuck::try_cast_slice(bytes).map_err(err)?),
+        DType::F16 => Grads::F16(bytemuck::try_cast_slice::<u8, f16>(bytes).map_err(err)?),
+        DType::BF16 => Grads::Bf16(bytemuck::try_cast_slice::<u8, bf16>(bytes).map_err(err)?),
+    })
+}
+
+fn param_out<'a>(bytes: &'a mut [u8], dtype: DType, tensor: &str) -> Result<ParamOut<'a>> {
+    let err = |_| cast_err(tensor, "16-bit parameter");
+    Ok(match dtype {
+        DType::F16 => ParamOut::F16(bytemuck::try_cast_slice_mut(bytes).map_err(err)?),
+        DType::BF16 => ParamOut::Bf16(bytemuck::try_cast_slice_mut(bytes).map_err(err)?),
+        DType::F32 => {
+            return Err(TrainError::Tensor {
+                tensor: tensor.into(),
+                reason: "the 16-bit parameters are stored as f32".into(),
+            })
+        }
+    })
+}
+
+fn dtype_of(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::Bf16,
+    }
+}
+
+fn read_only(v: DeviceViewMut<'_>) -> DeviceView<'_> {
+    match v {
+        DeviceViewMut::Host(b) => DeviceView::Host(b),
+        DeviceViewMut::Cuda(s) => DeviceView::Cuda(s.into_span()),
+    }
+}
+
+/// Copies the place's bytes out to `dst` (one access).
+fn copy_out(
+    store: &mut ChunkStore,
+    (t, l): (TensorId, ListKind),
+    dst: &mut [u8],
+    observe: Observer<'_>,
+) -> Result<()> {
+    StepLoop::with_places(store, &[(t, l)], Place::Host, observe, |store, g| {
+        dst.copy_from_slice(store.bytes(g[0])?);
+        Ok(())
+    })
+}
+
+/// Copies `src` into the place (one access).
+fn copy_in(
+    store: &mut ChunkStore,
+    (t, l): (TensorId, ListKind),
+    src: &[u8],
+    observe: Observer<'_>,
+) -> Result<()> {
+    StepLoop::with_places(store, &[(t, l)], Place::Host, observe, |store, g| {
+        store.bytes_mut(g[0])?.copy_from_slice(src);
+        Ok(())
+    })
+}

@@ -1,0 +1,408 @@
+//! Guards the one step loop against giving anything but in-memory AdamW: every way it
+//! can step a tensor (in place in the host pool, one chunk at a time through scratch
+//! copies, on the simulated device; gradients over the 16-bit copy or in their own
+//! fp32 tensors) and both overlap settings must leave master, M, V and the 16-bit
+//! parameters bit-identical to `AdamW::step_slice` over plain vectors fed the same
+//! gradients, for several steps, with chunks spilling to NVMe. Also: stepping during
+//! backward really happens before `finish`, and every misuse is a typed error.
+
+use tidestore_chunk::{
+    ChunkStore, DType, Layout, LayoutConfig, ListKind, NvmeSource, Place, StoreConfig, TensorId,
+    TensorSpec, TensorState,
+};
+use tidestore_io::IoConfig;
+use tidestore_optimizer::half::bf16;
+use tidestore_optimizer::{
+    AdamW, CpuConfig, Grads, HybridAdamW, HyperParams, OptimError, ParamOut, StepDecision,
+    StepState,
+};
+use tidestore_tiers::{Device, DeviceConfig};
+use tidestore_train::{
+    GradPlace, Overlap, StepConfig, StepLoop, StepPlace, StepTensor, TrainError,
+};
+
+const CHUNK_ELEMENTS: u64 = 16 * 1024;
+/// Odd sizes, several tensors per chunk; an fp32 gradient of 8192 fills a chunk.
+const SIZES: [usize; 6] = [3000, 5000, 8191, 7, 8192, 6001];
+const STEPS: u64 = 4;
+
+fn hp() -> HyperParams {
+    HyperParams {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..HyperParams::default()
+    }
+}
+
+fn cpu() -> AdamW {
+    AdamW::new(CpuConfig {
+        threads: 1,
+        ..CpuConfig::default()
+    })
+    .expect("cpu adamw")
+}
+
+fn no_gpu() -> HybridAdamW {
+    HybridAdamW::cpu_only(
+        cpu(),
+        OptimError::NoGpu {
+            reason: "test".into(),
+        },
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Grad {
+    /// bf16 gradients over the 16-bit copy.
+    InParam16,
+    /// fp32 gradients in companion tensors `NAME#grad`; the 16-bit copy refreshed.
+    SeparateF32,
+}
+
+fn layout(grad: Grad) -> Layout {
+    let mut specs: Vec<TensorSpec> = SIZES
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| TensorSpec::new(format!("w{i}"), &[n], DType::BF16, true))
+        .collect();
+    if grad == Grad::SeparateF32 {
+        specs.extend(
+            SIZES
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| TensorSpec::new(format!("w{i}#grad"), &[n], DType::F32, false)),
+        );
+    }
+    Layout::new(LayoutConfig::new(CHUNK_ELEMENTS), specs).expect("layout")
+}
+
+/// A store whose host pool holds `host_buffers` whole chunks, over a real swap file.
+fn store(dir: &tempfile::TempDir, grad: Grad, host_buffers: u64) -> ChunkStore {
+    let slot = CHUNK_ELEMENTS * 4;
+    let io = IoConfig {
+        block_bytes: 16 * 1024,
+        queue_depth: 8,
+        ..IoConfig::default()
+    };
+    let nvme = NvmeSource::Dir {
+        dir: dir.path().to_path_buf(),
+        bytes: 64 * slot,
+        io,
+    };
+    let cfg = StoreConfig::new(6 * slot, host_buffers * slot, nvme)
+        .with_host_prefetch(16)
+        .with_async_write_back(true)
+        .with_working_set_chunks((host_buffers - 1).min(5) as u32);
+    let device = Device::sim(&DeviceConfig::new(6 * slot)).expect("sim device");
+    ChunkStore::open(layout(grad), cfg, device).expect("store")
+}
+
+/// The plain-vector model of the same training.
+struct Reference {
+    master: Vec<Vec<f32>>,
+    m: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    p16: Vec<Vec<bf16>>,
+}
+
+fn init(i: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|k| ((k * 7 + i * 13) % 101) as f32 / 101.0 - 0.5)
+        .collect()
+}
+
+/// The gradient of step `step` for tensor `i` at parameters `p16`: depends on the
+/// parameters, so a wrong step shows in every later one.
+fn gradient(step: u64, i: usize, p16: &[bf16]) -> Vec<f32> {
+    p16.iter()
+        .enumerate()
+        .map(|(k, p)| {
+            p.to_f32() * 0.5 + ((k as u64 * 31 + step * 17 + i as u64) % 13) as f32 * 1e-3
+        })
+        .collect()
+}
+
+fn write_initial(store: &mut ChunkStore, reference: &mut Reference) {
+    for (i, &n) in SIZES.iter().enumerate() {
+        let w = init(i, n);
+        let p16: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
+        let t = TensorId(i as u32);
+        store
+            .write(t, ListKind::MasterF32, bytemuck::cast_slice(&w))
+            .unwrap();
+        store
+            .write(t, ListKind::Param16, bytemuck::cast_slice(&p16))
+            .unwrap();
+        reference.master.push(w);
+        reference.m.push(vec![0.0; n]);
+        reference.v.push(vec![0.0; n]);
+        reference.p16.push(p16);
+    }
+}
+
+fn tensors(grad: Grad) -> Vec<StepTensor> {
+    (0..SIZES.len())
+        .map(|i| StepTensor {
+            tensor: TensorId(i as u32),
+            grad: match grad {
+                Grad::InParam16 => GradPlace::InParam16,
+                Grad::SeparateF32 => GradPlace::Separate {
+                    grad: TensorId((SIZES.len() + i) as u32),
+                    write_param16: true,
+                },
+            },
+        })
+        .collect()
+}
+
+/// Runs `STEPS` iterations through the loop and the reference side by side; checks the
+/// 16-bit parameters every iteration and everything at the end. Returns how many tensor
+/// steps overlapped backward.
+fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = store(&dir, grad, host_buffers);
+    let mut reference = Reference {
+        master: vec![],
+        m: vec![],
+        v: vec![],
+        p16: vec![],
+    };
+    write_initial(&mut store, &mut reference);
+    let cfg = StepConfig {
+        hp: hp(),
+        max_grad_norm: None,
+        loss_scaler: None,
+        place,
+        overlap,
+    };
+    let mut lp = StepLoop::new(&store, no_gpu(), tensors(grad), cfg).expect("step loop");
+    let cpu = cpu();
+    let mut observe = |_: &ChunkStore| {};
+    for step in 1..=STEPS {
+        // Forward: every 16-bit copy read on the device, equal to the reference's.
+        for (i, &n) in SIZES.iter().enumerate() {
+            let g = store
+                .access(TensorId(i as u32), ListKind::Param16, Place::Device)
+                .unwrap();
+            let got: &[bf16] = bytemuck::cast_slice(store.bytes(&g).unwrap());
+            assert_eq!(got.len(), n);
+            assert!(
+                got.iter()
+                    .zip(&reference.p16[i])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "step {step}: w{i}'s 16-bit copy differs from the reference"
+            );
+            store.release(g, TensorState::HoldAfterFwd).unwrap();
+        }
+        // Backward, last tensor first: gradients written, reported, stepped when ready.
+        let mut grads: Vec<Vec<f32>> = vec![vec![]; SIZES.len()];
+        for i in (0..SIZES.len()).rev() {
+            let g32 = gradient(step, i, &reference.p16[i]);
+            let sq: f64 = match grad {
+                Grad::InParam16 => {
+                    let g16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+                    let g = store
+                        .access(TensorId(i as u32), ListKind::Param16, Place::Device)
+                        .unwrap();
+                    store
+                        .bytes_mut(&g)
+                        .unwrap()
+                        .copy_from_slice(bytemuck::cast_slice(&g16));
+                    store.release(g, TensorState::HoldAfterBwd).unwrap();
+                    grads[i] = g16.iter().map(|x| x.to_f32()).collect();
+                    cpu.grad_sq_norm(Grads::Bf16(&g16))
+                }
+                Grad::SeparateF32 => {
+                    let t = TensorId((SIZES.len() + i) as u32);
+                    let g = store.access(t, ListKind::Param16, Place::Host).unwrap();
+                    store
+                        .bytes_mut(&g)
+                        .unwrap()
+                        .copy_from_slice(bytemuck::cast_slice(&g32));
+                    store.release(g, TensorState::HoldAfterBwd).unwrap();
+                    grads[i] = g32.clone();
+                    cpu.grad_sq_norm(Grads::F32(&g32))
+                }
+            };
+            lp.grad_ready(TensorId(i as u32), sq).unwrap();
+            lp.step_ready(&mut store, None, &mut observe).unwrap();
+        }
+        let outcome = lp.finish(&mut store, &mut observe).unwrap();
+        assert!(matches!(outcome.decision, StepDecision::Apply { .. }));
+        store.end_iteration().unwrap();
+        for (i, g) in grads.iter().enumerate() {
+            cpu.step_slice(
+                StepState::new(step),
+                &hp(),
+                &mut reference.master[i],
+                &mut reference.m[i],
+                &mut reference.v[i],
+                Grads::F32(g),
+                Some(ParamOut::Bf16(&mut reference.p16[i])),
+            )
+            .unwrap();
+        }
+    }
+    for i in 0..SIZES.len() {
+        let t = TensorId(i as u32);
+        for (list, want) in [
+            (ListKind::MasterF32, &reference.master[i]),
+            (ListKind::MomentumF32, &reference.m[i]),
+            (ListKind::VarianceF32, &reference.v[i]),
+        ] {
+            let got = store.read(t, list).unwrap();
+            assert!(
+                got == bytemuck::cast_slice::<f32, u8>(want),
+                "{place:?}/{overlap:?}/{grad:?}: w{i} {list} differs from the reference"
+            );
+        }
+        let got = store.read(t, ListKind::Param16).unwrap();
+        assert!(got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]));
+    }
+    assert!(
+        store.stats().nvme.peak_bytes > 0 || host_buffers > 30,
+        "the test meant chunks to spill to NVMe"
+    );
+    assert_eq!(lp.stats().steps_applied, STEPS);
+    lp.stats().tensors_overlapped
+}
+
+#[test]
+fn host_in_place_equals_in_memory_adamw() {
+    assert_eq!(train(StepPlace::Host, Overlap::Off, Grad::InParam16, 7), 0);
+}
+
+#[test]
+fn host_copying_equals_in_memory_adamw() {
+    // Four buffers: fewer than a tensor's four places plus one for loads.
+    train(StepPlace::Host, Overlap::Off, Grad::InParam16, 4);
+}
+
+#[test]
+fn device_step_on_the_simulation_equals_in_memory_adamw() {
+    train(StepPlace::Device, Overlap::Off, Grad::InParam16, 5);
+}
+
+#[test]
+fn separate_fp32_gradients_equal_in_memory_adamw() {
+    train(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 8);
+    train(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 5);
+}
+
+#[test]
+fn overlap_steps_during_backward_and_equals_off() {
+    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::InParam16, 7);
+    // The groups of the later chunks complete before backward ends.
+    assert!(
+        overlapped > 0,
+        "no tensor was stepped during backward ({overlapped})"
+    );
+    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::SeparateF32, 8);
+    assert!(overlapped > 0);
+}
+
+fn small_loop(
+    overlap: Overlap,
+    max_grad_norm: Option<f32>,
+) -> (tempfile::TempDir, ChunkStore, Result<StepLoop, TrainError>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(&dir, Grad::InParam16, 7);
+    let cfg = StepConfig {
+        hp: hp(),
+        max_grad_norm,
+        loss_scaler: None,
+        place: StepPlace::Host,
+        overlap,
+    };
+    let lp = StepLoop::new(&store, no_gpu(), tensors(Grad::InParam16), cfg);
+    (dir, store, lp)
+}
+
+#[test]
+fn overlap_with_clipping_is_refused_naming_the_key() {
+    let (_d, _s, lp) = small_loop(Overlap::Backward, Some(1.0));
+    match lp {
+        Err(TrainError::Config { key, reason }) => {
+            assert_eq!(key, "optimizer.overlap");
+            assert!(reason.contains("clipping"), "{reason}");
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    let (_d, mut store, lp) = small_loop(Overlap::Off, Some(1.0));
+    let mut lp = lp.unwrap();
+    let mut observe = |_: &ChunkStore| {};
+    // Unknown tensor; reported twice; finish before every gradient.
+    assert!(matches!(
+        lp.grad_ready(TensorId(99), 0.0),
+        Err(TrainError::Protocol(_))
+    ));
+    lp.grad_ready(TensorId(0), 1.0).unwrap();
+    assert!(matches!(
+        lp.grad_ready(TensorId(0), 1.0),
+        Err(TrainError::Protocol(_))
+    ));
+    match lp.finish(&mut store, &mut observe) {
+        Err(TrainError::Protocol(msg)) => assert!(msg.contains("w1"), "{msg}"),
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+    // A tensor listed twice; a frozen tensor (no master/M/V).
+    let cfg = StepConfig {
+        hp: hp(),
+        max_grad_norm: None,
+        loss_scaler: None,
+        place: StepPlace::Host,
+        overlap: Overlap::Off,
+    };
+    let twice = vec![tensors(Grad::InParam16)[0]; 2];
+    assert!(matches!(
+        StepLoop::new(&store, no_gpu(), twice, cfg),
+        Err(TrainError::Tensor { .. })
+    ));
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
+    let (_d, mut store, lp) = small_loop(Overlap::Off, None);
+    let mut lp = lp.unwrap();
+    let mut reference = Reference {
+        master: vec![],
+        m: vec![],
+        v: vec![],
+        p16: vec![],
+    };
+    write_initial(&mut store, &mut reference);
+    let mut observe = |_: &ChunkStore| {};
+    for i in (0..SIZES.len()).rev() {
+        let sq = if i == 2 { f64::INFINITY } else { 1.0 };
+        lp.grad_ready(TensorId(i as u32), sq).unwrap();
+    }
+    let outcome = lp.finish(&mut store, &mut observe).unwrap();
+    assert!(matches!(outcome.decision, StepDecision::Skip { .. }));
+    assert_eq!(lp.step_count(), 0);
+    for i in 0..SIZES.len() {
+        let got = store.read(TensorId(i as u32), ListKind::MasterF32).unwrap();
+        assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_after_overlapped_steps_is_an_error() {
+    let (_d, mut store, lp) = small_loop(Overlap::Backward, None);
+    let mut lp = lp.unwrap();
+    let mut observe = |_: &ChunkStore| {};
+    // w5 and w4 fill the last chunks: their groups complete and are stepped.
+    for i in (0..SIZES.len()).rev() {
+        let sq = if i == 0 { f64::NAN } else { 1.0 };
+        lp.grad_ready(TensorId(i as u32), sq).unwrap();
+        lp.step_ready(&mut store, None, &mut observe).unwrap();
+    }
+    assert!(lp.stats().tensors_overlapped > 0);
+    match lp.finish(&mut store, &mut observe) {
+        Err(TrainError::Protocol(msg)) => assert!(msg.contains("non-finite"), "{msg}"),
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+}
