@@ -286,7 +286,8 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
 }
 
 /// Saves `tensors` (every list each has a place in; see the module doc) and `state` from
-/// `store` to `path`, atomically. Peak memory: one tensor plus the header.
+/// `store` to `path`, atomically. Peak memory: one tensor plus the header. Call it
+/// between iterations, with no guard of the listed tensors held.
 pub fn save(
     store: &mut ChunkStore,
     tensors: &[TensorId],

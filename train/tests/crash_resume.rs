@@ -13,9 +13,10 @@
 //! directory must be byte-identical to the reference's of the same step, and the newest
 //! must be at least the newest one the child reported saved.
 //!
-//! The child's update is the CPU AdamW kernel ([`tidestore_optimizer::AdamW`]) and
-//! [`StepController`] called per tensor over store guards; it moves to the train crate's
-//! step loop once that lands.
+//! The child's update is the train crate's [`StepLoop`]: gradients written over the
+//! 16-bit parameters during backward and reported with `grad_ready`, the step made on
+//! the (simulated) device by `finish` with clipping and a dynamic loss scaler, and the
+//! stepped chunks written back off the device at the end of the iteration.
 
 mod common;
 
@@ -32,10 +33,13 @@ use tidestore_chunk::{
     TensorSpec, TensorState,
 };
 use tidestore_optimizer::{
-    AdamW, CpuConfig, Grads, HyperParams, LossScalerConfig, StepController, StepDecision,
+    AdamW, CpuConfig, Grads, HybridAdamW, HyperParams, LossScalerConfig, OptimError, StepDecision,
 };
 use tidestore_tiers::{Device, DeviceConfig};
-use tidestore_train::{checkpoint, CheckpointDir, CheckpointState};
+use tidestore_train::{
+    checkpoint, CheckpointDir, CheckpointState, GradPlace, Overlap, StepConfig, StepLoop,
+    StepPlace, StepTensor,
+};
 
 /// Iterations of a whole run; a checkpoint every `CKPT_EVERY`.
 const ITERS: u64 = 80;
@@ -50,6 +54,8 @@ const W_ELEMENTS: usize = 64 * 1024;
 const B_ELEMENTS: usize = 1000;
 /// A chunk holds one layer: its weight and its bias.
 const CHUNK_ELEMENTS: u64 = (W_ELEMENTS + 4096) as u64;
+/// The simulated host <-> device link.
+const LINK_BYTES_PER_S: u64 = 512 << 20;
 const CURSOR_KEY: &str = "data.cursor";
 /// Seed of the kill schedule.
 const SEED: u64 = 0x7E1D_E570_2E00_0001;
@@ -86,8 +92,51 @@ fn open_store(swap: &Path) -> ChunkStore {
         io: common::io_cfg(),
     };
     let cfg = StoreConfig::new(4 * slot, 6 * slot, nvme).with_working_set_chunks(4);
-    let device = Device::sim(&DeviceConfig::new(4 * slot)).expect("simulated device");
+    // A PCIe-like link that is slow for these small chunks, so that writing the stepped
+    // chunks back off the device takes long enough to be killed in.
+    let device_cfg = DeviceConfig {
+        sim_link_bytes_per_s: Some(LINK_BYTES_PER_S),
+        ..DeviceConfig::new(4 * slot)
+    };
+    let device = Device::sim(&device_cfg).expect("simulated device");
     ChunkStore::open(layout, cfg, device).expect("store")
+}
+
+/// The train crate's step loop over every tensor, on the (simulated) device, after
+/// backward, with global-norm clipping and a dynamic loss scaler that grows every third
+/// step: its state is part of what a resume must restore.
+fn step_loop(store: &ChunkStore, tensors: &[TensorId]) -> StepLoop {
+    let cpu = AdamW::new(CpuConfig {
+        threads: 1,
+        ..CpuConfig::default()
+    })
+    .expect("adamw");
+    let no_gpu = OptimError::NoGpu {
+        reason: "the crash test steps on the simulated device".into(),
+    };
+    let cfg = StepConfig {
+        hp: HyperParams {
+            lr: 1e-2,
+            ..HyperParams::default()
+        },
+        max_grad_norm: Some(1.0),
+        loss_scaler: Some(LossScalerConfig {
+            init_scale: 256.0,
+            growth_interval: 3,
+            max_scale: 65536.0,
+            ..LossScalerConfig::default()
+        }),
+        place: StepPlace::Device,
+        overlap: Overlap::Off,
+    };
+    let tensors = tensors
+        .iter()
+        .map(|&tensor| StepTensor {
+            tensor,
+            grad: GradPlace::InParam16,
+        })
+        .collect();
+    StepLoop::new(store, HybridAdamW::cpu_only(cpu, no_gpu), tensors, cfg).expect("step loop")
 }
 
 /// The regression target of element `i` of tensor `t` for batch `cursor`.
@@ -107,9 +156,7 @@ fn say(line: &str) {
 struct Trainer {
     store: ChunkStore,
     tensors: Vec<TensorId>,
-    adamw: AdamW,
-    ctrl: StepController,
-    hp: HyperParams,
+    step: StepLoop,
     ckpts: CheckpointDir,
     /// Batches consumed.
     cursor: u64,
@@ -124,31 +171,18 @@ impl Trainer {
             std::fs::remove_dir_all(&swap).expect("removing the old swap directory");
         }
         std::fs::create_dir_all(&swap).expect("swap directory");
-        let scaler = LossScalerConfig {
-            init_scale: 256.0,
-            growth_interval: 3,
-            max_scale: 65536.0,
-            ..LossScalerConfig::default()
-        };
+        let store = open_store(&swap);
+        let tensors = tensor_ids();
         let mut t = Trainer {
-            store: open_store(&swap),
-            tensors: tensor_ids(),
-            adamw: AdamW::new(CpuConfig {
-                threads: 1,
-                ..CpuConfig::default()
-            })
-            .expect("adamw"),
-            ctrl: StepController::new(Some(1.0), Some(scaler)).expect("controller"),
-            hp: HyperParams {
-                lr: 1e-2,
-                ..HyperParams::default()
-            },
+            step: step_loop(&store, &tensors),
+            store,
+            tensors,
             ckpts: CheckpointDir::open(work.join("ckpt"), keep).expect("checkpoint dir"),
             cursor: 0,
         };
         match t.ckpts.load_latest(&mut t.store, &t.tensors).expect("load") {
             Some(st) => {
-                t.ctrl.restore(st.controller).expect("restore");
+                t.step.restore(st.controller).expect("restore");
                 t.cursor = st.metadata[CURSOR_KEY].parse().expect("cursor");
                 say(&format!("resumed {} {}", st.controller.step, t.cursor));
             }
@@ -191,14 +225,18 @@ impl Trainer {
         assert!(loss.is_finite());
         say(&format!("phase {c} backward"));
         let sq_norm = self.backward();
+        assert!(sq_norm.is_finite());
         say(&format!("phase {c} step"));
-        self.step(sq_norm);
+        let outcome = self.step.finish(&mut self.store, &mut |_| {}).unwrap();
+        assert!(matches!(outcome.decision, StepDecision::Apply { .. }));
         say(&format!("phase {c} write-back"));
-        self.write_back();
+        self.store.end_iteration().unwrap();
+        self.store.evict_device_all().unwrap();
+        self.store.sync().unwrap();
         if c.is_multiple_of(CKPT_EVERY) {
             say(&format!("phase {c} checkpoint"));
             let state = CheckpointState {
-                controller: self.ctrl.state(),
+                controller: self.step.controller_state(),
                 metadata: BTreeMap::from([(CURSOR_KEY.to_string(), c.to_string())]),
             };
             self.ckpts
@@ -228,7 +266,7 @@ impl Trainer {
     /// Gradients `loss_scale * (w - target)`, rounded to bf16 into the parameters'
     /// space, in reverse order; returns their squared norm.
     fn backward(&mut self) -> f64 {
-        let scale = self.ctrl.loss_scale();
+        let scale = self.step.loss_scale();
         let mut sq_norm = 0.0f64;
         for &t in self.tensors.iter().rev() {
             let g = self
@@ -243,68 +281,16 @@ impl Trainer {
                 .collect();
             self.store.write_f32(&g, &grad).unwrap();
             let rounded = self.store.read_f32(&g).unwrap();
-            sq_norm += self.adamw.grad_sq_norm(Grads::F32(&rounded));
+            let sq = self
+                .step
+                .optimizer()
+                .cpu()
+                .grad_sq_norm(Grads::F32(&rounded));
             self.store.release(g, TensorState::HoldAfterBwd).unwrap();
+            self.step.grad_ready(t, sq).unwrap();
+            sq_norm += sq;
         }
         sq_norm
-    }
-
-    /// One AdamW step per tensor on the host: master, M and V updated from the bf16
-    /// gradients in the parameters' space. An overflow leaves them alone.
-    fn step(&mut self, sq_norm: f64) {
-        let StepDecision::Apply { state, .. } = self.ctrl.decide(sq_norm) else {
-            return;
-        };
-        for &t in &self.tensors {
-            let lists = [
-                ListKind::Param16,
-                ListKind::MasterF32,
-                ListKind::MomentumF32,
-                ListKind::VarianceF32,
-            ];
-            let guards: Vec<_> = lists
-                .iter()
-                .map(|&l| self.store.access(t, l, Place::Host).unwrap())
-                .collect();
-            let refs: Vec<_> = guards.iter().collect();
-            let views = self.store.views_mut(&refs).unwrap();
-            let [grads, master, m, v] = <[&mut [u8]; 4]>::try_from(views).unwrap();
-            let grads = Grads::Bf16(bytemuck::cast_slice(grads));
-            let (master, m, v) = (
-                bytemuck::cast_slice_mut(master),
-                bytemuck::cast_slice_mut(m),
-                bytemuck::cast_slice_mut(v),
-            );
-            self.adamw
-                .step_slice(state, &self.hp, master, m, v, grads, None)
-                .unwrap();
-            for g in guards {
-                self.store.release(g, TensorState::Hold).unwrap();
-            }
-        }
-    }
-
-    /// The new parameters, rounded to bf16 from the master copy on the host, written
-    /// over the gradients on the device; then every chunk leaves the device and the
-    /// iteration ends.
-    fn write_back(&mut self) {
-        for &t in &self.tensors {
-            let master = self
-                .store
-                .access(t, ListKind::MasterF32, Place::Host)
-                .unwrap();
-            let p16 = self
-                .store
-                .access(t, ListKind::Param16, Place::Device)
-                .unwrap();
-            let values = self.store.read_f32(&master).unwrap();
-            self.store.write_f32(&p16, &values).unwrap();
-            self.store.release(p16, TensorState::Hold).unwrap();
-            self.store.release(master, TensorState::Hold).unwrap();
-        }
-        self.store.end_iteration().unwrap();
-        self.store.evict_device_all().unwrap();
-        self.store.sync().unwrap();
     }
 }
 
