@@ -77,7 +77,9 @@ impl CheckpointDir {
     }
 
     /// Saves a checkpoint of `tensors` and `state` as step `state.controller.step`, then
-    /// removes the oldest beyond `keep`. Returns its path.
+    /// removes the oldest beyond `keep`. Returns its path. Refused with
+    /// [`TrainError::CheckpointBehind`] when the directory holds a later step; the same
+    /// step again replaces it (atomically).
     pub fn save(
         &self,
         store: &mut ChunkStore,
@@ -114,19 +116,26 @@ impl CheckpointDir {
         }
     }
 
-    /// Removes all but the newest `keep` checkpoints.
+    /// Removes all but the newest `keep` checkpoints. The new checkpoint is durable by
+    /// now, so a removal that fails is logged, not returned: the old file stays, and the
+    /// next save tries again.
     fn prune(&self) -> Result<()> {
         let all = self.list()?;
         let old = all.len().saturating_sub(self.keep);
+        let mut removed = 0;
         for (step, path) in &all[..old] {
-            std::fs::remove_file(path).map_err(|source| TrainError::Io {
-                op: "removing an old checkpoint",
-                path: path.clone(),
-                source,
-            })?;
-            tracing::debug!(step, path = %path.display(), "old checkpoint removed");
+            match std::fs::remove_file(path) {
+                Ok(()) => {
+                    removed += 1;
+                    tracing::debug!(step, path = %path.display(), "old checkpoint removed");
+                }
+                Err(e) => {
+                    tracing::warn!(step, path = %path.display(), error = %e,
+                        "could not remove an old checkpoint");
+                }
+            }
         }
-        if old > 0 {
+        if removed > 0 {
             sync_dir(&self.dir)?;
         }
         Ok(())
