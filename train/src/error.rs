@@ -51,6 +51,80 @@ pub enum TrainError {
         reason: String,
     },
 
+    /// A checkpoint file that is not a well-formed checkpoint of this format: not
+    /// safetensors, a header that does not parse, a missing or foreign format tag, a
+    /// metadata entry missing or unreadable (the reason names it).
+    #[error("checkpoint `{path}`: {reason}")]
+    CheckpointMalformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the key or tensor.
+        reason: String,
+    },
+
+    /// A checkpoint file shorter than its own header says it is (a copy cut short, a
+    /// file written by something that did not finish).
+    #[error(
+        "checkpoint `{path}` is truncated: {len_bytes} bytes, at least {expected_bytes} expected"
+    )]
+    CheckpointTruncated {
+        /// The file.
+        path: PathBuf,
+        /// Its length.
+        len_bytes: u64,
+        /// The length its header (or the format's smallest header) asks for.
+        expected_bytes: u64,
+    },
+
+    /// A tensor the store expects that the checkpoint does not hold.
+    #[error("checkpoint `{path}` has no tensor `{tensor}`")]
+    CheckpointMissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+    },
+
+    /// A tensor whose dtype or shape in the checkpoint differs from the store's.
+    #[error("checkpoint `{path}`: tensor `{tensor}` is {found}, the store holds {expected}")]
+    CheckpointMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// Dtype and shape in the store (`BF16 [4, 8]`).
+        expected: String,
+        /// Dtype and shape in the file.
+        found: String,
+    },
+
+    /// A tensor whose bytes fail their crc32c: the file was changed after it was written.
+    #[error("checkpoint `{path}`: tensor `{tensor}` fails its checksum (crc32c {found:#010x}, recorded {expected:#010x})")]
+    CheckpointChecksum {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name in the file.
+        tensor: String,
+        /// The crc32c recorded in the header.
+        expected: u32,
+        /// The crc32c of the bytes found.
+        found: u32,
+    },
+
+    /// A checkpoint saved into a directory that already holds a later one: the
+    /// directory's `latest` would not be the one just saved.
+    #[error(
+        "checkpoint directory `{dir}` holds step {latest}; refusing to save step {step} behind it"
+    )]
+    CheckpointBehind {
+        /// The directory.
+        dir: PathBuf,
+        /// The step being saved.
+        step: u64,
+        /// The latest step already there.
+        latest: u64,
+    },
+
     /// The step loop was driven out of order (a tensor stepped twice in one step, a
     /// step finished with tensors left, ...).
     #[error("step loop: {0}")]

@@ -11,9 +11,13 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod checkpoint;
+pub mod checkpoint_dir;
 pub mod error;
 pub mod step;
 
+pub use checkpoint::{CheckpointState, CHECKPOINT_FORMAT};
+pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
 pub use step::{
     GradPlace, Observer, Overlap, StepConfig, StepLoop, StepOutcome, StepPlace, StepStats,
