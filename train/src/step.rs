@@ -512,22 +512,39 @@ impl StepLoop {
         Ok(())
     }
 
+    /// A skipped step: every gradient place is consumed, and where the gradient lies
+    /// over the 16-bit copy (or the step would refresh that copy), the copy is cast anew
+    /// from the unchanged master, so that the next forward reads parameters, not
+    /// gradients. Done in the host pool.
     fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
-        let place = self.store_place();
         for e in &self.entries {
-            let g = store.access(e.grad_at(), ListKind::Param16, place)?;
-            observe(store);
-            store.release(g, TensorState::Hold)?;
-            observe(store);
+            let Some(dtype) = e.out_dtype else {
+                Self::with_places(
+                    store,
+                    &[(e.grad_at(), ListKind::Param16)],
+                    Place::Host,
+                    observe,
+                    |_, _| Ok(()),
+                )?;
+                continue;
+            };
+            let mut places = vec![
+                (e.spec.tensor, ListKind::MasterF32),
+                (e.spec.tensor, ListKind::Param16),
+            ];
+            if e.grad_at() != e.spec.tensor {
+                places.push((e.grad_at(), ListKind::Param16));
+            }
+            let cpu = self.opt.cpu();
+            Self::with_places(store, &places, Place::Host, observe, |store, guards| {
+                let mut views = store.views_mut(&guards[..2])?;
+                let p16 = views.pop().expect("two views");
+                let master = f32s(views.pop().expect("two views"), &e.name, "master")?;
+                cpu.cast_params(master, param_out(p16, dtype, &e.name)?)?;
+                Ok(())
+            })?;
         }
         Ok(())
-    }
-
-    fn store_place(&self) -> Place {
-        match self.place {
-            StepPlace::Host => Place::Host,
-            StepPlace::Device => Place::Device,
-        }
     }
 
     /// Steps entry `i`: its places accessed, stepped, released on every path.

@@ -377,15 +377,27 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
     write_initial(&mut store, &mut reference);
     let mut observe = |_: &ChunkStore| {};
     for i in (0..SIZES.len()).rev() {
+        // A gradient over the 16-bit copy, as backward leaves it.
+        let t = TensorId(i as u32);
+        let g = store.access(t, ListKind::Param16, Place::Device).unwrap();
+        store.bytes_mut(&g).unwrap().fill(0x5a);
+        store.release(g, TensorState::HoldAfterBwd).unwrap();
         let sq = if i == 2 { f64::INFINITY } else { 1.0 };
-        lp.grad_ready(TensorId(i as u32), sq).unwrap();
+        lp.grad_ready(t, sq).unwrap();
     }
     let outcome = lp.finish(&mut store, &mut observe).unwrap();
     assert!(matches!(outcome.decision, StepDecision::Skip { .. }));
     assert_eq!(lp.step_count(), 0);
     for i in 0..SIZES.len() {
-        let got = store.read(TensorId(i as u32), ListKind::MasterF32).unwrap();
+        let t = TensorId(i as u32);
+        let got = store.read(t, ListKind::MasterF32).unwrap();
         assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
+        // The gradient is gone: the 16-bit copy is the master's again.
+        let got = store.read(t, ListKind::Param16).unwrap();
+        assert!(
+            got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]),
+            "w{i}: a skipped step left the gradient in the 16-bit copy"
+        );
     }
 }
 
