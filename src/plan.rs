@@ -11,14 +11,19 @@
 //! kept on the device first (read in forward and backward), then master, M, V (read and
 //! written once per step); chunks kept on the device are backed on NVMe.
 //!
-//! The projection, per iteration, excludes the GPU's matmul time (tidestore moves
-//! bytes; it does not know the model's FLOPs): forward + backward take the slower of the
-//! PCIe and NVMe traffic they cause, the step takes the slower of the CPU AdamW (at the
-//! measured or given rate) and the NVMe traffic of the optimizer state, streamed.
+//! The projection, per iteration: forward + backward take the slowest of the GPU's
+//! compute (the bench's compute model, `workload.tflops`: each matrix's FLOPs, attention,
+//! backward with recompute; nothing when the rate is 0), the PCIe and the NVMe traffic
+//! they cause; the step takes the slower of the CPU AdamW (at the measured or given
+//! rate) and the NVMe traffic of the optimizer state, streamed. With the step
+//! overlapping backward (`optimizer.overlap = "backward"`) the iteration is forward plus
+//! the slower of backward and the step, forward taking its share of the compute's
+//! FLOPs; otherwise it is their sum.
 
 use serde::Serialize;
 use tidestore_chunk::{plan_capacity, ChunkError, Layout, ListKind};
 
+use crate::bench::compute::ComputeModel;
 use crate::error::Result;
 use crate::session::WORKING_SET_CHUNKS;
 use crate::workload::Workload;
@@ -58,6 +63,10 @@ pub struct Machine {
     pub nvme_write_bytes_per_s: f64,
     /// CPU AdamW parameters per second.
     pub optimizer_params_per_s: f64,
+    /// The GPU's compute rate in FLOP/s (0: compute not counted).
+    pub compute_flops_per_s: f64,
+    /// Whether the step overlaps backward (`optimizer.overlap = "backward"`).
+    pub overlap_backward: bool,
 }
 
 /// Where one chunk list goes.
@@ -128,11 +137,13 @@ pub struct PlanReport {
     pub nvme_read_bytes: u64,
     /// Bytes written to NVMe per iteration.
     pub nvme_write_bytes: u64,
-    /// Projected forward + backward seconds (data movement only).
+    /// Projected compute seconds of forward + backward (0 when not counted).
+    pub compute_seconds: f64,
+    /// Projected forward + backward seconds: the slowest of compute, PCIe and NVMe.
     pub forward_backward_seconds: f64,
     /// Projected optimizer step seconds.
     pub optimizer_seconds: f64,
-    /// Projected iteration seconds (without the GPU's matmuls).
+    /// Projected iteration seconds.
     pub iteration_seconds: f64,
     /// What the projection leaves out.
     pub note: String,
@@ -307,13 +318,23 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
             f64::INFINITY
         }
     };
-    let forward_backward_seconds = secs(pcie, machine.pcie_bytes_per_s).max(
-        secs(fb_nvme_r, machine.nvme_read_bytes_per_s)
-            + secs(fb_nvme_w, machine.nvme_write_bytes_per_s),
-    );
+    let compute = ComputeModel::new(workload, machine.compute_flops_per_s / 1e12);
+    let compute_seconds = compute.iteration_seconds();
+    let forward_backward_seconds = compute_seconds
+        .max(secs(pcie, machine.pcie_bytes_per_s))
+        .max(
+            secs(fb_nvme_r, machine.nvme_read_bytes_per_s)
+                + secs(fb_nvme_w, machine.nvme_write_bytes_per_s),
+        );
     let optimizer_seconds = secs(workload.params_trainable(), machine.optimizer_params_per_s).max(
         secs(opt_r, machine.nvme_read_bytes_per_s) + secs(opt_w, machine.nvme_write_bytes_per_s),
     );
+    let iteration_seconds = if machine.overlap_backward {
+        let forward = forward_backward_seconds * compute.forward_fraction();
+        forward + (forward_backward_seconds - forward).max(optimizer_seconds)
+    } else {
+        forward_backward_seconds + optimizer_seconds
+    };
     Ok(PlanReport {
         schema: "tidestore.plan.v1".into(),
         workload: workload.describe(),
@@ -330,12 +351,18 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         pcie_bytes: pcie,
         nvme_read_bytes: nvme_r,
         nvme_write_bytes: nvme_w,
+        compute_seconds,
         forward_backward_seconds,
         optimizer_seconds,
-        iteration_seconds: forward_backward_seconds + optimizer_seconds,
-        note: "data movement and the CPU optimizer only: the GPU's matmul time is not \
-               included; PCIe and NVMe are assumed to overlap within a phase"
-            .into(),
+        iteration_seconds,
+        note: if compute_seconds > 0.0 {
+            "compute at the given rate (matrices, attention, backward with recompute); \
+             compute, PCIe and NVMe are assumed to overlap within a phase"
+        } else {
+            "data movement and the CPU optimizer only: the GPU's compute is not included \
+             (give --tflops); PCIe and NVMe are assumed to overlap within a phase"
+        }
+        .into(),
     })
 }
 
@@ -406,6 +433,8 @@ mod tests {
             host_budget_bytes: 56_000_000_000,
             nvme_bytes: 2_000_000_000_000,
             pcie_bytes_per_s: 25e9,
+            compute_flops_per_s: 0.0,
+            overlap_backward: false,
             nvme_read_bytes_per_s: 7e9,
             nvme_write_bytes_per_s: 5e9,
             optimizer_params_per_s: 1e9,

@@ -25,7 +25,7 @@ use crate::workload::Workload;
 
 /// The FLOPs of every use of a tensor in forward and backward (see the module doc).
 #[derive(Debug, Clone)]
-pub(super) struct ComputeModel {
+pub(crate) struct ComputeModel {
     /// FLOP/s of the device; 0: not modeled.
     flops_per_s: f64,
     /// Per block, per position in `Block::tensors`: forward FLOPs.
@@ -36,7 +36,7 @@ pub(super) struct ComputeModel {
 
 impl ComputeModel {
     /// The model of `workload` at `tflops` (0: compute takes no time).
-    pub(super) fn new(workload: &Workload, tflops: f64) -> Self {
+    pub(crate) fn new(workload: &Workload, tflops: f64) -> Self {
         let tokens = (workload.micro_batch * workload.sequence) as f64;
         let attention = 2.0
             * workload.micro_batch as f64
@@ -93,10 +93,23 @@ impl ComputeModel {
     }
 
     /// Seconds of compute in one iteration (forward and backward).
-    pub(super) fn iteration_seconds(&self) -> f64 {
-        let sum = |v: &Vec<Vec<f64>>| v.iter().flatten().sum::<f64>();
-        self.seconds(sum(&self.forward) + sum(&self.backward))
+    pub(crate) fn iteration_seconds(&self) -> f64 {
+        self.seconds(flops(&self.forward) + flops(&self.backward))
     }
+
+    /// Forward's share of the iteration's FLOPs (one half when there are none).
+    pub(crate) fn forward_fraction(&self) -> f64 {
+        let (f, b) = (flops(&self.forward), flops(&self.backward));
+        if f + b > 0.0 {
+            f / (f + b)
+        } else {
+            0.5
+        }
+    }
+}
+
+fn flops(per_block: &[Vec<f64>]) -> f64 {
+    per_block.iter().flatten().sum()
 }
 
 /// The device's compute stream as a timeline (see the module doc).

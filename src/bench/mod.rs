@@ -31,7 +31,7 @@
 //!
 //! [`ChunkStore`]: tidestore_chunk::ChunkStore
 
-mod compute;
+pub(crate) mod compute;
 mod disk;
 #[cfg(not(feature = "cuda"))]
 mod no_cuda;

@@ -5,6 +5,7 @@
 
 use clap::ValueEnum;
 use tidestore::bench::cpu_optimizer;
+use tidestore::config::OverlapName;
 use tidestore::plan::{self, human_bytes, Machine, PlanReport};
 use tidestore::session::layout_for;
 use tidestore::workload::{human_count, ModelName, TrainMode};
@@ -69,9 +70,15 @@ pub struct PlanArgs {
     #[arg(long, value_name = "SIZE")]
     nvme: Option<Size>,
 
-    /// Host <-> device bandwidth in GB/s, each way (PCIe 4.0 x16: about 25).
-    #[arg(long, value_name = "GB/s", default_value_t = 25.0)]
-    pcie: f64,
+    /// Host <-> device bandwidth in GB/s, each way (PCIe 4.0 x16: about 25)
+    /// [default: device.pcie_gbps].
+    #[arg(long, value_name = "GB/s")]
+    pcie: Option<f64>,
+
+    /// The GPU's compute rate in TFLOP/s (0: compute not counted) [default:
+    /// workload.tflops].
+    #[arg(long, value_name = "TFLOP/s")]
+    tflops: Option<f64>,
 
     /// NVMe read bandwidth in GB/s.
     #[arg(long, value_name = "GB/s", default_value_t = 7.0)]
@@ -123,7 +130,14 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), CliError> {
         cfg.workload.mode = TrainMode::Full;
     }
     let workload = cfg.workload.build()?;
-    let pcie = positive("--pcie", args.pcie)? * 1e9;
+    let pcie = positive("--pcie", args.pcie.unwrap_or(cfg.device.pcie_gbps))? * 1e9;
+    let tflops = args.tflops.unwrap_or(cfg.workload.tflops);
+    if !(tflops.is_finite() && tflops >= 0.0) {
+        return Err(CliError::Usage {
+            flag: "--tflops",
+            reason: format!("{tflops} is not a number >= 0"),
+        });
+    }
     let nvme_read = positive("--nvme-read", args.nvme_read)? * 1e9;
     let nvme_write = positive("--nvme-write", args.nvme_write)? * 1e9;
     let (rate, measured) = match args.optimizer_rate {
@@ -165,6 +179,8 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), CliError> {
         nvme_read_bytes_per_s: nvme_read,
         nvme_write_bytes_per_s: nvme_write,
         optimizer_params_per_s: rate,
+        compute_flops_per_s: tflops * 1e12,
+        overlap_backward: cfg.optimizer.overlap == OverlapName::Backward,
     };
     let (layout, _, _) = layout_for(&workload, cfg.chunk.size, cfg.io.block_size.bytes())?;
     let report = plan::plan(&workload, &layout, &machine)?;
@@ -198,11 +214,16 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         human_bytes(m.nvme_bytes)
     );
     out!(
-        "links: PCIe {:.1} GB/s each way, NVMe {:.1} GB/s read / {:.1} GB/s write; CPU AdamW \
-         {:.3} G params/s ({})",
+        "links: PCIe {:.1} GB/s each way, NVMe {:.1} GB/s read / {:.1} GB/s write; GPU {}; \
+         CPU AdamW {:.3} G params/s ({})",
         m.pcie_bytes_per_s / 1e9,
         m.nvme_read_bytes_per_s / 1e9,
         m.nvme_write_bytes_per_s / 1e9,
+        if m.compute_flops_per_s > 0.0 {
+            format!("{} TFLOP/s", m.compute_flops_per_s / 1e12)
+        } else {
+            "compute not counted (--tflops)".to_string()
+        },
         m.optimizer_params_per_s / 1e9,
         if measured {
             "measured now on this machine, bf16 grads, 8M params"
@@ -281,9 +302,16 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         human_count(r.params_trainable)
     );
     out!(
-        "projected: forward+backward {:.2} s, optimizer step {:.2} s, iteration {:.2} s",
+        "projected: compute {:.2} s, forward+backward {:.2} s, optimizer step {:.2} s{}, \
+         iteration {:.2} s",
+        r.compute_seconds,
         r.forward_backward_seconds,
         r.optimizer_seconds,
+        if r.machine.overlap_backward {
+            " (overlapping backward)"
+        } else {
+            ""
+        },
         r.iteration_seconds
     );
     out!("note: {}", r.note);
