@@ -32,8 +32,9 @@ use crate::Result;
 /// Where the NVMe tier comes from.
 #[derive(Debug)]
 pub enum NvmeSource {
-    /// A swap file `tidestore-chunks.swap` made (or reopened, if it has this shape) in
-    /// `dir`, of `bytes` (whole slots of the largest chunk).
+    /// A swap file `tidestore-chunks.swap` in `dir`, of `bytes` (whole slots of the
+    /// largest chunk). Made if absent; an existing one is emptied (remade if its shape
+    /// differs), or adopted with [`StoreConfig::adopt`].
     Dir {
         /// The directory.
         dir: PathBuf,
@@ -42,10 +43,10 @@ pub enum NvmeSource {
         /// Block I/O settings.
         io: IoConfig,
     },
-    /// A tier opened by the caller (over any engine). Chunks it already stores whose
-    /// id and length match a chunk of the layout are taken as that chunk's contents;
-    /// other chunks in it keep their slots and reduce the capacity. Boxed: a tier is
-    /// large and this is moved once.
+    /// A tier opened by the caller (over any engine); the store owns its swap file from
+    /// then on. Chunks it already stores are dropped, unless [`StoreConfig::adopt`]
+    /// takes them as the store's contents. Boxed: a tier is large and this is moved
+    /// once.
     Tier(Box<NvmeTier>),
 }
 
@@ -85,6 +86,15 @@ pub struct StoreConfig {
     /// The most chunks one moment holds in use at once (tensors accessed and not yet
     /// released, on either tier); sizes the budget check at open.
     pub working_set_chunks: u32,
+    /// What happens to chunks an existing swap file already stores. `false` (the
+    /// default): they are dropped, and every chunk reads as zeros until written — a
+    /// store never takes bytes it did not write as state unless told to. `true`: they
+    /// are taken as the chunks' contents, and the store refuses to open
+    /// ([`crate::ChunkError::AdoptRefused`]) unless the file records this layout's
+    /// fingerprint ([`Layout::fingerprint`]) and was closed by
+    /// [`crate::ChunkStore::close`] after its last change. Opening for adoption clears
+    /// the file's clean marker on disk before anything else changes.
+    pub adopt: bool,
 }
 
 impl StoreConfig {
@@ -107,7 +117,15 @@ impl StoreConfig {
             tidal_window: 8,
             non_model_slack_bytes: 1 << 20,
             working_set_chunks: 1,
+            adopt: false,
         }
+    }
+
+    /// Taking the chunks an existing swap file stores as the contents (see
+    /// [`StoreConfig::adopt`]), or not.
+    pub fn with_adopt(mut self, adopt: bool) -> Self {
+        self.adopt = adopt;
+        self
     }
 
     /// With another policy.

@@ -33,12 +33,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tidestore_io::compress::Compression;
 use tidestore_tiers::{
     CudaSpanMut, Device, DeviceKind, DeviceView, DeviceViewMut, HostTier, NvmeTier, TierKind,
 };
 
 use crate::accounting::{MoveHook, MoveReason, StoreStats, TierSnapshot};
+use crate::adopt::{open_swap_dir, prepare_swap_file};
 use crate::config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 use crate::dtype::DType;
 use crate::error::ChunkError;
@@ -279,18 +279,15 @@ impl ChunkStore {
             tidal_window,
             non_model_slack_bytes,
             working_set_chunks,
+            adopt,
         } = config;
-        // Usable NVMe slots, and the tier if the caller made it.
-        let adoptable = |tier: &NvmeTier, id: u64| {
-            usize::try_from(id)
-                .ok()
-                .and_then(|d| len_bytes.get(d))
-                .is_some_and(|&len| len > 0 && tier.len_of(id) == Some(len as usize))
-        };
         enum Source {
             Dir(std::path::PathBuf, tidestore_io::IoConfig),
             Tier(Box<NvmeTier>),
         }
+        let fingerprint = layout.fingerprint();
+        // Usable NVMe slots, and the tier if the caller made it: every slot, since the
+        // chunks a file already holds are either dropped or the layout's own.
         let (nvme_slots, source) = match nvme {
             NvmeSource::Dir { dir, bytes, io } => (bytes / slot_bytes as u64, Source::Dir(dir, io)),
             NvmeSource::Tier(tier) => {
@@ -304,15 +301,7 @@ impl ChunkStore {
                         ),
                     });
                 }
-                let foreign = tier
-                    .swap_file()
-                    .chunks()
-                    .filter(|&(id, _)| !adoptable(&tier, id))
-                    .count() as u64;
-                (
-                    u64::from(tier.slot_count()).saturating_sub(foreign),
-                    Source::Tier(tier),
-                )
+                (u64::from(tier.slot_count()), Source::Tier(tier))
             }
         };
         let plan = plan_capacity(
@@ -331,9 +320,8 @@ impl ChunkStore {
                     .into(),
             });
         }
-        // Everything fits: allocate.
-        let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
-            .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
+        // Everything fits: open the swap file and decide what its chunks are, then
+        // allocate.
         let mut nvme = match source {
             Source::Tier(tier) => *tier,
             Source::Dir(dir, io) => {
@@ -341,35 +329,12 @@ impl ChunkStore {
                     key: "nvme.bytes",
                     reason: format!("{nvme_slots} slots are more than a swap file holds"),
                 })?;
-                let mut tier = NvmeTier::open_or_create(
-                    &dir.join(SWAP_FILE_NAME),
-                    slot_bytes,
-                    slots,
-                    &io,
-                    Compression::Off,
-                )
-                .map_err(|e| ChunkError::tier("opening the swap file", None, e))?;
-                // Our own file: what the layout cannot use goes.
-                let foreign: Vec<u64> = tier
-                    .swap_file()
-                    .chunks()
-                    .map(|(id, _)| id)
-                    .filter(|&id| !adoptable(&tier, id))
-                    .collect();
-                for id in foreign {
-                    tier.remove(id)
-                        .map_err(|e| ChunkError::tier("clearing the swap file", None, e))?;
-                }
-                tier
+                open_swap_dir(&dir, slot_bytes, slots, &io, adopt.then_some(fingerprint))?
             }
         };
-        let adopted: Vec<ChunkId> = nvme
-            .swap_file()
-            .chunks()
-            .map(|(id, _)| id)
-            .filter(|&id| adoptable(&nvme, id))
-            .map(|id| ChunkId::from_dense(id as usize))
-            .collect();
+        let adopted = prepare_swap_file(&mut nvme, &len_bytes, fingerprint, adopt)?;
+        let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
+            .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
 
         let settings = Settings {
             device_budget_bytes,
@@ -417,12 +382,6 @@ impl ChunkStore {
             .iter()
             .map(|&b| if b > 0 { host_buf_bytes } else { 0 })
             .collect();
-        if !adopted.is_empty() {
-            tracing::info!(
-                chunks = adopted.len(),
-                "chunk store: chunks already in the swap file taken as their contents"
-            );
-        }
 
         let mut lists: Vec<Option<ListStates>> = (0..ListKind::COUNT).map(|_| None).collect();
         let n = layout.tensors().len();
@@ -885,22 +844,41 @@ impl ChunkStore {
                 to,
             });
         }
+        // A tensor in COMPUTE has a place, and its chunk a pin there: checked before
+        // anything changes.
+        let place = ls.place[local as usize];
+        let d = chunk.dense();
+        let slot = &self.mover.slots[d];
+        let pins = match place {
+            Some(Place::Device) => slot.dev_pins,
+            Some(Place::Host) => slot.host_pins,
+            None => 0,
+        };
+        let dev_bytes = self.mover.dev_bytes[d];
+        if pins == 0 || (place == Some(Place::Device) && self.pinned_device_bytes < dev_bytes) {
+            return Err(ChunkError::Invariant {
+                chunk: Some(chunk),
+                what: format!(
+                    "releasing `{}` in COMPUTE at {place:?}, but its chunk has no pin there",
+                    self.name(tensor)
+                ),
+            });
+        }
+        let ls = self.list_states(list);
         ls.table.transition(TensorId(local), to)?;
-        let place = ls.place[local as usize].take();
+        ls.place[local as usize] = None;
         let moment = self.observe(tensor, chunk, MomentKind::Release(to));
         self.mover.moment = moment;
-        let d = chunk.dense();
-        let dev_bytes = self.mover.dev_bytes[d];
         let slot = &mut self.mover.slots[d];
         match place {
             Some(Place::Device) => {
-                slot.dev_pins = slot.dev_pins.saturating_sub(1);
+                slot.dev_pins -= 1;
                 if slot.dev_pins == 0 {
-                    self.pinned_device_bytes = self.pinned_device_bytes.saturating_sub(dev_bytes);
+                    self.pinned_device_bytes -= dev_bytes;
                 }
             }
-            Some(Place::Host) => slot.host_pins = slot.host_pins.saturating_sub(1),
-            None => {}
+            Some(Place::Host) => slot.host_pins -= 1,
+            None => unreachable!("checked above: a tensor released has a place"),
         }
         Ok(())
     }
@@ -1508,6 +1486,91 @@ impl ChunkStore {
 
     // ------------------------------------------------------------- whole-store
 
+    /// Checks the store's invariants: per chunk, its device and host pins equal its
+    /// tensors in COMPUTE there, and it is pinned on one tier at most, where its copy is
+    /// ready; every tensor in COMPUTE has a place and no other does; the device bytes
+    /// pinned; and the mover's own (copies vs transfers in flight, the lists the
+    /// policies see, each tier's bytes in use equal to the copies it holds and within
+    /// its budget, the swap file's chunks vs the slots that claim them). The first
+    /// broken one is [`ChunkError::Invariant`] naming the chunk and what disagrees.
+    /// Cheap enough for tests to call after every operation; changes nothing.
+    pub fn verify(&self) -> Result<()> {
+        self.mover.verify()?;
+        let n = self.mover.slots.len();
+        let mut dev_pins = vec![0u32; n];
+        let mut host_pins = vec![0u32; n];
+        for list in ListKind::ALL {
+            let Some(ls) = self.lists[list as usize].as_ref() else {
+                continue;
+            };
+            for (local, place) in ls.place.iter().enumerate() {
+                let id = TensorId(local as u32);
+                let (Some(state), Some(chunk)) = (ls.table.state(id), ls.table.chunk_of(id)) else {
+                    return Err(ChunkError::Invariant {
+                        chunk: None,
+                        what: format!("list {list}: tensor {local} has no state or chunk"),
+                    });
+                };
+                let pins = match place {
+                    Some(Place::Device) => &mut dev_pins,
+                    Some(Place::Host) => &mut host_pins,
+                    None if state != TensorState::Compute => continue,
+                    None => {
+                        return Err(ChunkError::Invariant {
+                            chunk: Some(chunk),
+                            what: format!("list {list}: tensor {local} in COMPUTE without a place"),
+                        })
+                    }
+                };
+                if state != TensorState::Compute {
+                    return Err(ChunkError::Invariant {
+                        chunk: Some(chunk),
+                        what: format!("list {list}: tensor {local} has a place but is {state}"),
+                    });
+                }
+                pins[chunk.dense()] += 1;
+            }
+            for chunk in self.layout.chunks(list) {
+                let d = chunk.dense();
+                let computing = ls.table.count(chunk, TensorState::Compute);
+                if computing != dev_pins[d] + host_pins[d] {
+                    return Err(ChunkError::Invariant {
+                        chunk: Some(chunk),
+                        what: format!(
+                            "state table counts {computing} tensors in COMPUTE, their places {}",
+                            dev_pins[d] + host_pins[d]
+                        ),
+                    });
+                }
+            }
+        }
+        let mut pinned_device_bytes = 0;
+        for (d, slot) in self.mover.slots.iter().enumerate() {
+            if (slot.dev_pins, slot.host_pins) != (dev_pins[d], host_pins[d]) {
+                return Err(ChunkError::Invariant {
+                    chunk: Some(ChunkId::from_dense(d)),
+                    what: format!(
+                        "pins (device {}, host {}) but tensors in COMPUTE (device {}, host {})",
+                        slot.dev_pins, slot.host_pins, dev_pins[d], host_pins[d]
+                    ),
+                });
+            }
+            if slot.dev_pins > 0 {
+                pinned_device_bytes += self.mover.dev_bytes[d];
+            }
+        }
+        if pinned_device_bytes != self.pinned_device_bytes {
+            return Err(ChunkError::Invariant {
+                chunk: None,
+                what: format!(
+                    "{} device bytes counted pinned, the pinned chunks take {pinned_device_bytes}",
+                    self.pinned_device_bytes
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Waits for every transfer in flight.
     pub fn sync(&mut self) -> Result<()> {
         self.mover.wait_all()
@@ -1534,6 +1597,58 @@ impl ChunkStore {
         }
         self.mover.reason = MoveReason::Demand;
         result
+    }
+}
+
+impl ChunkStore {
+    /// Closes the store cleanly: waits for every transfer, writes every chunk whose NVMe
+    /// copy is not current (from its device or host copy) to NVMe, syncs, and marks the
+    /// swap file clean, so that a store opened later on it with [`StoreConfig::adopt`]
+    /// gets these bytes back. Tensors still in COMPUTE do not stop it (their bytes are
+    /// written as they are). It needs an NVMe slot for every chunk ever written
+    /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file
+    /// stays not clean; so does a store dropped without `close`.
+    pub fn close(mut self) -> Result<()> {
+        self.mover.wait_all()?;
+        self.verify()?;
+        let n = self.mover.slots.len();
+        let kept: Vec<ChunkId> = (0..n)
+            .filter(|&d| {
+                let s = &self.mover.slots[d];
+                self.mover.len_bytes[d] > 0
+                    && (s.nvme_stored || s.host.is_some() || s.dev.is_some())
+            })
+            .map(ChunkId::from_dense)
+            .collect();
+        let slot_count = self.mover.nvme.slot_count() as usize;
+        if kept.len() > slot_count {
+            let slot_bytes = self.mover.nvme.slot_bytes() as u64;
+            return Err(ChunkError::TierFull {
+                tier: TierKind::Nvme,
+                chunk: kept[slot_count],
+                needed_bytes: kept.len() as u64 * slot_bytes,
+                capacity_bytes: slot_count as u64 * slot_bytes,
+            });
+        }
+        self.mover.reason = MoveReason::Explicit;
+        for &c in &kept {
+            self.mover.write_back(c)?;
+        }
+        self.mover.wait_all()?;
+        for &c in &kept {
+            if !self.mover.slots[c.dense()].nvme_valid {
+                return Err(ChunkError::Invariant {
+                    chunk: Some(c),
+                    what: "NVMe copy not current after writing every chunk back".into(),
+                });
+            }
+        }
+        self.mover
+            .nvme
+            .mark_clean()
+            .map_err(|e| ChunkError::tier("marking the swap file clean", None, e))?;
+        tracing::info!(chunks = kept.len(), "chunk store closed cleanly");
+        Ok(())
     }
 }
 
