@@ -1700,3 +1700,77 @@ fn prefetch_reason(step: &PrefetchStep, victim: Option<(&Schedule, ChunkId, u64)
         victim_next_use,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{LayoutConfig, TensorSpec};
+    use tidestore_tiers::DeviceConfig;
+
+    fn store(dir: &tempfile::TempDir) -> ChunkStore {
+        let layout = Layout::new(
+            LayoutConfig::new(2048),
+            (0..4).map(|i| TensorSpec::new(format!("t{i}"), &[2048], DType::F16, true)),
+        )
+        .unwrap();
+        let slot = 8192;
+        let cfg = StoreConfig::new(
+            2 * slot,
+            3 * slot,
+            NvmeSource::Dir {
+                dir: dir.path().to_path_buf(),
+                bytes: 32 * slot,
+                io: tidestore_io::IoConfig::default(),
+            },
+        );
+        let device = Device::sim(&DeviceConfig::new(4 * slot)).unwrap();
+        ChunkStore::open(layout, cfg, device).unwrap()
+    }
+
+    fn broken(store: &ChunkStore, chunk: ChunkId, what: &str) {
+        match store.verify() {
+            Err(ChunkError::Invariant { chunk: c, what: w }) => {
+                assert_eq!(c, Some(chunk), "{w}");
+                assert!(w.contains(what), "{w}");
+            }
+            other => panic!("expected a broken invariant ({what}), got {other:?}"),
+        }
+    }
+
+    /// The failure: `verify` passing over the bugs it exists to find (a pin count that
+    /// drifted from the tensors in COMPUTE, a copy the policies cannot see).
+    #[test]
+    fn verify_names_the_chunk_and_what_disagrees() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(&dir);
+        let g = s
+            .access(TensorId(1), ListKind::Param16, Place::Device)
+            .unwrap();
+        s.verify().unwrap();
+        let c = g.chunk();
+        s.mover.slots[c.dense()].dev_pins += 1;
+        broken(&s, c, "pins (device 2, host 0)");
+        s.mover.slots[c.dense()].dev_pins -= 1;
+        s.verify().unwrap();
+        s.release(g, TensorState::Hold).unwrap();
+
+        let g = s
+            .access(TensorId(2), ListKind::MasterF32, Place::Host)
+            .unwrap();
+        let c = g.chunk();
+        s.mover.host_list.retain(|&x| x != c);
+        broken(&s, c, "host list");
+        s.mover.host_list.push(c);
+        // A release whose chunk lost its pin is refused and changes nothing.
+        s.mover.slots[c.dense()].host_pins = 0;
+        let err = s.release_tensor(TensorId(2), ListKind::MasterF32, TensorState::Hold);
+        assert!(matches!(err, Err(ChunkError::Invariant { .. })), "{err:?}");
+        assert_eq!(
+            s.state(TensorId(2), ListKind::MasterF32),
+            Some(TensorState::Compute)
+        );
+        s.mover.slots[c.dense()].host_pins = 1;
+        s.release(g, TensorState::Hold).unwrap();
+        s.verify().unwrap();
+    }
+}
