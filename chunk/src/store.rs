@@ -30,6 +30,7 @@
 //! Not thread-safe by itself (`&mut self` everywhere); it is `Send`, so it can live
 //! behind a mutex or on a dedicated thread.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,10 +76,20 @@ impl Place {
 /// One tensor in COMPUTE, handed out by [`ChunkStore::access`]; views come from
 /// [`ChunkStore::view`] / [`ChunkStore::view_mut`], and [`ChunkStore::release`] ends
 /// it. Dropping a guard without releasing leaves the tensor in COMPUTE (its chunk stays
-/// pinned); [`ChunkStore::release_tensor`] releases by id.
+/// pinned); [`ChunkStore::release_tensor`] releases by id. [`ChunkStore::with_access`]
+/// and [`ChunkStore::with_host_views`] release on every path instead.
+///
+/// A guard names one access: its store and the access's generation. Once that access
+/// ends (released by id, perhaps accessed again since), or given to another store, it is
+/// stale, and every call taking it returns [`ChunkError::StaleGuard`] and changes
+/// nothing.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a guard must be released, or its chunk stays pinned"]
 pub struct Guard {
+    /// The store that made it ([`ChunkStore`]'s `id`).
+    store: u64,
+    /// The access it names (the tensor's generation in its list then).
+    generation: u64,
     tensor: TensorId,
     list: ListKind,
     chunk: ChunkId,
@@ -179,7 +190,12 @@ struct ListStates {
     local: Vec<u32>,
     /// Per local tensor: where it is in COMPUTE.
     place: Vec<Option<Place>>,
+    /// Per local tensor: the generation of its latest access (0: never accessed).
+    generation: Vec<u64>,
 }
+
+/// Store ids, so that a guard of one store is stale in every other.
+static NEXT_STORE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 enum Mode {
     Tracing(Tracer),
@@ -200,6 +216,10 @@ struct Settings {
 
 /// Tensors in chunks on three tiers; see the module doc.
 pub struct ChunkStore {
+    /// This store's id, carried by its guards.
+    id: u64,
+    /// The generation the next access gets (across all tensors and lists).
+    next_generation: u64,
     layout: Layout,
     mover: Mover,
     lists: Vec<Option<ListStates>>,
@@ -404,10 +424,13 @@ impl ChunkStore {
                 table: StateTable::new(names, chunks),
                 local,
                 place: vec![None; count],
+                generation: vec![0; count],
             });
         }
         tracing::debug!(?plan, device_budget_bytes, host_budget_bytes, %policy, "chunk store opened");
         Ok(ChunkStore {
+            id: NEXT_STORE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            next_generation: 1,
             layout,
             mover,
             lists,
@@ -788,9 +811,12 @@ impl ChunkStore {
                 slot.host_pins += 1;
             }
         }
+        let generation = self.next_generation;
+        self.next_generation += 1;
         let ls = self.list_states(list);
         ls.table.transition(TensorId(local), TensorState::Compute)?;
         ls.place[local as usize] = Some(place);
+        ls.generation[local as usize] = generation;
         if let Mode::Tracing(_) = self.mode {
             if let Ok(m) = u32::try_from(moment) {
                 self.warmup.push((m, self.pinned_device_bytes, self.phase));
@@ -807,6 +833,8 @@ impl ChunkStore {
             Place::Host => self.prefetch_host(moment),
         }
         Ok(Guard {
+            store: self.id,
+            generation,
             tensor,
             list,
             chunk,
@@ -820,8 +848,10 @@ impl ChunkStore {
     /// Ends `guard`'s use: its tensor goes from COMPUTE to `to` (`Hold`,
     /// `HoldAfterFwd` or `HoldAfterBwd`; COMPUTE -> FREE is illegal, see
     /// [`crate::state`]). On an error the tensor stays in COMPUTE;
-    /// [`ChunkStore::release_tensor`] can release it then.
+    /// [`ChunkStore::release_tensor`] can release it then. A stale guard (see
+    /// [`Guard`]) is [`ChunkError::StaleGuard`], and nothing changes.
     pub fn release(&mut self, guard: Guard, to: TensorState) -> Result<()> {
+        self.check_guard(&guard)?;
         self.release_tensor(guard.tensor, guard.list, to)
     }
 
@@ -902,18 +932,22 @@ impl ChunkStore {
         ls.table.transition(TensorId(local), to).map(|_| ())
     }
 
+    /// Whether `g` names the current access of its tensor in this store.
     fn check_guard(&self, g: &Guard) -> Result<()> {
-        let ok = self.lists[g.list as usize].as_ref().is_some_and(|ls| {
-            let local = ls.local.get(g.tensor.index()).copied().unwrap_or(u32::MAX);
-            ls.table.state(TensorId(local)) == Some(TensorState::Compute)
-                && ls.place.get(local as usize).copied().flatten() == Some(g.place)
-        });
-        if ok {
+        let current = g.store == self.id
+            && self.lists[g.list as usize].as_ref().is_some_and(|ls| {
+                let local = ls.local.get(g.tensor.index()).copied().unwrap_or(u32::MAX) as usize;
+                ls.table.state(TensorId(local as u32)) == Some(TensorState::Compute)
+                    && ls.place.get(local).copied().flatten() == Some(g.place)
+                    && ls.generation.get(local) == Some(&g.generation)
+            });
+        if current {
             Ok(())
         } else {
-            Err(ChunkError::BadView {
+            Err(ChunkError::StaleGuard {
                 tensor: self.name(g.tensor),
-                reason: "the guard's tensor is no longer accessed there",
+                list: g.list,
+                chunk: g.chunk,
             })
         }
     }
@@ -979,8 +1013,8 @@ impl ChunkStore {
     /// (in different chunks or in one, on either tier where host-addressable). Every
     /// chunk counts as changed where its guard is (see [`ChunkStore::view_mut`]).
     /// Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap (the
-    /// same tensor twice included), [`ChunkError::BadView`] for a guard no longer in
-    /// use or for GPU memory.
+    /// same tensor twice included), [`ChunkError::StaleGuard`] for a guard no longer in
+    /// use, [`ChunkError::BadView`] for GPU memory.
     pub fn views_mut(&mut self, guards: &[&Guard]) -> Result<Vec<&mut [u8]>> {
         self.views_mut_with_io(guards).map(|(views, _)| views)
     }
@@ -1012,7 +1046,7 @@ impl ChunkStore {
     /// kernels), in the order of `guards`, with an [`IoPump`] as in
     /// [`ChunkStore::views_mut_with_io`]. Every chunk counts as changed where its guard
     /// is. Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap,
-    /// [`ChunkError::BadView`] for a guard no longer in use.
+    /// [`ChunkError::StaleGuard`] for a guard no longer in use.
     pub fn tensor_views_mut_with_io(
         &mut self,
         guards: &[&Guard],
@@ -1148,6 +1182,7 @@ impl ChunkStore {
 
     /// Writes `values` into the accessed tensor (converted to its dtype).
     pub fn write_f32(&mut self, g: &Guard, values: &[f32]) -> Result<()> {
+        self.check_guard(g)?;
         let expected = g.len_bytes as u64;
         let got = values.len() as u64 * g.dtype.size_bytes();
         if expected != got {
@@ -1161,6 +1196,129 @@ impl ChunkStore {
         let bytes = self.bytes_mut(g)?;
         crate::typed::encode_f32(values, dtype, bytes);
         Ok(())
+    }
+
+    // ------------------------------------------------------------- scoped access
+
+    /// Accesses every `(tensor, list, place)` of `tensors` in order, runs `f` on
+    /// writable views of them all (in that order, wherever they are, as
+    /// [`ChunkStore::tensor_views_mut_with_io`] gives them) with an [`IoPump`], and
+    /// releases every one to `to` on every path: when `f` returns (whatever it returns,
+    /// an `Err` of its own included), when an access or the views fail part way (the
+    /// tensors accessed so far are released), and when `f` panics (every tensor is
+    /// released, then the panic goes on). Every chunk counts as changed where it is
+    /// accessed. Accesses and releases are moments of the trace, as with
+    /// [`ChunkStore::access`] / [`ChunkStore::release`].
+    ///
+    /// Errors: `to` not a state COMPUTE may go to (nothing is accessed); the first
+    /// access or view error; a release error (a broken invariant; `f`'s result is then
+    /// dropped).
+    pub fn with_access<R>(
+        &mut self,
+        tensors: &[(TensorId, ListKind, Place)],
+        to: TensorState,
+        f: impl FnOnce(&mut [TensorViewMut<'_>], &mut IoPump<'_>) -> R,
+    ) -> Result<R> {
+        let guards = self.access_all(tensors, to)?;
+        let outcome = {
+            let refs: Vec<&Guard> = guards.iter().collect();
+            self.tensor_views_mut_with_io(&refs)
+                .map(|(mut views, mut pump)| {
+                    catch_unwind(AssertUnwindSafe(|| f(&mut views, &mut pump)))
+                })
+        };
+        self.end_scope(guards, to, outcome)
+    }
+
+    /// As [`ChunkStore::with_access`], for tensors accessed in the host pool, with their
+    /// bytes as plain slices (in the order of `tensors`).
+    pub fn with_host_views<R>(
+        &mut self,
+        tensors: &[(TensorId, ListKind)],
+        to: TensorState,
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R> {
+        let at_host: Vec<(TensorId, ListKind, Place)> =
+            tensors.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
+        let guards = self.access_all(&at_host, to)?;
+        let outcome = {
+            let refs: Vec<&Guard> = guards.iter().collect();
+            self.views_mut(&refs)
+                .map(|mut views| catch_unwind(AssertUnwindSafe(|| f(&mut views))))
+        };
+        self.end_scope(guards, to, outcome)
+    }
+
+    /// Accesses every tensor of a scope, releasing (to `to`) the ones accessed before an
+    /// access that fails. `to` is checked first.
+    fn access_all(
+        &mut self,
+        tensors: &[(TensorId, ListKind, Place)],
+        to: TensorState,
+    ) -> Result<Vec<Guard>> {
+        if let Some(&(tensor, list, _)) = tensors.first() {
+            if to == TensorState::Compute || !TensorState::Compute.can_become(to) {
+                return Err(ChunkError::IllegalTransition {
+                    tensor: self.name(tensor),
+                    chunk: self.location(tensor, list)?.chunk,
+                    from: TensorState::Compute,
+                    to,
+                });
+            }
+        }
+        let mut guards = Vec::with_capacity(tensors.len());
+        for &(tensor, list, place) in tensors {
+            match self.access(tensor, list, place) {
+                Ok(g) => guards.push(g),
+                Err(e) => {
+                    if let Err(r) = self.release_all(guards, to) {
+                        tracing::error!(error = %r, "chunk store: releasing a scope after a failed access");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(guards)
+    }
+
+    /// Releases every guard of a scope (all of them, whatever fails), returning the
+    /// first error.
+    fn release_all(&mut self, guards: Vec<Guard>, to: TensorState) -> Result<()> {
+        let mut first = Ok(());
+        for g in guards {
+            if let Err(e) = self.release(g, to) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    /// Ends a scope: releases its guards, then returns `f`'s result, the views' error,
+    /// or resumes `f`'s panic.
+    fn end_scope<R>(
+        &mut self,
+        guards: Vec<Guard>,
+        to: TensorState,
+        outcome: Result<std::thread::Result<R>>,
+    ) -> Result<R> {
+        let released = self.release_all(guards, to);
+        match outcome {
+            Ok(Ok(r)) => released.map(|()| r),
+            Ok(Err(panic)) => {
+                if let Err(e) = released {
+                    tracing::error!(error = %e, "chunk store: releasing a scope after a panic");
+                }
+                resume_unwind(panic)
+            }
+            Err(e) => {
+                if let Err(r) = released {
+                    tracing::error!(error = %r, "chunk store: releasing a scope after a view error");
+                }
+                Err(e)
+            }
+        }
     }
 
     // ------------------------------------------------------------- untraced I/O
