@@ -9,6 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Once;
 
 use common::*;
+use proptest::prelude::*;
 use tidestore_chunk::{
     ChunkError, ChunkStore, DType, Layout, ListKind, Place, PolicyKind, TensorId, TensorState,
     TensorViewMut,
@@ -47,6 +48,15 @@ fn store(dir: &tempfile::TempDir, policy: PolicyKind, async_writes: bool) -> Chu
         .with_async_write_back(async_writes)
         .with_host_prefetch(if async_writes { 4 } else { 0 });
     ChunkStore::open(tensors(), cfg, sim_device(4 * SLOT)).unwrap()
+}
+
+/// Every (tensor, list) with a place.
+fn places(store: &ChunkStore) -> Vec<(TensorId, ListKind)> {
+    let n = store.layout().tensors().len() as u32;
+    (0..n)
+        .flat_map(|t| ListKind::ALL.map(|l| (TensorId(t), l)))
+        .filter(|&(t, l)| store.layout().location(t, l).is_some())
+        .collect()
 }
 
 fn host_bytes<'a, 'b>(v: &'a mut TensorViewMut<'b>) -> &'a mut [u8] {
@@ -175,4 +185,188 @@ fn scopes_release_on_return_error_and_panic() {
     assert!(s.read(b.0, b.1).unwrap().iter().all(|&x| x == 2));
     assert!(s.read(c.0, c.1).unwrap().iter().all(|&x| x == 9));
     s.verify().unwrap();
+}
+
+#[derive(Debug, Clone)]
+enum End {
+    Return,
+    Fail,
+    Panic,
+}
+
+#[derive(Debug, Clone)]
+struct Scope {
+    /// Indices into the places (wrapped), with where each is accessed.
+    tensors: Vec<(usize, bool)>,
+    write: bool,
+    host_views: bool,
+    end: End,
+    to_fwd: bool,
+}
+
+fn scope() -> impl Strategy<Value = Scope> {
+    (
+        prop::collection::vec((0usize..64, any::<bool>()), 1..4),
+        any::<bool>(),
+        any::<bool>(),
+        prop_oneof![Just(End::Return), Just(End::Fail), Just(End::Panic)],
+        any::<bool>(),
+    )
+        .prop_map(|(tensors, write, host_views, end, to_fwd)| Scope {
+            tensors,
+            write,
+            host_views,
+            end,
+            to_fwd,
+        })
+}
+
+fn run(scopes: Vec<Scope>, policy: usize, async_writes: bool) -> Result<(), TestCaseError> {
+    quiet_planned_panics();
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = store(&dir, PolicyKind::ALL[policy], async_writes);
+    let places = places(&s);
+    let mut model: std::collections::HashMap<(TensorId, ListKind), Vec<u8>> = places
+        .iter()
+        .map(|&(t, l)| {
+            (
+                (t, l),
+                vec![0; s.layout().location(t, l).unwrap().bytes() as usize],
+            )
+        })
+        .collect();
+    let mut version = 0u64;
+    for (i, sc) in scopes.iter().enumerate() {
+        let picked: Vec<(TensorId, ListKind, Place)> = sc
+            .tensors
+            .iter()
+            .map(|&(k, host)| {
+                let (t, l) = places[k % places.len()];
+                (
+                    t,
+                    l,
+                    if host || sc.host_views {
+                        Place::Host
+                    } else {
+                        Place::Device
+                    },
+                )
+            })
+            .collect();
+        let to = if sc.to_fwd {
+            TensorState::HoldAfterFwd
+        } else {
+            TensorState::Hold
+        };
+        // What the closure sees and writes; checked against the model afterwards.
+        let mut seen: Vec<Vec<u8>> = Vec::new();
+        let fresh: Vec<Vec<u8>> = picked
+            .iter()
+            .map(|&(t, l, _)| {
+                version += 1;
+                pattern(version, model[&(t, l)].len())
+            })
+            .collect();
+        let mut wrote = false;
+        let body = |views: &mut [&mut [u8]], seen: &mut Vec<Vec<u8>>, wrote: &mut bool| {
+            for (v, new) in views.iter_mut().zip(&fresh) {
+                seen.push(v.to_vec());
+                if sc.write {
+                    v.copy_from_slice(new);
+                }
+            }
+            *wrote = sc.write;
+            match sc.end {
+                End::Return => Ok(()),
+                End::Fail => Err("closure failed"),
+                End::Panic => std::panic::panic_any(PLANNED),
+            }
+        };
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            if sc.host_views {
+                let pairs: Vec<(TensorId, ListKind)> =
+                    picked.iter().map(|&(t, l, _)| (t, l)).collect();
+                s.with_host_views(&pairs, to, |views| body(views, &mut seen, &mut wrote))
+            } else {
+                s.with_access(&picked, to, |views, io| {
+                    io.poll();
+                    let mut bytes: Vec<&mut [u8]> = views.iter_mut().map(host_bytes).collect();
+                    body(&mut bytes, &mut seen, &mut wrote)
+                })
+            }
+        }));
+        match (&caught, &sc.end) {
+            (Err(_), End::Panic) | (Ok(Ok(Err(_))), End::Fail) | (Ok(Ok(Ok(()))), End::Return) => {}
+            // An access the scope cannot make (the same tensor twice, a chunk in use on
+            // the other tier): refused before the closure ran.
+            (
+                Ok(Err(ChunkError::IllegalTransition { .. } | ChunkError::PinnedElsewhere { .. })),
+                _,
+            ) => prop_assert!(seen.is_empty()),
+            (other, end) => {
+                return Err(TestCaseError::fail(format!(
+                    "scope {i} ending {end:?} gave {:?}",
+                    other.as_ref().map(|r| r.as_ref().map(|_| ()))
+                )))
+            }
+        }
+        for ((&(t, l, _), before), new) in picked.iter().zip(&seen).zip(&fresh) {
+            prop_assert!(
+                before == &model[&(t, l)],
+                "scope {i}: {t} {l} read stale bytes"
+            );
+            if wrote {
+                model.insert((t, l), new.clone());
+            }
+        }
+        s.verify()
+            .map_err(|e| TestCaseError::fail(format!("after scope {i}: {e}")))?;
+        for &(t, l) in &places {
+            prop_assert_ne!(
+                s.state(t, l),
+                Some(TensorState::Compute),
+                "{} {} left in COMPUTE",
+                t,
+                l
+            );
+        }
+        if i % 5 == 4 {
+            let _ = s.end_iteration();
+            s.verify()
+                .map_err(|e| TestCaseError::fail(format!("end of iteration: {e}")))?;
+        }
+    }
+    // No chunk pinned: every tensor can be accessed on either tier.
+    for &(t, l) in &places {
+        for place in [Place::Device, Place::Host] {
+            let g = s.access(t, l, place).unwrap();
+            s.release(g, TensorState::Hold).unwrap();
+        }
+    }
+    s.sync().unwrap();
+    s.verify()
+        .map_err(|e| TestCaseError::fail(format!("at the end: {e}")))?;
+    for &(t, l) in &places {
+        prop_assert!(
+            s.read(t, l).unwrap() == model[&(t, l)],
+            "{} {} changed",
+            t,
+            l
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// The failure: any mix of returns, errors and panics inside scopes leaving a chunk
+    /// pinned, a tensor in COMPUTE, the store's invariants broken or bytes changed.
+    #[test]
+    fn random_scopes_that_return_fail_or_panic_leave_nothing_pinned(
+        scopes in prop::collection::vec(scope(), 1..40),
+        policy in 0usize..3,
+        async_writes in any::<bool>(),
+    ) {
+        run(scopes, policy, async_writes)?;
+    }
 }
