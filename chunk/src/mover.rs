@@ -1439,7 +1439,7 @@ impl Mover {
             let ours = usize::try_from(id)
                 .ok()
                 .and_then(|d| self.slots.get(d))
-                .is_some_and(|s| s.nvme_stored);
+                .is_some_and(|s| s.nvme_stored || s.pending == Pending::NvmeWrite);
             if !ours {
                 return bad(format!(
                     "the swap file stores chunk {id}, which no slot claims"
@@ -1494,14 +1494,17 @@ impl Mover {
         if s.nvme_valid && !s.nvme_stored {
             return bad("NVMe copy current but no slot stored".into());
         }
-        if s.nvme_stored != self.nvme.contains(d as u64) {
+        // A write-back in flight may have completed in the swap file (stored there, or
+        // dropped after a failure) before its completion is routed here.
+        let writing = s.pending == Pending::NvmeWrite;
+        if !writing && s.nvme_stored != self.nvme.contains(d as u64) {
             return bad(format!(
                 "slot says stored on NVMe {}, the swap file {}",
                 s.nvme_stored,
                 self.nvme.contains(d as u64)
             ));
         }
-        if s.nvme_stored && self.nvme.len_of(d as u64) != Some(self.len(c)) {
+        if !writing && s.nvme_stored && self.nvme.len_of(d as u64) != Some(self.len(c)) {
             return bad(format!(
                 "stored on NVMe as {:?} bytes, the chunk is {}",
                 self.nvme.len_of(d as u64),
