@@ -50,6 +50,11 @@ pub enum NvmeSource {
     Tier(Box<NvmeTier>),
 }
 
+/// Moments the device prefetcher looks ahead by default (the benchmarked value).
+pub const DEFAULT_PREFETCH_LOOKAHEAD: u32 = 8;
+/// Moments the host-tier prefetcher looks ahead by default (the benchmarked value).
+pub const DEFAULT_HOST_PREFETCH_LOOKAHEAD: u32 = 64;
+
 /// Everything [`crate::ChunkStore::open`] needs besides the layout and the device.
 #[derive(Debug)]
 pub struct StoreConfig {
@@ -98,10 +103,11 @@ pub struct StoreConfig {
 }
 
 impl StoreConfig {
-    /// Defaults around three budgets: `lifetime` policy, 8 moments of device prefetch
-    /// (host-tier prefetch and asynchronous write-backs off), no
-    /// margin, a tidal window of 8 moments, 1 MiB of non-model slack, one chunk in use
-    /// at a time.
+    /// Defaults around three budgets, the ones the benchmark (`tidestore bench`) runs
+    /// with: `lifetime` policy, 8 moments of device prefetch, 64 moments of host-tier
+    /// prefetch, asynchronous write-backs, no margin, a tidal window of 8 moments,
+    /// 1 MiB of non-model slack, one chunk in use at a time, no adoption of an existing
+    /// swap file's chunks.
     pub fn new(device_budget_bytes: u64, host_budget_bytes: u64, nvme: NvmeSource) -> Self {
         StoreConfig {
             device_budget_bytes,
@@ -109,10 +115,10 @@ impl StoreConfig {
             host_budget_bytes,
             nvme,
             policy: PolicyKind::Lifetime,
-            prefetch_lookahead: 8,
+            prefetch_lookahead: DEFAULT_PREFETCH_LOOKAHEAD,
             prefetch_lookahead_bytes_max: u64::MAX,
-            host_prefetch_lookahead: 0,
-            async_write_back: false,
+            host_prefetch_lookahead: DEFAULT_HOST_PREFETCH_LOOKAHEAD,
+            async_write_back: true,
             tidal_margin_bytes: 0,
             tidal_window: 8,
             non_model_slack_bytes: 1 << 20,
