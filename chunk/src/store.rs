@@ -23,9 +23,18 @@
 //! - [`ChunkStore::begin_optimizer_step`] / [`ChunkStore::end_optimizer_step`] switch
 //!   the device budget to nearly the whole device for the step, and back.
 //!
+//! [`ChunkStore::with_access`] and [`ChunkStore::with_host_views`] are the scoped form
+//! of access/release: several tensors at once, views handed to a closure, every tensor
+//! released on every path (return, error, panic). A [`Guard`] names one access; a stale
+//! one is refused ([`ChunkError::StaleGuard`]) and changes nothing.
+//!
 //! [`ChunkStore::write`] and [`ChunkStore::read`] put bytes into a tensor and take them
 //! out without being moments of the trace (initialisation, checkpoints). A chunk never
-//! written reads as zeros. [`ChunkStore::stats`] returns the accounting.
+//! written reads as zeros — also on a swap file an earlier store left, whose chunks are
+//! dropped unless [`StoreConfig::adopt`] asks for them (and then only from a file of the
+//! same layout fingerprint, closed by [`ChunkStore::close`]).
+//! [`ChunkStore::stats`] returns the accounting; [`ChunkStore::verify`] checks every
+//! invariant and reports the first broken one rather than repairing it.
 //!
 //! Not thread-safe by itself (`&mut self` everywhere); it is `Send`, so it can live
 //! behind a mutex or on a dedicated thread.
