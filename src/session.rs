@@ -273,7 +273,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     let dir = cfg.nvme_dir()?.to_path_buf();
     let io = cfg.io_config()?;
     // The bench's swap file is scratch: one of another shape (an earlier run, another
-    // chunk size) is replaced, one of this shape is emptied. Any other failure (another process holding the file's
+    // chunk size) is replaced, one of this shape is emptied by the store. Any other failure (another process holding the file's
     // lock, a full disk) is an error, and the file is left alone.
     let compression = match cfg.nvme.compression {
         CompressionName::Off => Compression::Off,
@@ -284,7 +284,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
     let path = dir.join(SWAP_FILE_NAME);
     let open =
         || NvmeTier::open_or_create(&path, capacity.slot_bytes as usize, slots, &io, compression);
-    let mut tier = match open() {
+    let tier = match open() {
         Err(TierError::Io {
             source: source @ tidestore_io::IoError::BadHeader { .. },
             ..
@@ -300,13 +300,8 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
         }
         other => other?,
     };
-    // Every run starts from nothing: the chunks an earlier run left (which the store
-    // would otherwise take as their contents, M and V included) are dropped.
-    let stale: Vec<u64> = tier.swap_file().chunks().map(|(id, _)| id).collect();
-    for id in stale {
-        tier.remove(id)
-            .map_err(|e| Error::config("nvme.dir", format!("clearing {}: {e}", path.display())))?;
-    }
+    // Every run starts from nothing: the store drops the chunks an earlier run left
+    // (it adopts none unless asked to).
     let nvme = NvmeSource::Tier(Box::new(tier));
     let store_cfg = StoreConfig::new(cfg.device.budget.bytes(), cfg.host.budget.bytes(), nvme)
         .with_policy(cfg.policy.eviction.into())

@@ -1,7 +1,7 @@
 //! Guards against a bench run inheriting an earlier run's state through the swap file:
-//! the store takes chunks already in a swap file as their contents, so without clearing
-//! it a second run in the same `nvme.dir` would start from the first run's M and V (and
-//! give another checksum). Also: a swap file of another shape (another chunk size) is
+//! were the store to take chunks already in a swap file as their contents, a second run
+//! in the same `nvme.dir` would start from the first run's M and V (and give another
+//! checksum). Also: a swap file of another shape (another chunk size) is
 //! replaced, and a run then gives what a run in a fresh folder gives.
 
 use tidestore::bench::{self, BenchReport, NoProgress};

@@ -82,8 +82,8 @@ pub struct TideConfig {
     /// step plus one staging buffer). Fewer than the model's chunks put the rest —
     /// M and V among them — on NVMe.
     pub host_chunks: u32,
-    /// Directory of the swap file (its own, or a temporary one: the file is reused if it
-    /// has this shape).
+    /// Directory of the swap file (its own, or a temporary one). Every open starts
+    /// fresh: chunks an earlier run left there are dropped (resume from checkpoints).
     pub swap_dir: PathBuf,
     /// Block I/O settings of the swap file.
     pub io: IoConfig,

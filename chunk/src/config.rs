@@ -32,8 +32,9 @@ use crate::Result;
 /// Where the NVMe tier comes from.
 #[derive(Debug)]
 pub enum NvmeSource {
-    /// A swap file `tidestore-chunks.swap` made (or reopened, if it has this shape) in
-    /// `dir`, of `bytes` (whole slots of the largest chunk).
+    /// A swap file `tidestore-chunks.swap` in `dir`, of `bytes` (whole slots of the
+    /// largest chunk). Made if absent; an existing one is emptied (remade if its shape
+    /// differs), or adopted with [`StoreConfig::adopt`].
     Dir {
         /// The directory.
         dir: PathBuf,
@@ -42,12 +43,17 @@ pub enum NvmeSource {
         /// Block I/O settings.
         io: IoConfig,
     },
-    /// A tier opened by the caller (over any engine). Chunks it already stores whose
-    /// id and length match a chunk of the layout are taken as that chunk's contents;
-    /// other chunks in it keep their slots and reduce the capacity. Boxed: a tier is
-    /// large and this is moved once.
+    /// A tier opened by the caller (over any engine); the store owns its swap file from
+    /// then on. Chunks it already stores are dropped, unless [`StoreConfig::adopt`]
+    /// takes them as the store's contents. Boxed: a tier is large and this is moved
+    /// once.
     Tier(Box<NvmeTier>),
 }
+
+/// Moments the device prefetcher looks ahead by default (the benchmarked value).
+pub const DEFAULT_PREFETCH_LOOKAHEAD: u32 = 8;
+/// Moments the host-tier prefetcher looks ahead by default (the benchmarked value).
+pub const DEFAULT_HOST_PREFETCH_LOOKAHEAD: u32 = 64;
 
 /// Everything [`crate::ChunkStore::open`] needs besides the layout and the device.
 #[derive(Debug)]
@@ -85,13 +91,23 @@ pub struct StoreConfig {
     /// The most chunks one moment holds in use at once (tensors accessed and not yet
     /// released, on either tier); sizes the budget check at open.
     pub working_set_chunks: u32,
+    /// What happens to chunks an existing swap file already stores. `false` (the
+    /// default): they are dropped, and every chunk reads as zeros until written — a
+    /// store never takes bytes it did not write as state unless told to. `true`: they
+    /// are taken as the chunks' contents, and the store refuses to open
+    /// ([`crate::ChunkError::AdoptRefused`]) unless the file records this layout's
+    /// fingerprint ([`Layout::fingerprint`]) and was closed by
+    /// [`crate::ChunkStore::close`] after its last change. Opening for adoption clears
+    /// the file's clean marker on disk before anything else changes.
+    pub adopt: bool,
 }
 
 impl StoreConfig {
-    /// Defaults around three budgets: `lifetime` policy, 8 moments of device prefetch
-    /// (host-tier prefetch and asynchronous write-backs off), no
-    /// margin, a tidal window of 8 moments, 1 MiB of non-model slack, one chunk in use
-    /// at a time.
+    /// Defaults around three budgets, the ones the benchmark (`tidestore bench`) runs
+    /// with: `lifetime` policy, 8 moments of device prefetch, 64 moments of host-tier
+    /// prefetch, asynchronous write-backs, no margin, a tidal window of 8 moments,
+    /// 1 MiB of non-model slack, one chunk in use at a time, no adoption of an existing
+    /// swap file's chunks.
     pub fn new(device_budget_bytes: u64, host_budget_bytes: u64, nvme: NvmeSource) -> Self {
         StoreConfig {
             device_budget_bytes,
@@ -99,15 +115,23 @@ impl StoreConfig {
             host_budget_bytes,
             nvme,
             policy: PolicyKind::Lifetime,
-            prefetch_lookahead: 8,
+            prefetch_lookahead: DEFAULT_PREFETCH_LOOKAHEAD,
             prefetch_lookahead_bytes_max: u64::MAX,
-            host_prefetch_lookahead: 0,
-            async_write_back: false,
+            host_prefetch_lookahead: DEFAULT_HOST_PREFETCH_LOOKAHEAD,
+            async_write_back: true,
             tidal_margin_bytes: 0,
             tidal_window: 8,
             non_model_slack_bytes: 1 << 20,
             working_set_chunks: 1,
+            adopt: false,
         }
+    }
+
+    /// Taking the chunks an existing swap file stores as the contents (see
+    /// [`StoreConfig::adopt`]), or not.
+    pub fn with_adopt(mut self, adopt: bool) -> Self {
+        self.adopt = adopt;
+        self
     }
 
     /// With another policy.

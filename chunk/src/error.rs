@@ -290,6 +290,39 @@ pub enum ChunkError {
         got_bytes: u64,
     },
 
+    /// [`crate::StoreConfig::adopt`] asked to take the chunks of an existing swap file
+    /// as the store's contents, and the file does not qualify; nothing was changed.
+    #[error("cannot adopt the chunks of swap file {path}: {reason}")]
+    AdoptRefused {
+        /// The swap file.
+        path: String,
+        /// Why.
+        reason: AdoptRefusal,
+    },
+
+    /// A [`crate::Guard`] that no longer names the access it came from: its tensor was
+    /// released (by id) and perhaps accessed again, or it comes from another store.
+    /// Nothing was changed.
+    #[error("tensor `{tensor}` in list {list}: stale guard (its access ended)")]
+    StaleGuard {
+        /// The tensor's name.
+        tensor: String,
+        /// The list of the guard.
+        list: ListKind,
+        /// The guard's chunk.
+        chunk: ChunkId,
+    },
+
+    /// A broken invariant of the store (see [`crate::ChunkStore::verify`]): a bug,
+    /// reported rather than repaired.
+    #[error("store invariant broken{}: {what}", chunk_ctx(.chunk))]
+    Invariant {
+        /// The chunk concerned, where one is.
+        chunk: Option<ChunkId>,
+        /// What disagrees.
+        what: String,
+    },
+
     /// An error of a tier (device copy, host pool, NVMe I/O), with the chunk it hit.
     #[error("{op}{}: {source}", chunk_ctx(.chunk))]
     Tier {
@@ -301,6 +334,81 @@ pub enum ChunkError {
         #[source]
         source: SharedTierError,
     },
+}
+
+/// Why a swap file's chunks cannot be adopted (see [`ChunkError::AdoptRefused`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AdoptRefusal {
+    /// There is no swap file to adopt.
+    NoSwapFile,
+    /// The file records no layout fingerprint (never used by a chunk store of this
+    /// format).
+    NoFingerprint,
+    /// The file was written for another layout.
+    OtherLayout {
+        /// The fingerprint the file records.
+        file_fingerprint: u64,
+        /// This layout's fingerprint.
+        layout_fingerprint: u64,
+    },
+    /// The file was not closed by [`crate::ChunkStore::close`] after its last change
+    /// (a crash, or a store dropped without `close`).
+    NotClosedCleanly,
+    /// The file's slots differ from the ones the config asks for.
+    OtherShape {
+        /// The file's slot size.
+        file_slot_bytes: usize,
+        /// The file's slot count.
+        file_slots: u32,
+        /// The slot size asked for.
+        slot_bytes: usize,
+        /// The slot count asked for.
+        slots: u32,
+    },
+    /// The file stores a chunk this layout does not have (or of another length).
+    ForeignChunk {
+        /// The chunk's id in the file.
+        chunk: u64,
+        /// Its length in the file.
+        len_bytes: usize,
+    },
+}
+
+impl std::fmt::Display for AdoptRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AdoptRefusal::NoSwapFile => write!(f, "there is no swap file"),
+            AdoptRefusal::NoFingerprint => write!(f, "it records no layout fingerprint"),
+            AdoptRefusal::OtherLayout {
+                file_fingerprint,
+                layout_fingerprint,
+            } => write!(
+                f,
+                "it was written for another layout (fingerprint {file_fingerprint:#018x}; \
+                 this layout's is {layout_fingerprint:#018x})"
+            ),
+            AdoptRefusal::NotClosedCleanly => write!(
+                f,
+                "it was not closed cleanly (a crash, or a store dropped without close); \
+                 resume from a checkpoint"
+            ),
+            AdoptRefusal::OtherShape {
+                file_slot_bytes,
+                file_slots,
+                slot_bytes,
+                slots,
+            } => write!(
+                f,
+                "it has {file_slots} slots of {file_slot_bytes} bytes, the config asks for \
+                 {slots} slots of {slot_bytes} bytes"
+            ),
+            AdoptRefusal::ForeignChunk { chunk, len_bytes } => write!(
+                f,
+                "it stores chunk {chunk} of {len_bytes} bytes, which this layout does not have"
+            ),
+        }
+    }
 }
 
 fn chunk_ctx(chunk: &Option<ChunkId>) -> String {

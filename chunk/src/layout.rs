@@ -694,6 +694,51 @@ impl Layout {
         v
     }
 
+    /// A stable 64-bit hash (FNV-1a) of everything that decides where a tensor's bytes
+    /// are: the layout config (chunk size, gradient accumulation, the 16-bit dtype,
+    /// frozen packing), every tensor's name, shape, dtype and trainability in order, its
+    /// place (chunk, offset, dtype) in every list, and every chunk's stored length. Two
+    /// layouts with equal fingerprints put every byte at the same place; the chunk store
+    /// keeps it in the swap file and adopts the chunks there only under an equal one.
+    /// Stable across runs, builds and machines (fixed byte order, no `std` hasher).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Fnv64::new();
+        h.bytes(b"tidestore-layout-v1");
+        let c = &self.config;
+        h.u64(c.chunk_elements);
+        h.u64(u64::from(c.grad_accumulation));
+        h.u64(dtype_code(c.param16_dtype));
+        h.u64(u64::from(c.separate_frozen));
+        h.u64(self.specs.len() as u64);
+        for (i, spec) in self.specs.iter().enumerate() {
+            h.u64(spec.name.len() as u64);
+            h.bytes(spec.name.as_bytes());
+            h.u64(spec.shape.len() as u64);
+            for &d in &spec.shape {
+                h.u64(d as u64);
+            }
+            h.u64(dtype_code(spec.dtype));
+            h.u64(u64::from(spec.trainable));
+            for list in ListKind::ALL {
+                match self.location(TensorId(i as u32), list) {
+                    Some(loc) => {
+                        h.u64(loc.chunk.dense() as u64);
+                        h.u64(loc.offset_elements);
+                        h.u64(loc.elements);
+                        h.u64(dtype_code(loc.dtype));
+                    }
+                    None => h.u64(u64::MAX),
+                }
+            }
+        }
+        let stored = self.dense_chunk_bytes();
+        h.u64(stored.len() as u64);
+        for b in stored {
+            h.u64(b);
+        }
+        h.finish()
+    }
+
     /// Bytes the store allocates and moves for `chunk` (see
     /// [`Layout::dense_chunk_bytes`]); 0 for a chunk that does not exist.
     pub fn chunk_stored_bytes(&self, chunk: ChunkId) -> u64 {
@@ -703,9 +748,87 @@ impl Layout {
     }
 }
 
+/// 64-bit FNV-1a, fed in little-endian words: the fingerprint's hash.
+struct Fnv64(u64);
+
+impl Fnv64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+
+    fn new() -> Self {
+        Fnv64(Self::OFFSET)
+    }
+
+    fn bytes(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= u64::from(b);
+            self.0 = self.0.wrapping_mul(Self::PRIME);
+        }
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.bytes(&v.to_le_bytes());
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A dtype's fixed code in the fingerprint (independent of the enum's order).
+fn dtype_code(d: DType) -> u64 {
+    match d {
+        DType::F32 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The failure: a fingerprint that misses a change of where bytes are (so another
+    /// model's chunks are adopted), or one that moves between builds (so a clean file
+    /// is refused after an upgrade that changed nothing).
+    #[test]
+    fn the_fingerprint_sees_every_change_of_place_and_is_stable() {
+        let base = |chunk: u64, name: &str, n: usize, dtype: DType, trainable: bool| {
+            Layout::new(
+                LayoutConfig::new(chunk),
+                [
+                    TensorSpec::new("a", &[64, 32], DType::F32, true),
+                    TensorSpec::new(name, &[n], dtype, trainable),
+                ],
+            )
+            .unwrap()
+            .fingerprint()
+        };
+        let fp = base(4096, "b", 100, DType::F16, true);
+        assert_eq!(fp, base(4096, "b", 100, DType::F16, true));
+        for (what, other) in [
+            ("chunk size", base(8192, "b", 100, DType::F16, true)),
+            ("name", base(4096, "c", 100, DType::F16, true)),
+            ("shape", base(4096, "b", 101, DType::F16, true)),
+            ("dtype", base(4096, "b", 100, DType::BF16, true)),
+            ("trainable", base(4096, "b", 100, DType::F16, false)),
+        ] {
+            assert_ne!(fp, other, "a change of {what} kept the fingerprint");
+        }
+        let accum = Layout::new(
+            LayoutConfig::new(4096).with_grad_accumulation(true),
+            [
+                TensorSpec::new("a", &[64, 32], DType::F32, true),
+                TensorSpec::new("b", &[100], DType::F16, true),
+            ],
+        )
+        .unwrap();
+        assert_ne!(fp, accum.fingerprint(), "gradient accumulation");
+        // Pinned: the same layout hashes the same in every build.
+        assert_eq!(fp, GOLDEN_FINGERPRINT, "{fp:#018x}");
+    }
+
+    const GOLDEN_FINGERPRINT: u64 = 0xdab0_3e0b_f036_ab3e;
 
     fn t(name: &str, n: usize, dtype: DType, trainable: bool) -> TensorSpec {
         TensorSpec::new(name, &[n], dtype, trainable)

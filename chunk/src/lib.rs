@@ -17,6 +17,7 @@
 //!
 //! And the part that moves bytes, over the `tiers` crate:
 //! - [`config`]: how a store is opened, and the capacity check made before allocating;
+//! - `adopt` (private): what a store makes of a swap file that already holds chunks;
 //! - `mover` (private): where each chunk's copies are, and every move between tiers;
 //! - [`store`]: [`ChunkStore`], access/release with guards, tracing, tides, prefetch;
 //! - [`accounting`]: [`StoreStats`] and the per-move events tests watch;
@@ -28,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod accounting;
+mod adopt;
 pub mod config;
 pub mod dtype;
 pub mod error;
@@ -45,7 +47,7 @@ pub mod typed;
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
 pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::DType;
-pub use error::{ChunkError, SharedTierError};
+pub use error::{AdoptRefusal, ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
     Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,

@@ -327,7 +327,7 @@ impl Mover {
         let d = chunk.dense();
         match c.dir {
             CopyDir::HostToDevice => {
-                self.pending_h2d = self.pending_h2d.saturating_sub(1);
+                let counted = count_down(&mut self.pending_h2d, "host->device copy", chunk);
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::None;
                 // The host buffer still holds the chunk's current bytes, copy or not.
@@ -340,12 +340,13 @@ impl Mover {
                         self.stats.host_to_device_bytes += c.len_bytes as u64;
                         self.stats.host_to_device_copies += 1;
                         self.emit(MoveKind::HostToDevice, chunk, c.len_bytes as u64);
-                        Ok(())
+                        counted
                     }
                     Err(e) => {
                         self.dev_mark[d] = false;
                         slot.prefetched = false;
                         drop(c.mem);
+                        counted?;
                         Err(ChunkError::tier("copy host->device", Some(chunk), e))
                     }
                 }
@@ -399,7 +400,7 @@ impl Mover {
         }
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
-        self.pending_nvme = self.pending_nvme.saturating_sub(1);
+        let counted = count_down(&mut self.pending_nvme, "NVMe request", chunk);
         let slot = &mut self.slots[d];
         slot.pending = Pending::None;
         let reserved = slot.reserved_dev.take();
@@ -412,9 +413,9 @@ impl Mover {
                 self.stats.nvme_reads += 1;
                 self.emit(MoveKind::NvmeToHost, chunk, c.len_bytes as u64);
                 if let Some(mem) = reserved {
-                    self.start_h2d(chunk, mem);
+                    self.start_h2d(chunk, mem)?;
                 }
-                Ok(())
+                counted
             }
             Err(e) => {
                 self.dev_mark[d] = false;
@@ -422,6 +423,7 @@ impl Mover {
                 slot.host_prefetched = false;
                 drop(reserved);
                 drop(c.buf);
+                counted?;
                 Err(ChunkError::tier("reading from NVMe", Some(chunk), e))
             }
         }
@@ -433,8 +435,13 @@ impl Mover {
     fn route_nvme_write(&mut self, c: NvmeCompletion) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
-        self.pending_nvme = self.pending_nvme.saturating_sub(1);
-        self.pending_writes = self.pending_writes.saturating_sub(1);
+        let counted = count_down(&mut self.pending_nvme, "NVMe request", chunk).and(count_down(
+            &mut self.pending_writes,
+            "NVMe write",
+            chunk,
+        ));
+        // After a failed write the file no longer stores the chunk.
+        let still_stored = self.nvme.contains(c.chunk);
         let slot = &mut self.slots[d];
         slot.pending = Pending::None;
         match c.result {
@@ -447,14 +454,16 @@ impl Mover {
                 self.emit(MoveKind::HostToNvme, chunk, c.len_bytes as u64);
                 // Its buffer is back: the read owed it starts now.
                 self.settle_queue();
-                Ok(())
+                counted
             }
             Err(e) => {
+                slot.nvme_stored = still_stored;
                 slot.host = Some(c.buf);
                 self.host_list.push(chunk);
                 self.host_policy.on_insert(chunk, self.moment);
                 // One buffer fewer comes back than the queue was promised.
                 self.settle_queue();
+                counted?;
                 Err(ChunkError::tier("writing to NVMe", Some(chunk), e))
             }
         }
@@ -598,14 +607,26 @@ impl Mover {
                 self.route_nvme(c)?;
                 return Ok(true);
             }
-            self.pending_nvme = 0;
+            return Err(ChunkError::Invariant {
+                chunk: None,
+                what: format!(
+                    "{} NVMe requests counted in flight, none outstanding",
+                    self.pending_nvme
+                ),
+            });
         }
         if self.pending_h2d > 0 {
             if let Some(c) = self.device.wait_copy() {
                 self.route_copy(c)?;
                 return Ok(true);
             }
-            self.pending_h2d = 0;
+            return Err(ChunkError::Invariant {
+                chunk: None,
+                what: format!(
+                    "{} host->device copies counted in flight, none outstanding",
+                    self.pending_h2d
+                ),
+            });
         }
         Ok(false)
     }
@@ -621,8 +642,10 @@ impl Mover {
                 }
                 Pending::NvmeRead | Pending::NvmeWrite => {
                     if !self.wait_any()? {
-                        // Nothing in flight after all: the slot's flag was stale.
-                        self.slots[c.dense()].pending = Pending::None;
+                        return Err(ChunkError::Invariant {
+                            chunk: Some(c),
+                            what: "an NVMe transfer is pending but nothing is in flight".into(),
+                        });
                     }
                 }
                 Pending::NvmeReadQueued => {
@@ -785,6 +808,8 @@ impl Mover {
         self.note_nvme_in_flight(true);
         let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
         if let Err(e) = result {
+            // A failed write drops the chunk from the file (which refuses writes now).
+            self.slots[d].nvme_stored = self.nvme.contains(d as u64);
             self.slots[d].host = Some(buf);
             self.host_list.push(w);
             return Err(ChunkError::tier("writing to NVMe", Some(w), e));
@@ -1085,14 +1110,15 @@ impl Mover {
         }
     }
 
-    fn start_h2d(&mut self, c: ChunkId, mem: DeviceMem) {
+    /// Starts copying `c`'s host copy (its callers put one in the slot) into `mem`.
+    fn start_h2d(&mut self, c: ChunkId, mem: DeviceMem) -> Result<()> {
         let d = c.dense();
         let Some(buf) = self.slots[d].host.take() else {
-            // Cannot happen: callers put the host copy in the slot first. Keep the
-            // memory accounted as free again.
             drop(mem);
-            self.dev_mark[d] = false;
-            return;
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "a host->device copy started without a host copy".into(),
+            });
         };
         remove_from(&mut self.host_list, c);
         self.slots[d].host_prefetched = false;
@@ -1101,6 +1127,7 @@ impl Mover {
         self.slots[d].pending = Pending::HostToDevice(id);
         self.dev_mark[d] = true;
         self.pending_h2d += 1;
+        Ok(())
     }
 
     /// Makes `c` current on the device (demand). Returns whether it already was.
@@ -1131,7 +1158,7 @@ impl Mover {
         };
         self.slots[d].host = Some(buf);
         self.host_list.push(c);
-        self.start_h2d(c, mem);
+        self.start_h2d(c, mem)?;
         self.stats.demand_loads += 1;
         self.wait_pending(c)?;
         self.dev_policy.on_insert(c, self.moment);
@@ -1195,7 +1222,7 @@ impl Mover {
                 Err(e) => return Err(e),
             }
         }
-        self.start_h2d(c, mem);
+        self.start_h2d(c, mem)?;
         self.slots[d].prefetched = true;
         self.stats.prefetch_loads += 1;
         self.dev_policy.on_insert(c, self.moment);
@@ -1245,6 +1272,10 @@ impl Mover {
     /// Host-pool bytes held by write-backs in flight and not yet owed to a queued read:
     /// they come back to the pool when the writes complete.
     pub(crate) fn host_bytes_writing(&self) -> u64 {
+        debug_assert!(
+            self.read_queue.len() <= self.pending_writes,
+            "more queued reads than write-backs to give them buffers"
+        );
         self.pending_writes.saturating_sub(self.read_queue.len()) as u64
             * self.host.buf_bytes() as u64
     }
@@ -1284,11 +1315,304 @@ impl Mover {
         }
     }
 
+    /// Writes `c`'s current bytes to NVMe where its NVMe copy is not current, keeping
+    /// its other copies (a device-only copy is copied to the host first): after it,
+    /// a chunk ever materialised has a current NVMe copy. Synchronous. Pins are not
+    /// touched: a chunk in use stays where it is.
+    pub(crate) fn write_back(&mut self, c: ChunkId) -> Result<()> {
+        self.wait_pending(c)?;
+        let d = c.dense();
+        let slot = &self.slots[d];
+        if self.len_bytes[d] == 0 || slot.nvme_valid || (slot.host.is_none() && slot.dev.is_none())
+        {
+            return Ok(());
+        }
+        if slot.host.is_none() {
+            // Both copies are current after it.
+            self.ensure_host(c)?;
+        }
+        self.ensure_nvme_slot(c, true)?;
+        let Some(buf) = self.slots[d].host.take() else {
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "no host copy to write back after loading one".into(),
+            });
+        };
+        let len = self.len(c);
+        self.drain_nvme();
+        self.note_nvme_in_flight(true);
+        let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
+        self.slots[d].host = Some(buf);
+        if let Err(e) = result {
+            // A failed write drops the chunk from the file (which refuses writes now).
+            self.slots[d].nvme_stored = self.nvme.contains(d as u64);
+            return Err(ChunkError::tier("writing back to NVMe", Some(c), e));
+        }
+        let slot = &mut self.slots[d];
+        slot.nvme_stored = true;
+        slot.nvme_valid = true;
+        self.stats.host_to_nvme_bytes += len as u64;
+        self.stats.nvme_writes += 1;
+        self.emit(MoveKind::HostToNvme, c, len as u64);
+        Ok(())
+    }
+
     /// Adopts a chunk the swap file already stores as the chunk's contents.
     pub(crate) fn adopt_nvme(&mut self, c: ChunkId) {
         let s = &mut self.slots[c.dense()];
         s.nvme_stored = true;
         s.nvme_valid = true;
+    }
+}
+
+/// What [`Mover::verify`] counts over the slots.
+#[derive(Debug, Default)]
+struct Tally {
+    dev_bytes: u64,
+    host_buffers: u64,
+    h2d: usize,
+    nvme: usize,
+    writes: usize,
+    queued: usize,
+}
+
+impl Mover {
+    /// Checks every invariant of the slots, the lists, the counters and the tiers that
+    /// the moves rely on (see the module doc); the first broken one is
+    /// [`ChunkError::Invariant`] naming the chunk and what disagrees.
+    pub(crate) fn verify(&self) -> Result<()> {
+        let mut t = Tally::default();
+        for d in 0..self.slots.len() {
+            self.verify_slot(d, &mut t)?;
+        }
+        let bad = |what: String| Err(ChunkError::Invariant { chunk: None, what });
+        if self.hold_queue {
+            return bad("the read queue is held outside a demand load".into());
+        }
+        if (self.pending_h2d, self.pending_nvme, self.pending_writes) != (t.h2d, t.nvme, t.writes) {
+            return bad(format!(
+                "in flight counted (h2d {}, nvme {}, writes {}) but slots say (h2d {}, nvme \
+                 {}, writes {})",
+                self.pending_h2d, self.pending_nvme, self.pending_writes, t.h2d, t.nvme, t.writes
+            ));
+        }
+        if self.read_queue.len() != t.queued || self.read_queue.len() > self.pending_writes {
+            return bad(format!(
+                "{} reads queued, {} slots queued, {} write-backs to give them buffers",
+                self.read_queue.len(),
+                t.queued,
+                self.pending_writes
+            ));
+        }
+        let dev = self.device.budget();
+        if dev.used_bytes() != t.dev_bytes
+            || dev.capacity_bytes() != self.dev_cap
+            || dev.used_bytes() > dev.capacity_bytes()
+        {
+            return bad(format!(
+                "device budget uses {} of {} bytes (tide {}), the chunks' device copies take {}",
+                dev.used_bytes(),
+                dev.capacity_bytes(),
+                self.dev_cap,
+                t.dev_bytes
+            ));
+        }
+        let host = self.host.budget();
+        let host_bytes = t.host_buffers * self.host.buf_bytes() as u64;
+        if host.used_bytes() != host_bytes || host.used_bytes() > host.capacity_bytes() {
+            return bad(format!(
+                "host pool uses {} of {} bytes, the chunks hold {} buffers ({host_bytes} bytes)",
+                host.used_bytes(),
+                host.capacity_bytes(),
+                t.host_buffers
+            ));
+        }
+        let nvme = self.nvme.budget();
+        if nvme.used_bytes() > nvme.capacity_bytes() {
+            return bad(format!(
+                "swap file uses {} of {} bytes",
+                nvme.used_bytes(),
+                nvme.capacity_bytes()
+            ));
+        }
+        for (id, _) in self.nvme.swap_file().chunks() {
+            let ours = usize::try_from(id)
+                .ok()
+                .and_then(|d| self.slots.get(d))
+                .is_some_and(|s| s.nvme_stored || s.pending == Pending::NvmeWrite);
+            if !ours {
+                return bad(format!(
+                    "the swap file stores chunk {id}, which no slot claims"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn verify_slot(&self, d: usize, t: &mut Tally) -> Result<()> {
+        let c = ChunkId::from_dense(d);
+        let s = &self.slots[d];
+        let bad = |what: String| {
+            Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what,
+            })
+        };
+        let in_list = |list: &[ChunkId]| list.iter().filter(|&&x| x == c).count();
+        if self.len_bytes[d] == 0 {
+            let empty = s.dev.is_none()
+                && s.host.is_none()
+                && !s.nvme_stored
+                && s.pending == Pending::None
+                && s.reserved_dev.is_none()
+                && s.dev_pins == 0
+                && s.host_pins == 0;
+            return if empty {
+                Ok(())
+            } else {
+                bad("a chunk the layout does not have holds state".into())
+            };
+        }
+        if s.dev_pins > 0 && s.host_pins > 0 {
+            return bad(format!(
+                "pinned on both tiers ({} device, {} host pins)",
+                s.dev_pins, s.host_pins
+            ));
+        }
+        if s.dev_pins > 0 && (s.dev.is_none() || s.pending != Pending::None) {
+            return bad(format!(
+                "{} device pins without a device copy ready",
+                s.dev_pins
+            ));
+        }
+        if s.host_pins > 0 && (s.host.is_none() || s.pending != Pending::None) {
+            return bad(format!(
+                "{} host pins without a host copy ready",
+                s.host_pins
+            ));
+        }
+        if s.nvme_valid && !s.nvme_stored {
+            return bad("NVMe copy current but no slot stored".into());
+        }
+        // A write-back in flight may have completed in the swap file (stored there, or
+        // dropped after a failure) before its completion is routed here.
+        let writing = s.pending == Pending::NvmeWrite;
+        if !writing && s.nvme_stored != self.nvme.contains(d as u64) {
+            return bad(format!(
+                "slot says stored on NVMe {}, the swap file {}",
+                s.nvme_stored,
+                self.nvme.contains(d as u64)
+            ));
+        }
+        if !writing && s.nvme_stored && self.nvme.len_of(d as u64) != Some(self.len(c)) {
+            return bad(format!(
+                "stored on NVMe as {:?} bytes, the chunk is {}",
+                self.nvme.len_of(d as u64),
+                self.len(c)
+            ));
+        }
+        let copies = s.host.is_some() || s.dev.is_some();
+        let moving = match s.pending {
+            Pending::None => false,
+            Pending::HostToDevice(_) => {
+                t.h2d += 1;
+                t.host_buffers += 1;
+                t.dev_bytes += self.dev_bytes[d];
+                true
+            }
+            Pending::NvmeRead => {
+                t.nvme += 1;
+                t.host_buffers += 1;
+                true
+            }
+            Pending::NvmeReadQueued => {
+                t.queued += 1;
+                if self.read_queue.iter().filter(|&&x| x == c).count() != 1 {
+                    return bad("queued for a read but not once in the read queue".into());
+                }
+                true
+            }
+            Pending::NvmeWrite => {
+                t.nvme += 1;
+                t.writes += 1;
+                t.host_buffers += 1;
+                if s.nvme_valid {
+                    return bad("a write-back in flight over a current NVMe copy".into());
+                }
+                true
+            }
+        };
+        if moving && copies {
+            return bad(format!(
+                "{:?} in flight beside a copy in the slot",
+                s.pending
+            ));
+        }
+        let reading = matches!(s.pending, Pending::NvmeRead | Pending::NvmeReadQueued);
+        if reading && !s.nvme_valid {
+            return bad("an NVMe read of a copy that is not current".into());
+        }
+        if s.reserved_dev.is_some() {
+            if !reading {
+                return bad("device memory reserved without a read for it".into());
+            }
+            t.dev_bytes += self.dev_bytes[d];
+        }
+        if s.nvme_stored
+            && !s.nvme_valid
+            && !copies
+            && !matches!(s.pending, Pending::HostToDevice(_) | Pending::NvmeWrite)
+        {
+            return bad("its only copy is a stale NVMe copy".into());
+        }
+        if s.dev.is_some() {
+            t.dev_bytes += self.dev_bytes[d];
+        }
+        if s.host.is_some() {
+            t.host_buffers += 1;
+        }
+        if in_list(&self.dev_list) != usize::from(s.dev.is_some()) {
+            return bad(format!(
+                "device copy {}, {} times in the device list",
+                s.dev.is_some(),
+                in_list(&self.dev_list)
+            ));
+        }
+        if in_list(&self.host_list) != usize::from(s.host.is_some()) {
+            return bad(format!(
+                "host copy {}, {} times in the host list",
+                s.host.is_some(),
+                in_list(&self.host_list)
+            ));
+        }
+        let marked = s.dev.is_some()
+            || s.reserved_dev.is_some()
+            || matches!(s.pending, Pending::HostToDevice(_));
+        if self.dev_mark[d] != marked {
+            return bad(format!(
+                "device mark {} but on or bound for the device {marked}",
+                self.dev_mark[d]
+            ));
+        }
+        if s.prefetched && !marked {
+            return bad("prefetched to the device but not there".into());
+        }
+        Ok(())
+    }
+}
+
+/// Counts one transfer of `what` out of `n` as it completes; a completion nobody counted
+/// is a broken invariant (reported after the completion is routed).
+fn count_down(n: &mut usize, what: &str, chunk: ChunkId) -> Result<()> {
+    match n.checked_sub(1) {
+        Some(left) => {
+            *n = left;
+            Ok(())
+        }
+        None => Err(ChunkError::Invariant {
+            chunk: Some(chunk),
+            what: format!("a {what} completed that was not counted in flight"),
+        }),
     }
 }
 

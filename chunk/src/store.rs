@@ -23,22 +23,32 @@
 //! - [`ChunkStore::begin_optimizer_step`] / [`ChunkStore::end_optimizer_step`] switch
 //!   the device budget to nearly the whole device for the step, and back.
 //!
+//! [`ChunkStore::with_access`] and [`ChunkStore::with_host_views`] are the scoped form
+//! of access/release: several tensors at once, views handed to a closure, every tensor
+//! released on every path (return, error, panic). A [`Guard`] names one access; a stale
+//! one is refused ([`ChunkError::StaleGuard`]) and changes nothing.
+//!
 //! [`ChunkStore::write`] and [`ChunkStore::read`] put bytes into a tensor and take them
 //! out without being moments of the trace (initialisation, checkpoints). A chunk never
-//! written reads as zeros. [`ChunkStore::stats`] returns the accounting.
+//! written reads as zeros — also on a swap file an earlier store left, whose chunks are
+//! dropped unless [`StoreConfig::adopt`] asks for them (and then only from a file of the
+//! same layout fingerprint, closed by [`ChunkStore::close`]).
+//! [`ChunkStore::stats`] returns the accounting; [`ChunkStore::verify`] checks every
+//! invariant and reports the first broken one rather than repairing it.
 //!
 //! Not thread-safe by itself (`&mut self` everywhere); it is `Send`, so it can live
 //! behind a mutex or on a dedicated thread.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tidestore_io::compress::Compression;
 use tidestore_tiers::{
     CudaSpanMut, Device, DeviceKind, DeviceView, DeviceViewMut, HostTier, NvmeTier, TierKind,
 };
 
 use crate::accounting::{MoveHook, MoveReason, StoreStats, TierSnapshot};
+use crate::adopt::{open_swap_dir, prepare_swap_file};
 use crate::config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 use crate::dtype::DType;
 use crate::error::ChunkError;
@@ -75,10 +85,20 @@ impl Place {
 /// One tensor in COMPUTE, handed out by [`ChunkStore::access`]; views come from
 /// [`ChunkStore::view`] / [`ChunkStore::view_mut`], and [`ChunkStore::release`] ends
 /// it. Dropping a guard without releasing leaves the tensor in COMPUTE (its chunk stays
-/// pinned); [`ChunkStore::release_tensor`] releases by id.
+/// pinned); [`ChunkStore::release_tensor`] releases by id. [`ChunkStore::with_access`]
+/// and [`ChunkStore::with_host_views`] release on every path instead.
+///
+/// A guard names one access: its store and the access's generation. Once that access
+/// ends (released by id, perhaps accessed again since), or given to another store, it is
+/// stale, and every call taking it returns [`ChunkError::StaleGuard`] and changes
+/// nothing.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "a guard must be released, or its chunk stays pinned"]
 pub struct Guard {
+    /// The store that made it ([`ChunkStore`]'s `id`).
+    store: u64,
+    /// The access it names (the tensor's generation in its list then).
+    generation: u64,
     tensor: TensorId,
     list: ListKind,
     chunk: ChunkId,
@@ -179,7 +199,12 @@ struct ListStates {
     local: Vec<u32>,
     /// Per local tensor: where it is in COMPUTE.
     place: Vec<Option<Place>>,
+    /// Per local tensor: the generation of its latest access (0: never accessed).
+    generation: Vec<u64>,
 }
+
+/// Store ids, so that a guard of one store is stale in every other.
+static NEXT_STORE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 enum Mode {
     Tracing(Tracer),
@@ -200,6 +225,10 @@ struct Settings {
 
 /// Tensors in chunks on three tiers; see the module doc.
 pub struct ChunkStore {
+    /// This store's id, carried by its guards.
+    id: u64,
+    /// The generation the next access gets (across all tensors and lists).
+    next_generation: u64,
     layout: Layout,
     mover: Mover,
     lists: Vec<Option<ListStates>>,
@@ -279,18 +308,15 @@ impl ChunkStore {
             tidal_window,
             non_model_slack_bytes,
             working_set_chunks,
+            adopt,
         } = config;
-        // Usable NVMe slots, and the tier if the caller made it.
-        let adoptable = |tier: &NvmeTier, id: u64| {
-            usize::try_from(id)
-                .ok()
-                .and_then(|d| len_bytes.get(d))
-                .is_some_and(|&len| len > 0 && tier.len_of(id) == Some(len as usize))
-        };
         enum Source {
             Dir(std::path::PathBuf, tidestore_io::IoConfig),
             Tier(Box<NvmeTier>),
         }
+        let fingerprint = layout.fingerprint();
+        // Usable NVMe slots, and the tier if the caller made it: every slot, since the
+        // chunks a file already holds are either dropped or the layout's own.
         let (nvme_slots, source) = match nvme {
             NvmeSource::Dir { dir, bytes, io } => (bytes / slot_bytes as u64, Source::Dir(dir, io)),
             NvmeSource::Tier(tier) => {
@@ -304,15 +330,7 @@ impl ChunkStore {
                         ),
                     });
                 }
-                let foreign = tier
-                    .swap_file()
-                    .chunks()
-                    .filter(|&(id, _)| !adoptable(&tier, id))
-                    .count() as u64;
-                (
-                    u64::from(tier.slot_count()).saturating_sub(foreign),
-                    Source::Tier(tier),
-                )
+                (u64::from(tier.slot_count()), Source::Tier(tier))
             }
         };
         let plan = plan_capacity(
@@ -331,9 +349,8 @@ impl ChunkStore {
                     .into(),
             });
         }
-        // Everything fits: allocate.
-        let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
-            .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
+        // Everything fits: open the swap file and decide what its chunks are, then
+        // allocate.
         let mut nvme = match source {
             Source::Tier(tier) => *tier,
             Source::Dir(dir, io) => {
@@ -341,35 +358,12 @@ impl ChunkStore {
                     key: "nvme.bytes",
                     reason: format!("{nvme_slots} slots are more than a swap file holds"),
                 })?;
-                let mut tier = NvmeTier::open_or_create(
-                    &dir.join(SWAP_FILE_NAME),
-                    slot_bytes,
-                    slots,
-                    &io,
-                    Compression::Off,
-                )
-                .map_err(|e| ChunkError::tier("opening the swap file", None, e))?;
-                // Our own file: what the layout cannot use goes.
-                let foreign: Vec<u64> = tier
-                    .swap_file()
-                    .chunks()
-                    .map(|(id, _)| id)
-                    .filter(|&id| !adoptable(&tier, id))
-                    .collect();
-                for id in foreign {
-                    tier.remove(id)
-                        .map_err(|e| ChunkError::tier("clearing the swap file", None, e))?;
-                }
-                tier
+                open_swap_dir(&dir, slot_bytes, slots, &io, adopt.then_some(fingerprint))?
             }
         };
-        let adopted: Vec<ChunkId> = nvme
-            .swap_file()
-            .chunks()
-            .map(|(id, _)| id)
-            .filter(|&id| adoptable(&nvme, id))
-            .map(|id| ChunkId::from_dense(id as usize))
-            .collect();
+        let adopted = prepare_swap_file(&mut nvme, &len_bytes, fingerprint, adopt)?;
+        let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
+            .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
 
         let settings = Settings {
             device_budget_bytes,
@@ -417,12 +411,6 @@ impl ChunkStore {
             .iter()
             .map(|&b| if b > 0 { host_buf_bytes } else { 0 })
             .collect();
-        if !adopted.is_empty() {
-            tracing::info!(
-                chunks = adopted.len(),
-                "chunk store: chunks already in the swap file taken as their contents"
-            );
-        }
 
         let mut lists: Vec<Option<ListStates>> = (0..ListKind::COUNT).map(|_| None).collect();
         let n = layout.tensors().len();
@@ -445,10 +433,13 @@ impl ChunkStore {
                 table: StateTable::new(names, chunks),
                 local,
                 place: vec![None; count],
+                generation: vec![0; count],
             });
         }
         tracing::debug!(?plan, device_budget_bytes, host_budget_bytes, %policy, "chunk store opened");
         Ok(ChunkStore {
+            id: NEXT_STORE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            next_generation: 1,
             layout,
             mover,
             lists,
@@ -829,9 +820,12 @@ impl ChunkStore {
                 slot.host_pins += 1;
             }
         }
+        let generation = self.next_generation;
+        self.next_generation += 1;
         let ls = self.list_states(list);
         ls.table.transition(TensorId(local), TensorState::Compute)?;
         ls.place[local as usize] = Some(place);
+        ls.generation[local as usize] = generation;
         if let Mode::Tracing(_) = self.mode {
             if let Ok(m) = u32::try_from(moment) {
                 self.warmup.push((m, self.pinned_device_bytes, self.phase));
@@ -848,6 +842,8 @@ impl ChunkStore {
             Place::Host => self.prefetch_host(moment),
         }
         Ok(Guard {
+            store: self.id,
+            generation,
             tensor,
             list,
             chunk,
@@ -861,8 +857,10 @@ impl ChunkStore {
     /// Ends `guard`'s use: its tensor goes from COMPUTE to `to` (`Hold`,
     /// `HoldAfterFwd` or `HoldAfterBwd`; COMPUTE -> FREE is illegal, see
     /// [`crate::state`]). On an error the tensor stays in COMPUTE;
-    /// [`ChunkStore::release_tensor`] can release it then.
+    /// [`ChunkStore::release_tensor`] can release it then. A stale guard (see
+    /// [`Guard`]) is [`ChunkError::StaleGuard`], and nothing changes.
     pub fn release(&mut self, guard: Guard, to: TensorState) -> Result<()> {
+        self.check_guard(&guard)?;
         self.release_tensor(guard.tensor, guard.list, to)
     }
 
@@ -885,22 +883,41 @@ impl ChunkStore {
                 to,
             });
         }
+        // A tensor in COMPUTE has a place, and its chunk a pin there: checked before
+        // anything changes.
+        let place = ls.place[local as usize];
+        let d = chunk.dense();
+        let slot = &self.mover.slots[d];
+        let pins = match place {
+            Some(Place::Device) => slot.dev_pins,
+            Some(Place::Host) => slot.host_pins,
+            None => 0,
+        };
+        let dev_bytes = self.mover.dev_bytes[d];
+        if pins == 0 || (place == Some(Place::Device) && self.pinned_device_bytes < dev_bytes) {
+            return Err(ChunkError::Invariant {
+                chunk: Some(chunk),
+                what: format!(
+                    "releasing `{}` in COMPUTE at {place:?}, but its chunk has no pin there",
+                    self.name(tensor)
+                ),
+            });
+        }
+        let ls = self.list_states(list);
         ls.table.transition(TensorId(local), to)?;
-        let place = ls.place[local as usize].take();
+        ls.place[local as usize] = None;
         let moment = self.observe(tensor, chunk, MomentKind::Release(to));
         self.mover.moment = moment;
-        let d = chunk.dense();
-        let dev_bytes = self.mover.dev_bytes[d];
         let slot = &mut self.mover.slots[d];
         match place {
             Some(Place::Device) => {
-                slot.dev_pins = slot.dev_pins.saturating_sub(1);
+                slot.dev_pins -= 1;
                 if slot.dev_pins == 0 {
-                    self.pinned_device_bytes = self.pinned_device_bytes.saturating_sub(dev_bytes);
+                    self.pinned_device_bytes -= dev_bytes;
                 }
             }
-            Some(Place::Host) => slot.host_pins = slot.host_pins.saturating_sub(1),
-            None => {}
+            Some(Place::Host) => slot.host_pins -= 1,
+            None => unreachable!("checked above: a tensor released has a place"),
         }
         Ok(())
     }
@@ -924,18 +941,22 @@ impl ChunkStore {
         ls.table.transition(TensorId(local), to).map(|_| ())
     }
 
+    /// Whether `g` names the current access of its tensor in this store.
     fn check_guard(&self, g: &Guard) -> Result<()> {
-        let ok = self.lists[g.list as usize].as_ref().is_some_and(|ls| {
-            let local = ls.local.get(g.tensor.index()).copied().unwrap_or(u32::MAX);
-            ls.table.state(TensorId(local)) == Some(TensorState::Compute)
-                && ls.place.get(local as usize).copied().flatten() == Some(g.place)
-        });
-        if ok {
+        let current = g.store == self.id
+            && self.lists[g.list as usize].as_ref().is_some_and(|ls| {
+                let local = ls.local.get(g.tensor.index()).copied().unwrap_or(u32::MAX) as usize;
+                ls.table.state(TensorId(local as u32)) == Some(TensorState::Compute)
+                    && ls.place.get(local).copied().flatten() == Some(g.place)
+                    && ls.generation.get(local) == Some(&g.generation)
+            });
+        if current {
             Ok(())
         } else {
-            Err(ChunkError::BadView {
+            Err(ChunkError::StaleGuard {
                 tensor: self.name(g.tensor),
-                reason: "the guard's tensor is no longer accessed there",
+                list: g.list,
+                chunk: g.chunk,
             })
         }
     }
@@ -1001,8 +1022,8 @@ impl ChunkStore {
     /// (in different chunks or in one, on either tier where host-addressable). Every
     /// chunk counts as changed where its guard is (see [`ChunkStore::view_mut`]).
     /// Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap (the
-    /// same tensor twice included), [`ChunkError::BadView`] for a guard no longer in
-    /// use or for GPU memory.
+    /// same tensor twice included), [`ChunkError::StaleGuard`] for a guard no longer in
+    /// use, [`ChunkError::BadView`] for GPU memory.
     pub fn views_mut(&mut self, guards: &[&Guard]) -> Result<Vec<&mut [u8]>> {
         self.views_mut_with_io(guards).map(|(views, _)| views)
     }
@@ -1034,7 +1055,7 @@ impl ChunkStore {
     /// kernels), in the order of `guards`, with an [`IoPump`] as in
     /// [`ChunkStore::views_mut_with_io`]. Every chunk counts as changed where its guard
     /// is. Errors: [`ChunkError::OverlappingViews`] when two guards' bytes overlap,
-    /// [`ChunkError::BadView`] for a guard no longer in use.
+    /// [`ChunkError::StaleGuard`] for a guard no longer in use.
     pub fn tensor_views_mut_with_io(
         &mut self,
         guards: &[&Guard],
@@ -1170,6 +1191,7 @@ impl ChunkStore {
 
     /// Writes `values` into the accessed tensor (converted to its dtype).
     pub fn write_f32(&mut self, g: &Guard, values: &[f32]) -> Result<()> {
+        self.check_guard(g)?;
         let expected = g.len_bytes as u64;
         let got = values.len() as u64 * g.dtype.size_bytes();
         if expected != got {
@@ -1183,6 +1205,129 @@ impl ChunkStore {
         let bytes = self.bytes_mut(g)?;
         crate::typed::encode_f32(values, dtype, bytes);
         Ok(())
+    }
+
+    // ------------------------------------------------------------- scoped access
+
+    /// Accesses every `(tensor, list, place)` of `tensors` in order, runs `f` on
+    /// writable views of them all (in that order, wherever they are, as
+    /// [`ChunkStore::tensor_views_mut_with_io`] gives them) with an [`IoPump`], and
+    /// releases every one to `to` on every path: when `f` returns (whatever it returns,
+    /// an `Err` of its own included), when an access or the views fail part way (the
+    /// tensors accessed so far are released), and when `f` panics (every tensor is
+    /// released, then the panic goes on). Every chunk counts as changed where it is
+    /// accessed. Accesses and releases are moments of the trace, as with
+    /// [`ChunkStore::access`] / [`ChunkStore::release`].
+    ///
+    /// Errors: `to` not a state COMPUTE may go to (nothing is accessed); the first
+    /// access or view error; a release error (a broken invariant; `f`'s result is then
+    /// dropped).
+    pub fn with_access<R>(
+        &mut self,
+        tensors: &[(TensorId, ListKind, Place)],
+        to: TensorState,
+        f: impl FnOnce(&mut [TensorViewMut<'_>], &mut IoPump<'_>) -> R,
+    ) -> Result<R> {
+        let guards = self.access_all(tensors, to)?;
+        let outcome = {
+            let refs: Vec<&Guard> = guards.iter().collect();
+            self.tensor_views_mut_with_io(&refs)
+                .map(|(mut views, mut pump)| {
+                    catch_unwind(AssertUnwindSafe(|| f(&mut views, &mut pump)))
+                })
+        };
+        self.end_scope(guards, to, outcome)
+    }
+
+    /// As [`ChunkStore::with_access`], for tensors accessed in the host pool, with their
+    /// bytes as plain slices (in the order of `tensors`).
+    pub fn with_host_views<R>(
+        &mut self,
+        tensors: &[(TensorId, ListKind)],
+        to: TensorState,
+        f: impl FnOnce(&mut [&mut [u8]]) -> R,
+    ) -> Result<R> {
+        let at_host: Vec<(TensorId, ListKind, Place)> =
+            tensors.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
+        let guards = self.access_all(&at_host, to)?;
+        let outcome = {
+            let refs: Vec<&Guard> = guards.iter().collect();
+            self.views_mut(&refs)
+                .map(|mut views| catch_unwind(AssertUnwindSafe(|| f(&mut views))))
+        };
+        self.end_scope(guards, to, outcome)
+    }
+
+    /// Accesses every tensor of a scope, releasing (to `to`) the ones accessed before an
+    /// access that fails. `to` is checked first.
+    fn access_all(
+        &mut self,
+        tensors: &[(TensorId, ListKind, Place)],
+        to: TensorState,
+    ) -> Result<Vec<Guard>> {
+        if let Some(&(tensor, list, _)) = tensors.first() {
+            if to == TensorState::Compute || !TensorState::Compute.can_become(to) {
+                return Err(ChunkError::IllegalTransition {
+                    tensor: self.name(tensor),
+                    chunk: self.location(tensor, list)?.chunk,
+                    from: TensorState::Compute,
+                    to,
+                });
+            }
+        }
+        let mut guards = Vec::with_capacity(tensors.len());
+        for &(tensor, list, place) in tensors {
+            match self.access(tensor, list, place) {
+                Ok(g) => guards.push(g),
+                Err(e) => {
+                    if let Err(r) = self.release_all(guards, to) {
+                        tracing::error!(error = %r, "chunk store: releasing a scope after a failed access");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(guards)
+    }
+
+    /// Releases every guard of a scope (all of them, whatever fails), returning the
+    /// first error.
+    fn release_all(&mut self, guards: Vec<Guard>, to: TensorState) -> Result<()> {
+        let mut first = Ok(());
+        for g in guards {
+            if let Err(e) = self.release(g, to) {
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
+    }
+
+    /// Ends a scope: releases its guards, then returns `f`'s result, the views' error,
+    /// or resumes `f`'s panic.
+    fn end_scope<R>(
+        &mut self,
+        guards: Vec<Guard>,
+        to: TensorState,
+        outcome: Result<std::thread::Result<R>>,
+    ) -> Result<R> {
+        let released = self.release_all(guards, to);
+        match outcome {
+            Ok(Ok(r)) => released.map(|()| r),
+            Ok(Err(panic)) => {
+                if let Err(e) = released {
+                    tracing::error!(error = %e, "chunk store: releasing a scope after a panic");
+                }
+                resume_unwind(panic)
+            }
+            Err(e) => {
+                if let Err(r) = released {
+                    tracing::error!(error = %r, "chunk store: releasing a scope after a view error");
+                }
+                Err(e)
+            }
+        }
     }
 
     // ------------------------------------------------------------- untraced I/O
@@ -1516,6 +1661,91 @@ impl ChunkStore {
         self.mover.harvest()
     }
 
+    /// Checks the store's invariants: per chunk, its device and host pins equal its
+    /// tensors in COMPUTE there, and it is pinned on one tier at most, where its copy is
+    /// ready; every tensor in COMPUTE has a place and no other does; the device bytes
+    /// pinned; and the mover's own (copies vs transfers in flight, the lists the
+    /// policies see, each tier's bytes in use equal to the copies it holds and within
+    /// its budget, the swap file's chunks vs the slots that claim them). The first
+    /// broken one is [`ChunkError::Invariant`] naming the chunk and what disagrees.
+    /// Cheap enough for tests to call after every operation; changes nothing.
+    pub fn verify(&self) -> Result<()> {
+        self.mover.verify()?;
+        let n = self.mover.slots.len();
+        let mut dev_pins = vec![0u32; n];
+        let mut host_pins = vec![0u32; n];
+        for list in ListKind::ALL {
+            let Some(ls) = self.lists[list as usize].as_ref() else {
+                continue;
+            };
+            for (local, place) in ls.place.iter().enumerate() {
+                let id = TensorId(local as u32);
+                let (Some(state), Some(chunk)) = (ls.table.state(id), ls.table.chunk_of(id)) else {
+                    return Err(ChunkError::Invariant {
+                        chunk: None,
+                        what: format!("list {list}: tensor {local} has no state or chunk"),
+                    });
+                };
+                let pins = match place {
+                    Some(Place::Device) => &mut dev_pins,
+                    Some(Place::Host) => &mut host_pins,
+                    None if state != TensorState::Compute => continue,
+                    None => {
+                        return Err(ChunkError::Invariant {
+                            chunk: Some(chunk),
+                            what: format!("list {list}: tensor {local} in COMPUTE without a place"),
+                        })
+                    }
+                };
+                if state != TensorState::Compute {
+                    return Err(ChunkError::Invariant {
+                        chunk: Some(chunk),
+                        what: format!("list {list}: tensor {local} has a place but is {state}"),
+                    });
+                }
+                pins[chunk.dense()] += 1;
+            }
+            for chunk in self.layout.chunks(list) {
+                let d = chunk.dense();
+                let computing = ls.table.count(chunk, TensorState::Compute);
+                if computing != dev_pins[d] + host_pins[d] {
+                    return Err(ChunkError::Invariant {
+                        chunk: Some(chunk),
+                        what: format!(
+                            "state table counts {computing} tensors in COMPUTE, their places {}",
+                            dev_pins[d] + host_pins[d]
+                        ),
+                    });
+                }
+            }
+        }
+        let mut pinned_device_bytes = 0;
+        for (d, slot) in self.mover.slots.iter().enumerate() {
+            if (slot.dev_pins, slot.host_pins) != (dev_pins[d], host_pins[d]) {
+                return Err(ChunkError::Invariant {
+                    chunk: Some(ChunkId::from_dense(d)),
+                    what: format!(
+                        "pins (device {}, host {}) but tensors in COMPUTE (device {}, host {})",
+                        slot.dev_pins, slot.host_pins, dev_pins[d], host_pins[d]
+                    ),
+                });
+            }
+            if slot.dev_pins > 0 {
+                pinned_device_bytes += self.mover.dev_bytes[d];
+            }
+        }
+        if pinned_device_bytes != self.pinned_device_bytes {
+            return Err(ChunkError::Invariant {
+                chunk: None,
+                what: format!(
+                    "{} device bytes counted pinned, the pinned chunks take {pinned_device_bytes}",
+                    self.pinned_device_bytes
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Waits for every transfer in flight.
     pub fn sync(&mut self) -> Result<()> {
         self.mover.wait_all()
@@ -1542,6 +1772,58 @@ impl ChunkStore {
         }
         self.mover.reason = MoveReason::Demand;
         result
+    }
+}
+
+impl ChunkStore {
+    /// Closes the store cleanly: waits for every transfer, writes every chunk whose NVMe
+    /// copy is not current (from its device or host copy) to NVMe, syncs, and marks the
+    /// swap file clean, so that a store opened later on it with [`StoreConfig::adopt`]
+    /// gets these bytes back. Tensors still in COMPUTE do not stop it (their bytes are
+    /// written as they are). It needs an NVMe slot for every chunk ever written
+    /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file
+    /// stays not clean; so does a store dropped without `close`.
+    pub fn close(mut self) -> Result<()> {
+        self.mover.wait_all()?;
+        self.verify()?;
+        let n = self.mover.slots.len();
+        let kept: Vec<ChunkId> = (0..n)
+            .filter(|&d| {
+                let s = &self.mover.slots[d];
+                self.mover.len_bytes[d] > 0
+                    && (s.nvme_stored || s.host.is_some() || s.dev.is_some())
+            })
+            .map(ChunkId::from_dense)
+            .collect();
+        let slot_count = self.mover.nvme.slot_count() as usize;
+        if kept.len() > slot_count {
+            let slot_bytes = self.mover.nvme.slot_bytes() as u64;
+            return Err(ChunkError::TierFull {
+                tier: TierKind::Nvme,
+                chunk: kept[slot_count],
+                needed_bytes: kept.len() as u64 * slot_bytes,
+                capacity_bytes: slot_count as u64 * slot_bytes,
+            });
+        }
+        self.mover.reason = MoveReason::Explicit;
+        for &c in &kept {
+            self.mover.write_back(c)?;
+        }
+        self.mover.wait_all()?;
+        for &c in &kept {
+            if !self.mover.slots[c.dense()].nvme_valid {
+                return Err(ChunkError::Invariant {
+                    chunk: Some(c),
+                    what: "NVMe copy not current after writing every chunk back".into(),
+                });
+            }
+        }
+        self.mover
+            .nvme
+            .mark_clean()
+            .map_err(|e| ChunkError::tier("marking the swap file clean", None, e))?;
+        tracing::info!(chunks = kept.len(), "chunk store closed cleanly");
+        Ok(())
     }
 }
 
@@ -1591,5 +1873,79 @@ fn prefetch_reason(step: &PrefetchStep, victim: Option<(&Schedule, ChunkId, u64)
         for_chunk: step.chunk,
         needed_at: step.needed_at,
         victim_next_use,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{LayoutConfig, TensorSpec};
+    use tidestore_tiers::DeviceConfig;
+
+    fn store(dir: &tempfile::TempDir) -> ChunkStore {
+        let layout = Layout::new(
+            LayoutConfig::new(2048),
+            (0..4).map(|i| TensorSpec::new(format!("t{i}"), &[2048], DType::F16, true)),
+        )
+        .unwrap();
+        let slot = 8192;
+        let cfg = StoreConfig::new(
+            2 * slot,
+            3 * slot,
+            NvmeSource::Dir {
+                dir: dir.path().to_path_buf(),
+                bytes: 32 * slot,
+                io: tidestore_io::IoConfig::default(),
+            },
+        );
+        let device = Device::sim(&DeviceConfig::new(4 * slot)).unwrap();
+        ChunkStore::open(layout, cfg, device).unwrap()
+    }
+
+    fn broken(store: &ChunkStore, chunk: ChunkId, what: &str) {
+        match store.verify() {
+            Err(ChunkError::Invariant { chunk: c, what: w }) => {
+                assert_eq!(c, Some(chunk), "{w}");
+                assert!(w.contains(what), "{w}");
+            }
+            other => panic!("expected a broken invariant ({what}), got {other:?}"),
+        }
+    }
+
+    /// The failure: `verify` passing over the bugs it exists to find (a pin count that
+    /// drifted from the tensors in COMPUTE, a copy the policies cannot see).
+    #[test]
+    fn verify_names_the_chunk_and_what_disagrees() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(&dir);
+        let g = s
+            .access(TensorId(1), ListKind::Param16, Place::Device)
+            .unwrap();
+        s.verify().unwrap();
+        let c = g.chunk();
+        s.mover.slots[c.dense()].dev_pins += 1;
+        broken(&s, c, "pins (device 2, host 0)");
+        s.mover.slots[c.dense()].dev_pins -= 1;
+        s.verify().unwrap();
+        s.release(g, TensorState::Hold).unwrap();
+
+        let g = s
+            .access(TensorId(2), ListKind::MasterF32, Place::Host)
+            .unwrap();
+        let c = g.chunk();
+        s.mover.host_list.retain(|&x| x != c);
+        broken(&s, c, "host list");
+        s.mover.host_list.push(c);
+        // A release whose chunk lost its pin is refused and changes nothing.
+        s.mover.slots[c.dense()].host_pins = 0;
+        let err = s.release_tensor(TensorId(2), ListKind::MasterF32, TensorState::Hold);
+        assert!(matches!(err, Err(ChunkError::Invariant { .. })), "{err:?}");
+        assert_eq!(
+            s.state(TensorId(2), ListKind::MasterF32),
+            Some(TensorState::Compute)
+        );
+        s.mover.slots[c.dense()].host_pins = 1;
+        s.release(g, TensorState::Hold).unwrap();
+        s.verify().unwrap();
     }
 }

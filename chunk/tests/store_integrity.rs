@@ -141,6 +141,13 @@ fn build_layout(c: &Case) -> Layout {
     .unwrap()
 }
 
+/// The store's invariants, as a test failure (checked after every operation).
+fn verified(store: &ChunkStore) -> Result<(), TestCaseError> {
+    store
+        .verify()
+        .map_err(|e| TestCaseError::fail(format!("verify: {e}")))
+}
+
 fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
     let layout = build_layout(&c);
     let mut places: Vec<(TensorId, ListKind)> = Vec::new();
@@ -175,6 +182,7 @@ fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
         .with_working_set_chunks(2);
     let mut store = ChunkStore::open(layout, cfg, sim_device(device)).unwrap();
     let w = watch(&mut store);
+    verified(&store)?;
 
     let mut expect: HashMap<(TensorId, ListKind), Vec<u8>> = HashMap::new();
     let mut version = 0u64;
@@ -185,6 +193,7 @@ fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
             version += 1;
             let data = pattern(version, len);
             store.write(t, list, &data).unwrap();
+            verified(&store)?;
             expect.insert((t, list), data);
         } else {
             expect.insert((t, list), vec![0; len]);
@@ -207,8 +216,10 @@ fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
             if conflict {
                 let h = held.take().unwrap();
                 store.release(h, TensorState::Hold).unwrap();
+                verified(&store)?;
             }
             let g = store.access(t, list, place).unwrap();
+            verified(&store)?;
             prop_assert_eq!(
                 store.bytes(&g).unwrap(),
                 &expect[&(t, list)][..],
@@ -219,25 +230,32 @@ fn run(c: Case) -> Result<tidestore_chunk::StoreStats, TestCaseError> {
                 version += 1;
                 let data = pattern(version, g.len_bytes());
                 store.bytes_mut(&g).unwrap().copy_from_slice(&data);
+                verified(&store)?;
                 expect.insert((t, list), data);
             }
             if let Some(h) = held.take() {
                 store.release(h, TensorState::Hold).unwrap();
+                verified(&store)?;
             }
             if o.hold_over {
                 held = Some(g);
             } else {
                 store.release(g, TensorState::Hold).unwrap();
+                verified(&store)?;
             }
         }
         if let Some(h) = held.take() {
             store.release(h, TensorState::Hold).unwrap();
+            verified(&store)?;
         }
         let _ = store.end_iteration();
+        verified(&store)?;
     }
     store.sync().unwrap();
+    verified(&store)?;
     for (&(t, list), data) in &expect {
         prop_assert_eq!(&store.read(t, list).unwrap(), data, "{:?}", (t, list));
+        verified(&store)?;
     }
     let s = store.stats();
     let links = store.device().link_stats();

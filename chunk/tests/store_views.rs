@@ -70,7 +70,7 @@ fn overlapping_views_are_refused() {
             if first == "t0" && second == "t0"),
         "{err}"
     );
-    // A released guard gives no view.
+    // A released guard gives no view: it is stale.
     s.release(b, TensorState::Hold).unwrap();
     let b = s
         .access(TensorId(1), ListKind::MasterF32, Place::Host)
@@ -79,7 +79,7 @@ fn overlapping_views_are_refused() {
         .unwrap();
     assert!(matches!(
         s.views_mut(&[&a, &b]),
-        Err(ChunkError::BadView { .. })
+        Err(ChunkError::StaleGuard { .. })
     ));
     // Device views (simulated device memory) work the same.
     s.release(a, TensorState::Hold).unwrap();

@@ -3,7 +3,8 @@
 //!
 //! # Layout (all offsets 4096-aligned, so the file can be used with O_DIRECT)
 //! ```text
-//! [0, 4096)            header copy 0   magic, version, generation, shape, map crc, crc
+//! [0, 4096)            header copy 0   magic, version, generation, shape, map crc,
+//!                                      owner's layout fingerprint, clean flag, crc
 //! [4096, 8192)         header copy 1
 //! [8192, +map)         map copy 0      one 32-byte entry per slot
 //! [.., +map)           map copy 1
@@ -27,6 +28,15 @@
 //! last flush are simply absent. Slots freed by [`SwapFile::remove`] are not reused until
 //! the next flush (while others are free), so a crash cannot make a removed chunk's old
 //! entry point at another chunk's bytes.
+//!
+//! # Owner's fingerprint and the clean-close marker
+//! The header also keeps an opaque 64-bit *layout fingerprint* set by the file's owner
+//! ([`SwapFile::set_layout_fingerprint`]; the chunk store stores its layout's) and a
+//! *clean* flag. [`SwapFile::mark_clean`] flushes and persists the flag set: it says the
+//! chunks on disk are exactly what the owner last wrote. The flag is cleared on disk
+//! (header written and synced) before the first change after it — a write, a removal, a
+//! new fingerprint, or [`SwapFile::clear_clean`] — so a crash after that change is never
+//! read back as a clean close.
 //!
 //! # Invariants
 //! - the file never grows after creation: every slot is reserved (fallocate) up front;
@@ -59,7 +69,7 @@ use crate::error::{IoError, Op, Result};
 /// First bytes of every header copy.
 pub const MAGIC: [u8; 8] = *b"TIDESWAP";
 /// Version of the on-disk format written by this code.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 const HEADER_PAGE_BYTES: usize = ALIGN_BYTES;
 const HEADER_COPIES: u64 = 2;
@@ -148,6 +158,10 @@ struct Header {
     layout: Layout,
     compression: Compression,
     map_crc: u32,
+    /// The owner's layout fingerprint, if one was set.
+    fingerprint: Option<u64>,
+    /// Closed cleanly (see the module doc).
+    clean: bool,
 }
 
 // Header page field offsets.
@@ -162,7 +176,14 @@ const H_DATA_OFFSET: usize = 48;
 const H_LEVEL: usize = 56;
 const H_WORD_BYTES: usize = 60;
 const H_MAP_CRC: usize = 64;
-const H_CRC: usize = 68;
+const H_FINGERPRINT: usize = 68;
+const H_OWNER_FLAGS: usize = 76;
+const H_CRC: usize = 80;
+
+/// Owner flag: the header carries a layout fingerprint.
+const OWNER_HAS_FINGERPRINT: u32 = 1;
+/// Owner flag: the file was closed cleanly (see the module doc).
+const OWNER_CLEAN: u32 = 2;
 
 fn get_u32(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
@@ -202,6 +223,13 @@ impl Header {
         put_u32(page, H_LEVEL, level as u32);
         put_u32(page, H_WORD_BYTES, word_bytes);
         put_u32(page, H_MAP_CRC, self.map_crc);
+        put_u64(page, H_FINGERPRINT, self.fingerprint.unwrap_or(0));
+        let flags = if self.fingerprint.is_some() {
+            OWNER_HAS_FINGERPRINT
+        } else {
+            0
+        } | if self.clean { OWNER_CLEAN } else { 0 };
+        put_u32(page, H_OWNER_FLAGS, flags);
         let crc = crc32c::crc32c(&page[..H_CRC]);
         put_u32(page, H_CRC, crc);
     }
@@ -250,11 +278,17 @@ impl Header {
         compression
             .validate()
             .map_err(|e| bad(format!("compression setting: {e}")))?;
+        let flags = get_u32(page, H_OWNER_FLAGS);
+        if flags & !(OWNER_HAS_FINGERPRINT | OWNER_CLEAN) != 0 {
+            return Err(bad(format!("unknown owner flags {flags:#x}")));
+        }
         Ok(Header {
             generation: get_u64(page, H_GENERATION),
             layout,
             compression,
             map_crc: get_u32(page, H_MAP_CRC),
+            fingerprint: (flags & OWNER_HAS_FINGERPRINT != 0).then(|| get_u64(page, H_FINGERPRINT)),
+            clean: flags & OWNER_CLEAN != 0,
         })
     }
 }
@@ -363,6 +397,10 @@ pub struct SwapFile {
     next_seq: u64,
     generation: u64,
     dirty: bool,
+    /// The owner's layout fingerprint (persisted in the header).
+    fingerprint: Option<u64>,
+    /// The header on disk says clean (see the module doc): nothing changed since.
+    clean: bool,
     poisoned: Option<String>,
     header_buf: Option<AlignedBuf>,
     map_buf: Option<AlignedBuf>,
@@ -555,6 +593,8 @@ impl SwapFile {
                 Ok(entries) => {
                     let mut swap = SwapFile::assemble(engine, path, layout, header.compression)?;
                     swap.generation = header.generation;
+                    swap.fingerprint = header.fingerprint;
+                    swap.clean = header.clean;
                     for (slot, entry) in entries {
                         swap.map.insert(entry.chunk, slot);
                         swap.slots[slot as usize] = entry;
@@ -636,6 +676,8 @@ impl SwapFile {
             next_seq: 0,
             generation: 0,
             dirty: false,
+            fingerprint: None,
+            clean: false,
             poisoned: None,
             header_buf: Some(AlignedBuf::new_zeroed(HEADER_PAGE_BYTES)?),
             map_buf: Some(AlignedBuf::new_zeroed(layout.map_bytes as usize)?),
@@ -823,15 +865,15 @@ impl SwapFile {
         let Some(&slot) = self.map.get(&chunk) else {
             return Err(IoError::UnknownChunk { chunk });
         };
-        let entry = &mut self.slots[slot as usize];
-        if entry.busy {
+        if self.slots[slot as usize].busy {
             return Err(IoError::InvalidRequest {
                 reason: format!(
                     "chunk {chunk} cannot be removed while a request on it is in flight"
                 ),
             });
         }
-        *entry = SlotEntry::default();
+        self.clear_clean()?;
+        self.slots[slot as usize] = SlotEntry::default();
         self.map.remove(&chunk);
         self.quarantine.push(slot);
         self.dirty = true;
@@ -849,6 +891,69 @@ impl SwapFile {
         if !self.dirty {
             return Ok(());
         }
+        self.persist_meta()
+    }
+
+    /// The owner's layout fingerprint recorded in the header, if any (see the module
+    /// doc).
+    pub fn layout_fingerprint(&self) -> Option<u64> {
+        self.fingerprint
+    }
+
+    /// Whether the header says the file was closed cleanly and nothing changed since
+    /// (see [`SwapFile::mark_clean`]).
+    pub fn is_clean(&self) -> bool {
+        self.clean
+    }
+
+    /// Records the owner's layout fingerprint (`None`: none). A file marked clean is
+    /// first marked not clean on disk; the fingerprint itself is persisted at the next
+    /// flush.
+    pub fn set_layout_fingerprint(&mut self, fingerprint: Option<u64>) -> Result<()> {
+        if self.fingerprint == fingerprint {
+            return Ok(());
+        }
+        self.clear_clean()?;
+        self.fingerprint = fingerprint;
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Flushes (see [`SwapFile::flush`]) and then persists the clean-close marker: the
+    /// chunks on disk are exactly the ones written. The marker is cleared on disk before
+    /// the next change. A failure poisons the file (and leaves it not clean).
+    pub fn mark_clean(&mut self) -> Result<()> {
+        self.flush()?;
+        if self.clean {
+            return Ok(());
+        }
+        self.clean = true;
+        let result = self.persist_meta();
+        if result.is_err() {
+            self.clean = false;
+        }
+        result
+    }
+
+    /// Clears the clean-close marker on disk (header written and synced) if it is set;
+    /// every change to a clean file does this first. Waits for the requests in flight
+    /// (their completions stay for [`SwapFile::wait`]). A failure poisons the file.
+    pub fn clear_clean(&mut self) -> Result<()> {
+        if !self.clean {
+            return Ok(());
+        }
+        self.check_not_poisoned()?;
+        while let Some(c) = self.engine.wait() {
+            self.on_completion(c);
+        }
+        self.clean = false;
+        self.persist_meta()
+    }
+
+    /// Syncs the data, writes the map and header of the next generation into the older
+    /// copy, and syncs again; then the quarantined slots are free. A failure poisons the
+    /// file. Nothing may be in flight.
+    fn persist_meta(&mut self) -> Result<()> {
         let generation = self.generation + 1;
         let result = self
             .engine
@@ -908,6 +1013,8 @@ impl SwapFile {
             layout: self.layout,
             compression: self.compression,
             map_crc: crc32c::crc32c(&map_buf[..map_bytes]),
+            fingerprint: self.fingerprint,
+            clean: self.clean,
         };
         header.encode(&mut header_buf);
         let (res, map_buf) = self
@@ -964,6 +1071,10 @@ impl SwapFile {
                 len_bytes,
                 slot_bytes: self.slot_bytes(),
             };
+            return self.refuse(chunk, Op::Write, buf, len_bytes, e);
+        }
+        // A clean file is marked not clean on disk before its first change.
+        if let Err(e) = self.clear_clean() {
             return self.refuse(chunk, Op::Write, buf, len_bytes, e);
         }
         if let Some(&slot) = self.map.get(&chunk) {
@@ -1746,6 +1857,62 @@ mod tests {
         }
         let reason = bad_header_reason(SwapFile::open(&path, &file_cfg()));
         assert!(reason.contains("version 99"), "{reason}");
+    }
+
+    /// The newest valid header on disk, read past the lock (as a crashed process
+    /// leaves it).
+    fn header_on_disk(path: &Path) -> Header {
+        let bytes = std::fs::read(path).unwrap();
+        (0..HEADER_COPIES as usize)
+            .filter_map(|c| Header::decode(&bytes[c * HEADER_PAGE_BYTES..]).ok())
+            .max_by_key(|h| h.generation)
+            .unwrap()
+    }
+
+    /// Guards against a crash after a clean close being taken as clean: the marker must
+    /// be off on disk before the first change reaches the file, flushed or not.
+    #[test]
+    fn the_clean_marker_is_cleared_on_disk_before_the_first_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("swap");
+        let mut swap =
+            SwapFile::create(&path, SLOT_BYTES, 4, &file_cfg(), Compression::Off).unwrap();
+        assert_eq!(swap.layout_fingerprint(), None);
+        assert!(!swap.is_clean());
+        swap.set_layout_fingerprint(Some(0xfeed)).unwrap();
+        let (res, _) = swap.write_chunk(1, filled(1, 4096, 4096), 4096);
+        res.unwrap();
+        swap.mark_clean().unwrap();
+        let h = header_on_disk(&path);
+        assert!(h.clean);
+        assert_eq!(h.fingerprint, Some(0xfeed));
+        drop(swap);
+
+        let mut swap = SwapFile::open(&path, &file_cfg()).unwrap();
+        assert!(swap.is_clean());
+        assert_eq!(swap.layout_fingerprint(), Some(0xfeed));
+        // Reads change nothing.
+        assert_eq!(
+            read_back(&mut swap, 1).unwrap(),
+            filled(1, 4096, 4096)[..].to_vec()
+        );
+        assert!(header_on_disk(&path).clean);
+        // A write, not flushed: the header on disk already says not clean.
+        let (res, _) = swap.write_chunk(2, filled(2, 4096, 4096), 4096);
+        res.unwrap();
+        assert!(!swap.is_clean());
+        assert!(!header_on_disk(&path).clean);
+        swap.mark_clean().unwrap();
+        // A removal and a new fingerprint clear it too.
+        swap.remove(2).unwrap();
+        assert!(!header_on_disk(&path).clean);
+        swap.mark_clean().unwrap();
+        swap.set_layout_fingerprint(Some(7)).unwrap();
+        assert!(!header_on_disk(&path).clean);
+        drop(swap);
+        let swap = SwapFile::open(&path, &file_cfg()).unwrap();
+        assert!(!swap.is_clean());
+        assert_eq!(swap.layout_fingerprint(), Some(7));
     }
 
     #[test]

@@ -262,4 +262,36 @@ impl NvmeTier {
             .flush()
             .map_err(|e| TierError::io(TierKind::Nvme, None, e))
     }
+
+    /// The owner's layout fingerprint recorded in the swap file, if any.
+    pub fn layout_fingerprint(&self) -> Option<u64> {
+        self.file.layout_fingerprint()
+    }
+
+    /// Whether the swap file was closed cleanly and nothing changed since (see
+    /// `SwapFile::mark_clean`).
+    pub fn is_clean(&self) -> bool {
+        self.file.is_clean()
+    }
+
+    /// Records the owner's layout fingerprint (see `SwapFile::set_layout_fingerprint`).
+    pub fn set_layout_fingerprint(&mut self, fingerprint: Option<u64>) -> Result<()> {
+        self.file
+            .set_layout_fingerprint(fingerprint)
+            .map_err(|e| TierError::io(TierKind::Nvme, None, e))
+    }
+
+    /// Flushes and persists the clean-close marker (see `SwapFile::mark_clean`).
+    pub fn mark_clean(&mut self) -> Result<()> {
+        self.file
+            .mark_clean()
+            .map_err(|e| TierError::io(TierKind::Nvme, None, e))
+    }
+
+    /// Clears the clean-close marker on disk if it is set (see `SwapFile::clear_clean`).
+    pub fn clear_clean(&mut self) -> Result<()> {
+        self.file
+            .clear_clean()
+            .map_err(|e| TierError::io(TierKind::Nvme, None, e))
+    }
 }
