@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use tidestore_chunk::{
-    ChunkId, ChunkStore, DType, Guard, ListKind, Place, TensorId, TensorState, TensorViewMut,
+    ChunkId, ChunkStore, DType, ListKind, Place, TensorId, TensorState, TensorViewMut,
 };
 use tidestore_optimizer::{
     ControllerState, DeviceGrads, DeviceSlices, Dtype, Grads, HybridAdamW, HyperParams,
@@ -519,13 +519,12 @@ impl StepLoop {
     fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
         for e in &self.entries {
             let Some(dtype) = e.out_dtype else {
-                Self::with_places(
-                    store,
+                store.with_host_views(
                     &[(e.grad_at(), ListKind::Param16)],
-                    Place::Host,
-                    observe,
-                    |_, _| Ok(()),
+                    TensorState::Hold,
+                    |_| (),
                 )?;
+                observe(store);
                 continue;
             };
             let mut places = vec![
@@ -536,13 +535,15 @@ impl StepLoop {
                 places.push((e.grad_at(), ListKind::Param16));
             }
             let cpu = self.opt.cpu();
-            Self::with_places(store, &places, Place::Host, observe, |store, guards| {
-                let mut views = store.views_mut(&guards[..2])?;
-                let p16 = views.pop().expect("two views");
-                let master = f32s(views.pop().expect("two views"), &e.name, "master")?;
+            store.with_host_views(&places, TensorState::Hold, |views| -> Result<()> {
+                let [master, p16, ..] = views else {
+                    unreachable!("two places or more were asked for")
+                };
+                let master = f32s(master, &e.name, "master")?;
                 cpu.cast_params(master, param_out(p16, dtype, &e.name)?)?;
                 Ok(())
-            })?;
+            })??;
+            observe(store);
         }
         Ok(())
     }
@@ -573,46 +574,6 @@ impl StepLoop {
         Ok(())
     }
 
-    /// Accesses every place of entry `i` at `place`, runs `f` with the guards, and
-    /// releases them all (to `Hold`) whatever `f` returned.
-    fn with_places<R>(
-        store: &mut ChunkStore,
-        places: &[(TensorId, ListKind)],
-        place: Place,
-        observe: Observer<'_>,
-        f: impl FnOnce(&mut ChunkStore, &[&Guard]) -> Result<R>,
-    ) -> Result<R> {
-        let mut guards = Vec::with_capacity(places.len());
-        let mut result = Ok(());
-        for &(t, l) in places {
-            match store.access(t, l, place) {
-                Ok(g) => {
-                    guards.push(g);
-                    observe(store);
-                }
-                Err(e) => {
-                    result = Err(e.into());
-                    break;
-                }
-            }
-        }
-        let out = result.and_then(|()| {
-            let refs: Vec<&Guard> = guards.iter().collect();
-            f(store, &refs)
-        });
-        let mut released = Ok(());
-        for g in guards {
-            let r = store.release(g, TensorState::Hold);
-            observe(store);
-            if released.is_ok() {
-                released = r.map_err(TrainError::from);
-            }
-        }
-        let out = out?;
-        released?;
-        Ok(out)
-    }
-
     fn step_host_in_place(
         &mut self,
         store: &mut ChunkStore,
@@ -623,34 +584,41 @@ impl StepLoop {
         let e = &self.entries[i];
         let places = e.places();
         let (opt, hp, scratch) = (&self.opt, &self.hp, &mut self.scratch);
-        let kernel_ns =
-            Self::with_places(store, &places, Place::Host, observe, |store, guards| {
-                let (mut views, mut pump) = store.views_mut_with_io(guards)?;
-                let (v, m, master) = (
-                    views.pop().expect("five or four places"),
-                    views.pop().expect("five or four places"),
-                    views.pop().expect("five or four places"),
-                );
+        let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
+        let ns =
+            store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
+                let mut views = host_slices(views, &e.name)?;
+                let (grad_bytes, rest) = views.split_first_mut().expect("four places or five");
+                let (mut out, rest) = match e.spec.grad {
+                    GradPlace::Separate {
+                        write_param16: true,
+                        ..
+                    } => {
+                        let (o, r) = rest.split_first_mut().expect("five places");
+                        (Some(o), r)
+                    }
+                    _ => (None, rest),
+                };
+                let [master, m, v] = rest else {
+                    unreachable!("master, M and V follow the gradient places")
+                };
                 let master = f32s(master, &e.name, "master")?;
                 let m = f32s(m, &e.name, "m")?;
                 let v = f32s(v, &e.name, "v")?;
-                let grad_bytes = views.swap_remove(0);
-                let mut out = views.pop();
                 let mut ns = 0u64;
                 let mut at = 0;
                 while at < e.len {
                     let end = (at + STEP_PIECE).min(e.len);
                     let n = end - at;
                     let started = Instant::now();
-                    let in_place16 = matches!(e.spec.grad, GradPlace::InParam16);
-                    if in_place16 {
+                    if matches!(e.spec.grad, GradPlace::InParam16) {
                         // The gradient and the new parameters share these bytes: stage the
                         // piece's gradient in a cache-sized buffer.
                         let staged: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch.grad[..]);
                         staged[..2 * n].copy_from_slice(&grad_bytes[2 * at..2 * end]);
                         let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
-                        let out16 = &mut grad_bytes[2 * at..2 * end];
-                        let out = param_out(out16, e.grad_dtype, &e.name)?;
+                        let out =
+                            param_out(&mut grad_bytes[2 * at..2 * end], e.grad_dtype, &e.name)?;
                         opt.cpu().step_slice(
                             state,
                             hp,
@@ -685,8 +653,9 @@ impl StepLoop {
                     at = end;
                 }
                 Ok(ns)
-            })?;
-        self.stats.kernel_ns += kernel_ns;
+            })??;
+        observe(store);
+        self.stats.kernel_ns += ns;
         Ok(())
     }
 
@@ -721,13 +690,9 @@ impl StepLoop {
         )?;
         let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
         let (opt, hp) = (&self.opt, &self.hp);
-        let ns = Self::with_places(
-            store,
-            &[(t, ListKind::MasterF32)],
-            Place::Host,
-            observe,
-            |store, guards| {
-                let master = f32s(store.bytes_mut(guards[0])?, &e.name, "master")?;
+        let ns =
+            store.with_host_views(&[(t, ListKind::MasterF32)], TensorState::Hold, |views| {
+                let master = f32s(views[0], &e.name, "master")?;
                 let grads = grads_of(grad, e.grad_dtype, &e.name)?;
                 let out = match e.out_dtype {
                     Some(d) => Some(param_out(out_bytes, d, &e.name)?),
@@ -735,9 +700,9 @@ impl StepLoop {
                 };
                 let started = Instant::now();
                 opt.cpu().step_slice(state, hp, master, m, v, grads, out)?;
-                Ok(started.elapsed().as_nanos() as u64)
-            },
-        )?;
+                Ok::<_, TrainError>(started.elapsed().as_nanos() as u64)
+            })??;
+        observe(store);
         self.stats.kernel_ns += ns;
         copy_in(
             store,
@@ -770,18 +735,12 @@ impl StepLoop {
         let e = &self.entries[i];
         let places = e.places();
         let (opt, hp) = (&self.opt, &self.hp);
+        let at_device: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Device)).collect();
         let (ns, simulated) =
-            Self::with_places(store, &places, Place::Device, observe, |store, guards| {
-                let (views, mut pump) = store.tensor_views_mut_with_io(guards)?;
+            store.with_access(&at_device, TensorState::Hold, |views, pump| {
                 let mut views = views
-                    .into_iter()
-                    .map(|v| match v {
-                        TensorViewMut::Device(d) => Ok(d),
-                        TensorViewMut::Host(_) => Err(TrainError::Tensor {
-                            tensor: e.name.clone(),
-                            reason: "a device access gave a view of the host pool".into(),
-                        }),
-                    })
+                    .iter_mut()
+                    .map(|v| device_view(v, &e.name))
                     .collect::<Result<Vec<_>>>()?;
                 let v = views.pop().expect("five or four places");
                 let m = views.pop().expect("five or four places");
@@ -822,7 +781,8 @@ impl StepLoop {
                     });
                 }
                 Ok((ns, placed.simulated))
-            })?;
+            })??;
+        observe(store);
         self.stats.kernel_ns += ns;
         self.stats.simulated |= simulated;
         Ok(())
@@ -953,6 +913,34 @@ fn dtype_of(d: DType) -> Dtype {
     }
 }
 
+/// The host bytes of views of host-pool accesses.
+fn host_slices<'a>(views: &'a mut [TensorViewMut<'_>], tensor: &str) -> Result<Vec<&'a mut [u8]>> {
+    views
+        .iter_mut()
+        .map(|v| match v {
+            TensorViewMut::Host(b) => Ok(&mut **b),
+            TensorViewMut::Device(_) => Err(TrainError::Tensor {
+                tensor: tensor.into(),
+                reason: "a host access gave a device view".into(),
+            }),
+        })
+        .collect()
+}
+
+/// A device view of a device access, reborrowed from the scope's views.
+fn device_view<'a>(v: &'a mut TensorViewMut<'_>, tensor: &str) -> Result<DeviceViewMut<'a>> {
+    match v {
+        TensorViewMut::Device(DeviceViewMut::Host(b)) => Ok(DeviceViewMut::Host(b)),
+        TensorViewMut::Device(DeviceViewMut::Cuda(span)) => {
+            Ok(DeviceViewMut::Cuda(span.reborrow()))
+        }
+        TensorViewMut::Host(_) => Err(TrainError::Tensor {
+            tensor: tensor.into(),
+            reason: "a device access gave a view of the host pool".into(),
+        }),
+    }
+}
+
 fn read_only(v: DeviceViewMut<'_>) -> DeviceView<'_> {
     match v {
         DeviceViewMut::Host(b) => DeviceView::Host(b),
@@ -967,10 +955,9 @@ fn copy_out(
     dst: &mut [u8],
     observe: Observer<'_>,
 ) -> Result<()> {
-    StepLoop::with_places(store, &[(t, l)], Place::Host, observe, |store, g| {
-        dst.copy_from_slice(store.bytes(g[0])?);
-        Ok(())
-    })
+    store.with_host_views(&[(t, l)], TensorState::Hold, |v| dst.copy_from_slice(v[0]))?;
+    observe(store);
+    Ok(())
 }
 
 /// Copies `src` into the place (one access).
@@ -980,8 +967,7 @@ fn copy_in(
     src: &[u8],
     observe: Observer<'_>,
 ) -> Result<()> {
-    StepLoop::with_places(store, &[(t, l)], Place::Host, observe, |store, g| {
-        store.bytes_mut(g[0])?.copy_from_slice(src);
-        Ok(())
-    })
+    store.with_host_views(&[(t, l)], TensorState::Hold, |v| v[0].copy_from_slice(src))?;
+    observe(store);
+    Ok(())
 }
