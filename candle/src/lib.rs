@@ -7,7 +7,8 @@
 //!   access/copy/release per parameter in forward, gradients into the store after
 //!   backward, the AdamW step over master, M and V wherever the budgets put them (NVMe
 //!   included). Its module doc lists every copy the glue makes.
-//! - [`checkpoint`]: atomic safetensors checkpoints of values, M, V and the step.
+//! - [`checkpoint`]: save/load in tidestore's one checkpoint format (the train crate's:
+//!   streamed from the store, crc32c per tensor, atomic), and [`checkpoint::read_params`].
 //! - [`gpt`]: a small byte-level GPT (with optional LoRA) written against
 //!   [`ParamSource`], its seeded initialisation and seeded batches.
 //!

@@ -458,28 +458,30 @@ impl TideParams {
         Ok((m, v))
     }
 
-    /// Puts values and moments back (untraced), for [`crate::checkpoint`].
-    pub(crate) fn restore(
-        &mut self,
-        name: &str,
-        values: &[f32],
-        moments: Option<(&[f32], &[f32])>,
-    ) -> Result<()> {
-        let i = self.index(name)?;
-        let e = &self.entries[i];
-        if values.len() != e.spec.elements() {
-            return Err(Error::BadParam {
-                name: name.to_string(),
-                reason: format!("{} values for {} elements", values.len(), e.spec.elements()),
-            });
-        }
-        let id = e.id;
-        self.set_values(i, values)?;
-        if let Some((m, v)) = moments {
-            self.store.write(id, ListKind::MomentumF32, &f32_bytes(m))?;
-            self.store.write(id, ListKind::VarianceF32, &f32_bytes(v))?;
-        }
-        Ok(())
+    /// Forward/gradient precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The tensors a checkpoint holds: every registered parameter, in forward order
+    /// (not the `F32` gradient companions, which are not state between steps).
+    pub(crate) fn checkpoint_ids(&self) -> Vec<TensorId> {
+        self.entries.iter().map(|e| e.id).collect()
+    }
+
+    /// The chunk store, for [`crate::checkpoint`] to stream tensors in and out.
+    pub(crate) fn store_mut(&mut self) -> &mut ChunkStore {
+        &mut self.store
+    }
+
+    /// Gradients of a [`TideParams::backward`] wait for [`TideParams::step`].
+    pub(crate) fn grads_pending(&self) -> bool {
+        self.grads_ready
+    }
+
+    /// A forward pass handed out tensors that its backward has not consumed yet.
+    pub(crate) fn forward_in_progress(&self) -> bool {
+        self.entries.iter().any(|e| e.live.is_some())
     }
 
     /// The optimizer's step count and loss-scaler state, for [`crate::checkpoint`].

@@ -67,46 +67,6 @@ pub enum OptimError {
         reason: String,
     },
 
-    /// An I/O request of the streaming step or of a checkpoint failed (the swap file's
-    /// error, shared so this enum stays `Clone`).
-    #[error("{during} (group {group}): {source}")]
-    Io {
-        /// What was being done: `read of M`, `write of V`, `checkpoint read`, ...
-        during: &'static str,
-        /// The optimizer group concerned.
-        group: usize,
-        /// The io crate's error.
-        #[source]
-        source: IoFailure,
-    },
-
-    /// An earlier step failed midway (I/O error, abandoned step): moments and master
-    /// parameters are a mix of two steps, so every step and save is refused until the
-    /// state is reloaded from a checkpoint.
-    #[error("optimizer refuses to step: an earlier step failed midway ({first_error}); reload it from a checkpoint")]
-    Poisoned {
-        /// The failure that poisoned it.
-        first_error: String,
-    },
-
-    /// A checkpoint could not be written, or the file read is not a valid checkpoint of
-    /// this optimizer (format, shape, checksum).
-    #[error("checkpoint {path}: {reason}")]
-    Checkpoint {
-        /// The checkpoint file.
-        path: std::path::PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-
-    /// The streaming step was configured or driven wrongly (budget too small for the
-    /// ring, groups updated out of order, swap file of the wrong shape).
-    #[error("streaming step: {reason}")]
-    Stream {
-        /// What is wrong.
-        reason: String,
-    },
-
     /// This build has no CUDA support (feature `cuda` off).
     #[error("this build of tidestore-optimizer has no CUDA support (feature `cuda`)")]
     NotCompiledWithCuda,
@@ -148,41 +108,5 @@ pub(crate) fn check_len(
             reference,
             expected,
         })
-    }
-}
-
-/// An io-crate error shared behind an `Arc`, so [`OptimError`] stays `Clone` and
-/// `PartialEq` (two failures are equal when they are the same failure or print the same).
-#[derive(Debug, Clone)]
-pub struct IoFailure(std::sync::Arc<tidestore_io::IoError>);
-
-impl IoFailure {
-    /// The io crate's error, to match on its kind (`NoSpace`, `Device`, `Corrupt`, ...).
-    pub fn get(&self) -> &tidestore_io::IoError {
-        &self.0
-    }
-}
-
-impl From<tidestore_io::IoError> for IoFailure {
-    fn from(e: tidestore_io::IoError) -> Self {
-        IoFailure(std::sync::Arc::new(e))
-    }
-}
-
-impl PartialEq for IoFailure {
-    fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
-    }
-}
-
-impl std::fmt::Display for IoFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
-
-impl std::error::Error for IoFailure {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
     }
 }

@@ -1,10 +1,13 @@
 //! tidestore-optimizer: AdamW for training state that lives in chunks.
 //!
-//! This crate holds the CPU side of tidestore's hybrid optimizer: a SIMD AdamW kernel
-//! over fp32 master parameters and moments with fp32/fp16/bf16 gradients and an optional
-//! 16-bit parameter copy written in the same pass, and around it global gradient-norm
-//! clipping, dynamic loss scaling and gradient accumulation. The streaming step (NVMe),
-//! the GPU kernel and checkpoints build on these entry points.
+//! This crate is tidestore's optimizer as pure compute: a SIMD AdamW kernel over fp32
+//! master parameters and moments with fp32/fp16/bf16 gradients and an optional 16-bit
+//! parameter copy written in the same pass, its GPU twin over device views
+//! ([`HybridAdamW`] picks the processor where a group's memory is), and around them
+//! global gradient-norm clipping, dynamic loss scaling and gradient accumulation. It does
+//! no I/O: it works on slices and device views that are already resident. The step loop
+//! that brings each tensor's chunks to where it is stepped (from NVMe included) and the
+//! checkpoints live in `tidestore-train`, over the chunk store.
 //!
 //! # The kernel API
 //! ```text
@@ -38,12 +41,12 @@
 //! bench::run(cfg: &BenchConfig) -> Result<Vec<BenchRow>>
 //! ```
 //!
-//! # One step of a streamed optimizer
+//! # One step, as a caller drives it (`tidestore-train`'s step loop does this)
 //! 1. For every gradient slice: `sq += opt.grad_sq_norm(grads)` (raw, loss-scaled).
 //! 2. `match ctrl.decide(sq)`: `Skip { .. }` leaves everything alone (fp16 overflow; the
 //!    loss scale was lowered); `Apply { state, .. }` carries the step number and
 //!    `grad_scale = clip_coef / loss_scale`.
-//! 3. For every chunk group, as its data arrives:
+//! 3. For every chunk group, once the store has it resident:
 //!    `opt.step_slice(state, &hp, master, m, v, grads, Some(ParamOut::Bf16(params)))`.
 //!
 //! # Numerics
@@ -73,7 +76,6 @@
 pub use half;
 
 pub mod bench;
-pub mod checkpoint;
 pub mod controller;
 pub mod cpu;
 pub mod error;
@@ -82,7 +84,6 @@ pub mod loss_scale;
 pub mod params;
 pub mod placement;
 pub mod slices;
-pub mod stream;
 
 #[cfg(feature = "cuda")]
 #[path = "gpu.rs"]

@@ -1,15 +1,16 @@
 //! Where each group is updated: on the GPU when its arrays are device memory of a CUDA
-//! device, on the CPU otherwise (host memory, the device simulation, or streamed from
-//! NVMe), and the report that says which.
+//! device, on the CPU otherwise (host memory or the device simulation), and the report
+//! that says which.
 //!
 //! [`HybridAdamW::step_resident`] takes groups as they are resident — host slices
 //! ([`ResidentGroup::Host`]) or device memory ([`ResidentGroup::Device`]) — and updates
-//! each where its data is; NVMe groups go through [`crate::stream`] and are reported by
-//! [`StreamingOptimizer::placement`]. [`HybridAdamW::step_device_slices`] does the same
-//! for one range of device views ([`DeviceSlices`]: a tensor at an offset inside its
-//! chunks), with the 16-bit gradient either in its own memory or in the very bytes the
-//! new 16-bit parameters are written to ([`DeviceGrads::InPlace`]). A whole-chunk
-//! [`DeviceGroup`] is converted into [`DeviceSlices`] and takes the same path.
+//! each where its data is. Bringing a group's data there (from NVMe included) is the
+//! chunk store's work, driven by the step loop of `tidestore-train`; this module only
+//! computes. [`HybridAdamW::step_device_slices`] does the same for one range of device
+//! views ([`DeviceSlices`]: a tensor at an offset inside its chunks), with the 16-bit
+//! gradient either in its own memory or in the very bytes the new 16-bit parameters are
+//! written to ([`DeviceGrads::InPlace`]). A whole-chunk [`DeviceGroup`] is converted
+//! into [`DeviceSlices`] and takes the same path.
 //!
 //! With the simulated device (no GPU, or no `cuda` feature) device memory is updated by
 //! the CPU kernel over the simulation's host bytes and reported as `Gpu` with
@@ -36,7 +37,6 @@ use crate::gpu::GpuAdamW;
 use crate::group::ParamGroup;
 use crate::params::{HyperParams, StepState};
 use crate::slices::{Dtype, Grads, ParamOut};
-use crate::stream::StreamingOptimizer;
 
 /// The processor that updated a group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,8 +54,6 @@ pub struct GroupPlacement {
     pub group: usize,
     /// Where it was updated.
     pub placement: Placement,
-    /// Its state was streamed from NVMe.
-    pub streamed: bool,
     /// Its device memory is the host simulation.
     pub simulated: bool,
 }
@@ -229,7 +227,6 @@ impl HybridAdamW {
                     report.groups.push(GroupPlacement {
                         group: *index,
                         placement: Placement::Cpu,
-                        streamed: false,
                         simulated: false,
                     });
                 }
@@ -278,7 +275,6 @@ impl HybridAdamW {
         Ok(GroupPlacement {
             group: 0,
             placement: Placement::Gpu,
-            streamed: false,
             simulated,
         })
     }
@@ -702,20 +698,4 @@ fn step_in_place(
     let r = run();
     STAGING.set(stage);
     r
-}
-
-impl StreamingOptimizer {
-    /// Where this optimizer's groups are updated: all on the CPU, streamed.
-    pub fn placement(&self) -> PlacementReport {
-        PlacementReport {
-            groups: (0..self.groups().len())
-                .map(|group| GroupPlacement {
-                    group,
-                    placement: Placement::Cpu,
-                    streamed: true,
-                    simulated: false,
-                })
-                .collect(),
-        }
-    }
 }

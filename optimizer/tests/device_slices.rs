@@ -240,7 +240,6 @@ fn check_case(who: &str, hybrid: &HybridAdamW, case: Case, hp: &HyperParams, n: 
         GroupPlacement {
             group: 0,
             placement: Placement::Gpu,
-            streamed: false,
             simulated: true
         },
         "{label}"

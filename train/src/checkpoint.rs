@@ -49,6 +49,10 @@
 //! untouched. Tensors in the file that the caller did not ask for are ignored (not
 //! verified, not loaded).
 //!
+//! [`read_tensors`] reads tensors out of a file without a store (to seed a model of
+//! another layout, e.g. a LoRA base from a full run's checkpoint): the same parse and
+//! format check, and each tensor it returns checked against its crc32c.
+//!
 //! Bytes go verbatim between the store and the file: both are little endian on the
 //! targets tidestore builds for (x86-64, aarch64).
 
@@ -398,6 +402,69 @@ pub fn verify(layout: &Layout, tensors: &[TensorId], path: &Path) -> Result<Chec
     Ok(state)
 }
 
+/// One tensor read out of a checkpoint file by [`read_tensors`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct FileTensor {
+    /// Its name in the file (see [`tensor_name`]).
+    pub name: String,
+    /// Its dtype.
+    pub dtype: DType,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its bytes, little endian, checked against their crc32c.
+    pub bytes: Vec<u8>,
+}
+
+/// Reads the tensors of the checkpoint at `path` whose file names `wanted` accepts, in
+/// file order, without a store or layout (to seed a model of another layout, e.g. a LoRA
+/// base from a full run's checkpoint); returns them with the file's state. The file is
+/// parsed and its format tag checked as by [`load`], and every tensor returned is
+/// checked against its crc32c (a failure names the file and the tensor). Peak memory:
+/// the tensors asked for.
+pub fn read_tensors(
+    path: &Path,
+    mut wanted: impl FnMut(&str) -> bool,
+) -> Result<(CheckpointState, Vec<FileTensor>)> {
+    let map = map_file(path)?;
+    let (header_len, meta) = parse(&map, path)?;
+    let kv = meta
+        .metadata()
+        .as_ref()
+        .ok_or_else(|| malformed(path, "no __metadata__ (not a tidestore checkpoint)"))?;
+    let state = read_state(kv, path)?;
+    let data_start = HEADER_LEN_BYTES + header_len;
+    let mut out = Vec::new();
+    for name in meta.offset_keys() {
+        if !wanted(&name) {
+            continue;
+        }
+        let info = meta
+            .info(&name)
+            .ok_or_else(|| malformed(path, format!("tensor `{name}` listed without its entry")))?;
+        let dtype = match info.dtype {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(malformed(
+                    path,
+                    format!("tensor `{name}` is {other:?}; checkpoints hold F32, F16 and BF16"),
+                ))
+            }
+        };
+        let (a, b) = info.data_offsets;
+        let bytes = &map[data_start + a..data_start + b];
+        check_crc(kv, &name, bytes, path)?;
+        out.push(FileTensor {
+            dtype,
+            shape: info.shape.clone(),
+            bytes: bytes.to_vec(),
+            name,
+        });
+    }
+    Ok((state, out))
+}
+
 /// Maps `path` read-only; a file too short to hold a header is truncated.
 #[allow(unsafe_code)]
 fn map_file(path: &Path) -> Result<memmap2::Mmap> {
@@ -453,7 +520,7 @@ fn verify_map(
         }
         let (a, b) = info.data_offsets;
         let range = data_start + a..data_start + b;
-        check_crc(kv, e, &map[range.clone()], path)?;
+        check_crc(kv, &e.name, &map[range.clone()], path)?;
         ranges.push(range);
     }
     Ok((state, ranges))
@@ -555,9 +622,10 @@ fn read_state(kv: &HashMap<String, String>, path: &Path) -> Result<CheckpointSta
     })
 }
 
-/// Checks `bytes` (entry `e`'s data) against the crc32c recorded for it.
-fn check_crc(kv: &HashMap<String, String>, e: &Entry, bytes: &[u8], path: &Path) -> Result<()> {
-    let key = format!("{CRC_KEY_PREFIX}{}", e.name);
+/// Checks `bytes` (the data of the file's tensor `name`) against the crc32c recorded
+/// for it.
+fn check_crc(kv: &HashMap<String, String>, name: &str, bytes: &[u8], path: &Path) -> Result<()> {
+    let key = format!("{CRC_KEY_PREFIX}{name}");
     let text = kv
         .get(&key)
         .ok_or_else(|| malformed(path, format!("metadata `{key}` missing")))?;
@@ -569,7 +637,7 @@ fn check_crc(kv: &HashMap<String, String>, e: &Entry, bytes: &[u8], path: &Path)
     if found != expected {
         return Err(TrainError::CheckpointChecksum {
             path: path.to_path_buf(),
-            tensor: e.name.clone(),
+            tensor: name.to_string(),
             expected,
             found,
         });

@@ -16,7 +16,7 @@ pub mod checkpoint_dir;
 pub mod error;
 pub mod step;
 
-pub use checkpoint::{CheckpointState, CHECKPOINT_FORMAT};
+pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
 pub use step::{

@@ -87,6 +87,27 @@ fn a_flipped_data_byte_names_the_tensor() {
 }
 
 #[test]
+fn read_tensors_refuses_a_flipped_byte_of_a_tensor_it_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = saved(dir.path());
+    let name = "optimizer.master.head.weight";
+    let bad = corrupt(&good, "flipped.safetensors", |b| {
+        let r = data_range(b, name);
+        b[r.start] ^= 0x01;
+    });
+    match checkpoint::read_tensors(&bad, |n| n == name) {
+        Err(TrainError::CheckpointChecksum { path, tensor, .. }) => {
+            assert_eq!(path, bad);
+            assert_eq!(tensor, name);
+        }
+        other => panic!("expected a checksum error, got {other:?}"),
+    }
+    // A tensor not asked for is not read, so its damage goes unseen.
+    let (_, others) = checkpoint::read_tensors(&bad, |n| n == "layers.0.b").unwrap();
+    assert_eq!(others.len(), 1);
+}
+
+#[test]
 fn a_truncated_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let good = saved(dir.path());

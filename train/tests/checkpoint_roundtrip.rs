@@ -175,3 +175,40 @@ fn directory_keeps_the_newest_and_refuses_to_go_back() {
         other => panic!("expected CheckpointBehind, got {other:?}"),
     }
 }
+
+#[test]
+fn read_tensors_gives_the_saved_bytes_without_a_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = open_store(&dir.path().join("a"), layout(mixed_specs()));
+    fill(&mut a, 5);
+    let saved = snapshot(&mut a);
+    let path = dir.path().join("ckpt.safetensors");
+    let tensors = all_tensors(&a);
+    checkpoint::save(&mut a, &tensors, &state(9), &path).unwrap();
+
+    // Only the masters and the frozen tensors' own entries, as a model reader would.
+    let (st, got) = checkpoint::read_tensors(&path, |name| {
+        name.starts_with("optimizer.master.") || !name.starts_with("optimizer.")
+    })
+    .unwrap();
+    assert_eq!(st, state(9));
+    let mut expected = 0;
+    for &t in &tensors {
+        let spec = a.layout().tensor(t).unwrap().clone();
+        for list in [ListKind::MasterF32, ListKind::Param16] {
+            let Some(loc) = a.layout().location(t, list) else {
+                continue;
+            };
+            let name = checkpoint::tensor_name(&spec.name, list).unwrap();
+            let f = got
+                .iter()
+                .find(|f| f.name == name)
+                .unwrap_or_else(|| panic!("`{name}` read"));
+            assert_eq!(f.dtype, loc.dtype, "{name}");
+            assert_eq!(f.shape, spec.shape, "{name}");
+            assert_eq!(f.bytes, saved[&(t.0, list)], "{name}");
+            expected += 1;
+        }
+    }
+    assert_eq!(got.len(), expected, "nothing that was not asked for");
+}
