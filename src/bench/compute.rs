@@ -123,6 +123,10 @@ pub(super) struct ComputeStream {
 
 /// Longest sleep between two polls of the store's transfers while waiting.
 const POLL_SLICE: Duration = Duration::from_micros(200);
+/// The end of a wait is spun (yielding the core), not slept: a sleeping thread wakes up
+/// late on a loaded machine, and every late wake-up would delay the next launch, as a
+/// GPU's queued work is not delayed. (CUDA's own synchronisation spins too.)
+const SPIN: Duration = Duration::from_micros(500);
 
 impl ComputeStream {
     /// Queues `seconds` of work; returns when it will be done.
@@ -143,7 +147,12 @@ impl ComputeStream {
             if now >= until {
                 break;
             }
-            std::thread::sleep((until - now).min(POLL_SLICE));
+            let left = until - now;
+            if left > SPIN {
+                std::thread::sleep((left - SPIN).min(POLL_SLICE));
+            } else {
+                std::thread::yield_now();
+            }
         }
         self.waited += started.elapsed();
         Ok(())

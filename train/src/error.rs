@@ -125,6 +125,18 @@ pub enum TrainError {
         latest: u64,
     },
 
+    /// A tensor's step failed part way through an optimizer step: some tensors hold the
+    /// new step and others the old one, so the loop refuses to go on until a checkpoint
+    /// is loaded into the store and [`crate::StepLoop::restore`] is called.
+    #[error(
+        "the step loop stopped after a failed step ({reason}); some tensors hold the new \
+         step and others the old one: load a checkpoint and call restore()"
+    )]
+    Poisoned {
+        /// The failure that stopped it.
+        reason: String,
+    },
+
     /// The step loop was driven out of order (a tensor stepped twice in one step, a
     /// step finished with tensors left, ...).
     #[error("step loop: {0}")]

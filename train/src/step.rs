@@ -38,8 +38,12 @@
 //! returns [`TrainError::Protocol`] naming it (bf16 training has no overflow to skip;
 //! such a gradient means the run diverged).
 //!
-//! Every access is released on every path, errors included; the store's moments are
-//! reported to an observer (progress bars, plots) after each access and release.
+//! Every access is released on every path, errors included (the store's scoped API);
+//! the store is handed to an observer (progress bars, plots) after each tensor's step.
+//! A tensor's step that fails (an I/O error, a corrupt chunk) leaves the optimizer step
+//! half made: the loop is then *poisoned* and refuses every call with
+//! [`TrainError::Poisoned`] until a checkpoint is loaded into the store and
+//! [`StepLoop::restore`] is called.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
@@ -227,6 +231,8 @@ pub struct StepLoop {
     in_place: bool,
     scratch: Scratch,
     stats: StepStats,
+    /// Why the loop refuses to go on (see the module doc).
+    poisoned: Option<String>,
 }
 
 impl StepLoop {
@@ -316,6 +322,7 @@ impl StepLoop {
             in_place,
             scratch,
             stats: StepStats::default(),
+            poisoned: None,
         })
     }
 
@@ -359,14 +366,33 @@ impl StepLoop {
         self.ctrl.state()
     }
 
-    /// Restores a checkpointed controller state (between iterations only).
+    /// Restores a checkpointed controller state, after the checkpoint's tensors were
+    /// loaded into the store: between iterations, or to lift a poisoned loop (the
+    /// iteration in progress is abandoned).
     pub fn restore(&mut self, state: ControllerState) -> Result<()> {
-        if self.finals != 0 {
+        if self.finals != 0 && self.poisoned.is_none() {
             return Err(TrainError::Protocol(
                 "restore() during an iteration (gradients already reported)".into(),
             ));
         }
-        Ok(self.ctrl.restore(state)?)
+        self.ctrl.restore(state)?;
+        self.poisoned = None;
+        self.new_iteration();
+        Ok(())
+    }
+
+    /// Whether a failed step stopped the loop (see the module doc).
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.is_some()
+    }
+
+    fn check_poisoned(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(reason) => Err(TrainError::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The counters.
@@ -388,6 +414,7 @@ impl StepLoop {
     /// the raw, loss-scaled values). With [`Overlap::Backward`], its group is queued
     /// when this was its last gradient.
     pub fn grad_ready(&mut self, tensor: TensorId, sq_norm: f64) -> Result<()> {
+        self.check_poisoned()?;
         let &i = self.by_tensor.get(&tensor).ok_or_else(|| {
             TrainError::Protocol(format!("grad_ready for {tensor}, which is not stepped"))
         })?;
@@ -421,6 +448,7 @@ impl StepLoop {
         deadline: Option<Instant>,
         observe: Observer<'_>,
     ) -> Result<usize> {
+        self.check_poisoned()?;
         if self.ready.is_empty() || !self.grad_sq.is_finite() {
             return Ok(0);
         }
@@ -445,6 +473,7 @@ impl StepLoop {
     /// skipped step consumes the gradients (each gradient place accessed and released)
     /// and changes nothing else. Every tensor's gradient must have been reported.
     pub fn finish(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<StepOutcome> {
+        self.check_poisoned()?;
         if let Some(e) = self.entries.iter().find(|e| !e.grad_final) {
             return Err(TrainError::Protocol(format!(
                 "finish() before the gradient of `{}` was reported",
@@ -464,7 +493,12 @@ impl StepLoop {
                 }
                 self.stats.steps_applied += 1;
                 self.stats.grad_norm = grad_norm;
-                self.step_rest(store, state, observe)
+                let r = self.step_rest(store, state, observe);
+                if let (Err(e), None) = (&r, &self.poisoned) {
+                    // The controller counted the step: whatever failed, it is half made.
+                    self.poisoned = Some(format!("step {}: {e}", state.step));
+                }
+                r
             }
             StepDecision::Skip { .. } if overlapped > 0 => Err(TrainError::Protocol(format!(
                 "a non-finite gradient arrived after {overlapped} tensors were stepped \
@@ -562,10 +596,16 @@ impl StepLoop {
                 self.entries[i].name
             )));
         }
-        match (self.place, self.in_place) {
-            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe)?,
-            (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe)?,
-            (StepPlace::Device, _) => self.step_device(store, i, state, observe)?,
+        let stepped = match (self.place, self.in_place) {
+            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe),
+            (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe),
+            (StepPlace::Device, _) => self.step_device(store, i, state, observe),
+        };
+        if let Err(e) = stepped {
+            let reason = format!("stepping `{}`: {e}", self.entries[i].name);
+            tracing::error!(%reason, "step loop: a tensor's step failed; poisoned until restore()");
+            self.poisoned = Some(reason);
+            return Err(e);
         }
         let e = &mut self.entries[i];
         e.stepped = true;
