@@ -11,6 +11,11 @@
 //!   streamed from the store, crc32c per tensor, atomic), and [`checkpoint::read_params`].
 //! - [`gpt`]: a small byte-level GPT (with optional LoRA) written against
 //!   [`ParamSource`], its seeded initialisation and seeded batches.
+//! - [`llama`]: LLaMA as Hugging Face's `LlamaForCausalLM` (RMSNorm, rotary embeddings,
+//!   grouped-query attention, SwiGLU, tied or untied head, optional LoRA), in blocks.
+//! - [`streamed`]: layer-streamed training with recompute over [`TideParams`]: one
+//!   block's parameters and graph in candle at a time, the store the only home of the
+//!   rest.
 //!
 //! Numerics: with [`Precision::F32`] both sides compute in fp32 from the same values,
 //! and tidestore's AdamW is candle's formula — `m̂ = m / (1 - β1^t)`,
@@ -30,10 +35,14 @@
 pub mod checkpoint;
 pub mod error;
 pub mod gpt;
+pub mod llama;
 pub mod source;
+pub mod streamed;
 pub mod tide;
 
 pub use error::{Error, Result};
 pub use gpt::{Batches, Gpt, GptConfig, LoraConfig};
+pub use llama::{Llama, LlamaConfig, LlamaLora};
 pub use source::{InMemory, ParamSource, ParamSpec};
+pub use streamed::{train_step, StepTimes, StreamedStep};
 pub use tide::{NvmeTraffic, Precision, TideConfig, TideParams};

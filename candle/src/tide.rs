@@ -377,20 +377,65 @@ impl TideParams {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0.0; n],
             };
-            let sq = self
-                .step
-                .optimizer()
-                .cpu()
-                .grad_sq_norm(Grads::F32(&values));
-            let (tensor, list) = self.grad_place(&self.entries[i]);
-            let g = self.store.access(tensor, list, Place::Host)?;
-            let written = self.store.write_f32(&g, &values);
-            self.store.release(g, TensorState::HoldAfterBwd)?;
-            written?;
-            self.step.grad_ready(self.entries[i].id, sq)?;
+            self.put_grad_at(i, &values)?;
         }
+        Ok(())
+    }
+
+    /// Writes `values` as the final gradient of trainable parameter `name` and tells the
+    /// step loop (the layer-streamed driver calls this as each block's backward ends).
+    pub fn put_grad(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let i = self.index(name)?;
+        let e = &self.entries[i];
+        if !e.spec.trainable || values.len() != e.spec.elements() {
+            return Err(Error::BadParam {
+                name: name.into(),
+                reason: format!(
+                    "a gradient of {} values for a {} parameter of {} elements",
+                    values.len(),
+                    if e.spec.trainable {
+                        "trainable"
+                    } else {
+                        "frozen"
+                    },
+                    e.spec.elements()
+                ),
+            });
+        }
+        self.put_grad_at(i, values)
+    }
+
+    fn put_grad_at(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let sq = self.step.optimizer().cpu().grad_sq_norm(Grads::F32(values));
+        let (tensor, list) = self.grad_place(&self.entries[i]);
+        let g = self.store.access(tensor, list, Place::Host)?;
+        let written = self.store.write_f32(&g, values);
+        self.store.release(g, TensorState::HoldAfterBwd)?;
+        written?;
+        self.step.grad_ready(self.entries[i].id, sq)?;
         self.grads_ready = true;
         Ok(())
+    }
+
+    /// Parameter `name` as a fresh candle tensor (a variable when `as_var` and the
+    /// parameter is trainable), read from the store where forward reads it and released
+    /// to `to` at once; nothing is kept (the layer-streamed driver's source).
+    pub fn fetch(&mut self, name: &str, as_var: bool, to: TensorState) -> Result<(Tensor, bool)> {
+        let i = self.index(name)?;
+        let (id, trainable) = (self.entries[i].id, self.entries[i].spec.trainable);
+        let list = self.forward_list(trainable);
+        let g = self.store.access(id, list, self.forward_place)?;
+        let values = self.store.read_f32(&g);
+        self.store.release(g, to)?;
+        let values = values?;
+        let shape = self.entries[i].spec.shape.as_slice();
+        let var = as_var && trainable;
+        let t = if var {
+            Var::from_vec(values, shape, &self.device)?.into_inner()
+        } else {
+            Tensor::from_vec(values, shape, &self.device)?
+        };
+        Ok((t, var))
     }
 
     /// One AdamW step over every trainable parameter, with the gradients of the last
@@ -448,6 +493,18 @@ impl TideParams {
             (e.id, ListKind::Param16)
         };
         Ok(bytes_f32(&self.store.read(id, list)?))
+    }
+
+    /// The last gradient of trainable parameter `name` (`Precision::F32` only: there the
+    /// gradient has its own fp32 tensor, which the step reads and leaves; in `Bf16` the
+    /// step writes the new parameters over it); untraced.
+    pub fn grad_values(&mut self, name: &str) -> Result<Vec<f32>> {
+        let e = &self.entries[self.index(name)?];
+        let grad = e.grad_id.ok_or_else(|| Error::BadParam {
+            name: name.into(),
+            reason: "no gradient of its own (frozen, or Precision::Bf16)".into(),
+        })?;
+        Ok(bytes_f32(&self.store.read(grad, ListKind::Param16)?))
     }
 
     /// A trainable parameter's Adam moments (M, V); untraced.

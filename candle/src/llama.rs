@@ -1,0 +1,377 @@
+//! LLaMA as Hugging Face's `LlamaForCausalLM` computes it, written against
+//! [`ParamSource`] and cut into blocks, so that the same code runs as one candle graph
+//! (in memory) and block by block through tidestore ([`crate::streamed`]).
+//!
+//! The architecture: token embedding; per layer a pre-RMSNorm grouped-query attention
+//! with rotary position embeddings (`rope_theta`, the "rotate half" form of
+//! `modeling_llama.py`) and a pre-RMSNorm SwiGLU MLP (`down(silu(gate(x)) · up(x))`),
+//! each added to the residual stream; a final RMSNorm and the output head (`lm_head`,
+//! or the embedding when `tie_word_embeddings`). No biases. Tensor names and shapes are
+//! Hugging Face's (`model.layers.N.self_attn.q_proj.weight` is `[heads·head_dim,
+//! hidden]`), so a checkpoint maps one to one. Optional LoRA adapters on chosen
+//! projections (`…q_proj.lora_A.weight` `[r, in]`, `…lora_B.weight` `[out, r]`, scaled
+//! by `alpha / r`, `B` starting at zero), the base frozen.
+//!
+//! Blocks: `0` is the embedding, `1..=layers` the decoder layers, `layers + 1` the
+//! final norm and head. [`Llama::block`] runs one; [`Llama::block_params`] names what it
+//! reads.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::{Error, Result};
+use crate::gpt::Rng;
+use crate::source::{ParamSource, ParamSpec};
+
+/// The shape of a LLaMA model (the fields of its `config.json` that matter here).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// `vocab_size`.
+    pub vocab: usize,
+    /// `hidden_size`.
+    pub hidden: usize,
+    /// `intermediate_size`.
+    pub intermediate: usize,
+    /// `num_hidden_layers`.
+    pub layers: usize,
+    /// `num_attention_heads`.
+    pub heads: usize,
+    /// `num_key_value_heads` (divides `heads`).
+    pub kv_heads: usize,
+    /// `rms_norm_eps`.
+    pub rms_eps: f64,
+    /// `rope_theta`.
+    pub rope_theta: f64,
+    /// `tie_word_embeddings`.
+    pub tie_embeddings: bool,
+    /// LoRA adapters, when only they train.
+    pub lora: Option<LlamaLora>,
+}
+
+/// LoRA adapters of a [`Llama`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaLora {
+    /// Rank.
+    pub rank: usize,
+    /// Scale numerator (`alpha / rank` multiplies the adapter's output).
+    pub alpha: f32,
+    /// Adapted projections, by their short names (`q_proj`, `k_proj`, `v_proj`,
+    /// `o_proj`, `gate_proj`, `up_proj`, `down_proj`).
+    pub targets: Vec<String>,
+}
+
+/// A LLaMA model's code (its parameters live in a [`ParamSource`]).
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: LlamaConfig,
+}
+
+/// The projections of a layer: (module path under the layer, short name, out, in).
+fn projections(c: &LlamaConfig) -> [(&'static str, &'static str, usize, usize); 7] {
+    let hd = c.hidden / c.heads;
+    let (q, kv) = (c.heads * hd, c.kv_heads * hd);
+    [
+        ("self_attn", "q_proj", q, c.hidden),
+        ("self_attn", "k_proj", kv, c.hidden),
+        ("self_attn", "v_proj", kv, c.hidden),
+        ("self_attn", "o_proj", c.hidden, q),
+        ("mlp", "gate_proj", c.intermediate, c.hidden),
+        ("mlp", "up_proj", c.intermediate, c.hidden),
+        ("mlp", "down_proj", c.hidden, c.intermediate),
+    ]
+}
+
+impl Llama {
+    /// The model of `cfg`, checked: heads divide the width, kv heads divide the heads,
+    /// the head dimension is even (rotary embeddings rotate pairs).
+    pub fn new(cfg: LlamaConfig) -> Result<Self> {
+        let bad = |reason: String| Error::BadParam {
+            name: "config".into(),
+            reason,
+        };
+        if cfg.heads == 0 || !cfg.hidden.is_multiple_of(cfg.heads) {
+            return Err(bad(format!(
+                "hidden size {} is not a multiple of {} heads",
+                cfg.hidden, cfg.heads
+            )));
+        }
+        if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
+            return Err(bad(format!(
+                "{} heads are not a multiple of {} key/value heads",
+                cfg.heads, cfg.kv_heads
+            )));
+        }
+        if !(cfg.hidden / cfg.heads).is_multiple_of(2) {
+            return Err(bad("the head dimension must be even (rotary pairs)".into()));
+        }
+        if let Some(l) = &cfg.lora {
+            let known = projections(&cfg).map(|p| p.1);
+            if let Some(t) = l.targets.iter().find(|t| !known.contains(&t.as_str())) {
+                return Err(bad(format!("unknown LoRA target `{t}`")));
+            }
+        }
+        Ok(Llama { cfg })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Blocks: the embedding, every layer, the head.
+    pub fn blocks(&self) -> usize {
+        self.cfg.layers + 2
+    }
+
+    fn adapted(&self, short: &str) -> Option<&LlamaLora> {
+        self.cfg
+            .lora
+            .as_ref()
+            .filter(|l| l.targets.iter().any(|t| t == short))
+    }
+
+    /// Every parameter of block `b`, in the order the block reads them.
+    pub fn block_params(&self, b: usize) -> Vec<ParamSpec> {
+        let c = &self.cfg;
+        let base = c.lora.is_none();
+        let embed = || ParamSpec::new("model.embed_tokens.weight", &[c.vocab, c.hidden], base);
+        if b == 0 {
+            return vec![embed()];
+        }
+        if b == c.layers + 1 {
+            let head = if c.tie_embeddings {
+                embed()
+            } else {
+                ParamSpec::new("lm_head.weight", &[c.vocab, c.hidden], base)
+            };
+            return vec![ParamSpec::new("model.norm.weight", &[c.hidden], base), head];
+        }
+        let p = format!("model.layers.{}", b - 1);
+        let mut v = Vec::new();
+        for (i, (module, short, out, inp)) in projections(c).into_iter().enumerate() {
+            if i == 0 {
+                v.push(ParamSpec::new(
+                    format!("{p}.input_layernorm.weight"),
+                    &[c.hidden],
+                    base,
+                ));
+            }
+            if i == 4 {
+                v.push(ParamSpec::new(
+                    format!("{p}.post_attention_layernorm.weight"),
+                    &[c.hidden],
+                    base,
+                ));
+            }
+            let name = format!("{p}.{module}.{short}");
+            v.push(ParamSpec::new(format!("{name}.weight"), &[out, inp], base));
+            if let Some(l) = self.adapted(short) {
+                v.push(ParamSpec::new(
+                    format!("{name}.lora_A.weight"),
+                    &[l.rank, inp],
+                    true,
+                ));
+                v.push(ParamSpec::new(
+                    format!("{name}.lora_B.weight"),
+                    &[out, l.rank],
+                    true,
+                ));
+            }
+        }
+        v
+    }
+
+    /// Every parameter once, in forward order (a tied head is the embedding).
+    pub fn specs(&self) -> Vec<ParamSpec> {
+        let mut seen = std::collections::HashSet::new();
+        (0..self.blocks())
+            .flat_map(|b| self.block_params(b))
+            .filter(|p| seen.insert(p.name.clone()))
+            .collect()
+    }
+
+    /// Initial values from `seed`: weights normal with std 0.02 (HF's
+    /// `initializer_range`), norms 1, LoRA `A` like PEFT's Kaiming-uniform and `B` zero.
+    pub fn init(&self, seed: u64) -> Vec<(ParamSpec, Vec<f32>)> {
+        let mut rng = Rng::new(seed);
+        self.specs()
+            .into_iter()
+            .map(|s| {
+                let n = s.elements();
+                let values = if s.name.ends_with("norm.weight") {
+                    vec![1.0; n]
+                } else if s.name.ends_with("lora_B.weight") {
+                    vec![0.0; n]
+                } else if s.name.ends_with("lora_A.weight") {
+                    let bound = (1.0 / s.shape[1] as f64).sqrt();
+                    (0..n)
+                        .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                        .collect()
+                } else {
+                    (0..n).map(|_| rng.normal(0.02)).collect()
+                };
+                (s, values)
+            })
+            .collect()
+    }
+
+    /// Runs block `b` on `x` (token ids `(batch, time)` u32 for the embedding, hidden
+    /// states `(batch, time, hidden)` otherwise); the head returns logits.
+    pub fn block(&self, b: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
+        if b == 0 {
+            let (bs, t) = x.dims2()?;
+            let w = src.param("model.embed_tokens.weight")?;
+            return Ok(w
+                .index_select(&x.flatten_all()?, 0)?
+                .reshape((bs, t, self.cfg.hidden))?);
+        }
+        if b == self.cfg.layers + 1 {
+            let p = self.block_params(b);
+            let h = rms_norm(x, &src.param(&p[0].name)?, self.cfg.rms_eps)?;
+            return Ok(h.broadcast_matmul(&src.param(&p[1].name)?.t()?)?);
+        }
+        self.layer(b - 1, src, x)
+    }
+
+    /// Logits of `tokens` `(batch, time)` as one graph.
+    pub fn forward(&self, src: &mut dyn ParamSource, tokens: &Tensor) -> Result<Tensor> {
+        let mut x = tokens.clone();
+        for b in 0..self.blocks() {
+            x = self.block(b, src, &x)?;
+        }
+        Ok(x)
+    }
+
+    /// Mean next-token cross-entropy of `logits` `(batch, time, vocab)` against
+    /// `targets` `(batch, time)`.
+    pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (b, t, v) = logits.dims3()?;
+        Ok(candle_nn::loss::cross_entropy(
+            &logits.reshape((b * t, v))?,
+            &targets.reshape(b * t)?,
+        )?)
+    }
+
+    fn linear(
+        &self,
+        x: &Tensor,
+        src: &mut dyn ParamSource,
+        name: &str,
+        short: &str,
+    ) -> Result<Tensor> {
+        let w = src.param(&format!("{name}.weight"))?;
+        let mut y = x.broadcast_matmul(&w.t()?)?;
+        if let Some(l) = self.adapted(short) {
+            let a = src.param(&format!("{name}.lora_A.weight"))?;
+            let bm = src.param(&format!("{name}.lora_B.weight"))?;
+            let low = x.broadcast_matmul(&a.t()?)?;
+            let delta = low.broadcast_matmul(&bm.t()?)?;
+            y = (y + (delta * f64::from(l.alpha / l.rank as f32))?)?;
+        }
+        Ok(y)
+    }
+
+    fn layer(&self, l: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
+        let c = &self.cfg;
+        let p = format!("model.layers.{l}");
+        let (bs, t, _) = x.dims3()?;
+        let hd = c.hidden / c.heads;
+        let h = rms_norm(
+            x,
+            &src.param(&format!("{p}.input_layernorm.weight"))?,
+            c.rms_eps,
+        )?;
+        let a = format!("{p}.self_attn");
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            Ok(y.reshape((bs, t, n, hd))?.transpose(1, 2)?.contiguous()?)
+        };
+        let q = heads(
+            self.linear(&h, src, &format!("{a}.q_proj"), "q_proj")?,
+            c.heads,
+        )?;
+        let k = heads(
+            self.linear(&h, src, &format!("{a}.k_proj"), "k_proj")?,
+            c.kv_heads,
+        )?;
+        let v = heads(
+            self.linear(&h, src, &format!("{a}.v_proj"), "v_proj")?,
+            c.kv_heads,
+        )?;
+        let (cos, sin) = rope_tables(t, hd, c.rope_theta, x.device())?;
+        let (q, k) = (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?);
+        let rep = c.heads / c.kv_heads;
+        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
+        let att = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+        let att = att.broadcast_add(&causal_mask(t, x.device())?)?;
+        // Not `softmax_last_dim`: candle 0.11's fused kernel has no backward.
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((bs, t, c.heads * hd))?;
+        let x = (x + self.linear(&y, src, &format!("{a}.o_proj"), "o_proj")?)?;
+        let h = rms_norm(
+            &x,
+            &src.param(&format!("{p}.post_attention_layernorm.weight"))?,
+            c.rms_eps,
+        )?;
+        let m = format!("{p}.mlp");
+        let gate = self.linear(&h, src, &format!("{m}.gate_proj"), "gate_proj")?;
+        let up = self.linear(&h, src, &format!("{m}.up_proj"), "up_proj")?;
+        let act = (candle_nn::ops::silu(&gate)? * up)?;
+        Ok((x + self.linear(&act, src, &format!("{m}.down_proj"), "down_proj")?)?)
+    }
+}
+
+/// `x · rsqrt(mean(x²) + eps) · w` over the last dimension, in f32, from primitive ops.
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let xn = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    Ok(xn.broadcast_mul(w)?)
+}
+
+/// `cos` and `sin` tables `(t, head_dim)`: position `i`, frequency
+/// `theta^(-2j/head_dim)`, each frequency twice (the two halves a rotation pairs).
+fn rope_tables(t: usize, hd: usize, theta: f64, device: &Device) -> Result<(Tensor, Tensor)> {
+    let half = hd / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|j| (1.0 / theta.powf(2.0 * j as f64 / hd as f64)) as f32)
+        .collect();
+    let mut angles = Vec::with_capacity(t * hd);
+    for i in 0..t {
+        for k in 0..hd {
+            angles.push(i as f32 * inv[k % half]);
+        }
+    }
+    let a = Tensor::from_vec(angles, (t, hd), device)?;
+    Ok((a.cos()?, a.sin()?))
+}
+
+/// `x · cos + rotate_half(x) · sin`, `rotate_half(x) = [-x₂, x₁]` over the halves.
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let (x1, x2) = (
+        x.narrow(D::Minus1, 0, hd / 2)?,
+        x.narrow(D::Minus1, hd / 2, hd / 2)?,
+    );
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+}
+
+/// `(b, kv, t, hd)` -> `(b, kv·rep, t, hd)`, each key/value head repeated `rep` times.
+fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, t, hd) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, kv, rep, t, hd))?
+        .reshape((b, kv * rep, t, hd))?)
+}
+
+/// `(t, t)`: 0 on and below the diagonal, a large negative number above it.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { -1e9 }))
+        .collect();
+    Ok(Tensor::from_vec(m, (t, t), device)?.to_dtype(DType::F32)?)
+}

@@ -1,0 +1,241 @@
+//! Layer-streamed training with recompute: the store is the only home of the
+//! parameters, and candle holds one block's parameters (and one block's graph) at a
+//! time.
+//!
+//! One step of [`train_step`]:
+//! 1. **Forward**, block by block: each parameter of the block is accessed where the
+//!    store puts it, copied into a plain candle tensor and released; the block runs
+//!    without a graph; only its input is kept (the activation checkpoint).
+//! 2. **Head**: the last block (final norm, output head, loss) runs with a graph from
+//!    its saved input as a variable; its backward gives the head's parameter gradients
+//!    and the gradient of its input.
+//! 3. **Backward**, blocks in reverse: the block's parameters are accessed again (as
+//!    variables where trainable), the block is recomputed from its saved input (a
+//!    variable), and the incoming gradient `g` is propagated through it with the
+//!    surrogate `sum(y · g)` (`g` a constant: its gradient with respect to the block's
+//!    inputs and parameters is exactly the vector-Jacobian product, since candle has no
+//!    API for an upstream gradient). Each parameter's gradient goes into the store as
+//!    soon as it is final (a parameter used by several blocks, a tied embedding, is
+//!    summed over them first) and the step loop is told; the input's gradient goes on.
+//! 4. **Step**: [`TideParams::step`] (tidestore's one step loop).
+//!
+//! Block inputs are kept in host memory as candle tensors (`batch · time · hidden` f32
+//! each, `layers + 1` of them); they are not spilled to the store.
+//!
+//! The result equals candle's full-graph autograd on the same weights up to the
+//! summation order of the surrogate (see `tests/llama_streamed.rs`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::{Tensor, Var};
+use tidestore_chunk::TensorState;
+use tidestore_optimizer::StepDecision;
+
+use crate::error::{Error, Result};
+use crate::llama::Llama;
+use crate::source::ParamSource;
+use crate::tide::TideParams;
+
+/// Where the time of one step went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Candle's forward, recompute and backward.
+    pub compute: Duration,
+    /// Getting parameters out of the store and gradients into it (waits for chunks
+    /// included).
+    pub store: Duration,
+    /// The optimizer step (its chunk I/O included).
+    pub optimizer: Duration,
+}
+
+/// What [`train_step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StreamedStep {
+    /// The mean cross-entropy of the batch, before the step.
+    pub loss: f32,
+    /// The optimizer's decision.
+    pub decision: StepDecision,
+    /// Where the time went.
+    pub times: StepTimes,
+}
+
+/// One block's parameters, fetched from the store as the block asks for them.
+struct BlockSource<'a> {
+    params: &'a mut TideParams,
+    vars: bool,
+    to: TensorState,
+    /// What was handed out: (name, tensor, is a variable).
+    handed: Vec<(String, Tensor, bool)>,
+    store_time: &'a mut Duration,
+}
+
+impl ParamSource for BlockSource<'_> {
+    fn param(&mut self, name: &str) -> Result<Tensor> {
+        if let Some((_, t, _)) = self.handed.iter().find(|(n, _, _)| n == name) {
+            return Ok(t.clone());
+        }
+        let started = Instant::now();
+        let (t, var) = self.params.fetch(name, self.vars, self.to)?;
+        *self.store_time += started.elapsed();
+        self.handed.push((name.to_string(), t.clone(), var));
+        Ok(t)
+    }
+}
+
+/// The earliest block each parameter is used in: its gradient is final after that
+/// block's backward.
+fn first_use(model: &Llama) -> HashMap<String, usize> {
+    let mut first = HashMap::new();
+    for b in (0..model.blocks()).rev() {
+        for p in model.block_params(b) {
+            first.insert(p.name, b);
+        }
+    }
+    first
+}
+
+/// Gradients of one block's backward, summed into `pending` for parameters used by an
+/// earlier block too, and written to the store for the others.
+fn put_block_grads(
+    params: &mut TideParams,
+    grads: &candle_core::backprop::GradStore,
+    handed: Vec<(String, Tensor, bool)>,
+    block: usize,
+    first: &HashMap<String, usize>,
+    pending: &mut HashMap<String, Tensor>,
+    store_time: &mut Duration,
+) -> Result<()> {
+    for (name, t, var) in handed {
+        if !var {
+            continue;
+        }
+        let g = match grads.get(&t) {
+            Some(g) => g.clone(),
+            None => t.zeros_like()?,
+        };
+        let g = match pending.remove(&name) {
+            Some(earlier) => (earlier + g)?,
+            None => g,
+        };
+        if first.get(&name).is_some_and(|&b| b < block) {
+            pending.insert(name, g);
+            continue;
+        }
+        let values = g.flatten_all()?.to_vec1::<f32>()?;
+        let started = Instant::now();
+        params.put_grad(&name, &values)?;
+        *store_time += started.elapsed();
+    }
+    Ok(())
+}
+
+/// One training step of `model` on `tokens` → `targets` (both `(batch, time)` u32),
+/// layer-streamed through the store (see the module doc).
+pub fn train_step(
+    params: &mut TideParams,
+    model: &Llama,
+    tokens: &Tensor,
+    targets: &Tensor,
+) -> Result<StreamedStep> {
+    let started = Instant::now();
+    let mut store_time = Duration::ZERO;
+    let head = model.blocks() - 1;
+    let first = first_use(model);
+    // Forward: no graph; the block inputs are the checkpoints.
+    let mut inputs = Vec::with_capacity(model.blocks());
+    let mut x = tokens.clone();
+    for b in 0..head {
+        let mut src = BlockSource {
+            params: &mut *params,
+            vars: false,
+            to: TensorState::HoldAfterFwd,
+            handed: Vec::new(),
+            store_time: &mut store_time,
+        };
+        let y = model.block(b, &mut src, &x)?.detach();
+        inputs.push(std::mem::replace(&mut x, y));
+    }
+    // The head with a graph, then every block in reverse.
+    let mut pending = HashMap::new();
+    let mut loss_value = None;
+    let mut upstream: Option<Tensor> = None;
+    for b in (0..=head).rev() {
+        let input = if b == head {
+            x.clone()
+        } else {
+            inputs[b].clone()
+        };
+        let as_var = b > 0;
+        let input_var = if as_var {
+            Some(Var::from_tensor(&input)?)
+        } else {
+            None
+        };
+        let xin = input_var.as_ref().map_or(&input, |v| v.as_tensor());
+        let mut src = BlockSource {
+            params: &mut *params,
+            vars: true,
+            to: TensorState::HoldAfterBwd,
+            handed: Vec::new(),
+            store_time: &mut store_time,
+        };
+        let y = model.block(b, &mut src, xin)?;
+        let handed = std::mem::take(&mut src.handed);
+        let objective = match &upstream {
+            None => {
+                let loss = Llama::loss(&y, targets)?;
+                loss_value = Some(loss.to_scalar::<f32>()?);
+                loss
+            }
+            Some(g) => (y * g)?.sum_all()?,
+        };
+        let grads = objective.backward()?;
+        put_block_grads(
+            params,
+            &grads,
+            handed,
+            b,
+            &first,
+            &mut pending,
+            &mut store_time,
+        )?;
+        upstream = match xin_grad(&grads, input_var.as_ref()) {
+            Some(g) => Some(g.detach()),
+            None if b > 0 => {
+                return Err(Error::BadParam {
+                    name: format!("block {b}"),
+                    reason: "its output does not depend on its input".into(),
+                })
+            }
+            None => None,
+        };
+    }
+    if let Some(name) = pending.keys().next() {
+        return Err(Error::BadParam {
+            name: name.clone(),
+            reason: "a gradient was left pending after the first block (store bug)".into(),
+        });
+    }
+    let loss = loss_value.ok_or_else(|| Error::BadParam {
+        name: "head".into(),
+        reason: "the model has no head block".into(),
+    })?;
+    let compute_and_store = started.elapsed();
+    let step_started = Instant::now();
+    let decision = params.step()?;
+    let optimizer = step_started.elapsed();
+    Ok(StreamedStep {
+        loss,
+        decision,
+        times: StepTimes {
+            compute: compute_and_store.saturating_sub(store_time),
+            store: store_time,
+            optimizer,
+        },
+    })
+}
+
+fn xin_grad(grads: &candle_core::backprop::GradStore, input: Option<&Var>) -> Option<Tensor> {
+    input.and_then(|v| grads.get(v.as_tensor()).cloned())
+}
