@@ -189,20 +189,39 @@ impl TideParams {
         device: &Device,
     ) -> Result<Self> {
         check_params(params)?;
+        let specs: Vec<ParamSpec> = params.iter().map(|(p, _)| p.clone()).collect();
+        let mut this = Self::open_specs(&specs, config, device)?;
+        for (i, (_, values)) in params.iter().enumerate() {
+            this.set_values(i, values)?;
+        }
+        Ok(this)
+    }
+
+    /// As [`TideParams::open`], with every parameter zero: the values are then written
+    /// one parameter at a time ([`TideParams::set_param`]), so a model larger than memory
+    /// is never whole in RAM.
+    pub fn open_specs(specs: &[ParamSpec], config: &TideConfig, device: &Device) -> Result<Self> {
+        let mut seen = std::collections::HashSet::new();
+        if let Some(p) = specs.iter().find(|p| !seen.insert(p.name.as_str())) {
+            return Err(Error::BadParam {
+                name: p.name.clone(),
+                reason: "registered twice".into(),
+            });
+        }
         // Frozen tensors first, then the trainable ones (each in forward order): a LoRA
         // model's adapters then share a few chunks, instead of each leaving a mostly
         // empty master, M and V chunk beside its frozen base weight.
-        let (frozen, trainable): (Vec<_>, Vec<_>) = params.iter().partition(|(p, _)| !p.trainable);
-        let mut specs: Vec<TensorSpec> = frozen
+        let (frozen, trainable): (Vec<_>, Vec<_>) = specs.iter().partition(|p| !p.trainable);
+        let mut tensors: Vec<TensorSpec> = frozen
             .iter()
             .chain(&trainable)
-            .map(|(p, _)| TensorSpec::new(&p.name, &p.shape, DType::F32, p.trainable))
+            .map(|p| TensorSpec::new(&p.name, &p.shape, DType::F32, p.trainable))
             .collect();
         if config.precision == Precision::F32 {
             // After every parameter, not next to each: mixed into the parameters' chunks
             // the companions (2 slots per element) would leave the master, M and V chunks
             // two-thirds empty, and every NVMe transfer three times too long.
-            specs.extend(params.iter().filter(|(p, _)| p.trainable).map(|(p, _)| {
+            tensors.extend(specs.iter().filter(|p| p.trainable).map(|p| {
                 let name = format!("{}{GRAD_SUFFIX}", p.name);
                 TensorSpec::new(name, &p.shape, DType::F32, false)
             }));
@@ -213,7 +232,7 @@ impl TideParams {
             None => {
                 let mut search = SearchConfig::new(config.io.block_bytes as u64);
                 search.cap_factor = 2;
-                let report = search_chunk_size(&specs, &layout_cfg, &search)?;
+                let report = search_chunk_size(&tensors, &layout_cfg, &search)?;
                 report.chosen.chunk_elements
             }
         };
@@ -222,11 +241,11 @@ impl TideParams {
                 chunk_elements,
                 ..layout_cfg
             },
-            specs,
+            tensors,
         )?;
-        let ids = params
+        let ids = specs
             .iter()
-            .map(|(p, _)| {
+            .map(|p| {
                 let id = layout
                     .tensor_id(&p.name)
                     .ok_or_else(|| Error::UnknownParam {
@@ -285,10 +304,10 @@ impl TideParams {
         let t = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| t.record(e))));
 
-        let entries: Vec<Entry> = params
+        let entries: Vec<Entry> = specs
             .iter()
             .zip(ids)
-            .map(|((spec, _), (id, grad_id))| Entry {
+            .map(|(spec, (id, grad_id))| Entry {
                 spec: spec.clone(),
                 id,
                 grad_id,
@@ -301,7 +320,7 @@ impl TideParams {
             .map(|(i, e)| (e.spec.name.clone(), i))
             .collect();
         let step = step_loop(&store, &entries, config)?;
-        let mut this = TideParams {
+        Ok(TideParams {
             store,
             device: device.clone(),
             entries,
@@ -311,11 +330,23 @@ impl TideParams {
             step,
             grads_ready: false,
             traffic,
-        };
-        for (i, (_, values)) in params.iter().enumerate() {
-            this.set_values(i, values)?;
+        })
+    }
+
+    /// Writes parameter `name`'s values (untraced; see [`TideParams::open_specs`]).
+    pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        let i = self.index(name)?;
+        if values.len() != self.entries[i].spec.elements() {
+            return Err(Error::BadParam {
+                name: name.into(),
+                reason: format!(
+                    "{} values for {} elements",
+                    values.len(),
+                    self.entries[i].spec.elements()
+                ),
+            });
         }
-        Ok(this)
+        self.set_values(i, values)
     }
 
     /// Writes a parameter's values (untraced): the master copy (and the bf16 copy in
