@@ -19,6 +19,11 @@
 //!    summed over them first) and the step loop is told; the input's gradient goes on.
 //! 4. **Step**: [`TideParams::step`] (tidestore's one step loop).
 //!
+//! With several micro-batches (gradient accumulation), steps 1–3 run for each with the
+//! loss divided by their number, the first micro-batch's gradients replacing the
+//! store's and the others' added to them (`Precision::F32`); the step loop hears of a
+//! gradient after the last micro-batch.
+//!
 //! Block inputs are kept in host memory as candle tensors (`batch · time · hidden` f32
 //! each, `layers + 1` of them); they are not spilled to the store.
 //!
@@ -52,7 +57,7 @@ pub struct StepTimes {
 /// What [`train_step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StreamedStep {
-    /// The mean cross-entropy of the batch, before the step.
+    /// The mean cross-entropy over the micro-batches, before the step.
     pub loss: f32,
     /// The optimizer's decision.
     pub decision: StepDecision,
@@ -97,6 +102,7 @@ fn first_use(model: &Llama) -> HashMap<String, usize> {
 
 /// Gradients of one block's backward, summed into `pending` for parameters used by an
 /// earlier block too, and written to the store for the others.
+#[allow(clippy::too_many_arguments)]
 fn put_block_grads(
     params: &mut TideParams,
     grads: &candle_core::backprop::GradStore,
@@ -104,6 +110,7 @@ fn put_block_grads(
     block: usize,
     first: &HashMap<String, usize>,
     pending: &mut HashMap<String, Tensor>,
+    (first_part, last_part): (bool, bool),
     store_time: &mut Duration,
 ) -> Result<()> {
     for (name, t, var) in handed {
@@ -124,24 +131,73 @@ fn put_block_grads(
         }
         let values = g.flatten_all()?.to_vec1::<f32>()?;
         let started = Instant::now();
-        params.put_grad(&name, &values)?;
+        params.put_grad_part(&name, &values, first_part, last_part)?;
         *store_time += started.elapsed();
     }
     Ok(())
 }
 
-/// One training step of `model` on `tokens` → `targets` (both `(batch, time)` u32),
-/// layer-streamed through the store (see the module doc).
+/// One training step of `model` over `batches` (micro-batches of inputs → targets,
+/// `(batch, time)` u32), layer-streamed through the store (see the module doc).
 pub fn train_step(
+    params: &mut TideParams,
+    model: &Llama,
+    batches: &[(Tensor, Tensor)],
+) -> Result<StreamedStep> {
+    let started = Instant::now();
+    let mut store_time = Duration::ZERO;
+    let first = first_use(model);
+    let parts = batches.len();
+    if parts == 0 {
+        return Err(Error::BadParam {
+            name: "batches".into(),
+            reason: "a step needs at least one micro-batch".into(),
+        });
+    }
+    let mut loss_sum = 0.0;
+    for (k, (tokens, targets)) in batches.iter().enumerate() {
+        let flags = (k == 0, k + 1 == parts);
+        let scale = 1.0 / parts as f64;
+        loss_sum += micro_batch(
+            params,
+            model,
+            tokens,
+            targets,
+            scale,
+            flags,
+            &first,
+            &mut store_time,
+        )?;
+    }
+    let compute_and_store = started.elapsed();
+    let step_started = Instant::now();
+    let decision = params.step()?;
+    let optimizer = step_started.elapsed();
+    Ok(StreamedStep {
+        loss: loss_sum / parts as f32,
+        decision,
+        times: StepTimes {
+            compute: compute_and_store.saturating_sub(store_time),
+            store: store_time,
+            optimizer,
+        },
+    })
+}
+
+/// Forward and backward of one micro-batch (loss scaled by `scale`), its gradients put
+/// into the store; returns its unscaled loss.
+#[allow(clippy::too_many_arguments)]
+fn micro_batch(
     params: &mut TideParams,
     model: &Llama,
     tokens: &Tensor,
     targets: &Tensor,
-) -> Result<StreamedStep> {
-    let started = Instant::now();
-    let mut store_time = Duration::ZERO;
+    scale: f64,
+    flags: (bool, bool),
+    first: &HashMap<String, usize>,
+    store_time: &mut Duration,
+) -> Result<f32> {
     let head = model.blocks() - 1;
-    let first = first_use(model);
     // Forward: no graph; the block inputs are the checkpoints.
     let mut inputs = Vec::with_capacity(model.blocks());
     let mut x = tokens.clone();
@@ -151,7 +207,7 @@ pub fn train_step(
             vars: false,
             to: TensorState::HoldAfterFwd,
             handed: Vec::new(),
-            store_time: &mut store_time,
+            store_time: &mut *store_time,
         };
         let y = model.block(b, &mut src, &x)?.detach();
         inputs.push(std::mem::replace(&mut x, y));
@@ -166,8 +222,7 @@ pub fn train_step(
         } else {
             inputs[b].clone()
         };
-        let as_var = b > 0;
-        let input_var = if as_var {
+        let input_var = if b > 0 {
             Some(Var::from_tensor(&input)?)
         } else {
             None
@@ -178,7 +233,7 @@ pub fn train_step(
             vars: true,
             to: TensorState::HoldAfterBwd,
             handed: Vec::new(),
-            store_time: &mut store_time,
+            store_time: &mut *store_time,
         };
         let y = model.block(b, &mut src, xin)?;
         let handed = std::mem::take(&mut src.handed);
@@ -186,7 +241,7 @@ pub fn train_step(
             None => {
                 let loss = Llama::loss(&y, targets)?;
                 loss_value = Some(loss.to_scalar::<f32>()?);
-                loss
+                (loss * scale)?
             }
             Some(g) => (y * g)?.sum_all()?,
         };
@@ -196,9 +251,10 @@ pub fn train_step(
             &grads,
             handed,
             b,
-            &first,
+            first,
             &mut pending,
-            &mut store_time,
+            flags,
+            store_time,
         )?;
         upstream = match xin_grad(&grads, input_var.as_ref()) {
             Some(g) => Some(g.detach()),
@@ -217,22 +273,9 @@ pub fn train_step(
             reason: "a gradient was left pending after the first block (store bug)".into(),
         });
     }
-    let loss = loss_value.ok_or_else(|| Error::BadParam {
+    loss_value.ok_or_else(|| Error::BadParam {
         name: "head".into(),
         reason: "the model has no head block".into(),
-    })?;
-    let compute_and_store = started.elapsed();
-    let step_started = Instant::now();
-    let decision = params.step()?;
-    let optimizer = step_started.elapsed();
-    Ok(StreamedStep {
-        loss,
-        decision,
-        times: StepTimes {
-            compute: compute_and_store.saturating_sub(store_time),
-            store: store_time,
-            optimizer,
-        },
     })
 }
 

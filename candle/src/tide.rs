@@ -89,6 +89,9 @@ pub struct TideConfig {
     pub io: IoConfig,
     /// Threads of the CPU AdamW (0: one per core).
     pub optimizer_threads: usize,
+    /// Device and host budgets in bytes, when given instead of the chunk counts above
+    /// (rounded down to whole chunks by the store).
+    pub budget_bytes: Option<(u64, u64)>,
 }
 
 impl TideConfig {
@@ -109,6 +112,7 @@ impl TideConfig {
                 ..IoConfig::default()
             },
             optimizer_threads: 0,
+            budget_bytes: None,
         }
     }
 }
@@ -263,8 +267,10 @@ impl TideParams {
             .iter()
             .map(|&l| layout.list_chunk_count(l))
             .sum::<u64>();
-        let device_budget_bytes = u64::from(config.device_chunks) * slot_bytes;
-        let host_budget_bytes = u64::from(config.host_chunks) * slot_bytes;
+        let (device_budget_bytes, host_budget_bytes) = config.budget_bytes.unwrap_or((
+            u64::from(config.device_chunks) * slot_bytes,
+            u64::from(config.host_chunks) * slot_bytes,
+        ));
         let nvme_bytes = (chunks + 2) * slot_bytes;
         tracing::info!(
             chunk_elements,
@@ -408,7 +414,7 @@ impl TideParams {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0.0; n],
             };
-            self.put_grad_at(i, &values)?;
+            self.put_grad_at(i, &values, true, true)?;
         }
         Ok(())
     }
@@ -416,6 +422,20 @@ impl TideParams {
     /// Writes `values` as the final gradient of trainable parameter `name` and tells the
     /// step loop (the layer-streamed driver calls this as each block's backward ends).
     pub fn put_grad(&mut self, name: &str, values: &[f32]) -> Result<()> {
+        self.put_grad_part(name, values, true, true)
+    }
+
+    /// Writes one micro-batch's part of `name`'s gradient: the first part replaces what
+    /// is there, later ones are added to it (`Precision::F32` only: in bf16 the gradient
+    /// lies over the 16-bit parameters the next micro-batch reads); after the `last`
+    /// part the step loop is told the gradient is final.
+    pub fn put_grad_part(
+        &mut self,
+        name: &str,
+        values: &[f32],
+        first: bool,
+        last: bool,
+    ) -> Result<()> {
         let i = self.index(name)?;
         let e = &self.entries[i];
         if !e.spec.trainable || values.len() != e.spec.elements() {
@@ -433,18 +453,33 @@ impl TideParams {
                 ),
             });
         }
-        self.put_grad_at(i, values)
+        if !first && e.grad_id.is_none() {
+            return Err(Error::BadParam {
+                name: name.into(),
+                reason: "gradients are accumulated only with Precision::F32".into(),
+            });
+        }
+        self.put_grad_at(i, values, first, last)
     }
 
-    fn put_grad_at(&mut self, i: usize, values: &[f32]) -> Result<()> {
-        let sq = self.step.optimizer().cpu().grad_sq_norm(Grads::F32(values));
+    fn put_grad_at(&mut self, i: usize, values: &[f32], first: bool, last: bool) -> Result<()> {
         let (tensor, list) = self.grad_place(&self.entries[i]);
         let g = self.store.access(tensor, list, Place::Host)?;
-        let written = self.store.write_f32(&g, values);
+        let written = if first {
+            self.store.write_f32(&g, values).map(|()| values.to_vec())
+        } else {
+            self.store.read_f32(&g).and_then(|mut sum| {
+                sum.iter_mut().zip(values).for_each(|(s, v)| *s += v);
+                self.store.write_f32(&g, &sum).map(|()| sum)
+            })
+        };
         self.store.release(g, TensorState::HoldAfterBwd)?;
-        written?;
-        self.step.grad_ready(self.entries[i].id, sq)?;
-        self.grads_ready = true;
+        let total = written?;
+        if last {
+            let sq = self.step.optimizer().cpu().grad_sq_norm(Grads::F32(&total));
+            self.step.grad_ready(self.entries[i].id, sq)?;
+            self.grads_ready = true;
+        }
         Ok(())
     }
 
@@ -483,6 +518,11 @@ impl TideParams {
         let outcome = self.step.finish(&mut self.store, &mut |_| {})?;
         self.store.end_iteration()?;
         Ok(outcome.decision)
+    }
+
+    /// Sets the learning rate of the steps to come (a schedule's).
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        Ok(self.step.set_lr(lr)?)
     }
 
     /// Steps applied so far.

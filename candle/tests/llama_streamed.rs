@@ -63,7 +63,7 @@ fn step1_matches_full_graph(tie: bool, lora: bool) {
         &Device::Cpu,
     )
     .unwrap();
-    let s = train_step(&mut p, &model, &x, &y).unwrap();
+    let s = train_step(&mut p, &model, &[(x.clone(), y.clone())]).unwrap();
     let d = (s.loss - want_loss).abs() / want_loss;
     assert!(d <= 1e-6, "loss {} vs {want_loss}", s.loss);
     let mut worst = (0f32, String::new());
@@ -132,7 +132,9 @@ fn twenty_streamed_steps_equal_full_graph_training() {
             .map(|s| {
                 let (x, y) = data.get(s, &Device::Cpu).unwrap();
                 if streamed {
-                    train_step(&mut p, &model, &x, &y).unwrap().loss
+                    train_step(&mut p, &model, &[(x.clone(), y.clone())])
+                        .unwrap()
+                        .loss
                 } else {
                     let logits = model.forward(&mut p, &x).unwrap();
                     let loss = Llama::loss(&logits, &y).unwrap();
@@ -154,4 +156,36 @@ fn twenty_streamed_steps_equal_full_graph_training() {
         want[0],
         want[19]
     );
+}
+
+#[test]
+fn two_micro_batches_equal_one_batch_of_both() {
+    let model = llama(false, false);
+    let init = model.init(3);
+    let data = batches();
+    let run = |split: bool| -> Vec<f32> {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = TideParams::open(
+            &init,
+            &tide_config(dir.path(), Precision::F32),
+            &Device::Cpu,
+        )
+        .unwrap();
+        (0..5)
+            .map(|s| {
+                let (x, y) = data.get(s, &Device::Cpu).unwrap();
+                let parts = if split {
+                    let half = |t: &candle_core::Tensor, i: usize| t.narrow(0, 2 * i, 2).unwrap();
+                    vec![(half(&x, 0), half(&y, 0)), (half(&x, 1), half(&y, 1))]
+                } else {
+                    vec![(x, y)]
+                };
+                train_step(&mut p, &model, &parts).unwrap().loss
+            })
+            .collect()
+    };
+    let (one, two) = (run(false), run(true));
+    eprintln!("one batch: {one:?}\ntwo parts: {two:?}");
+    let d = max_rel_diff(&one, &two);
+    assert!(d <= 1e-5, "max relative loss difference {d:e}");
 }

@@ -336,6 +336,15 @@ impl StepLoop {
         &self.hp
     }
 
+    /// Sets the learning rate of the steps to come (a schedule's); an invalid one is
+    /// refused and nothing changes.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let hp = HyperParams { lr, ..self.hp };
+        hp.validate()?;
+        self.hp = hp;
+        Ok(())
+    }
+
     /// Where tensors are stepped.
     pub fn place(&self) -> StepPlace {
         self.place
