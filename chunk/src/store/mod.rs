@@ -1,7 +1,7 @@
 //! The chunk store: tensors whose bytes live on the device, in the pinned host pool or
 //! on NVMe, and move just in time.
 //!
-//! [`ChunkStore::open`] takes a [`Layout`], a [`StoreConfig`] and a [`Device`]; it
+//! [`ChunkStore::open`] takes a [`Layout`], a [`StoreConfig`](crate::config::StoreConfig) and a [`Device`]; it
 //! checks the budgets against the layout (see [`crate::config`]) before it allocates the
 //! host pool or the swap file. Then, per iteration:
 //! - [`ChunkStore::access`] makes a tensor's chunk current where asked (the device for
@@ -10,7 +10,7 @@
 //!   [`ChunkStore::view`] / [`ChunkStore::view_mut`] give its bytes (host slices, or a
 //!   device view), `view_mut` marking the chunk changed there;
 //!   [`ChunkStore::release`] ends the use (COMPUTE -> HOLD / HOLD_AFTER_FWD /
-//!   HOLD_AFTER_BWD, by the [`StateTable`] rules). A chunk with a tensor in COMPUTE is
+//!   HOLD_AFTER_BWD, by the [`StateTable`](crate::state::StateTable) rules). A chunk with a tensor in COMPUTE is
 //!   never evicted, and a chunk is in use on one tier at a time;
 //! - [`ChunkStore::end_iteration`] closes the iteration. The first one is traced: every
 //!   access and release is a moment, with the non-model device memory at that moment
@@ -26,12 +26,12 @@
 //! [`ChunkStore::with_access`] and [`ChunkStore::with_host_views`] are the scoped form
 //! of access/release: several tensors at once, views handed to a closure, every tensor
 //! released on every path (return, error, panic). A [`Guard`] names one access; a stale
-//! one is refused ([`ChunkError::StaleGuard`]) and changes nothing.
+//! one is refused ([`ChunkError::StaleGuard`](crate::error::ChunkError::StaleGuard)) and changes nothing.
 //!
 //! [`ChunkStore::write`] and [`ChunkStore::read`] put bytes into a tensor and take them
 //! out without being moments of the trace (initialisation, checkpoints). A chunk never
 //! written reads as zeros — also on a swap file an earlier store left, whose chunks are
-//! dropped unless [`StoreConfig::adopt`] asks for them (and then only from a file of the
+//! dropped unless [`StoreConfig::adopt`](crate::config::StoreConfig::adopt) asks for them (and then only from a file of the
 //! same layout fingerprint, closed by [`ChunkStore::close`]).
 //! [`ChunkStore::stats`] returns the accounting; [`ChunkStore::verify`] checks every
 //! invariant and reports the first broken one rather than repairing it.
@@ -83,7 +83,7 @@ pub use tide::Phase;
 use trace::Mode;
 pub use views::{TensorView, TensorViewMut};
 
-/// The swap file's name inside [`NvmeSource::Dir`].
+/// The swap file's name inside [`NvmeSource::Dir`](crate::config::NvmeSource::Dir).
 pub const SWAP_FILE_NAME: &str = "tidestore-chunks.swap";
 
 /// Where an access wants the tensor's chunk.

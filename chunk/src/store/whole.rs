@@ -53,7 +53,7 @@ impl ChunkStore {
 
     /// Closes the store cleanly: waits for every transfer, writes every chunk whose NVMe
     /// copy is not current (from its device or host copy) to NVMe, syncs, and marks the
-    /// swap file clean, so that a store opened later on it with [`StoreConfig::adopt`]
+    /// swap file clean, so that a store opened later on it with [`StoreConfig::adopt`](crate::config::StoreConfig::adopt)
     /// gets these bytes back. Tensors still in COMPUTE do not stop it (their bytes are
     /// written as they are). It needs an NVMe slot for every chunk ever written
     /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file

@@ -24,7 +24,7 @@
 //! After a crash the file holds the chunks as of the last completed flush. A chunk
 //! overwritten in place after that flush (the optimizer rewrites M and V every step) may
 //! hold a mix of old and new bytes: its checksum no longer matches and reading it gives
-//! [`IoError::Corrupt`] — never wrong bytes. Chunks written for the first time after the
+//! [`IoError::Corrupt`](crate::error::IoError::Corrupt) — never wrong bytes. Chunks written for the first time after the
 //! last flush are simply absent. Slots freed by [`SwapFile::remove`] are not reused until
 //! the next flush (while others are free), so a crash cannot make a removed chunk's old
 //! entry point at another chunk's bytes.
@@ -53,9 +53,9 @@
 //!   [`Engine::submit_checksummed`]), so neither a write nor the verification of a read
 //!   waits for a whole-chunk checksum pass;
 //! - after any failed write or sync the file is *poisoned*: every later write and flush
-//!   fails with [`IoError::Poisoned`] (no retry: the kernel may have dropped the dirty
+//!   fails with [`IoError::Poisoned`](crate::error::IoError::Poisoned) (no retry: the kernel may have dropped the dirty
 //!   pages), while chunks written before stay readable. The chunk whose write failed is
-//!   dropped from the map (reading it gives [`IoError::UnknownChunk`]).
+//!   dropped from the map (reading it gives [`IoError::UnknownChunk`](crate::error::IoError::UnknownChunk)).
 //!
 //! # Files, one concept each
 //! - `format`: the on-disk layout, header and map entries (encode, decode, check);

@@ -270,11 +270,7 @@ type HeaderCopies = (Vec<(u64, Header)>, Vec<String>);
 /// Reads both header pages and decodes them: the usable copies, newest first, and why
 /// the others are not. No usable copy, or a file too small for the header pages, is
 /// [`IoError::BadHeader`].
-fn read_headers(
-    engine: &mut Engine,
-    path: &Path,
-    file_bytes: u64,
-) -> Result<HeaderCopies> {
+fn read_headers(engine: &mut Engine, path: &Path, file_bytes: u64) -> Result<HeaderCopies> {
     let bad = |reason: String| IoError::BadHeader {
         path: path.to_path_buf(),
         reason,
