@@ -22,6 +22,7 @@ impl Mover {
     /// Makes `c` current on the device (demand). Returns whether it already was.
     pub(crate) fn ensure_device(&mut self, c: ChunkId) -> Result<bool> {
         let d = c.dense();
+        // Where it is: a transfer in flight lands first; a device copy is a hit.
         if self.slots[d].pending != Pending::None {
             self.wait_pending(c)?;
         }
@@ -29,11 +30,13 @@ impl Mover {
             self.dev_policy.on_access(c, self.moment);
             return Ok(true);
         }
+        // Make room under the tide, then take the device memory.
         self.make_room_device(self.dev_bytes[d], c, None)?;
         let mem = self
             .device
             .alloc(d as u64, self.len(c))
             .map_err(tier_err("allocating device memory", c))?;
+        // Load: the host copy the device copy is made from (from NVMe, or zeros).
         let room = HostRoom {
             protect: &[c],
             not_before: None,
@@ -45,6 +48,7 @@ impl Mover {
                 return Err(e);
             }
         };
+        // Copy it to the device and wait for the copy.
         self.slots[d].host = Some(buf);
         self.host_list.push(c);
         self.start_h2d(c, mem)?;
