@@ -100,7 +100,7 @@ pub(crate) struct Slot {
     pub(crate) nvme_valid: bool,
     pub(crate) pending: Pending,
     /// Device memory held for a prefetch whose NVMe read is in flight.
-    pub(crate) reserved_dev: Option<DeviceMem>,
+    pub(super) reserved_dev: Option<DeviceMem>,
     /// Loaded by the prefetcher and not accessed since.
     pub(crate) prefetched: bool,
     /// Read into the host pool by the host-tier prefetcher and not accessed since.

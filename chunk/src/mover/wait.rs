@@ -64,7 +64,7 @@ impl Mover {
     }
 
     /// Waits until nothing is in flight for `c`.
-    pub(crate) fn wait_pending(&mut self, c: ChunkId) -> Result<()> {
+    pub(super) fn wait_pending(&mut self, c: ChunkId) -> Result<()> {
         loop {
             match self.slots[c.dense()].pending {
                 Pending::None => return Ok(()),
