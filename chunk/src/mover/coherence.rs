@@ -1,0 +1,90 @@
+//! Keeping the copies coherent when a chunk changes: a change on one tier drops the
+//! copies on the others; `write_back` makes a chunk's NVMe copy current without moving
+//! it (closing), and adoption takes a swap file's copy as the chunk's contents.
+//!
+//! Invariants: a present copy is current; a chunk ever materialised keeps at least one
+//! current copy; pins are never touched here.
+
+use super::{remove_from, Mover};
+use crate::accounting::MoveKind;
+use crate::error::ChunkError;
+use crate::id::ChunkId;
+use crate::Result;
+
+impl Mover {
+    /// `c` is about to change on the device: its host and NVMe copies become stale.
+    pub(crate) fn dirty_on_device(&mut self, c: ChunkId) {
+        let d = c.dense();
+        self.slots[d].nvme_valid = false;
+        if let Some(buf) = self.slots[d].host.take() {
+            drop(buf);
+            self.slots[d].host_prefetched = false;
+            remove_from(&mut self.host_list, c);
+            self.host_policy.on_evict(c, self.moment);
+            self.emit(MoveKind::Invalidate, c, 0);
+        }
+    }
+
+    /// `c` is about to change in the host pool: its device and NVMe copies become stale.
+    pub(crate) fn dirty_on_host(&mut self, c: ChunkId) {
+        let d = c.dense();
+        self.slots[d].nvme_valid = false;
+        if let Some(mem) = self.slots[d].dev.take() {
+            drop(mem);
+            remove_from(&mut self.dev_list, c);
+            self.dev_mark[d] = false;
+            self.slots[d].prefetched = false;
+            self.dev_policy.on_evict(c, self.moment);
+            self.emit(MoveKind::Invalidate, c, 0);
+        }
+    }
+
+    /// Writes `c`'s current bytes to NVMe where its NVMe copy is not current, keeping
+    /// its other copies (a device-only copy is copied to the host first): after it,
+    /// a chunk ever materialised has a current NVMe copy. Synchronous. Pins are not
+    /// touched: a chunk in use stays where it is.
+    pub(crate) fn write_back(&mut self, c: ChunkId) -> Result<()> {
+        self.wait_pending(c)?;
+        let d = c.dense();
+        let slot = &self.slots[d];
+        if self.len_bytes[d] == 0 || slot.nvme_valid || (slot.host.is_none() && slot.dev.is_none())
+        {
+            return Ok(());
+        }
+        if slot.host.is_none() {
+            // Both copies are current after it.
+            self.ensure_host(c)?;
+        }
+        self.ensure_nvme_slot(c, true)?;
+        let Some(buf) = self.slots[d].host.take() else {
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "no host copy to write back after loading one".into(),
+            });
+        };
+        let len = self.len(c);
+        self.drain_nvme();
+        self.note_nvme_in_flight(true);
+        let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
+        self.slots[d].host = Some(buf);
+        if let Err(e) = result {
+            // A failed write drops the chunk from the file (which refuses writes now).
+            self.slots[d].nvme_stored = self.nvme.contains(d as u64);
+            return Err(ChunkError::tier("writing back to NVMe", Some(c), e));
+        }
+        let slot = &mut self.slots[d];
+        slot.nvme_stored = true;
+        slot.nvme_valid = true;
+        self.stats.host_to_nvme_bytes += len as u64;
+        self.stats.nvme_writes += 1;
+        self.emit(MoveKind::HostToNvme, c, len as u64);
+        Ok(())
+    }
+
+    /// Adopts a chunk the swap file already stores as the chunk's contents.
+    pub(crate) fn adopt_nvme(&mut self, c: ChunkId) {
+        let s = &mut self.slots[c.dense()];
+        s.nvme_stored = true;
+        s.nvme_valid = true;
+    }
+}

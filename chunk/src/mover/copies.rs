@@ -1,0 +1,109 @@
+//! Copies between the host pool and the device: starting a host->device copy and
+//! routing each copy completion's buffers back into its chunk's slot, whoever waits.
+//!
+//! Invariants: device completions come in submission order; every completion goes back
+//! into its slot exactly once (the host buffer still current, the device memory current
+//! after a good copy); a completion nobody counted in flight is a broken invariant.
+
+use tidestore_tiers::{CopyCompletion, CopyDir, CopyId, DeviceMem, TierError};
+
+use super::{count_down, remove_from, Mover, Pending};
+use crate::accounting::MoveKind;
+use crate::error::ChunkError;
+use crate::id::ChunkId;
+use crate::Result;
+
+impl Mover {
+    /// Starts copying `c`'s host copy (its callers put one in the slot) into `mem`.
+    pub(super) fn start_h2d(&mut self, c: ChunkId, mem: DeviceMem) -> Result<()> {
+        let d = c.dense();
+        let Some(buf) = self.slots[d].host.take() else {
+            drop(mem);
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "a host->device copy started without a host copy".into(),
+            });
+        };
+        remove_from(&mut self.host_list, c);
+        self.slots[d].host_prefetched = false;
+        let len = self.len(c);
+        let id = self.device.copy_to_device(d as u64, buf, mem, len);
+        self.slots[d].pending = Pending::HostToDevice(id);
+        self.dev_mark[d] = true;
+        self.pending_h2d += 1;
+        Ok(())
+    }
+
+    /// Puts a finished host->device copy's buffers back into its chunk's slot.
+    pub(super) fn route_copy(&mut self, c: CopyCompletion) -> Result<()> {
+        let chunk = ChunkId::from_dense(c.chunk as usize);
+        let d = chunk.dense();
+        match c.dir {
+            CopyDir::HostToDevice => {
+                let counted = count_down(&mut self.pending_h2d, "host->device copy", chunk);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::None;
+                // The host buffer still holds the chunk's current bytes, copy or not.
+                slot.host = Some(c.host);
+                self.host_list.push(chunk);
+                match c.result {
+                    Ok(()) => {
+                        slot.dev = Some(c.mem);
+                        self.dev_list.push(chunk);
+                        self.stats.host_to_device_bytes += c.len_bytes as u64;
+                        self.stats.host_to_device_copies += 1;
+                        self.emit(MoveKind::HostToDevice, chunk, c.len_bytes as u64);
+                        counted
+                    }
+                    Err(e) => {
+                        self.dev_mark[d] = false;
+                        slot.prefetched = false;
+                        drop(c.mem);
+                        counted?;
+                        Err(ChunkError::tier("copy host->device", Some(chunk), e))
+                    }
+                }
+            }
+            CopyDir::DeviceToHost => {
+                // Write-backs are waited for by their issuer; one arriving here was
+                // orphaned by an earlier error. The device memory is still current.
+                let slot = &mut self.slots[d];
+                if slot.dev.is_none() {
+                    slot.dev = Some(c.mem);
+                    self.dev_list.push(chunk);
+                    self.dev_mark[d] = true;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for copy `id`, routing every other completion that comes first.
+    pub(super) fn wait_copy_id(&mut self, id: CopyId, chunk: ChunkId) -> Result<CopyCompletion> {
+        let mut first_err = None;
+        loop {
+            let Some(c) = self.device.wait_copy() else {
+                return Err(ChunkError::tier(
+                    "waiting for a device copy",
+                    Some(chunk),
+                    TierError::CopyEngineStopped {
+                        reason: format!("copy {id} never completed"),
+                    },
+                ));
+            };
+            if c.id == id {
+                return match first_err {
+                    Some(e) => {
+                        // Our own completion still goes back where it belongs.
+                        self.route_copy(c)?;
+                        Err(e)
+                    }
+                    None => Ok(c),
+                };
+            }
+            if let Err(e) = self.route_copy(c) {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+}

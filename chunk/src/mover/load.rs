@@ -1,0 +1,163 @@
+//! The demand load path: a chunk's way to the tier an access needs it on, top to
+//! bottom — wait for what is in flight for it, done if it is already there, make room
+//! (see `evict`), take a host copy (its own, a read from NVMe, or zeros), copy it to the
+//! device and wait.
+//!
+//! Invariants: a load never evicts the chunk it loads (it is protected in every
+//! [`HostRoom`]); a chunk never written reads as zeros; on the device the host copy
+//! that fed the copy stays current beside it; a load that fails gives back the device
+//! memory it took and leaves the chunk's other copies as they were.
+
+use tidestore_io::AlignedBuf;
+use tidestore_tiers::{TierError, TierKind};
+
+use super::evict::HostRoom;
+use super::{remove_from, stopped, tier_err, Mover, Pending};
+use crate::accounting::MoveKind;
+use crate::error::ChunkError;
+use crate::id::ChunkId;
+use crate::Result;
+
+impl Mover {
+    /// Makes `c` current on the device (demand). Returns whether it already was.
+    pub(crate) fn ensure_device(&mut self, c: ChunkId) -> Result<bool> {
+        let d = c.dense();
+        // Where it is: a transfer in flight lands first; a device copy is a hit.
+        if self.slots[d].pending != Pending::None {
+            self.wait_pending(c)?;
+        }
+        if self.slots[d].dev.is_some() {
+            self.dev_policy.on_access(c, self.moment);
+            return Ok(true);
+        }
+        // Make room under the tide, then take the device memory.
+        self.make_room_device(self.dev_bytes[d], c, None)?;
+        let mem = self
+            .device
+            .alloc(d as u64, self.len(c))
+            .map_err(tier_err("allocating device memory", c))?;
+        // Load: the host copy the device copy is made from (from NVMe, or zeros).
+        let room = HostRoom {
+            protect: &[c],
+            not_before: None,
+        };
+        let buf = match self.host_copy_for_load(c, room) {
+            Ok(b) => b,
+            Err(e) => {
+                drop(mem);
+                return Err(e);
+            }
+        };
+        // Copy it to the device and wait for the copy.
+        self.slots[d].host = Some(buf);
+        self.host_list.push(c);
+        self.start_h2d(c, mem)?;
+        self.stats.demand_loads += 1;
+        self.wait_pending(c)?;
+        self.dev_policy.on_insert(c, self.moment);
+        Ok(false)
+    }
+
+    /// Makes `c` current in the host pool (from the device, NVMe or zeros). Returns
+    /// whether it already was.
+    pub(crate) fn ensure_host(&mut self, c: ChunkId) -> Result<bool> {
+        self.wait_pending(c)?;
+        let d = c.dense();
+        if self.slots[d].host.is_some() {
+            self.host_policy.on_access(c, self.moment);
+            return Ok(true);
+        }
+        let room = HostRoom {
+            protect: &[c],
+            not_before: None,
+        };
+        if self.slots[d].dev.is_some() {
+            let buf = self.take_host_buffer(c, room)?;
+            let Some(mem) = self.slots[d].dev.take() else {
+                return Err(ChunkError::tier(
+                    "loading",
+                    Some(c),
+                    stopped("device copy vanished"),
+                ));
+            };
+            let len = self.len(c);
+            let id = self.device.copy_to_host(d as u64, mem, buf, len);
+            let done = self.wait_copy_id(id, c)?;
+            // The device copy stays: both are current now.
+            self.slots[d].dev = Some(done.mem);
+            if let Err(e) = done.result {
+                drop(done.host);
+                return Err(ChunkError::tier("copy device->host", Some(c), e));
+            }
+            self.slots[d].host = Some(done.host);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.device_to_host_bytes += len as u64;
+            self.stats.device_to_host_copies += 1;
+            self.emit(MoveKind::DeviceToHost, c, len as u64);
+        } else {
+            self.fill_host(c, room)?;
+        }
+        Ok(false)
+    }
+
+    /// A host buffer holding `c`'s current bytes, taken out of its slot (it goes back
+    /// with the copy that uses it): its host copy, a read from NVMe, or zeros.
+    fn host_copy_for_load(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<AlignedBuf> {
+        let d = c.dense();
+        if let Some(buf) = self.slots[d].host.take() {
+            remove_from(&mut self.host_list, c);
+            self.slots[d].host_prefetched = false;
+            return Ok(buf);
+        }
+        self.fill_host(c, room)?;
+        remove_from(&mut self.host_list, c);
+        self.slots[d]
+            .host
+            .take()
+            .ok_or_else(|| ChunkError::tier("loading", Some(c), stopped("host copy vanished")))
+    }
+
+    /// Gives `c` a current host copy (from NVMe, or zeros), not from the device.
+    pub(super) fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<()> {
+        let d = c.dense();
+        let buf = self.take_host_buffer(c, room)?;
+        let len = self.len(c);
+        if self.slots[d].nvme_valid {
+            self.drain_nvme();
+            self.note_nvme_in_flight(true);
+            let (result, buf) = self.nvme.read_chunk(d as u64, buf);
+            match result {
+                Ok(n) if n == len => {}
+                Ok(n) => {
+                    return Err(ChunkError::tier(
+                        "reading from NVMe",
+                        Some(c),
+                        TierError::TooLarge {
+                            tier: TierKind::Nvme,
+                            chunk: d as u64,
+                            len_bytes: n as u64,
+                            limit_bytes: len as u64,
+                        },
+                    ))
+                }
+                Err(e) => return Err(ChunkError::tier("reading from NVMe", Some(c), e)),
+            }
+            self.slots[d].host = Some(buf);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.nvme_to_host_bytes += len as u64;
+            self.stats.nvme_reads += 1;
+            self.emit(MoveKind::NvmeToHost, c, len as u64);
+        } else {
+            let mut buf = buf;
+            buf[..len].fill(0);
+            self.slots[d].host = Some(buf);
+            self.host_list.push(c);
+            self.host_policy.on_insert(c, self.moment);
+            self.stats.materialized_chunks += 1;
+            self.emit(MoveKind::Materialize, c, 0);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,135 @@
+//! Loads ahead of need: the device prefetch (a host->device copy, or an NVMe read whose
+//! copy to reserved device memory follows it) and the host prefetch (NVMe reads into
+//! the host pool), with what the store's planners ask of the mover.
+//!
+//! Invariants: a prefetch never waits; it starts only with room that is free now (the
+//! planners evict by their rule first) or with a buffer a write-back in flight owes the
+//! read queue; a prefetch that finds no room reports `false` and changes nothing.
+
+use super::evict::HostRoom;
+use super::{is_no_room, Mover, Pending};
+use crate::id::ChunkId;
+use crate::Result;
+
+impl Mover {
+    /// Starts loading `c` to the device ahead of need (at `needed_at`). Returns false
+    /// when there is no room for it now without breaking the prefetch rule.
+    pub(crate) fn prefetch_device(&mut self, c: ChunkId, needed_at: u64) -> Result<bool> {
+        let d = c.dense();
+        if self.dev_mark[d] || self.slots[d].pending != Pending::None {
+            return Ok(true);
+        }
+        if self.device_free() < self.dev_bytes[d] || self.slots[d].host_pins > 0 {
+            return Ok(false);
+        }
+        let mem = match self.device.alloc(d as u64, self.len(c)) {
+            Ok(m) => m,
+            Err(_) => return Ok(false),
+        };
+        let room = HostRoom {
+            protect: &[c],
+            not_before: Some(needed_at),
+        };
+        if self.slots[d].host.is_none() {
+            if self.slots[d].nvme_valid {
+                // A staging buffer now, or one a write-back in flight (perhaps the one
+                // just started to make room) gives back: the read then waits in the
+                // queue, and the copy to the reserved memory follows it.
+                let buf = match self.take_host_buffer(c, room) {
+                    Ok(b) => Some(b),
+                    Err(e) if is_no_room(&e) && self.read_queue.len() < self.pending_writes => None,
+                    Err(e) if is_no_room(&e) => return Ok(false),
+                    Err(e) => return Err(e),
+                };
+                let slot = &mut self.slots[d];
+                slot.reserved_dev = Some(mem);
+                slot.prefetched = true;
+                self.dev_mark[d] = true;
+                self.stats.prefetch_loads += 1;
+                self.dev_policy.on_insert(c, self.moment);
+                match buf {
+                    Some(buf) => {
+                        self.nvme.submit_read(d as u64, buf);
+                        self.slots[d].pending = Pending::NvmeRead;
+                        self.pending_nvme += 1;
+                        self.note_nvme_in_flight(false);
+                    }
+                    None => {
+                        self.slots[d].pending = Pending::NvmeReadQueued;
+                        self.read_queue.push_back(c);
+                        self.stats.queued_reads += 1;
+                        self.settle_queue();
+                    }
+                }
+                return Ok(true);
+            }
+            match self.fill_host(c, room) {
+                Ok(()) => {}
+                Err(e) if is_no_room(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        self.start_h2d(c, mem)?;
+        self.slots[d].prefetched = true;
+        self.stats.prefetch_loads += 1;
+        self.dev_policy.on_insert(c, self.moment);
+        Ok(true)
+    }
+
+    /// Starts reading `c` from NVMe into the host pool ahead of need, into a buffer
+    /// that is free now, or queues the read for a buffer that a write-back in flight
+    /// gives back (the host prefetcher makes room by its plan first, evicting with
+    /// asynchronous write-backs; it never evicts here). Returns false when no buffer is
+    /// free or owed. Chunks with nothing to read (a host or device copy, a transfer in
+    /// flight or queued, never written) are done.
+    pub(crate) fn prefetch_host(&mut self, c: ChunkId) -> Result<bool> {
+        let d = c.dense();
+        let s = &self.slots[d];
+        if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
+            return Ok(true);
+        }
+        if self.read_queue.is_empty() {
+            if let Ok(buf) = self.host.try_take(d as u64) {
+                self.nvme.submit_read(d as u64, buf);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::NvmeRead;
+                slot.host_prefetched = true;
+                self.pending_nvme += 1;
+                self.note_nvme_in_flight(false);
+                self.stats.prefetch_loads += 1;
+                self.stats.host_prefetch_loads += 1;
+                return Ok(true);
+            }
+        }
+        if self.read_queue.len() >= self.pending_writes {
+            return Ok(false);
+        }
+        self.read_queue.push_back(c);
+        let slot = &mut self.slots[d];
+        slot.pending = Pending::NvmeReadQueued;
+        slot.host_prefetched = true;
+        self.stats.prefetch_loads += 1;
+        self.stats.host_prefetch_loads += 1;
+        self.stats.queued_reads += 1;
+        // A buffer may be free already (a write-back that finished since).
+        self.settle_queue();
+        Ok(true)
+    }
+
+    /// Host-pool bytes held by write-backs in flight and not yet owed to a queued read:
+    /// they come back to the pool when the writes complete.
+    pub(crate) fn host_bytes_writing(&self) -> u64 {
+        debug_assert!(
+            self.read_queue.len() <= self.pending_writes,
+            "more queued reads than write-backs to give them buffers"
+        );
+        self.pending_writes.saturating_sub(self.read_queue.len()) as u64
+            * self.host.buf_bytes() as u64
+    }
+
+    /// Whether the host-tier prefetcher has nothing to load for `c`.
+    pub(crate) fn host_ready(&self, c: ChunkId) -> bool {
+        let s = &self.slots[c.dense()];
+        s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid
+    }
+}

@@ -1,0 +1,271 @@
+//! The access path: a tensor's way into COMPUTE and out of it, top to bottom — may it
+//! be used there, the moment it is, the tide at that moment, where its chunk is (made
+//! current by the mover's load path, which makes room and loads), the pin, the state,
+//! the warm-up record, and the prefetch of what the next moments need; then release.
+//!
+//! Invariants: an access that fails leaves the tensor's state unchanged; a chunk with a
+//! tensor in COMPUTE is pinned where it is (never evicted) and in use on one tier at a
+//! time; the device bytes pinned are counted once per pinned chunk.
+
+use std::time::Instant;
+
+use tidestore_tiers::TierKind;
+
+use crate::error::ChunkError;
+use crate::id::{ChunkId, ListKind, TensorId};
+use crate::mover::Pending;
+use crate::state::TensorState;
+use crate::tracer::MomentKind;
+use crate::Result;
+
+use super::{ChunkStore, Guard, Mode, Place};
+
+impl ChunkStore {
+    /// Makes `tensor` (its place in `list`) current at `place` and puts it in COMPUTE.
+    ///
+    /// Errors (the tensor's state is then unchanged): a tensor without a place in
+    /// `list`, an illegal transition (already in COMPUTE), its chunk in use on the
+    /// other tier, a working set that does not fit the tier, tier and I/O errors.
+    pub fn access(&mut self, tensor: TensorId, list: ListKind, place: Place) -> Result<Guard> {
+        let loc = self.location(tensor, list)?;
+        let local = self.local(tensor, list)?;
+        let chunk = loc.chunk;
+        self.check_access(tensor, list, local, chunk, place)?;
+        // A moment of the trace, and the device budget at it.
+        let moment = self.observe(tensor, chunk, MomentKind::Access);
+        self.mover.moment = moment;
+        self.mover.stats.accesses += 1;
+        self.update_tide(moment)?;
+        // Where the chunk is; where it is not, room is made and it is loaded.
+        self.make_current(chunk, place, moment)?;
+        self.pin(chunk, place);
+        let generation = self.enter_compute(list, local, place)?;
+        self.record_warmup(moment, chunk, place);
+        match place {
+            Place::Device => self.prefetch(moment),
+            Place::Host => self.prefetch_host(moment),
+        }
+        Ok(Guard {
+            store: self.id,
+            generation,
+            tensor,
+            list,
+            chunk,
+            place,
+            offset_bytes: loc.offset_bytes() as usize,
+            len_bytes: loc.bytes() as usize,
+            dtype: loc.dtype,
+        })
+    }
+
+    /// Whether `tensor` may enter COMPUTE at `place`: its state allows it, and its chunk
+    /// is not in use on the other tier. Changes nothing.
+    fn check_access(
+        &mut self,
+        tensor: TensorId,
+        list: ListKind,
+        local: u32,
+        chunk: ChunkId,
+        place: Place,
+    ) -> Result<()> {
+        let d = chunk.dense();
+        {
+            let ls = self.list_states(list);
+            let from = ls.table.state(TensorId(local)).unwrap_or(TensorState::Free);
+            if !from.can_become(TensorState::Compute) {
+                return Err(ChunkError::IllegalTransition {
+                    tensor: self.name(tensor),
+                    chunk,
+                    from,
+                    to: TensorState::Compute,
+                });
+            }
+        }
+        let slot = &self.mover.slots[d];
+        let elsewhere = match place {
+            Place::Device if slot.host_pins > 0 => Some(TierKind::Host),
+            Place::Host if slot.dev_pins > 0 => Some(TierKind::Device),
+            _ => None,
+        };
+        if let Some(pinned_on) = elsewhere {
+            return Err(ChunkError::PinnedElsewhere {
+                tensor: self.name(tensor),
+                chunk,
+                pinned_on,
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes `chunk` current at `place` (a hit when it already is), counting the time
+    /// a load stalls the caller.
+    fn make_current(&mut self, chunk: ChunkId, place: Place, moment: u64) -> Result<()> {
+        let d = chunk.dense();
+        let slot = &self.mover.slots[d];
+        let ready = slot.pending == Pending::None
+            && match place {
+                Place::Device => slot.dev.is_some(),
+                Place::Host => slot.host.is_some(),
+            };
+        if ready {
+            self.mover.stats.hits += 1;
+            match place {
+                Place::Device => self.mover.dev_policy.on_access(chunk, moment),
+                Place::Host => self.mover.ensure_host(chunk).map(|_| ())?,
+            }
+        } else {
+            let started = Instant::now();
+            let r = match place {
+                Place::Device => self.mover.ensure_device(chunk),
+                Place::Host => self.mover.ensure_host(chunk),
+            };
+            self.mover.stats.stall_ns += started.elapsed().as_nanos() as u64;
+            if r? {
+                self.mover.stats.hits += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// One more tensor of `chunk` in COMPUTE at `place` (a prefetch that brought it
+    /// there counts as a hit).
+    fn pin(&mut self, chunk: ChunkId, place: Place) {
+        let d = chunk.dense();
+        let dev_bytes = self.mover.dev_bytes[d];
+        let slot = &mut self.mover.slots[d];
+        match place {
+            Place::Device => {
+                if slot.prefetched {
+                    slot.prefetched = false;
+                    self.mover.stats.prefetch_hits += 1;
+                }
+                slot.dev_pins += 1;
+                if slot.dev_pins == 1 {
+                    self.pinned_device_bytes += dev_bytes;
+                }
+            }
+            Place::Host => {
+                if slot.host_prefetched {
+                    slot.host_prefetched = false;
+                    self.mover.stats.prefetch_hits += 1;
+                    self.mover.stats.host_prefetch_hits += 1;
+                }
+                slot.host_pins += 1;
+            }
+        }
+    }
+
+    /// Puts the tensor in COMPUTE at `place` under a new access generation (returned).
+    fn enter_compute(&mut self, list: ListKind, local: u32, place: Place) -> Result<u64> {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let ls = self.list_states(list);
+        ls.table.transition(TensorId(local), TensorState::Compute)?;
+        ls.place[local as usize] = Some(place);
+        ls.generation[local as usize] = generation;
+        Ok(generation)
+    }
+
+    /// While tracing, notes the access at `moment`: the device bytes pinned, the phase,
+    /// and which tier's schedule the chunk goes into.
+    fn record_warmup(&mut self, moment: u64, chunk: ChunkId, place: Place) {
+        if let Mode::Tracing(_) = self.mode {
+            if let Ok(m) = u32::try_from(moment) {
+                self.warmup.push((m, self.pinned_device_bytes, self.phase));
+                self.device_moments.resize(m as usize, None);
+                self.device_moments
+                    .push((place == Place::Device).then_some(chunk));
+                self.host_moments.resize(m as usize, None);
+                self.host_moments
+                    .push((place == Place::Host).then_some(chunk));
+            }
+        }
+    }
+
+    /// Ends `guard`'s use: its tensor goes from COMPUTE to `to` (`Hold`,
+    /// `HoldAfterFwd` or `HoldAfterBwd`; COMPUTE -> FREE is illegal, see
+    /// [`crate::state`]). On an error the tensor stays in COMPUTE;
+    /// [`ChunkStore::release_tensor`] can release it then. A stale guard (see
+    /// [`Guard`]) is [`ChunkError::StaleGuard`], and nothing changes.
+    pub fn release(&mut self, guard: Guard, to: TensorState) -> Result<()> {
+        self.check_guard(&guard)?;
+        self.release_tensor(guard.tensor, guard.list, to)
+    }
+
+    /// Releases `tensor` in `list` by id (see [`ChunkStore::release`]).
+    pub fn release_tensor(
+        &mut self,
+        tensor: TensorId,
+        list: ListKind,
+        to: TensorState,
+    ) -> Result<()> {
+        let local = self.local(tensor, list)?;
+        let chunk = self.location(tensor, list)?.chunk;
+        let ls = self.list_states(list);
+        let from = ls.table.state(TensorId(local)).unwrap_or(TensorState::Free);
+        if from != TensorState::Compute || !from.can_become(to) {
+            return Err(ChunkError::IllegalTransition {
+                tensor: self.name(tensor),
+                chunk,
+                from,
+                to,
+            });
+        }
+        // A tensor in COMPUTE has a place, and its chunk a pin there: checked before
+        // anything changes.
+        let place = ls.place[local as usize];
+        let d = chunk.dense();
+        let slot = &self.mover.slots[d];
+        let pins = match place {
+            Some(Place::Device) => slot.dev_pins,
+            Some(Place::Host) => slot.host_pins,
+            None => 0,
+        };
+        let dev_bytes = self.mover.dev_bytes[d];
+        if pins == 0 || (place == Some(Place::Device) && self.pinned_device_bytes < dev_bytes) {
+            return Err(ChunkError::Invariant {
+                chunk: Some(chunk),
+                what: format!(
+                    "releasing `{}` in COMPUTE at {place:?}, but its chunk has no pin there",
+                    self.name(tensor)
+                ),
+            });
+        }
+        let ls = self.list_states(list);
+        ls.table.transition(TensorId(local), to)?;
+        ls.place[local as usize] = None;
+        let moment = self.observe(tensor, chunk, MomentKind::Release(to));
+        self.mover.moment = moment;
+        let slot = &mut self.mover.slots[d];
+        match place {
+            Some(Place::Device) => {
+                slot.dev_pins -= 1;
+                if slot.dev_pins == 0 {
+                    self.pinned_device_bytes -= dev_bytes;
+                }
+            }
+            Some(Place::Host) => slot.host_pins -= 1,
+            None => unreachable!("checked above: a tensor released has a place"),
+        }
+        Ok(())
+    }
+
+    /// Moves a tensor that is not in COMPUTE to another state that is not COMPUTE
+    /// (e.g. HOLD_AFTER_BWD -> FREE once its gradient is consumed). Not a moment. Bytes
+    /// are kept whatever the state.
+    pub fn set_state(&mut self, tensor: TensorId, list: ListKind, to: TensorState) -> Result<()> {
+        let local = self.local(tensor, list)?;
+        let chunk = self.location(tensor, list)?.chunk;
+        let ls = self.list_states(list);
+        let from = ls.table.state(TensorId(local)).unwrap_or(TensorState::Free);
+        if from == TensorState::Compute || to == TensorState::Compute {
+            return Err(ChunkError::IllegalTransition {
+                tensor: self.name(tensor),
+                chunk,
+                from,
+                to,
+            });
+        }
+        ls.table.transition(TensorId(local), to).map(|_| ())
+    }
+}

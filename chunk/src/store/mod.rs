@@ -1,0 +1,251 @@
+//! The chunk store: tensors whose bytes live on the device, in the pinned host pool or
+//! on NVMe, and move just in time.
+//!
+//! [`ChunkStore::open`] takes a [`Layout`], a [`StoreConfig`](crate::config::StoreConfig) and a [`Device`]; it
+//! checks the budgets against the layout (see [`crate::config`]) before it allocates the
+//! host pool or the swap file. Then, per iteration:
+//! - [`ChunkStore::access`] makes a tensor's chunk current where asked (the device for
+//!   compute, the host for CPU work), loading it NVMe -> host -> device and evicting by
+//!   the configured policy when a tier is full, and returns a [`Guard`];
+//!   [`ChunkStore::view`] / [`ChunkStore::view_mut`] give its bytes (host slices, or a
+//!   device view), `view_mut` marking the chunk changed there;
+//!   [`ChunkStore::release`] ends the use (COMPUTE -> HOLD / HOLD_AFTER_FWD /
+//!   HOLD_AFTER_BWD, by the [`StateTable`](crate::state::StateTable) rules). A chunk with a tensor in COMPUTE is
+//!   never evicted, and a chunk is in use on one tier at a time;
+//! - [`ChunkStore::end_iteration`] closes the iteration. The first one is traced: every
+//!   access and release is a moment, with the non-model device memory at that moment
+//!   (reported through [`ChunkStore::report_non_model_bytes`], or measured on a GPU).
+//!   After it, the [`Schedule`] drives `lifetime` eviction, the prefetcher (loads for the
+//!   next moments, never evicting a chunk needed sooner than the one it brings) and the
+//!   tidal device budget (capacity minus the non-model peak over the next moments minus
+//!   a margin). A later iteration that departs from the schedule is logged and the next
+//!   one is traced again; until then eviction falls back to LRU and prefetch pauses.
+//! - [`ChunkStore::begin_optimizer_step`] / [`ChunkStore::end_optimizer_step`] switch
+//!   the device budget to nearly the whole device for the step, and back.
+//!
+//! [`ChunkStore::with_access`] and [`ChunkStore::with_host_views`] are the scoped form
+//! of access/release: several tensors at once, views handed to a closure, every tensor
+//! released on every path (return, error, panic). A [`Guard`] names one access; a stale
+//! one is refused ([`ChunkError::StaleGuard`](crate::error::ChunkError::StaleGuard)) and changes nothing.
+//!
+//! [`ChunkStore::write`] and [`ChunkStore::read`] put bytes into a tensor and take them
+//! out without being moments of the trace (initialisation, checkpoints). A chunk never
+//! written reads as zeros — also on a swap file an earlier store left, whose chunks are
+//! dropped unless [`StoreConfig::adopt`](crate::config::StoreConfig::adopt) asks for them (and then only from a file of the
+//! same layout fingerprint, closed by [`ChunkStore::close`]).
+//! [`ChunkStore::stats`] returns the accounting; [`ChunkStore::verify`] checks every
+//! invariant and reports the first broken one rather than repairing it.
+//!
+//! Not thread-safe by itself (`&mut self` everywhere); it is `Send`, so it can live
+//! behind a mutex or on a dedicated thread.
+//!
+//! # Files, one concept each
+//! - `access`: the access path, top to bottom (may it be used there, the moment, the
+//!   tide, where the chunk is — made current by the mover's load path —, pin, state,
+//!   warm-up record, prefetch), and release;
+//! - `guard`: [`Guard`] and the stale-guard check; `scope`: scoped access;
+//! - `views`: views of accessed tensors, one or several at once;
+//! - `lists`: per list, the tensors' states, places and access generations;
+//! - `trace`: tracing the first iteration, following its schedule, divergence;
+//! - `tide`: the device budget at each moment and phase;
+//! - `prefetch`: prefetch planning on the device and host tiers;
+//! - `io`: untraced reads and writes; `open`: opening a store; `whole`: poll, sync,
+//!   evict all, close; `verify`: the store's invariants.
+
+mod access;
+mod guard;
+mod io;
+mod lists;
+mod open;
+mod prefetch;
+mod scope;
+mod tide;
+mod trace;
+mod verify;
+mod views;
+mod whole;
+
+use std::sync::Arc;
+
+use tidestore_tiers::{Device, NvmeTier, TierKind};
+
+use crate::accounting::{MoveHook, StoreStats, TierSnapshot};
+use crate::config::CapacityPlan;
+use crate::id::ChunkId;
+use crate::layout::Layout;
+use crate::mover::{Mover, Pending};
+use crate::policy::{PolicyKind, PrefetchPlanner};
+use crate::tracer::{Follower, Schedule};
+
+pub use guard::Guard;
+use lists::ListStates;
+pub use tide::Phase;
+use trace::Mode;
+pub use views::{TensorView, TensorViewMut};
+
+/// The swap file's name inside [`NvmeSource::Dir`](crate::config::NvmeSource::Dir).
+pub const SWAP_FILE_NAME: &str = "tidestore-chunks.swap";
+
+/// Where an access wants the tensor's chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Place {
+    /// The compute device (GPU, or its simulation).
+    Device,
+    /// The pinned host pool (CPU work, e.g. the CPU optimizer).
+    Host,
+}
+
+impl Place {
+    /// The tier this place is.
+    pub fn tier(self) -> TierKind {
+        match self {
+            Place::Device => TierKind::Device,
+            Place::Host => TierKind::Host,
+        }
+    }
+}
+
+/// Where a chunk's current copies are (for tests and reports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkResidency {
+    /// Current on the device.
+    pub device: bool,
+    /// Current in the host pool.
+    pub host: bool,
+    /// Current on NVMe.
+    pub nvme: bool,
+    /// A transfer is in flight.
+    pub in_flight: bool,
+}
+
+/// Store ids, so that a guard of one store is stale in every other.
+static NEXT_STORE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[derive(Debug, Clone, Copy)]
+struct Settings {
+    device_budget_bytes: u64,
+    step_device_budget_bytes: Option<u64>,
+    policy: PolicyKind,
+    lookahead: u32,
+    host_lookahead: u32,
+    margin_bytes: u64,
+    window: u32,
+    slack_bytes: u64,
+}
+
+/// Tensors in chunks on three tiers; see the module doc.
+pub struct ChunkStore {
+    /// This store's id, carried by its guards.
+    id: u64,
+    /// The generation the next access gets (across all tensors and lists).
+    next_generation: u64,
+    layout: Layout,
+    mover: Mover,
+    lists: Vec<Option<ListStates>>,
+    settings: Settings,
+    planner: PrefetchPlanner,
+    /// The host tier's prefetch planner (the same rule, over host accesses).
+    host_planner: PrefetchPlanner,
+    /// Per dense id: the bytes a chunk takes in the host pool (one whole buffer).
+    host_chunk_bytes: Vec<u64>,
+    plan: CapacityPlan,
+    mode: Mode,
+    follower: Follower,
+    diverged: bool,
+    /// Moments observed in this iteration.
+    position: u32,
+    /// Iterations followed since the schedule was made.
+    cycles: u64,
+    phase: Phase,
+    /// During tracing, per access: (moment, device bytes pinned, phase).
+    warmup: Vec<(u32, u64, Phase)>,
+    /// During tracing, per moment: the chunk accessed on the device, if any.
+    device_moments: Vec<Option<ChunkId>>,
+    /// During tracing, per moment: the chunk accessed on the host, if any.
+    host_moments: Vec<Option<ChunkId>>,
+    /// The schedule of host accesses (same moments): what the host prefetcher loads.
+    host_schedule: Option<Arc<Schedule>>,
+    /// The schedule of device accesses only (same moments as the followed one): what
+    /// the device's `lifetime` policy and the prefetcher read.
+    device_schedule: Option<Arc<Schedule>>,
+    pinned_device_bytes: u64,
+    non_model_reported_bytes: u64,
+    device_total_bytes: u64,
+}
+
+impl std::fmt::Debug for ChunkStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkStore")
+            .field("tensors", &self.layout.tensors().len())
+            .field("plan", &self.plan)
+            .field("policy", &self.settings.policy)
+            .field("tracing", &self.is_tracing())
+            .field("phase", &self.phase)
+            .finish()
+    }
+}
+
+impl ChunkStore {
+    /// The layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The capacity plan made at open.
+    pub fn capacity_plan(&self) -> &CapacityPlan {
+        &self.plan
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.mover.device
+    }
+
+    /// The NVMe tier (its swap file and io engine), for reports and tests.
+    pub fn nvme(&self) -> &NvmeTier {
+        &self.mover.nvme
+    }
+
+    /// Every tier's use now.
+    pub fn usage(&self) -> TierSnapshot {
+        self.mover.snapshot()
+    }
+
+    /// Where `chunk`'s current copies are.
+    pub fn residency(&self, chunk: ChunkId) -> Option<ChunkResidency> {
+        let s = self.mover.slots.get(chunk.dense())?;
+        if self.mover.len_bytes[chunk.dense()] == 0 {
+            return None;
+        }
+        Some(ChunkResidency {
+            device: s.dev.is_some(),
+            host: s.host.is_some(),
+            nvme: s.nvme_valid,
+            in_flight: s.pending != Pending::None,
+        })
+    }
+
+    /// The accounting, with every tier's capacity, use and peak now.
+    pub fn stats(&self) -> StoreStats {
+        let mut s = self.mover.stats;
+        let u = self.mover.snapshot();
+        s.device = u.device;
+        s.host = u.host;
+        s.nvme = u.nvme;
+        s
+    }
+
+    /// Zeroes the counters and restarts peak tracking from what is in use now.
+    pub fn reset_stats(&mut self) {
+        self.mover.stats = StoreStats::default();
+        self.mover.device.reset_peak();
+        self.mover.host.reset_peak();
+        self.mover.nvme.reset_peak();
+    }
+
+    /// Calls `hook` after every move and eviction (`None` removes it); see
+    /// [`crate::accounting`].
+    pub fn set_move_hook(&mut self, hook: Option<MoveHook>) {
+        self.mover.hook = hook;
+    }
+}

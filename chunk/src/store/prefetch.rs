@@ -1,0 +1,183 @@
+//! Prefetch planning on both tiers: after an access, the loads the next moments need
+//! (device: host->device copies and NVMe reads; host: NVMe reads into the pool), planned
+//! by the [`PrefetchPlanner`] rule — a victim is never needed before the chunk it makes
+//! room for — and started while the caller computes.
+//!
+//! Invariants: nothing is prefetched while tracing or after a divergence; a prefetch that
+//! finds no room stops quietly (demand loads will retry); every move it makes carries a
+//! [`MoveReason::Prefetch`] naming the chunk it is for.
+
+use crate::accounting::MoveReason;
+use crate::id::ChunkId;
+use crate::mover::is_no_room;
+use crate::policy::{PrefetchStep, Residency};
+use crate::tracer::{Horizon, Schedule};
+use crate::Result;
+
+use super::ChunkStore;
+
+impl ChunkStore {
+    pub(super) fn prefetch(&mut self, now: u64) {
+        if self.settings.lookahead == 0 || self.diverged || self.is_tracing() {
+            return;
+        }
+        let Some(s) = &self.device_schedule else {
+            return;
+        };
+        let dev_mark = &self.mover.dev_mark;
+        if !needs_any(s, now, self.settings.lookahead, |c| !dev_mark[c.dense()]) {
+            return;
+        }
+        let s = s.clone();
+        if let Err(e) = self.prefetch_planned(&s, now) {
+            tracing::warn!(error = %e, "chunk store: prefetch stopped; demand loads will retry");
+        }
+        self.mover.reason = MoveReason::Demand;
+    }
+
+    fn prefetch_planned(&mut self, s: &Schedule, now: u64) -> Result<()> {
+        self.mover.harvest()?;
+        let evictable: Vec<ChunkId> = self
+            .mover
+            .dev_list
+            .iter()
+            .copied()
+            .filter(|c| self.mover.slots[c.dense()].dev_pins == 0)
+            .collect();
+        let plan = self.planner.plan(
+            s,
+            now,
+            Residency {
+                resident: &self.mover.dev_mark,
+                evictable: &evictable,
+                chunk_bytes: &self.mover.dev_bytes,
+                free_bytes: self.mover.device_free(),
+            },
+        )?;
+        for step in plan {
+            for &v in &step.evict {
+                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
+                match self.mover.evict_device(v, Some(step.needed_at), step.chunk) {
+                    Ok(()) => {}
+                    Err(e) if is_no_room(&e) => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+            self.mover.reason = prefetch_reason(&step, None);
+            if !self.mover.prefetch_device(step.chunk, step.needed_at)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The host tier's prefetch: NVMe -> host reads of the chunks the host accesses of
+    /// the next moments need, planned by the same [`PrefetchPlanner`] rule as the
+    /// device's (a victim is never needed, by any access, before the chunk it makes
+    /// room for), within the host pool. Reads run while the caller computes.
+    pub(super) fn prefetch_host(&mut self, now: u64) {
+        if self.settings.host_lookahead == 0 || self.diverged || self.is_tracing() {
+            return;
+        }
+        let (Some(hs), Some(s)) = (&self.host_schedule, &self.mover.schedule) else {
+            return;
+        };
+        let mover = &self.mover;
+        if !needs_any(hs, now, self.settings.host_lookahead, |c| {
+            !mover.host_ready(c)
+        }) {
+            return;
+        }
+        let (hs, s) = (hs.clone(), s.clone());
+        if let Err(e) = self.prefetch_host_planned(&hs, &s, now) {
+            tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
+        }
+        self.mover.reason = MoveReason::Demand;
+    }
+
+    fn prefetch_host_planned(&mut self, hs: &Schedule, s: &Schedule, now: u64) -> Result<()> {
+        self.mover.harvest()?;
+        let resident: Vec<bool> = (0..self.mover.slots.len())
+            .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
+            .collect();
+        // Chunks in use cannot go now, but may be what Belady's rule would evict when a
+        // load is needed (see `plan_split`).
+        let (held, evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
+            .mover
+            .host_list
+            .iter()
+            .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
+        let budget = self.mover.host.budget();
+        let plan = self.host_planner.plan_split(
+            hs,
+            s,
+            now,
+            Residency {
+                resident: &resident,
+                evictable: &evictable,
+                chunk_bytes: &self.host_chunk_bytes,
+                // Buffers of write-backs in flight count as free: they return soon, and
+                // evicting more instead would write (and later read) chunks for nothing.
+                free_bytes: budget
+                    .capacity_bytes()
+                    .saturating_sub(budget.used_bytes())
+                    .saturating_add(self.mover.host_bytes_writing()),
+            },
+            &held,
+        )?;
+        let mut started = false;
+        for step in plan {
+            for &v in &step.evict {
+                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
+                match self.mover.evict_host(v, false) {
+                    Ok(()) => {}
+                    Err(e) if is_no_room(&e) => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+            self.mover.reason = prefetch_reason(&step, None);
+            if !self.mover.prefetch_host(step.chunk)? {
+                break;
+            }
+            started = true;
+        }
+        if started {
+            // Submitted requests start at the engine's next poll.
+            self.mover.harvest()?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether any chunk used in the `lookahead` moments after `now` (wrapping around the
+/// traced iteration) satisfies `missing`: the cheap test that decides whether a prefetch
+/// planner needs to run at all.
+fn needs_any(
+    schedule: &Schedule,
+    now: u64,
+    lookahead: u32,
+    mut missing: impl FnMut(ChunkId) -> bool,
+) -> bool {
+    let len = u64::from(schedule.len());
+    len != 0
+        && (1..=u64::from(lookahead)).any(|k| {
+            schedule
+                .chunks_at(((now + k) % len) as u32)
+                .iter()
+                .any(|&c| missing(c))
+        })
+}
+
+/// The reason recorded for a prefetch's moves: the load of `step.chunk` itself (`victim`
+/// `None`), or the eviction of a victim, with the victim's next use on `schedule` after
+/// `now` (`u64::MAX` when it is not used again).
+fn prefetch_reason(step: &PrefetchStep, victim: Option<(&Schedule, ChunkId, u64)>) -> MoveReason {
+    let victim_next_use = victim
+        .and_then(|(schedule, v, now)| schedule.next_use_from(v, now + 1, Horizon::Cyclic))
+        .unwrap_or(u64::MAX);
+    MoveReason::Prefetch {
+        for_chunk: step.chunk,
+        needed_at: step.needed_at,
+        victim_next_use,
+    }
+}

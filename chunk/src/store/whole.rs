@@ -1,0 +1,111 @@
+//! Whole-store operations: moving the I/O on, waiting for it, evicting the device,
+//! and closing cleanly (every chunk written back, the swap file marked clean) or not
+//! (dropped: transfers waited for, the file left not clean).
+//!
+//! Invariant: a swap file is marked clean only after every chunk ever written has a
+//! current NVMe copy.
+
+use tidestore_tiers::TierKind;
+
+use crate::accounting::MoveReason;
+use crate::error::ChunkError;
+use crate::id::ChunkId;
+use crate::Result;
+
+use super::ChunkStore;
+
+impl ChunkStore {
+    /// Moves the store's transfers on without waiting: finished NVMe reads and writes
+    /// and device copies are taken in, and queued requests started. The store's I/O
+    /// advances only inside its calls, so a caller whose own work runs for a while (a
+    /// device computing) calls this now and then to keep the disk busy.
+    pub fn poll_io(&mut self) -> Result<()> {
+        self.mover.harvest()
+    }
+
+    /// Waits for every transfer in flight.
+    pub fn sync(&mut self) -> Result<()> {
+        self.mover.wait_all()
+    }
+
+    /// Moves every chunk not in use off the device (written back where the device copy
+    /// is the only current one).
+    pub fn evict_device_all(&mut self) -> Result<()> {
+        self.mover.wait_all()?;
+        self.mover.reason = MoveReason::Explicit;
+        let victims: Vec<ChunkId> = self
+            .mover
+            .dev_list
+            .iter()
+            .copied()
+            .filter(|c| self.mover.slots[c.dense()].dev_pins == 0)
+            .collect();
+        let mut result = Ok(());
+        for v in victims {
+            if let Err(e) = self.mover.evict_device(v, None, v) {
+                result = Err(e);
+                break;
+            }
+        }
+        self.mover.reason = MoveReason::Demand;
+        result
+    }
+
+    /// Closes the store cleanly: waits for every transfer, writes every chunk whose NVMe
+    /// copy is not current (from its device or host copy) to NVMe, syncs, and marks the
+    /// swap file clean, so that a store opened later on it with [`StoreConfig::adopt`](crate::config::StoreConfig::adopt)
+    /// gets these bytes back. Tensors still in COMPUTE do not stop it (their bytes are
+    /// written as they are). It needs an NVMe slot for every chunk ever written
+    /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file
+    /// stays not clean; so does a store dropped without `close`.
+    pub fn close(mut self) -> Result<()> {
+        self.mover.wait_all()?;
+        self.verify()?;
+        let n = self.mover.slots.len();
+        let kept: Vec<ChunkId> = (0..n)
+            .filter(|&d| {
+                let s = &self.mover.slots[d];
+                self.mover.len_bytes[d] > 0
+                    && (s.nvme_stored || s.host.is_some() || s.dev.is_some())
+            })
+            .map(ChunkId::from_dense)
+            .collect();
+        let slot_count = self.mover.nvme.slot_count() as usize;
+        if kept.len() > slot_count {
+            let slot_bytes = self.mover.nvme.slot_bytes() as u64;
+            return Err(ChunkError::TierFull {
+                tier: TierKind::Nvme,
+                chunk: kept[slot_count],
+                needed_bytes: kept.len() as u64 * slot_bytes,
+                capacity_bytes: slot_count as u64 * slot_bytes,
+            });
+        }
+        self.mover.reason = MoveReason::Explicit;
+        for &c in &kept {
+            self.mover.write_back(c)?;
+        }
+        self.mover.wait_all()?;
+        for &c in &kept {
+            if !self.mover.slots[c.dense()].nvme_valid {
+                return Err(ChunkError::Invariant {
+                    chunk: Some(c),
+                    what: "NVMe copy not current after writing every chunk back".into(),
+                });
+            }
+        }
+        self.mover
+            .nvme
+            .mark_clean()
+            .map_err(|e| ChunkError::tier("marking the swap file clean", None, e))?;
+        tracing::info!(chunks = kept.len(), "chunk store closed cleanly");
+        Ok(())
+    }
+}
+
+impl Drop for ChunkStore {
+    fn drop(&mut self) {
+        if let Err(e) = self.mover.wait_all() {
+            tracing::warn!(error = %e, "chunk store: a transfer failed while closing");
+        }
+    }
+}
