@@ -88,9 +88,9 @@ const KEY_LOSS_SCALE_GOOD_STEPS: &str = "loss_scale_good_steps";
 const CRC_KEY_PREFIX: &str = "crc32c.";
 const USER_KEY_PREFIX: &str = "user.";
 /// safetensors' length prefix of the header.
-const HEADER_LEN_BYTES: usize = 8;
+pub(crate) const HEADER_LEN_BYTES: usize = 8;
 /// Buffer of the file writer: many small tensors become few writes.
-const WRITE_BUFFER_BYTES: usize = 1 << 20;
+pub(crate) const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
 /// What a checkpoint holds besides the tensors: the step controller's state and the
 /// caller's metadata (a data cursor, a run name...).
@@ -197,7 +197,7 @@ fn check_names(entries: &[Entry]) -> Result<()> {
     Ok(())
 }
 
-fn st_dtype(d: DType) -> safetensors::Dtype {
+pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
     match d {
         DType::F32 => safetensors::Dtype::F32,
         DType::F16 => safetensors::Dtype::F16,
@@ -225,23 +225,53 @@ fn header_bytes(entries: &[Entry], state: &CheckpointState, crcs: Option<&[u32]>
     for (k, v) in &state.metadata {
         meta.insert(format!("{USER_KEY_PREFIX}{k}"), v.clone().into());
     }
-    let mut root = serde_json::Map::new();
-    let mut offset = 0usize;
     for (i, e) in entries.iter().enumerate() {
         let crc = crcs.and_then(|c| c.get(i).copied()).unwrap_or(0);
         meta.insert(format!("{CRC_KEY_PREFIX}{}", e.name), crc_text(crc).into());
-        let dtype = format!("{:?}", st_dtype(e.dtype));
+    }
+    safetensors_header(
+        entries.iter().map(|e| HeaderTensor {
+            name: &e.name,
+            dtype: e.dtype,
+            shape: &e.shape,
+            len_bytes: e.len_bytes,
+        }),
+        meta,
+    )
+}
+
+/// One tensor as a safetensors header lists it.
+pub(crate) struct HeaderTensor<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) dtype: DType,
+    pub(crate) shape: &'a [usize],
+    pub(crate) len_bytes: usize,
+}
+
+/// A safetensors header for `tensors`, laid out back to back in the given order, with
+/// `metadata` as `__metadata__` (omitted when empty): the length prefix, then the JSON
+/// padded with spaces so the data starts 8-byte aligned.
+pub(crate) fn safetensors_header<'a>(
+    tensors: impl IntoIterator<Item = HeaderTensor<'a>>,
+    metadata: serde_json::Map<String, serde_json::Value>,
+) -> Vec<u8> {
+    let mut root = serde_json::Map::new();
+    let mut offset = 0usize;
+    for t in tensors {
+        let dtype = format!("{:?}", st_dtype(t.dtype));
         root.insert(
-            e.name.clone(),
+            t.name.to_string(),
             serde_json::json!({
                 "dtype": dtype,
-                "shape": e.shape,
-                "data_offsets": [offset, offset + e.len_bytes],
+                "shape": t.shape,
+                "data_offsets": [offset, offset + t.len_bytes],
             }),
         );
-        offset += e.len_bytes;
+        offset += t.len_bytes;
     }
-    root.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    if !metadata.is_empty() {
+        root.insert("__metadata__".into(), serde_json::Value::Object(metadata));
+    }
     let mut json = serde_json::Value::Object(root).to_string().into_bytes();
     while !(HEADER_LEN_BYTES + json.len()).is_multiple_of(8) {
         json.push(b' ');
@@ -252,7 +282,7 @@ fn header_bytes(entries: &[Entry], state: &CheckpointState, crcs: Option<&[u32]>
     out
 }
 
-fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
+pub(crate) fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     move |source| TrainError::Io {
         op,
         path: path.to_path_buf(),
@@ -467,7 +497,7 @@ pub fn read_tensors(
 
 /// Maps `path` read-only; a file too short to hold a header is truncated.
 #[allow(unsafe_code)]
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     let file = File::open(path).map_err(io_err("opening", path))?;
     let len = file
         .metadata()
@@ -480,7 +510,8 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
             expected_bytes: HEADER_LEN_BYTES as u64,
         });
     }
-    // SAFETY: the map is read-only and lives only for one `load`/`verify` call.
+    // SAFETY: the map is read-only and lives only for one `load`/`verify` call (or one
+    // Hugging Face import, `crate::hf::import`, whose model files tidestore never writes).
     // Checkpoints are written under a temporary name and renamed, never modified in
     // place, so the mapped bytes do not change under us; another process truncating the
     // file would raise SIGBUS, not hand us changed bytes. Bytes changed by another process
@@ -528,7 +559,7 @@ fn verify_map(
 
 /// The safetensors header, through the crate; a file shorter than its header says is
 /// [`TrainError::CheckpointTruncated`].
-fn parse(map: &[u8], path: &Path) -> Result<(usize, safetensors::tensor::Metadata)> {
+pub(crate) fn parse(map: &[u8], path: &Path) -> Result<(usize, safetensors::tensor::Metadata)> {
     use safetensors::SafeTensorError as E;
     match safetensors::SafeTensors::read_metadata(map) {
         Ok(parsed) => Ok(parsed),

@@ -137,10 +137,92 @@ pub enum TrainError {
         reason: String,
     },
 
+    /// A Hugging Face `config.json` this crate cannot use: a key missing, of the wrong
+    /// type, or naming something tidestore's LLaMA does not implement (another
+    /// architecture, `rope_scaling`, biases, ...).
+    #[error("model config `{path}`: key `{key}`: {reason}")]
+    HfConfig {
+        /// The file.
+        path: PathBuf,
+        /// The key at fault (a JSON path: `rope_scaling`, `architectures[0]`, ...).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A file of a Hugging Face model directory that is not there: a shard the index
+    /// names, `model.safetensors` itself, the `config.json`.
+    #[error("model file `{path}` is missing{}", needed_by(tensor))]
+    HfMissingFile {
+        /// The file that is not there.
+        path: PathBuf,
+        /// A tensor the index places in it, if that is why it is needed.
+        tensor: Option<String>,
+    },
+
+    /// A tensor config.json implies that no file of the model holds.
+    #[error("model `{path}` has no tensor `{tensor}`")]
+    HfMissingTensor {
+        /// The file looked in (the single `model.safetensors`, or the shard index).
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+    },
+
+    /// A tensor whose shape (or dtype) in a model file disagrees with config.json, or
+    /// whose dtype tidestore does not read (it reads F32, F16 and BF16).
+    #[error("model file `{path}`: tensor `{tensor}` is {found}, {expected}")]
+    HfTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What config.json (or tidestore) asks for, in words (`config.json implies
+        /// [64, 32]`, `expected F32, F16 or BF16`).
+        expected: String,
+        /// Dtype and shape found (`BF16 [64, 16]`).
+        found: String,
+    },
+
+    /// A model file that is not a well-formed safetensors file (or index), or is
+    /// shorter than its own header says.
+    #[error("model file `{path}`: {reason}")]
+    HfMalformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the tensor or key where there is one.
+        reason: String,
+    },
+
+    /// A training text file that cannot be used: empty, or not UTF-8.
+    #[error("text file `{path}`: {reason}")]
+    TextFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong (with the byte offset of the first invalid byte).
+        reason: String,
+    },
+
+    /// A `tokenizer.json` the `tokenizers` crate refuses, or text it cannot encode.
+    #[error("tokenizer `{path}`: {reason}")]
+    Tokenizer {
+        /// The file (`tokenizer.json`), or `<byte-level>` for the built-in one.
+        path: PathBuf,
+        /// The tokenizers crate's message.
+        reason: String,
+    },
+
     /// The step loop was driven out of order (a tensor stepped twice in one step, a
     /// step finished with tensors left, ...).
     #[error("step loop: {0}")]
     Protocol(String),
+}
+
+fn needed_by(tensor: &Option<String>) -> String {
+    match tensor {
+        Some(t) => format!(" (the shard index places tensor `{t}` in it)"),
+        None => String::new(),
+    }
 }
 
 /// The result type of this crate.

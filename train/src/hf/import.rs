@@ -1,0 +1,437 @@
+//! Import of a Hugging Face LLaMA directory into a [`ChunkStore`], shard by shard,
+//! through memmap2: the whole model is never in memory.
+//!
+//! A model directory holds `config.json` and either one `model.safetensors` (looked for
+//! first, as `transformers` does) or shards listed by `model.safetensors.index.json`
+//! (`weight_map`: tensor name -> shard file). Tensors may be F32, F16 or BF16.
+//!
+//! # Everything checked before anything is written
+//! [`HfWeights::open`] maps each needed file and parses its header with the `safetensors`
+//! crate (offsets contiguous, covering the file exactly), then checks every tensor
+//! config.json implies: present, its shape, a dtype tidestore reads and, when
+//! config.json names one (`torch_dtype`), that dtype. [`import`] also checks that the
+//! store's layout holds every tensor of [`llama_tensors`] with its shape and
+//! trainability. Only then is anything written; every refusal is a typed error naming
+//! the file and the tensor, and leaves the store untouched.
+//!
+//! # Writing
+//! Each tensor goes to its places: the [`ListKind::Param16`] copy in the layout's dtype
+//! there, and for a trainable tensor the [`ListKind::MasterF32`] master. A tensor whose
+//! file dtype equals its place's dtype is written straight from the map (bf16 -> bf16 is
+//! byte-identical); otherwise it is converted through f32 (bf16/f16 -> f32 is exact,
+//! f32 -> 16-bit rounds to nearest even). Files are visited one after the other, each in
+//! offset order. Peak memory: one tensor's converted bytes (and its f32 values).
+//!
+//! LoRA adapters are not in a base checkpoint: A is drawn uniformly from
+//! ±1/sqrt(in_features) — PEFT's `kaiming_uniform_(a=sqrt(5))` — from a seeded PRNG, and
+//! B is zero, so the adapted model starts equal to the base.
+//!
+//! Tensors in the files that the model does not use (an `lm_head.weight` with tied
+//! embeddings, old `rotary_emb.inv_freq` buffers) are ignored.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use tidestore_chunk::typed::{decode_f32, encode_f32};
+use tidestore_chunk::{ChunkStore, DType, ListKind, TensorId};
+
+use crate::checkpoint::{map_file, parse, HEADER_LEN_BYTES};
+use crate::error::{Result, TrainError};
+use crate::hf::config::{dtype_to_torch, LlamaConfig};
+use crate::hf::init::SplitMix64;
+use crate::hf::names::{base_tensors, llama_tensors, lora_adapters, LoraSpec};
+
+/// The single-file weights of a model directory.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The shard index of a sharded model directory.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One mapped safetensors file.
+struct MappedFile {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    data_start: usize,
+}
+
+/// Where one tensor of the model lies.
+#[derive(Debug, Clone)]
+struct Located {
+    file: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// The weights of a model directory, mapped and checked against its config.
+pub struct HfWeights {
+    files: Vec<MappedFile>,
+    tensors: HashMap<String, Located>,
+    /// Base tensor names in forward order.
+    order: Vec<String>,
+}
+
+impl std::fmt::Debug for HfWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfWeights")
+            .field("files", &self.files.iter().map(|m| &m.path).collect::<Vec<_>>())
+            .field("tensors", &self.order.len())
+            .finish()
+    }
+}
+
+/// What an import did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImportReport {
+    /// The files read, in the order read.
+    pub files: Vec<PathBuf>,
+    /// Base tensors written.
+    pub tensors: usize,
+    /// Bytes of tensor data read from the files.
+    pub bytes_read: u64,
+    /// LoRA adapter tensors initialised (A and B each count).
+    pub adapters: usize,
+}
+
+/// Recasts the checkpoint module's file errors as model-file errors.
+fn model_file_error(e: TrainError) -> TrainError {
+    match e {
+        TrainError::CheckpointTruncated {
+            path,
+            len_bytes,
+            expected_bytes,
+        } => TrainError::HfMalformed {
+            path,
+            reason: format!(
+                "truncated: {len_bytes} bytes, its header asks for at least {expected_bytes}"
+            ),
+        },
+        TrainError::CheckpointMalformed { path, reason } => TrainError::HfMalformed { path, reason },
+        other => other,
+    }
+}
+
+/// The file of each tensor: every tensor in `model.safetensors`, or the index's map.
+fn weight_map(dir: &Path) -> Result<(PathBuf, Option<BTreeMap<String, String>>)> {
+    let single = dir.join(SINGLE_FILE);
+    if single.is_file() {
+        return Ok((single, None));
+    }
+    let index = dir.join(INDEX_FILE);
+    let text = match std::fs::read_to_string(&index) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(TrainError::HfMissingFile {
+                path: single,
+                tensor: None,
+            })
+        }
+        Err(source) => {
+            return Err(TrainError::Io {
+                op: "reading",
+                path: index,
+                source,
+            })
+        }
+    };
+    let malformed = |reason: String| TrainError::HfMalformed {
+        path: index.clone(),
+        reason,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| malformed(format!("not valid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| malformed("no `weight_map` object".into()))?;
+    let mut out = BTreeMap::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| malformed(format!("`weight_map.{name}` is not a file name")))?;
+        let plain = Path::new(file).file_name().map(|f| f == file).unwrap_or(false);
+        if !plain {
+            return Err(malformed(format!(
+                "`weight_map.{name}` = `{file}` is not a plain file name in the directory"
+            )));
+        }
+        out.insert(name.clone(), file.to_string());
+    }
+    Ok((index, Some(out)))
+}
+
+impl HfWeights {
+    /// Maps the weights of the model directory `dir` and checks every tensor `cfg`
+    /// implies (see the module doc). Nothing is read beyond the headers.
+    pub fn open(dir: &Path, cfg: &LlamaConfig) -> Result<HfWeights> {
+        let (listing, map) = weight_map(dir)?;
+        let expected = base_tensors(cfg);
+        // The file of each expected tensor, by name.
+        let mut file_of: Vec<(String, Vec<usize>, String)> = Vec::with_capacity(expected.len());
+        for (name, shape) in expected {
+            let file = match &map {
+                None => SINGLE_FILE.to_string(),
+                Some(m) => m
+                    .get(&name)
+                    .cloned()
+                    .ok_or_else(|| TrainError::HfMissingTensor {
+                        path: listing.clone(),
+                        tensor: name.clone(),
+                    })?,
+            };
+            file_of.push((name, shape, file));
+        }
+        let mut files: Vec<MappedFile> = Vec::new();
+        let mut metas: Vec<safetensors::tensor::Metadata> = Vec::new();
+        let mut index_of: HashMap<String, usize> = HashMap::new();
+        let mut tensors = HashMap::with_capacity(file_of.len());
+        let mut order = Vec::with_capacity(file_of.len());
+        for (name, shape, file) in file_of {
+            let i = match index_of.get(&file) {
+                Some(&i) => i,
+                None => {
+                    let path = dir.join(&file);
+                    if !path.is_file() {
+                        return Err(TrainError::HfMissingFile {
+                            path,
+                            tensor: Some(name),
+                        });
+                    }
+                    let map = map_file(&path).map_err(model_file_error)?;
+                    let (header_len, meta) = parse(&map, &path).map_err(model_file_error)?;
+                    files.push(MappedFile {
+                        path,
+                        map,
+                        data_start: HEADER_LEN_BYTES + header_len,
+                    });
+                    metas.push(meta);
+                    index_of.insert(file, files.len() - 1);
+                    files.len() - 1
+                }
+            };
+            let located = locate(&files[i], &metas[i], i, &name, &shape, cfg)?;
+            tensors.insert(name.clone(), located);
+            order.push(name);
+        }
+        Ok(HfWeights {
+            files,
+            tensors,
+            order,
+        })
+    }
+
+    /// The base tensors' names, in forward order.
+    pub fn names(&self) -> &[String] {
+        &self.order
+    }
+
+    /// A tensor's dtype, shape and bytes (little endian) as the file holds them.
+    pub fn tensor(&self, name: &str) -> Option<(DType, &[usize], &[u8])> {
+        let t = self.tensors.get(name)?;
+        let f = &self.files[t.file];
+        Some((t.dtype, &t.shape, &f.map[t.start..t.end]))
+    }
+
+    /// A tensor's values as f32 (exact for every dtype read).
+    pub fn tensor_f32(&self, name: &str) -> Option<Vec<f32>> {
+        let (dtype, _, bytes) = self.tensor(name)?;
+        let mut out = vec![0f32; bytes.len() / dtype.size_bytes() as usize];
+        decode_f32(bytes, dtype, &mut out);
+        Some(out)
+    }
+
+    /// The file a tensor is read from.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        let t = self.tensors.get(name)?;
+        Some(&self.files[t.file].path)
+    }
+}
+
+/// Finds `name` in one parsed file and checks it against config.json.
+fn locate(
+    file: &MappedFile,
+    meta: &safetensors::tensor::Metadata,
+    index: usize,
+    name: &str,
+    shape: &[usize],
+    cfg: &LlamaConfig,
+) -> Result<Located> {
+    let info = meta.info(name).ok_or_else(|| TrainError::HfMissingTensor {
+        path: file.path.clone(),
+        tensor: name.to_string(),
+    })?;
+    let found = || format!("{:?} {:?}", info.dtype, info.shape);
+    let refuse = |expected: String| TrainError::HfTensor {
+        path: file.path.clone(),
+        tensor: name.to_string(),
+        expected,
+        found: found(),
+    };
+    let dtype = match info.dtype {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        _ => return Err(refuse("tidestore reads F32, F16 and BF16".into())),
+    };
+    if info.shape != shape {
+        return Err(refuse(format!("config.json implies shape {shape:?}")));
+    }
+    if let Some(want) = cfg.torch_dtype.filter(|&d| d != dtype) {
+        return Err(refuse(format!(
+            "config.json's torch_dtype is {}",
+            dtype_to_torch(want)
+        )));
+    }
+    let (a, b) = info.data_offsets;
+    Ok(Located {
+        file: index,
+        dtype,
+        shape: info.shape.clone(),
+        start: file.data_start + a,
+        end: file.data_start + b,
+    })
+}
+
+/// `src` (elements of `from`) as elements of `to`: borrowed when they agree.
+pub(crate) fn convert(src: &[u8], from: DType, to: DType) -> Cow<'_, [u8]> {
+    if from == to {
+        return Cow::Borrowed(src);
+    }
+    let mut values = vec![0f32; src.len() / from.size_bytes() as usize];
+    decode_f32(src, from, &mut values);
+    Cow::Owned(encode(&values, to))
+}
+
+/// f32 values as little-endian elements of `to`.
+pub(crate) fn encode(values: &[f32], to: DType) -> Vec<u8> {
+    let mut out = vec![0u8; values.len() * to.size_bytes() as usize];
+    encode_f32(values, to, &mut out);
+    out
+}
+
+/// One place to write: tensor, list and the dtype there.
+struct Place {
+    tensor: TensorId,
+    list: ListKind,
+    dtype: DType,
+}
+
+/// The places of `name` in the store: Param16, and MasterF32 when trainable.
+fn places(store: &ChunkStore, name: &str) -> Result<Vec<Place>> {
+    let layout = store.layout();
+    let missing = || TrainError::Tensor {
+        tensor: name.to_string(),
+        reason: "not registered in the store".into(),
+    };
+    let id = layout.tensor_id(name).ok_or_else(missing)?;
+    let mut out = Vec::with_capacity(2);
+    for list in [ListKind::Param16, ListKind::MasterF32] {
+        if let Some(loc) = layout.location(id, list) {
+            out.push(Place {
+                tensor: id,
+                list,
+                dtype: loc.dtype,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Checks that the store registers every tensor of the model with its shape and
+/// trainability.
+fn check_store(store: &ChunkStore, cfg: &LlamaConfig, lora: Option<&LoraSpec>) -> Result<()> {
+    let layout = store.layout();
+    for want in llama_tensors(cfg, lora)? {
+        let id = layout
+            .tensor_id(&want.name)
+            .ok_or_else(|| TrainError::Tensor {
+                tensor: want.name.clone(),
+                reason: "the model has it and the store does not register it".into(),
+            })?;
+        let have = layout.tensor(id).ok_or_else(|| TrainError::Tensor {
+            tensor: want.name.clone(),
+            reason: "registered without a spec (a bug)".into(),
+        })?;
+        if have.shape != want.shape || have.trainable != want.trainable {
+            return Err(TrainError::Tensor {
+                tensor: want.name.clone(),
+                reason: format!(
+                    "the store registers {:?} (trainable {}), the model needs {:?} (trainable {})",
+                    have.shape, have.trainable, want.shape, want.trainable
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Imports the model directory `dir` (whose checked config is `cfg`) into `store`,
+/// whose layout registers [`llama_tensors`]`(cfg, lora)`; LoRA adapters are initialised
+/// from `seed`. Everything is checked before anything is written (see the module doc).
+/// Call it with no guard of the model's tensors held. A store error while writing
+/// leaves the store partly loaded: treat it as not loaded.
+pub fn import(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    store: &mut ChunkStore,
+    lora: Option<&LoraSpec>,
+    seed: u64,
+) -> Result<ImportReport> {
+    let weights = HfWeights::open(dir, cfg)?;
+    check_store(store, cfg, lora)?;
+    let mut report = ImportReport {
+        files: weights.files.iter().map(|f| f.path.clone()).collect(),
+        tensors: 0,
+        bytes_read: 0,
+        adapters: 0,
+    };
+    // File by file, each in offset order.
+    let mut by_file: Vec<&String> = weights.order.iter().collect();
+    by_file.sort_by_key(|n| {
+        let t = &weights.tensors[*n];
+        (t.file, t.start)
+    });
+    for name in by_file {
+        let (dtype, _, bytes) = weights
+            .tensor(name)
+            .ok_or_else(|| TrainError::Protocol(format!("tensor `{name}` lost (a bug)")))?;
+        for p in places(store, name)? {
+            store.write(p.tensor, p.list, &convert(bytes, dtype, p.dtype))?;
+        }
+        report.tensors += 1;
+        report.bytes_read += bytes.len() as u64;
+    }
+    if let Some(l) = lora {
+        report.adapters = init_adapters(store, cfg, l, seed)?;
+    }
+    tracing::info!(dir = %dir.display(), tensors = report.tensors,
+        bytes = report.bytes_read, adapters = report.adapters, "model imported");
+    Ok(report)
+}
+
+/// Writes PEFT's initial adapters (A uniform in ±1/sqrt(in), B zero) into every place
+/// of each adapter tensor; returns the count of tensors written.
+fn init_adapters(
+    store: &mut ChunkStore,
+    cfg: &LlamaConfig,
+    lora: &LoraSpec,
+    seed: u64,
+) -> Result<usize> {
+    let mut rng = SplitMix64::new(seed);
+    let mut written = 0;
+    for ad in lora_adapters(cfg, lora) {
+        let bound = 1.0 / (ad.in_features as f32).sqrt();
+        let a: Vec<f32> = (0..lora.r * ad.in_features)
+            .map(|_| rng.uniform_f32(-bound, bound))
+            .collect();
+        let b = vec![0f32; ad.out_features * lora.r];
+        for (name, values) in [(&ad.a, &a), (&ad.b, &b)] {
+            for p in places(store, name)? {
+                store.write(p.tensor, p.list, &encode(values, p.dtype))?;
+            }
+            written += 1;
+        }
+    }
+    Ok(written)
+}

@@ -1,0 +1,271 @@
+//! Text to token ids: a model directory's `tokenizer.json` through Hugging Face's
+//! `tokenizers` crate, or byte-level where the directory has none; and the training text
+//! file, read and checked.
+//!
+//! The `tokenizers` crate is built without default features and with `fancy-regex` (a
+//! pure-Rust regex, instead of the onig C library): that reads the `tokenizer.json` of
+//! LLaMA 2 (SentencePiece-style BPE with byte fallback) and LLaMA 3 (byte-level BPE with
+//! a split regex).
+//!
+//! Byte-level: token `b` (0..=255) is the byte `b` of the UTF-8 text, `<s>` is 256 and
+//! `</s>` is 257 ([`BYTE_LEVEL_VOCAB`] ids). [`byte_level_tokenizer_json`] writes the same
+//! mapping as a `tokenizer.json` (GPT-2 byte-level BPE with no merges), so a model made
+//! by [`crate::hf::init_model`] tokenizes the same with or without its file.
+//!
+//! Encoding never adds special tokens; the caller places BOS/EOS where it wants them.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, TrainError};
+
+/// The tokenizer file of a model directory.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// Ids of the byte-level tokenizer: 256 bytes, `<s>`, `</s>`.
+pub const BYTE_LEVEL_VOCAB: usize = 258;
+/// `<s>` of the byte-level tokenizer.
+pub const BYTE_LEVEL_BOS: u32 = 256;
+/// `</s>` of the byte-level tokenizer.
+pub const BYTE_LEVEL_EOS: u32 = 257;
+/// Texts longer than this are encoded in pieces cut after a newline (see [`Tokenizer::encode`]).
+pub const ENCODE_PIECE_BYTES: usize = 1 << 20;
+
+/// A tokenizer: a `tokenizer.json`, or byte-level.
+#[derive(Debug)]
+pub struct Tokenizer {
+    inner: Inner,
+}
+
+#[derive(Debug)]
+enum Inner {
+    Hf {
+        tokenizer: Box<tokenizers::Tokenizer>,
+        path: PathBuf,
+    },
+    Bytes,
+}
+
+impl Tokenizer {
+    /// `dir/tokenizer.json` when it exists, else byte-level.
+    pub fn for_model(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join(TOKENIZER_FILE);
+        if path.is_file() {
+            Tokenizer::from_file(&path)
+        } else {
+            tracing::info!(dir = %dir.display(), "no tokenizer.json: byte-level tokens");
+            Ok(Tokenizer::byte_level())
+        }
+    }
+
+    /// A `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Tokenizer> {
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| TrainError::Tokenizer {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        Ok(Tokenizer {
+            inner: Inner::Hf {
+                tokenizer: Box::new(tokenizer),
+                path: path.to_path_buf(),
+            },
+        })
+    }
+
+    /// The byte-level tokenizer (see the module doc).
+    pub fn byte_level() -> Tokenizer {
+        Tokenizer { inner: Inner::Bytes }
+    }
+
+    /// Whether this is the built-in byte-level tokenizer.
+    pub fn is_byte_level(&self) -> bool {
+        matches!(self.inner, Inner::Bytes)
+    }
+
+    /// Ids in use: the model's `vocab_size` must be at least this.
+    pub fn vocab_size(&self) -> usize {
+        match &self.inner {
+            Inner::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
+            Inner::Bytes => BYTE_LEVEL_VOCAB,
+        }
+    }
+
+    /// The id of a token (`<s>`, `</s>`, `<|begin_of_text|>`, ...).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        match &self.inner {
+            Inner::Hf { tokenizer, .. } => tokenizer.token_to_id(token),
+            Inner::Bytes => match token {
+                "<s>" => Some(BYTE_LEVEL_BOS),
+                "</s>" => Some(BYTE_LEVEL_EOS),
+                _ => None,
+            },
+        }
+    }
+
+    /// The ids of `text`, without special tokens. A text longer than
+    /// [`ENCODE_PIECE_BYTES`] is encoded in pieces cut just after a newline (bounded
+    /// memory; a SentencePiece-style tokenizer may then tokenize the first word of a
+    /// piece as the start of a text).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let (tokenizer, path) = match &self.inner {
+            Inner::Bytes => return Ok(text.bytes().map(u32::from).collect()),
+            Inner::Hf { tokenizer, path } => (tokenizer, path),
+        };
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for piece in pieces(text, ENCODE_PIECE_BYTES) {
+            let enc = tokenizer
+                .encode(piece, false)
+                .map_err(|e| TrainError::Tokenizer {
+                    path: path.clone(),
+                    reason: format!("encoding: {e}"),
+                })?;
+            ids.extend_from_slice(enc.get_ids());
+        }
+        Ok(ids)
+    }
+
+    /// The text of `ids`, special tokens skipped (invalid UTF-8 from a byte-level
+    /// sequence cut mid-character is replaced by U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match &self.inner {
+            Inner::Hf { tokenizer, path } => {
+                tokenizer
+                    .decode(ids, true)
+                    .map_err(|e| TrainError::Tokenizer {
+                        path: path.clone(),
+                        reason: format!("decoding: {e}"),
+                    })
+            }
+            Inner::Bytes => {
+                let mut bytes = Vec::with_capacity(ids.len());
+                for &id in ids {
+                    match u8::try_from(id) {
+                        Ok(b) => bytes.push(b),
+                        Err(_) if (id as usize) < BYTE_LEVEL_VOCAB => {}
+                        Err(_) => {
+                            return Err(TrainError::Tokenizer {
+                                path: PathBuf::from("<byte-level>"),
+                                reason: format!("id {id} is not a byte-level token"),
+                            })
+                        }
+                    }
+                }
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+        }
+    }
+}
+
+/// `text` cut into pieces of about `max` bytes, each ending just after a newline where
+/// one is found (else at a character boundary).
+fn pieces(text: &str, max: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        if rest.len() <= max {
+            return Some(std::mem::take(&mut rest));
+        }
+        let mut cut = max;
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        if let Some(nl) = rest[..cut].rfind('\n') {
+            cut = nl + 1;
+        }
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
+/// Reads a training text file: refused when it cannot be read, is empty, or is not
+/// UTF-8 (naming the byte offset of the first invalid byte).
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|source| TrainError::Io {
+        op: "reading",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if bytes.is_empty() {
+        return Err(TrainError::TextFile {
+            path: path.to_path_buf(),
+            reason: "empty: nothing to train on".into(),
+        });
+    }
+    String::from_utf8(bytes).map_err(|e| TrainError::TextFile {
+        path: path.to_path_buf(),
+        reason: format!(
+            "not UTF-8: invalid byte at offset {}",
+            e.utf8_error().valid_up_to()
+        ),
+    })
+}
+
+/// GPT-2's map from bytes to printable characters (`bytes_to_unicode`).
+fn byte_char(b: u8) -> char {
+    let printable = |x: u8| matches!(x, 33..=126 | 161..=172 | 174..=255);
+    if printable(b) {
+        return char::from(b);
+    }
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).unwrap_or_else(|| unreachable!("256..324 are characters"))
+}
+
+/// A `tokenizer.json` that maps every byte `b` to id `b`, with `<s>` = 256 and
+/// `</s>` = 257 (see the module doc).
+pub fn byte_level_tokenizer_json() -> String {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), u32::from(b).into()))
+        .collect();
+    let special = |id: u32, content: &str| {
+        serde_json::json!({
+            "id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true,
+        })
+    };
+    let byte_level = serde_json::json!({
+        "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true,
+    });
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(BYTE_LEVEL_BOS, "<s>"), special(BYTE_LEVEL_EOS, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": [],
+        },
+    });
+    serde_json::to_string_pretty(&json)
+        .unwrap_or_else(|e| unreachable!("a JSON value always serialises: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_chars_are_distinct_and_match_gpt2() {
+        let chars: std::collections::HashSet<char> = (0..=255u8).map(byte_char).collect();
+        assert_eq!(chars.len(), 256);
+        assert_eq!(byte_char(b' '), 'Ġ');
+        assert_eq!(byte_char(b'\n'), 'Ċ');
+        assert_eq!(byte_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn pieces_cut_after_newlines_and_cover_the_text() {
+        let text = "ab\ncd\néé\nxyz";
+        let p: Vec<&str> = pieces(text, 5).collect();
+        assert_eq!(p.concat(), text);
+        assert_eq!(p[0], "ab\n");
+        assert!(p.iter().all(|s| s.len() <= 5));
+    }
+}
