@@ -585,6 +585,7 @@ pub struct Config {
     pub policy: PolicySection,
     pub optimizer: OptimizerSection,
     pub workload: WorkloadSection,
+    pub train: crate::finetune::TrainSection,
 }
 
 impl Config {
@@ -605,10 +606,17 @@ impl Config {
             source,
         })?;
         let mut cfg = Config::from_toml_str(&src).map_err(|e| e.in_file(path))?;
-        if let Some(dir) = &cfg.nvme.dir {
-            if dir.is_relative() {
-                let base = path.parent().unwrap_or(Path::new(""));
-                cfg.nvme.dir = Some(base.join(dir));
+        let base = path.parent().unwrap_or(Path::new(""));
+        let t = &mut cfg.train;
+        for dir in [
+            &mut cfg.nvme.dir,
+            &mut t.model_dir,
+            &mut t.text,
+            &mut t.checkpoint_dir,
+            &mut t.export_dir,
+        ] {
+            if let Some(d) = dir.as_mut().filter(|d| d.is_relative()) {
+                *d = base.join(&*d);
             }
         }
         cfg.check_dirs().map_err(|e| e.in_file(path))?;
@@ -661,6 +669,7 @@ impl Config {
         self.validate_tiers()?;
         self.validate_optimizer()?;
         self.workload.validate()?;
+        self.train.validate()?;
         Ok(())
     }
 

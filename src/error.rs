@@ -83,6 +83,14 @@ pub enum Error {
     /// A benchmark run that went wrong in a way none of the layers reports.
     #[error("bench: {0}")]
     Bench(String),
+
+    /// A model's forward or backward in candle failed, or the candle glue refused.
+    #[error(transparent)]
+    Candle(#[from] tidestore_candle::Error),
+
+    /// A fine-tuning run's input is unusable (the file and what is wrong named).
+    #[error("finetune: {0}")]
+    Finetune(String),
 }
 
 impl From<tidestore_train::TrainError> for Error {

@@ -25,6 +25,7 @@
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod finetune;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod plan;
@@ -40,4 +41,5 @@ pub use tidestore_chunk as chunk;
 pub use tidestore_io as io;
 pub use tidestore_optimizer as optimizer;
 pub use tidestore_tiers as tiers;
+pub use tidestore_train as train;
 pub use workload::{Workload, WorkloadSection};

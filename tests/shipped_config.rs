@@ -101,6 +101,25 @@ fn shipped_config_sets_and_documents_every_key() {
                 "vocab",
             ],
         ),
+        (
+            "train",
+            &[
+                "steps",
+                "sequence",
+                "micro_batch",
+                "accumulation",
+                "schedule",
+                "warmup_steps",
+                "mode",
+                "lora_rank",
+                "lora_alpha",
+                "lora_targets",
+                "precision",
+                "checkpoint_every",
+                "export_dtype",
+                "seed",
+            ],
+        ),
     ];
     let sections: Vec<&String> = table.keys().collect();
     assert_eq!(sections.len(), expected.len(), "sections: {sections:?}");

@@ -597,8 +597,9 @@ impl TideParams {
         self.entries.iter().map(|e| e.id).collect()
     }
 
-    /// The chunk store, for [`crate::checkpoint`] to stream tensors in and out.
-    pub(crate) fn store_mut(&mut self) -> &mut ChunkStore {
+    /// The chunk store, for what streams tensors in or out of it (checkpoints, exports):
+    /// between steps, with no forward pass in progress.
+    pub fn store_mut(&mut self) -> &mut ChunkStore {
         &mut self.store
     }
 

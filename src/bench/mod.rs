@@ -59,12 +59,13 @@ use compute::{ComputeModel, ComputeStream};
 #[cfg(not(feature = "cuda"))]
 use no_cuda::BenchKernels;
 use pattern::{noise, pattern_offset, INIT_SEED, PATTERN_SLACK};
-use placement::{choose_placement, hyper_params, step_needs, StepBudget, StepPlacement};
+use placement::{choose_placement, step_needs, StepBudget, StepPlacement};
 use report::Counters;
 
 pub use disk::DiskRates;
 pub use pattern::{checksum, grad_value, splitmix64, unit_f32, GRAD_SCALE, GRAD_SEED};
 pub use placement::cpu_optimizer;
+pub(crate) use placement::hyper_params;
 pub use report::{
     BenchReport, BoundReport, BudgetReport, ChunkReport, ListReport, NoProgress, OptimizerReport,
     PeakReport, PhaseName, PhaseReport, Progress, Sample, StoreReport, WorkloadReport, EMULATED,

@@ -209,7 +209,7 @@ pub(super) fn choose_placement(
     }
 }
 
-pub(super) fn hyper_params(cfg: &Config) -> HyperParams {
+pub(crate) fn hyper_params(cfg: &Config) -> HyperParams {
     let o = &cfg.optimizer;
     HyperParams {
         lr: o.lr as f32,

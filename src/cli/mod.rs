@@ -21,7 +21,9 @@ macro_rules! out {
 mod adamw_bench;
 mod bench;
 mod blockdev;
+mod finetune;
 mod fio;
+mod init_model;
 mod io_bench;
 mod plan;
 mod plot;
@@ -63,6 +65,12 @@ enum Command {
     /// Measure the CPU AdamW kernel (parameters/s) against an in-place read-modify-write
     /// memory probe over arrays of the same sizes, in the same run.
     AdamwBench(adamw_bench::AdamwBenchArgs),
+    /// Fine-tune the [train] section's Hugging Face LLaMA on its text, layer-streamed
+    /// through the store: the model never has to fit in GPU or host memory.
+    Finetune(finetune::FinetuneArgs),
+    /// Write a random-weight LLaMA as a Hugging Face directory (config.json,
+    /// safetensors, a byte-level tokenizer.json): a model to fine-tune without a download.
+    InitModel(init_model::InitModelArgs),
 }
 
 impl Cli {
@@ -73,6 +81,8 @@ impl Cli {
             Command::Bench(args) => bench::run(&self.config, &args),
             Command::Plan(args) => plan::run(&self.config, &args),
             Command::AdamwBench(args) => adamw_bench::run(&args),
+            Command::Finetune(args) => finetune::run(&self.config, &args),
+            Command::InitModel(args) => init_model::run(&args),
         }
     }
 }

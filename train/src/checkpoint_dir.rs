@@ -119,7 +119,7 @@ impl CheckpointDir {
     /// Removes all but the newest `keep` checkpoints. The new checkpoint is durable by
     /// now, so a removal that fails is logged, not returned: the old file stays, and the
     /// next save tries again.
-    fn prune(&self) -> Result<()> {
+    pub fn prune(&self) -> Result<()> {
         let all = self.list()?;
         let old = all.len().saturating_sub(self.keep);
         let mut removed = 0;

@@ -1,0 +1,200 @@
+//! The model of a fine-tuning run: a Hugging Face LLaMA directory read through the train
+//! crate's `hf` module (its `config.json` checked, its safetensors shards mapped), the
+//! candle [`Llama`] that computes it, its weights imported into the store one tensor at
+//! a time (dtype converted on the way, the whole model never in RAM), the text
+//! tokenized, and the trained weights exported.
+
+use std::path::{Path, PathBuf};
+
+use tidestore_candle::{Llama, LlamaConfig, LlamaLora, TideParams};
+use tidestore_train::hf;
+
+use tidestore_chunk::DType;
+
+use super::data::Samples;
+use super::section::{ExportDtype, TrainSection};
+use crate::error::{Error, Result};
+use crate::workload::{LoraTargets, TrainMode};
+
+/// A model directory, read and checked.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The candle model.
+    pub model: Llama,
+    /// Its `config.json`.
+    pub hf: hf::LlamaConfig,
+    /// The directory.
+    pub dir: PathBuf,
+}
+
+fn targets(t: LoraTargets) -> Vec<String> {
+    t.projections()
+        .iter()
+        .map(|p| format!("{p}_proj"))
+        .collect()
+}
+
+impl Loaded {
+    /// One line: shape, parameters, what trains.
+    pub fn describe(&self) -> String {
+        let c = &self.hf;
+        let what = match &self.model.config().lora {
+            Some(l) => format!("LoRA rank {} on {}", l.rank, l.targets.join(",")),
+            None => "full fine-tuning".into(),
+        };
+        format!(
+            "{} (llama, {} layers, hidden {}, {} heads / {} kv, vocab {}), {}",
+            self.dir.display(),
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size,
+            what
+        )
+    }
+
+    /// Parameters of the model (adapters included).
+    pub fn params(&self) -> u64 {
+        self.model.specs().iter().map(|s| s.elements() as u64).sum()
+    }
+
+    /// Trained parameters.
+    pub fn params_trainable(&self) -> u64 {
+        self.model
+            .specs()
+            .iter()
+            .filter(|s| s.trainable)
+            .map(|s| s.elements() as u64)
+            .sum()
+    }
+}
+
+/// Reads `train.model_dir`'s config and makes the model the section asks for.
+pub fn open(t: &TrainSection) -> Result<Loaded> {
+    let dir = t.model_dir()?;
+    let c = hf::LlamaConfig::load(dir)?;
+    if c.head_dim * c.num_attention_heads != c.hidden_size {
+        return Err(Error::Finetune(format!(
+            "{}: head_dim {} x {} heads is not hidden_size {}; such models are not supported",
+            dir.join(hf::CONFIG_FILE).display(),
+            c.head_dim,
+            c.num_attention_heads,
+            c.hidden_size
+        )));
+    }
+    let lora = (t.mode == TrainMode::Lora).then(|| LlamaLora {
+        rank: t.lora_rank as usize,
+        alpha: t.lora_alpha as f32,
+        targets: targets(t.lora_targets),
+    });
+    let model = Llama::new(LlamaConfig {
+        vocab: c.vocab_size,
+        hidden: c.hidden_size,
+        intermediate: c.intermediate_size,
+        layers: c.num_hidden_layers,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        rms_eps: c.rms_norm_eps,
+        rope_theta: c.rope_theta,
+        tie_embeddings: c.tie_word_embeddings,
+        lora,
+    })?;
+    Ok(Loaded {
+        model,
+        hf: c,
+        dir: dir.to_path_buf(),
+    })
+}
+
+/// The text tokenized with the model directory's `tokenizer.json` (byte-level when it
+/// has none), cut into the section's samples.
+pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
+    let path = t.text()?;
+    let tokenizer = hf::Tokenizer::for_model(&loaded.dir)?;
+    let tokens = tokenizer.encode(&hf::read_text(path)?)?;
+    if let Some(&bad) = tokens
+        .iter()
+        .find(|&&id| id as usize >= loaded.hf.vocab_size)
+    {
+        return Err(Error::Finetune(format!(
+            "{}: the tokenizer gives id {bad}, outside the model's vocab_size {}",
+            path.display(),
+            loaded.hf.vocab_size
+        )));
+    }
+    Samples::new(
+        tokens,
+        t.sequence as usize,
+        t.micro_batch as usize,
+        t.seed,
+        &path.display().to_string(),
+    )
+}
+
+/// Writes the directory's weights into `params`, one tensor at a time, and fresh LoRA
+/// adapters (seeded by `train.seed`) when the section asks for them.
+pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Result<()> {
+    let weights = hf::HfWeights::open(&loaded.dir, &loaded.hf)?;
+    for name in weights.names() {
+        let values = weights.tensor_f32(name).ok_or_else(|| {
+            Error::Finetune(format!(
+                "{}: tensor `{name}` vanished",
+                loaded.dir.display()
+            ))
+        })?;
+        params.set_param(name, &values)?;
+    }
+    if loaded.model.config().lora.is_some() {
+        for (spec, values) in loaded.model.init(t.seed) {
+            if spec.name.contains(".lora_") {
+                params.set_param(&spec.name, &values)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The LoRA setting of the run, in the `hf` module's terms.
+fn lora_spec(loaded: &Loaded) -> Result<Option<hf::LoraSpec>> {
+    let Some(l) = &loaded.model.config().lora else {
+        return Ok(None);
+    };
+    let targets = l
+        .targets
+        .iter()
+        .map(|t| t.parse::<hf::LoraTarget>())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Some(hf::LoraSpec::new(l.rank, l.alpha, &targets)))
+}
+
+/// Writes the trained model to `out`: Hugging Face safetensors (the imported directory's
+/// tokenizer and generation config copied along), or with LoRA the adapters in PEFT's
+/// layout. Streamed tensor by tensor, written to a temporary directory and renamed.
+pub fn export(
+    t: &TrainSection,
+    loaded: &Loaded,
+    params: &mut TideParams,
+    out: &Path,
+) -> Result<()> {
+    let dtype = match t.export_dtype {
+        ExportDtype::Bf16 => DType::BF16,
+        ExportDtype::F16 => DType::F16,
+        ExportDtype::F32 => DType::F32,
+    };
+    match lora_spec(loaded)? {
+        Some(lora) => {
+            let base = loaded.dir.display().to_string();
+            hf::export_adapter(params.store_mut(), &loaded.hf, &lora, out, dtype, &base)?;
+        }
+        None => {
+            let opts = hf::ExportOptions {
+                dtype,
+                copy_from: Some(loaded.dir.clone()),
+                ..hf::ExportOptions::default()
+            };
+            hf::export_model(params.store_mut(), &loaded.hf, None, out, &opts)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,166 @@
+//! Guards `tidestore finetune` and `tidestore init-model` end to end, as a user runs
+//! them: a random-weight LLaMA written as a Hugging Face directory, fine-tuned on the
+//! shipped text through the store; the loss falls; a run stopped at a checkpoint and
+//! resumed gives the very losses (bit for bit) of one never stopped; the export is a
+//! Hugging Face directory (with LoRA, a PEFT adapter); bad input is refused naming the
+//! key or file, exit code 2 for configuration.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
+const TEXT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/genesis-kjv.txt");
+
+fn run(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .current_dir(dir)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the binary")
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let out = run(dir, args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+fn config(extra: &str) -> String {
+    format!(
+        "[device]\nkind = \"sim\"\nbudget = \"16MiB\"\n[host]\nbudget = \"16MiB\"\n\
+         [nvme]\ndir = \"swap\"\nsize = \"256MiB\"\n[optimizer]\nlr = 1e-3\nthreads = 1\n\
+         [train]\nmodel_dir = \"model\"\ntext = \"{TEXT}\"\nsteps = 8\nsequence = 32\n\
+         micro_batch = 2\ncheckpoint_every = 4\ncheckpoint_dir = \"ckpt\"\n{extra}"
+    )
+}
+
+/// A directory with a tiny model (two layers, grouped-query attention, sharded) and a
+/// config using it.
+fn setup(extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("swap")).unwrap();
+    ok(
+        dir.path(),
+        &[
+            "init-model",
+            "--out",
+            "model",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--intermediate",
+            "160",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "300",
+            "--seed",
+            "3",
+            "--max-shard-size",
+            "64KiB",
+        ],
+    );
+    std::fs::write(dir.path().join("tidestore.toml"), config(extra)).unwrap();
+    dir
+}
+
+fn losses(json: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(json).expect("JSON report");
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].to_string())
+        .collect()
+}
+
+#[test]
+fn a_resumed_run_repeats_the_uninterrupted_losses_and_exports_a_model() {
+    let d = setup("export_dir = \"export\"\n");
+    assert!(
+        d.path().join("model/model.safetensors.index.json").exists(),
+        "sharded"
+    );
+    let whole = ok(d.path(), &["finetune", "--json"]);
+    let all = losses(&whole);
+    assert_eq!(all.len(), 8);
+    let (first, last): (f64, f64) = (all[0].parse().unwrap(), all[7].parse().unwrap());
+    assert!(last < first, "the loss falls: {first} -> {last}");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(d.path().join("export").join(f).exists(), "export/{f}");
+    }
+
+    let d2 = setup("");
+    ok(d2.path(), &["finetune", "--json", "--steps", "4"]);
+    let resumed = ok(d2.path(), &["finetune", "--json", "--resume"]);
+    let v: serde_json::Value = serde_json::from_str(&resumed).unwrap();
+    assert_eq!(v["resumed_from"], 4);
+    assert_eq!(losses(&resumed), all[4..], "steps 5..8 after a resume");
+}
+
+#[test]
+fn lora_exports_a_peft_adapter() {
+    let d = setup("mode = \"lora\"\nlora_rank = 4\nexport_dir = \"adapter\"\n");
+    let out = ok(d.path(), &["finetune", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["params_trainable"].as_u64().unwrap() < v["params"].as_u64().unwrap() / 10);
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path().join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 4);
+    assert!(d.path().join("adapter/adapter_model.safetensors").exists());
+}
+
+#[test]
+fn bad_input_is_refused_naming_the_key_or_file() {
+    let d = setup("");
+    // No model.
+    std::fs::write(
+        d.path().join("tidestore.toml"),
+        config("").replace("model_dir = \"model\"\n", ""),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("train.model_dir"));
+    // An empty text file.
+    std::fs::write(d.path().join("empty.txt"), "").unwrap();
+    std::fs::write(
+        d.path().join("tidestore.toml"),
+        config("").replace(TEXT, "empty.txt"),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("empty.txt"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A model directory without its weights.
+    std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();
+    for f in std::fs::read_dir(d.path().join("model")).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::remove_file(&p).unwrap();
+            break;
+        }
+    }
+    let out = run(d.path(), &["finetune"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(".safetensors"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
