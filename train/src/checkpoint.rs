@@ -282,7 +282,10 @@ pub(crate) fn safetensors_header<'a>(
     out
 }
 
-pub(crate) fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
+pub(crate) fn io_err<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> TrainError + 'a {
     move |source| TrainError::Io {
         op,
         path: path.to_path_buf(),

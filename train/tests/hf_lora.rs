@@ -32,7 +32,10 @@ fn adapters_start_as_peft_and_export_in_its_layout() {
     let adapters = hf::lora_adapters(&cfg, &lora);
     for ad in &adapters {
         let a = store.layout().tensor_id(&ad.a).unwrap();
-        let a = to_f32(safetensors::Dtype::F32, &store.read(a, ListKind::MasterF32).unwrap());
+        let a = to_f32(
+            safetensors::Dtype::F32,
+            &store.read(a, ListKind::MasterF32).unwrap(),
+        );
         let bound = 1.0 / (ad.in_features as f32).sqrt();
         assert!(a.iter().all(|x| x.abs() <= bound) && a.iter().any(|x| *x != 0.0));
         let b = store.layout().tensor_id(&ad.b).unwrap();
@@ -49,11 +52,16 @@ fn adapters_start_as_peft_and_export_in_its_layout() {
     let saved = read_st(&out.join(ADAPTER_FILE));
     assert_eq!(saved.len(), 2 * adapters.len());
     let (d, shape, _) = &saved["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"];
-    assert_eq!((*d, shape.as_slice()), (safetensors::Dtype::F32, &[4usize, 16][..]));
+    assert_eq!(
+        (*d, shape.as_slice()),
+        (safetensors::Dtype::F32, &[4usize, 16][..])
+    );
     let (_, shape, _) = &saved["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"];
     assert_eq!(shape.as_slice(), &[16, 4]);
-    assert!(saved.keys().all(|k| k.starts_with("base_model.model.model.layers.")
-        && (k.ends_with(".lora_A.weight") || k.ends_with(".lora_B.weight"))));
+    assert!(saved
+        .keys()
+        .all(|k| k.starts_with("base_model.model.model.layers.")
+            && (k.ends_with(".lora_A.weight") || k.ends_with(".lora_B.weight"))));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join(ADAPTER_CONFIG_FILE)).unwrap())
             .unwrap();
@@ -62,7 +70,10 @@ fn adapters_start_as_peft_and_export_in_its_layout() {
     assert_eq!(config["r"], 4);
     assert_eq!(config["lora_alpha"], 8.0);
     assert!((config["lora_dropout"].as_f64().unwrap() - 0.05).abs() < 1e-7);
-    assert_eq!(config["target_modules"], serde_json::json!(["q_proj", "v_proj", "down_proj"]));
+    assert_eq!(
+        config["target_modules"],
+        serde_json::json!(["q_proj", "v_proj", "down_proj"])
+    );
     assert_eq!(config["bias"], "none");
     assert_eq!(config["fan_in_fan_out"], false);
     assert_eq!(config["base_model_name_or_path"], "meta-llama/Tiny");
@@ -105,7 +116,10 @@ fn merged_export_is_w_plus_scaled_ba() {
         };
         let mut read = |n: &str| {
             let id = store.layout().tensor_id(n).unwrap();
-            to_f32(safetensors::Dtype::F32, &store.read(id, ListKind::MasterF32).unwrap())
+            to_f32(
+                safetensors::Dtype::F32,
+                &store.read(id, ListKind::MasterF32).unwrap(),
+            )
         };
         let (a, b) = (read(&ad.a), read(&ad.b));
         let (out_f, in_f, r) = (ad.out_features, ad.in_features, lora.r);

@@ -90,7 +90,9 @@ fn tensor_missing_from_the_file_the_index_or_the_shard() {
     t.remove(UP1).unwrap();
     write_st(&file, &t);
     let e = refused(tmp.path(), &dir, None);
-    assert!(matches!(e, TrainError::HfMissingTensor { ref path, ref tensor } if *path == file && tensor == UP1));
+    assert!(
+        matches!(e, TrainError::HfMissingTensor { ref path, ref tensor } if *path == file && tensor == UP1)
+    );
 
     let tmp = tempfile::tempdir().unwrap();
     let dir = model(tmp.path(), 2000);
@@ -126,13 +128,24 @@ fn shape_or_dtype_disagreeing_with_config() {
     edit_config(&dir, "intermediate_size", 32.into());
     let e = refused(tmp.path(), &dir, None);
     assert!(matches!(e, TrainError::HfTensor { .. }));
-    names(&e, &[SINGLE_FILE, "model.layers.0.mlp.gate_proj.weight", "[32, 16]", "[24, 16]"]);
+    names(
+        &e,
+        &[
+            SINGLE_FILE,
+            "model.layers.0.mlp.gate_proj.weight",
+            "[32, 16]",
+            "[24, 16]",
+        ],
+    );
 
     let tmp = tempfile::tempdir().unwrap();
     let dir = model(tmp.path(), u64::MAX);
     edit_config(&dir, "torch_dtype", "float32".into());
     let e = refused(tmp.path(), &dir, None);
-    names(&e, &[SINGLE_FILE, "model.embed_tokens.weight", "float32", "BF16"]);
+    names(
+        &e,
+        &[SINGLE_FILE, "model.embed_tokens.weight", "float32", "BF16"],
+    );
 }
 
 #[test]
@@ -177,8 +190,16 @@ fn unsupported_architecture_and_settings() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = model(tmp.path(), u64::MAX);
     for (key, value, named) in [
-        ("architectures", serde_json::json!(["MistralForCausalLM"]), "architectures[0]"),
-        ("rope_scaling", serde_json::json!({"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+        (
+            "architectures",
+            serde_json::json!(["MistralForCausalLM"]),
+            "architectures[0]",
+        ),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+            "rope_scaling",
+        ),
         ("attention_bias", serde_json::json!(true), "attention_bias"),
     ] {
         let saved = std::fs::read(dir.join(CONFIG_FILE)).unwrap();

@@ -38,7 +38,10 @@ fn init_model_writes_a_directory_plain_tools_read() {
         let (d, s, _) = &tensors[name];
         assert_eq!((d, s), (&safetensors::Dtype::BF16, shape), "{name}");
     }
-    let norm = to_f32(tensors["model.norm.weight"].0, &tensors["model.norm.weight"].2);
+    let norm = to_f32(
+        tensors["model.norm.weight"].0,
+        &tensors["model.norm.weight"].2,
+    );
     assert!(norm.iter().all(|&x| x == 1.0));
     let q = &tensors["model.layers.0.self_attn.q_proj.weight"];
     let q = to_f32(q.0, &q.2);
@@ -84,8 +87,7 @@ fn bf16_round_trip_is_byte_identical_single_and_sharded() {
     through_store(tmp.path(), &src, &sharded, DType::BF16, 2000);
     assert!(!sharded.join(SINGLE_FILE).exists());
     let index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(sharded.join(INDEX_FILE)).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(sharded.join(INDEX_FILE)).unwrap()).unwrap();
     let map = index["weight_map"].as_object().unwrap();
     assert_eq!(map.len(), before.len());
     let total: usize = before.values().map(|t| t.2.len()).sum();
@@ -94,7 +96,13 @@ fn bf16_round_trip_is_byte_identical_single_and_sharded() {
     assert!(sharded.join("tokenizer.json").is_file());
     // Shards in, single file out: the same bytes again.
     let single = tmp.path().join("single");
-    through_store(&tmp.path().join("b"), &sharded, &single, DType::BF16, u64::MAX);
+    through_store(
+        &tmp.path().join("b"),
+        &sharded,
+        &single,
+        DType::BF16,
+        u64::MAX,
+    );
     assert!(single.join(SINGLE_FILE).is_file() && !single.join(INDEX_FILE).exists());
     assert_eq!(read_st(&single.join(SINGLE_FILE)), before);
     // Exporting over an existing directory replaces it whole.

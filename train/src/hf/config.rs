@@ -409,7 +409,10 @@ mod tests {
     #[test]
     fn refuses_what_it_cannot_compute_naming_the_key() {
         for (key, v) in [
-            ("rope_scaling", serde_json::json!({"type": "linear", "factor": 2.0})),
+            (
+                "rope_scaling",
+                serde_json::json!({"type": "linear", "factor": 2.0}),
+            ),
             ("attention_bias", Value::Bool(true)),
             ("mlp_bias", Value::Bool(true)),
             ("hidden_act", Value::from("gelu")),
@@ -425,8 +428,13 @@ mod tests {
                 other => panic!("{key}: {other:?}"),
             }
         }
-        let e = parse(&with("architectures", serde_json::json!(["MistralForCausalLM"])));
-        assert!(matches!(e, Err(TrainError::HfConfig { ref key, .. }) if key == "architectures[0]"));
+        let e = parse(&with(
+            "architectures",
+            serde_json::json!(["MistralForCausalLM"]),
+        ));
+        assert!(
+            matches!(e, Err(TrainError::HfConfig { ref key, .. }) if key == "architectures[0]")
+        );
     }
 
     #[test]

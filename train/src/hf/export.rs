@@ -174,7 +174,15 @@ fn merged_f32(
     if let Some(ad) = lora_adapters(cfg, l).into_iter().find(|a| a.base == name) {
         let a = read_f32(store, &ad.a)?;
         let b = read_f32(store, &ad.b)?;
-        merge_into(&mut w, &a, &b, ad.out_features, ad.in_features, l.r, l.scale());
+        merge_into(
+            &mut w,
+            &a,
+            &b,
+            ad.out_features,
+            ad.in_features,
+            l.r,
+            l.scale(),
+        );
     }
     Ok(w)
 }

@@ -75,7 +75,10 @@ pub struct HfWeights {
 impl std::fmt::Debug for HfWeights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfWeights")
-            .field("files", &self.files.iter().map(|m| &m.path).collect::<Vec<_>>())
+            .field(
+                "files",
+                &self.files.iter().map(|m| &m.path).collect::<Vec<_>>(),
+            )
             .field("tensors", &self.order.len())
             .finish()
     }
@@ -107,7 +110,9 @@ fn model_file_error(e: TrainError) -> TrainError {
                 "truncated: {len_bytes} bytes, its header asks for at least {expected_bytes}"
             ),
         },
-        TrainError::CheckpointMalformed { path, reason } => TrainError::HfMalformed { path, reason },
+        TrainError::CheckpointMalformed { path, reason } => {
+            TrainError::HfMalformed { path, reason }
+        }
         other => other,
     }
 }
@@ -150,7 +155,10 @@ fn weight_map(dir: &Path) -> Result<(PathBuf, Option<BTreeMap<String, String>>)>
         let file = file
             .as_str()
             .ok_or_else(|| malformed(format!("`weight_map.{name}` is not a file name")))?;
-        let plain = Path::new(file).file_name().map(|f| f == file).unwrap_or(false);
+        let plain = Path::new(file)
+            .file_name()
+            .map(|f| f == file)
+            .unwrap_or(false);
         if !plain {
             return Err(malformed(format!(
                 "`weight_map.{name}` = `{file}` is not a plain file name in the directory"

@@ -145,7 +145,10 @@ mod tests {
         let xs: Vec<f32> = (0..n).map(|_| r.normal_f32(1.0)).collect();
         let mean = xs.iter().sum::<f32>() / n as f32;
         let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / n as f32;
-        assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.05, "{mean} {var}");
+        assert!(
+            mean.abs() < 0.05 && (var - 1.0).abs() < 0.05,
+            "{mean} {var}"
+        );
         assert!((0..1000).all(|_| (-0.5..0.5).contains(&r.uniform_f32(-0.5, 0.5))));
     }
 }

@@ -292,8 +292,8 @@ pub fn llama_tensors(cfg: &LlamaConfig, lora: Option<&LoraSpec>) -> Result<Vec<T
 /// The base model's tensors (what a Hugging Face checkpoint holds): names and shapes in
 /// forward order.
 pub fn base_tensors(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-    let specs = llama_blocks(cfg, None)
-        .unwrap_or_else(|e| unreachable!("no LoRA setting to refuse: {e}"));
+    let specs =
+        llama_blocks(cfg, None).unwrap_or_else(|e| unreachable!("no LoRA setting to refuse: {e}"));
     specs
         .into_iter()
         .flat_map(|b| b.tensors)
@@ -384,12 +384,18 @@ mod tests {
             .position(|t| t.name == "model.layers.1.self_attn.q_proj.weight")
             .unwrap();
         assert!(!t[i].trainable && t[i].dtype == DType::BF16);
-        assert_eq!(t[i + 1].name, "model.layers.1.self_attn.q_proj.lora_A.weight");
+        assert_eq!(
+            t[i + 1].name,
+            "model.layers.1.self_attn.q_proj.lora_A.weight"
+        );
         assert_eq!(t[i + 1].shape, [4, 16]);
         assert_eq!(t[i + 2].shape, [16, 4]);
         assert!(t[i + 2].trainable && t[i + 2].dtype == DType::F32);
         assert_eq!(t[i + 3].name, "model.layers.1.self_attn.k_proj.weight");
-        assert_eq!(t[i + 5].name, "model.layers.1.self_attn.v_proj.lora_A.weight");
+        assert_eq!(
+            t[i + 5].name,
+            "model.layers.1.self_attn.v_proj.lora_A.weight"
+        );
         assert_eq!(lora_adapters(&cfg(false), &lora).len(), 4);
         assert_eq!("v".parse::<LoraTarget>().unwrap(), LoraTarget::V);
         assert!(LoraSpec::new(0, 1.0, &[LoraTarget::Q]).check().is_err());

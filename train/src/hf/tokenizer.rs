@@ -73,7 +73,9 @@ impl Tokenizer {
 
     /// The byte-level tokenizer (see the module doc).
     pub fn byte_level() -> Tokenizer {
-        Tokenizer { inner: Inner::Bytes }
+        Tokenizer {
+            inner: Inner::Bytes,
+        }
     }
 
     /// Whether this is the built-in byte-level tokenizer.

@@ -36,7 +36,12 @@ pub fn tiny_model(dir: &Path, dtype: DType, max_shard_bytes: u64, seed: u64) -> 
 }
 
 /// A store (swap file in `dir`) over the model's tensors, with `param16` compute copies.
-pub fn hf_store(dir: &Path, cfg: &LlamaConfig, lora: Option<&LoraSpec>, param16: DType) -> ChunkStore {
+pub fn hf_store(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    lora: Option<&LoraSpec>,
+    param16: DType,
+) -> ChunkStore {
     let specs = hf::llama_tensors(cfg, lora).expect("specs");
     let config = LayoutConfig::new(HF_CHUNK_ELEMENTS).with_param16_dtype(param16);
     let layout = Layout::new(config, specs).expect("layout");
@@ -61,7 +66,10 @@ pub fn write_st(path: &Path, tensors: &Tensors) {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(n, (d, s, b))| {
-            (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, path).unwrap();
