@@ -123,3 +123,5 @@ pub fn state(step: u64) -> CheckpointState {
         ]),
     }
 }
+
+pub mod hf;
