@@ -39,8 +39,111 @@ use tidestore_optimizer::StepDecision;
 
 use crate::error::{Error, Result};
 use crate::llama::Llama;
+use crate::source::InMemory;
 use crate::source::ParamSource;
 use crate::tide::TideParams;
+
+/// Where the streamed trainer gets a block's parameters and puts their gradients: the
+/// store ([`TideParams`]), or candle's memory ([`InMemoryTraining`], the baseline of the
+/// same recompute).
+pub trait StreamedParams {
+    /// Parameter `name` for the block about to run: a variable when `as_var` and the
+    /// parameter is trainable (its gradient is wanted), a plain tensor otherwise; with
+    /// whether it is a variable. `backward`: the use is backward's recompute.
+    fn fetch(&mut self, name: &str, as_var: bool, backward: bool) -> Result<(Tensor, bool)>;
+    /// One micro-batch's part of `name`'s gradient: the first replaces, later ones add;
+    /// after the `last` the gradient is final.
+    fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()>;
+    /// The optimizer step, after the last micro-batch.
+    fn step(&mut self) -> Result<StepDecision>;
+}
+
+impl StreamedParams for TideParams {
+    fn fetch(&mut self, name: &str, as_var: bool, backward: bool) -> Result<(Tensor, bool)> {
+        let to = if backward {
+            TensorState::HoldAfterBwd
+        } else {
+            TensorState::HoldAfterFwd
+        };
+        TideParams::fetch(self, name, as_var, to)
+    }
+
+    fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {
+        let values = grad.flatten_all()?.to_vec1::<f32>()?;
+        self.put_grad_part(name, &values, first, last)
+    }
+
+    fn step(&mut self) -> Result<StepDecision> {
+        TideParams::step(self)
+    }
+}
+
+/// Every parameter in candle memory, stepped by candle's AdamW: what the streamed
+/// trainer's overhead is measured against (the same blocks, the same recompute, no
+/// store).
+pub struct InMemoryTraining {
+    mem: InMemory,
+    opt: candle_nn::AdamW,
+    grads: candle_core::backprop::GradStore,
+    steps: u64,
+}
+
+impl std::fmt::Debug for InMemoryTraining {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InMemoryTraining")
+            .field("steps", &self.steps)
+            .finish()
+    }
+}
+
+impl InMemoryTraining {
+    /// `mem`'s parameters trained by candle's AdamW with `params`.
+    pub fn new(mem: InMemory, params: candle_nn::ParamsAdamW) -> Result<Self> {
+        use candle_nn::Optimizer;
+        let opt = candle_nn::AdamW::new(mem.vars(), params)?;
+        Ok(InMemoryTraining {
+            mem,
+            opt,
+            grads: Default::default(),
+            steps: 0,
+        })
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &InMemory {
+        &self.mem
+    }
+}
+
+impl StreamedParams for InMemoryTraining {
+    fn fetch(&mut self, name: &str, as_var: bool, _backward: bool) -> Result<(Tensor, bool)> {
+        let t = self.mem.param(name)?;
+        let var = as_var && t.is_variable();
+        Ok(if var { (t, true) } else { (t.detach(), false) })
+    }
+
+    fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, _last: bool) -> Result<()> {
+        let t = self.mem.param(name)?;
+        let g = match self.grads.remove(&t) {
+            Some(earlier) if !first => (earlier + grad)?,
+            _ => grad.clone(),
+        };
+        self.grads.insert(&t, g);
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<StepDecision> {
+        use candle_nn::Optimizer;
+        self.opt.step(&self.grads)?;
+        self.grads = Default::default();
+        self.steps += 1;
+        Ok(StepDecision::Apply {
+            state: tidestore_optimizer::StepState::new(self.steps),
+            grad_norm: f64::NAN,
+            clip_coef: 1.0,
+        })
+    }
+}
 
 /// Where the time of one step went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -66,22 +169,21 @@ pub struct StreamedStep {
 }
 
 /// One block's parameters, fetched from the store as the block asks for them.
-struct BlockSource<'a> {
-    params: &'a mut TideParams,
+struct BlockSource<'a, P: StreamedParams + ?Sized> {
+    params: &'a mut P,
     vars: bool,
-    to: TensorState,
     /// What was handed out: (name, tensor, is a variable).
     handed: Vec<(String, Tensor, bool)>,
     store_time: &'a mut Duration,
 }
 
-impl ParamSource for BlockSource<'_> {
+impl<P: StreamedParams + ?Sized> ParamSource for BlockSource<'_, P> {
     fn param(&mut self, name: &str) -> Result<Tensor> {
         if let Some((_, t, _)) = self.handed.iter().find(|(n, _, _)| n == name) {
             return Ok(t.clone());
         }
         let started = Instant::now();
-        let (t, var) = self.params.fetch(name, self.vars, self.to)?;
+        let (t, var) = self.params.fetch(name, self.vars, self.vars)?;
         *self.store_time += started.elapsed();
         self.handed.push((name.to_string(), t.clone(), var));
         Ok(t)
@@ -103,8 +205,8 @@ fn first_use(model: &Llama) -> HashMap<String, usize> {
 /// Gradients of one block's backward, summed into `pending` for parameters used by an
 /// earlier block too, and written to the store for the others.
 #[allow(clippy::too_many_arguments)]
-fn put_block_grads(
-    params: &mut TideParams,
+fn put_block_grads<P: StreamedParams + ?Sized>(
+    params: &mut P,
     grads: &candle_core::backprop::GradStore,
     handed: Vec<(String, Tensor, bool)>,
     block: usize,
@@ -129,9 +231,8 @@ fn put_block_grads(
             pending.insert(name, g);
             continue;
         }
-        let values = g.flatten_all()?.to_vec1::<f32>()?;
         let started = Instant::now();
-        params.put_grad_part(&name, &values, first_part, last_part)?;
+        params.put_grad(&name, &g, first_part, last_part)?;
         *store_time += started.elapsed();
     }
     Ok(())
@@ -139,8 +240,8 @@ fn put_block_grads(
 
 /// One training step of `model` over `batches` (micro-batches of inputs → targets,
 /// `(batch, time)` u32), layer-streamed through the store (see the module doc).
-pub fn train_step(
-    params: &mut TideParams,
+pub fn train_step<P: StreamedParams + ?Sized>(
+    params: &mut P,
     model: &Llama,
     batches: &[(Tensor, Tensor)],
 ) -> Result<StreamedStep> {
@@ -187,8 +288,8 @@ pub fn train_step(
 /// Forward and backward of one micro-batch (loss scaled by `scale`), its gradients put
 /// into the store; returns its unscaled loss.
 #[allow(clippy::too_many_arguments)]
-fn micro_batch(
-    params: &mut TideParams,
+fn micro_batch<P: StreamedParams + ?Sized>(
+    params: &mut P,
     model: &Llama,
     tokens: &Tensor,
     targets: &Tensor,
@@ -205,7 +306,6 @@ fn micro_batch(
         let mut src = BlockSource {
             params: &mut *params,
             vars: false,
-            to: TensorState::HoldAfterFwd,
             handed: Vec::new(),
             store_time: &mut *store_time,
         };
@@ -231,7 +331,6 @@ fn micro_batch(
         let mut src = BlockSource {
             params: &mut *params,
             vars: true,
-            to: TensorState::HoldAfterBwd,
             handed: Vec::new(),
             store_time: &mut *store_time,
         };

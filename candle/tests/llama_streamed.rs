@@ -189,3 +189,35 @@ fn two_micro_batches_equal_one_batch_of_both() {
     let d = max_rel_diff(&one, &two);
     assert!(d <= 1e-5, "max relative loss difference {d:e}");
 }
+
+#[test]
+fn the_in_memory_baseline_of_the_same_recompute_equals_candle_full_graph() {
+    use candle_nn::{Optimizer, ParamsAdamW};
+    use tidestore_candle::streamed::InMemoryTraining;
+    let model = llama(false, false);
+    let init = model.init(4);
+    let data = batches();
+    let params = ParamsAdamW {
+        lr: LR,
+        beta1: BETAS.0,
+        beta2: BETAS.1,
+        eps: EPS,
+        weight_decay: WD,
+    };
+    let mem = InMemory::new(&init, &Device::Cpu).unwrap();
+    let mut opt = candle_nn::AdamW::new(mem.vars(), params.clone()).unwrap();
+    let mut mem = mem;
+    let mut streamed =
+        InMemoryTraining::new(InMemory::new(&init, &Device::Cpu).unwrap(), params).unwrap();
+    let (mut want, mut got) = (vec![], vec![]);
+    for s in 0..5 {
+        let (x, y) = data.get(s, &Device::Cpu).unwrap();
+        let logits = model.forward(&mut mem, &x).unwrap();
+        let loss = Llama::loss(&logits, &y).unwrap();
+        opt.backward_step(&loss).unwrap();
+        want.push(loss.to_scalar::<f32>().unwrap());
+        got.push(train_step(&mut streamed, &model, &[(x, y)]).unwrap().loss);
+    }
+    eprintln!("full graph: {want:?}\nrecompute:  {got:?}");
+    assert!(max_rel_diff(&want, &got) <= 1e-5);
+}
