@@ -194,6 +194,16 @@ pub enum TrainError {
         reason: String,
     },
 
+    /// An export's target that cannot be written or replaced: not a directory path, or an
+    /// existing directory holding files an export does not write.
+    #[error("export target `{path}`: {reason}")]
+    ExportTarget {
+        /// The target directory.
+        path: PathBuf,
+        /// Why, naming the file in the way.
+        reason: String,
+    },
+
     /// A training text file that cannot be used: empty, or not UTF-8.
     #[error("text file `{path}`: {reason}")]
     TextFile {

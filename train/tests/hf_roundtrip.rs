@@ -109,6 +109,21 @@ fn bf16_round_trip_is_byte_identical_single_and_sharded() {
     through_store(&tmp.path().join("c"), &src, &single, DType::BF16, 2000);
     assert!(!single.join(SINGLE_FILE).exists());
     assert_eq!(read_model(&single), before);
+    // ... but never a directory holding anything an export does not write.
+    std::fs::write(single.join("notes.txt"), "mine").unwrap();
+    let cfg = LlamaConfig::load(&src).unwrap();
+    let mut store = hf_store(&tmp.path().join("d"), &cfg, None, DType::BF16);
+    import(&src, &cfg, &mut store, None, 0).unwrap();
+    let e = export_model(&mut store, &cfg, None, &single, &ExportOptions::default()).unwrap_err();
+    assert!(matches!(
+        e,
+        tidestore_train::TrainError::ExportTarget { .. }
+    ));
+    assert!(e.to_string().contains("notes.txt"), "{e}");
+    assert_eq!(
+        std::fs::read_to_string(single.join("notes.txt")).unwrap(),
+        "mine"
+    );
     let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -20,7 +20,10 @@
 //! Everything is written into `.NAME.tmp.PID` next to the target directory and each file
 //! `fsync`ed; then an existing target is renamed aside, the temporary directory renamed
 //! to the target, the old one removed and the parent `fsync`ed. A failure before the
-//! rename removes the temporary directory and leaves an existing target as it was.
+//! rename removes the temporary directory and leaves an existing target as it was. An
+//! existing target is replaced only when it holds nothing but files an export writes
+//! (config, weights, index, adapter and [`COPIED_FILES`]): a directory holding anything
+//! else is refused before any writing, so a mistyped path never deletes a user's files.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -34,6 +37,7 @@ use crate::error::{Result, TrainError};
 use crate::hf::config::{LlamaConfig, CONFIG_FILE};
 use crate::hf::import::{encode, INDEX_FILE, SINGLE_FILE};
 use crate::hf::names::{base_tensors, lora_adapters, LoraSpec};
+use crate::hf::peft::ADAPTER_CONFIG_FILE;
 
 /// `transformers`' default `max_shard_size`, "5GB" (decimal).
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -350,7 +354,7 @@ pub(crate) fn write_dir_atomically<T>(
 ) -> Result<T> {
     let name = target
         .file_name()
-        .ok_or_else(|| TrainError::HfMalformed {
+        .ok_or_else(|| TrainError::ExportTarget {
             path: target.to_path_buf(),
             reason: "is not a directory path with a name".into(),
         })?
@@ -361,6 +365,7 @@ pub(crate) fn write_dir_atomically<T>(
         _ => PathBuf::from("."),
     };
     std::fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+    check_replaceable(target)?;
     let pid = std::process::id();
     let tmp = parent.join(format!(".{name}.tmp.{pid}"));
     if tmp.exists() {
@@ -388,6 +393,39 @@ pub(crate) fn write_dir_atomically<T>(
     }
     sync_dir(&parent)?;
     Ok(out)
+}
+
+/// Refuses a `target` that exists and holds anything but an export's files.
+fn check_replaceable(target: &Path) -> Result<()> {
+    if !target.exists() {
+        return Ok(());
+    }
+    let refuse = |reason: String| TrainError::ExportTarget {
+        path: target.to_path_buf(),
+        reason,
+    };
+    if !target.is_dir() {
+        return Err(refuse(
+            "exists and is not a directory: refusing to replace it".into(),
+        ));
+    }
+    let ours = |name: &str| {
+        name.ends_with(".safetensors")
+            || [CONFIG_FILE, INDEX_FILE, ADAPTER_CONFIG_FILE].contains(&name)
+            || COPIED_FILES.contains(&name)
+    };
+    for entry in std::fs::read_dir(target).map_err(io_err("listing", target))? {
+        let entry = entry.map_err(io_err("listing", target))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_file = entry.file_type().map(|t| t.is_file()).unwrap_or(false);
+        if !is_file || !ours(&name) {
+            return Err(refuse(format!(
+                "exists and holds `{name}`, which an export does not write: refusing to \
+                 replace it (choose a new directory or remove it)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

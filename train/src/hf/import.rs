@@ -20,7 +20,10 @@
 //! file dtype equals its place's dtype is written straight from the map (bf16 -> bf16 is
 //! byte-identical); otherwise it is converted through f32 (bf16/f16 -> f32 is exact,
 //! f32 -> 16-bit rounds to nearest even). Files are visited one after the other, each in
-//! offset order. Peak memory: one tensor's converted bytes (and its f32 values).
+//! offset order. Peak memory: one tensor's converted bytes (and its f32 values). The
+//! mapped pages of a tensor are dropped from the process (`madvise(MADV_DONTNEED)`) once
+//! it is written, so the resident set does not grow with the files read: the kernel's
+//! page cache keeps them (reclaimable), the process does not.
 //!
 //! LoRA adapters are not in a base checkpoint: A is drawn uniformly from
 //! ±1/sqrt(in_features) — PEFT's `kaiming_uniform_(a=sqrt(5))` — from a seeded PRNG, and
@@ -301,6 +304,24 @@ fn locate(
     })
 }
 
+/// Drops the mapped pages of `len` bytes at `offset` of `file` from the process's
+/// resident set (they stay in the page cache). Best effort: a refusal is logged.
+#[allow(unsafe_code)]
+fn release_pages(file: &MappedFile, offset: usize, len: usize) {
+    // SAFETY: the map is a read-only shared mapping of a file tidestore never writes
+    // (see `checkpoint::map_file`); MADV_DONTNEED on it drops the page-table entries
+    // only, and a later access faults the same bytes back in from the file, so every
+    // slice of the map stays valid with the same contents. `offset..offset + len` lies
+    // within the map: it is a tensor's range, checked by the safetensors parse.
+    let advised = unsafe {
+        file.map
+            .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, len)
+    };
+    if let Err(e) = advised {
+        tracing::debug!(path = %file.path.display(), error = %e, "madvise(DONTNEED) refused");
+    }
+}
+
 /// `src` (elements of `from`) as elements of `to`: borrowed when they agree.
 pub(crate) fn convert(src: &[u8], from: DType, to: DType) -> Cow<'_, [u8]> {
     if from == to {
@@ -407,6 +428,8 @@ pub fn import(
         for p in places(store, name)? {
             store.write(p.tensor, p.list, &convert(bytes, dtype, p.dtype))?;
         }
+        let t = &weights.tensors[name];
+        release_pages(&weights.files[t.file], t.start, t.end - t.start);
         report.tensors += 1;
         report.bytes_read += bytes.len() as u64;
     }
