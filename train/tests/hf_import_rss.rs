@@ -52,7 +52,9 @@ fn import_rss_stays_near_one_tensor() {
     let model_bytes: usize = read_model(&src).values().map(|t| t.2.len()).sum();
     reset_peak();
     let before = status_kib("VmRSS:");
+    let t0 = std::time::Instant::now();
     hf::import(&src, &cfg, &mut store, Some(&lora), 0).unwrap();
+    let import_s = t0.elapsed().as_secs_f64();
     let peak = status_kib("VmHWM:");
     let grown_mib = (peak.saturating_sub(before)) as f64 / 1024.0;
     let largest_mib = (largest * 2) as f64 / (1 << 20) as f64;
@@ -63,4 +65,17 @@ fn import_rss_stays_near_one_tensor() {
         (2 * chunk * 4) as f64 / (1 << 20) as f64
     );
     assert!(grown_mib < model_mib * 0.75, "RSS grew with the model");
+    let t0 = std::time::Instant::now();
+    let out = tmp.path().join("out");
+    let opts = hf::ExportOptions {
+        max_shard_bytes: 100_000_000,
+        ..Default::default()
+    };
+    hf::export_model(&mut store, &cfg, Some(&lora), &out, &opts).unwrap();
+    let export_s = t0.elapsed().as_secs_f64();
+    println!(
+        "import {import_s:.2} s ({:.0} MiB/s), merged bf16 export {export_s:.2} s ({:.0} MiB/s)",
+        model_mib / import_s,
+        model_mib / export_s
+    );
 }

@@ -249,3 +249,31 @@ fn text_file_empty_or_not_utf8_and_a_bad_tokenizer() {
     assert!(matches!(e, TrainError::Tokenizer { .. }));
     names(&e, &["tokenizer.json"]);
 }
+
+#[test]
+fn values_beyond_f16_into_an_f16_store() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    let cfg = tiny_model(&dir, DType::F32, u64::MAX, 8);
+    let file = dir.join(SINGLE_FILE);
+    let mut t = read_st(&file);
+    t.get_mut(UP1).unwrap().2[..4].copy_from_slice(&1.0e6f32.to_le_bytes());
+    write_st(&file, &t);
+    let mut store = hf_store(&tmp.path().join("swap"), &cfg, None, DType::F16);
+    fill(&mut store, 3);
+    let before = snapshot(&mut store);
+    let e = import(&dir, &cfg, &mut store, None, 0).unwrap_err();
+    assert!(snapshot(&mut store) == before, "the store changed: {e}");
+    names(&e, &[SINGLE_FILE, UP1, "1000000", "f16"]);
+    // A bf16 store takes it, and an f16 export of it is refused naming the tensor.
+    let mut store = hf_store(&tmp.path().join("swap2"), &cfg, None, DType::BF16);
+    import(&dir, &cfg, &mut store, None, 0).unwrap();
+    let opts = tidestore_train::hf::ExportOptions {
+        dtype: DType::F16,
+        ..Default::default()
+    };
+    let out = tmp.path().join("out");
+    let e = tidestore_train::hf::export_model(&mut store, &cfg, None, &out, &opts).unwrap_err();
+    names(&e, &[UP1, "f16"]);
+    assert!(!out.exists());
+}

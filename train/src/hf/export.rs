@@ -12,7 +12,8 @@
 //! # Values
 //! A trainable tensor is exported from its fp32 master, a frozen one from its 16-bit copy,
 //! converted to the chosen dtype (f32 -> 16-bit rounds to nearest even; a bf16 tensor
-//! imported and exported as bf16 without training is byte-identical). A LoRA model is
+//! imported and exported as bf16 without training is byte-identical; a value beyond f16's
+//! range refuses an f16 export, naming the tensor). A LoRA model is
 //! exported merged: each adapted weight is `W + (alpha / r) · B · A`, computed in f32,
 //! then converted. Peak memory: one tensor (an adapted weight with its A and B).
 //!
@@ -35,7 +36,7 @@ use tidestore_chunk::{ChunkStore, DType, ListKind};
 use crate::checkpoint::{io_err, safetensors_header, sync_dir, HeaderTensor, WRITE_BUFFER_BYTES};
 use crate::error::{Result, TrainError};
 use crate::hf::config::{LlamaConfig, CONFIG_FILE};
-use crate::hf::import::{encode, INDEX_FILE, SINGLE_FILE};
+use crate::hf::import::{encode, F16_MAX, INDEX_FILE, SINGLE_FILE};
 use crate::hf::names::{base_tensors, lora_adapters, LoraSpec};
 use crate::hf::peft::ADAPTER_CONFIG_FILE;
 
@@ -129,6 +130,7 @@ pub fn export_model(
         }
         write_shards(tmp, &tensors, dtype, opts.max_shard_bytes, |name| {
             let values = merged_f32(store, cfg, lora, name)?;
+            check_fits(name, &values, dtype)?;
             Ok(encode(&values, dtype))
         })
     })?;
@@ -138,6 +140,20 @@ pub fn export_model(
         dir: out_dir.to_path_buf(),
         ..report
     })
+}
+
+/// Refuses values an f16 export would turn into infinities.
+pub(crate) fn check_fits(name: &str, values: &[f32], dtype: DType) -> Result<()> {
+    if dtype != DType::F16 {
+        return Ok(());
+    }
+    match values.iter().find(|v| v.is_finite() && v.abs() > F16_MAX) {
+        None => Ok(()),
+        Some(v) => Err(TrainError::Tensor {
+            tensor: name.to_string(),
+            reason: format!("holds {v}, beyond f16's range (±{F16_MAX}): export it as bf16 or f32"),
+        }),
+    }
 }
 
 /// A tensor's values in f32: its master when trainable, else its 16-bit copy.

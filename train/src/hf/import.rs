@@ -11,7 +11,8 @@
 //! config.json implies: present, its shape, a dtype tidestore reads and, when
 //! config.json names one (`torch_dtype`), that dtype. [`import`] also checks that the
 //! store's layout holds every tensor of [`llama_tensors`] with its shape and
-//! trainability. Only then is anything written; every refusal is a typed error naming
+//! trainability; and, for a layout whose 16-bit dtype is f16, that an F32 or BF16
+//! tensor's values fit f16. Only then is anything written; every refusal is a typed error naming
 //! the file and the tensor, and leaves the store untouched.
 //!
 //! # Writing
@@ -395,6 +396,39 @@ fn check_store(store: &ChunkStore, cfg: &LlamaConfig, lora: Option<&LoraSpec>) -
     Ok(())
 }
 
+/// The largest finite f16.
+pub(crate) const F16_MAX: f32 = 65504.0;
+
+/// Refuses a tensor whose values do not fit the store's f16 copy of it (an F32 or BF16
+/// file into an f16 layout would otherwise turn them into infinities). Reads only the
+/// tensors converted to f16 from a wider range, and only then: a bf16 or f32 layout
+/// costs nothing here.
+fn check_f16_range(weights: &HfWeights, store: &ChunkStore) -> Result<()> {
+    for name in &weights.order {
+        let t = &weights.tensors[name];
+        if t.dtype == DType::F16 {
+            continue;
+        }
+        if !places(store, name)?.iter().any(|p| p.dtype == DType::F16) {
+            continue;
+        }
+        let file = &weights.files[t.file];
+        let values = weights.tensor_f32(name).unwrap_or_default();
+        release_pages(file, t.start, t.end - t.start);
+        if let Some(v) = values.iter().find(|v| v.is_finite() && v.abs() > F16_MAX) {
+            return Err(TrainError::HfTensor {
+                path: file.path.clone(),
+                tensor: name.clone(),
+                expected: format!(
+                    "values within f16's range (±{F16_MAX}) for the store's f16 copy"
+                ),
+                found: format!("{:?} {:?} holding {v}", t.dtype, t.shape),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Imports the model directory `dir` (whose checked config is `cfg`) into `store`,
 /// whose layout registers [`llama_tensors`]`(cfg, lora)`; LoRA adapters are initialised
 /// from `seed`. Everything is checked before anything is written (see the module doc).
@@ -409,6 +443,7 @@ pub fn import(
 ) -> Result<ImportReport> {
     let weights = HfWeights::open(dir, cfg)?;
     check_store(store, cfg, lora)?;
+    check_f16_range(&weights, store)?;
     let mut report = ImportReport {
         files: weights.files.iter().map(|f| f.path.clone()).collect(),
         tensors: 0,

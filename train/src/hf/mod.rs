@@ -16,7 +16,7 @@
 //! export_adapter(&mut store, &cfg, &lora, out, DType::F32, "base")?; // LoRA only
 //! ```
 //!
-//! One concept per file: [`config`], [`names`], [`import`], [`export`], [`peft`],
+//! One concept per file: [`config`], [`names`], [`import`](mod@import), [`export`], [`peft`],
 //! [`init`], [`tokenizer`]. Every refusal is a [`crate::TrainError`] naming the file and
 //! the tensor or key.
 

@@ -376,6 +376,22 @@ mod tests {
     }
 
     #[test]
+    fn head_dim_other_than_hidden_over_heads_sets_the_attention_shapes() {
+        let mut raw = cfg(false).raw;
+        raw.insert("head_dim".into(), 8.into());
+        let c = LlamaConfig::from_json(
+            &serde_json::Value::Object(raw).to_string(),
+            std::path::Path::new("config.json"),
+        )
+        .unwrap();
+        let t = llama_tensors(&c, None).unwrap();
+        let shape = |n: &str| t.iter().find(|t| t.name == n).unwrap().shape.clone();
+        assert_eq!(shape("model.layers.0.self_attn.q_proj.weight"), [32, 16]);
+        assert_eq!(shape("model.layers.0.self_attn.k_proj.weight"), [16, 16]);
+        assert_eq!(shape("model.layers.0.self_attn.o_proj.weight"), [16, 32]);
+    }
+
+    #[test]
     fn adapters_follow_their_base_weight() {
         let lora = LoraSpec::new(4, 8.0, &[LoraTarget::V, LoraTarget::Q]);
         let t = llama_tensors(&cfg(false), Some(&lora)).unwrap();

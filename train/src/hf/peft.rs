@@ -93,7 +93,9 @@ pub fn export_adapter(
         std::fs::write(&path, text + "\n").map_err(io_err("writing", &path))?;
         let mut report = crate::hf::export::write_shards(tmp, &tensors, dtype, u64::MAX, |key| {
             let name = key.strip_prefix(PEFT_PREFIX).unwrap_or(key);
-            Ok(encode(&read_f32(store, name)?, dtype))
+            let values = read_f32(store, name)?;
+            crate::hf::export::check_fits(name, &values, dtype)?;
+            Ok(encode(&values, dtype))
         })?;
         // One shard is always `model.safetensors`: PEFT names it otherwise.
         let first = report.shards.first().ok_or_else(|| TrainError::Config {

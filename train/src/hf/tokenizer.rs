@@ -17,6 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, TrainError};
+use crate::hf::config::{LlamaConfig, CONFIG_FILE};
 
 /// The tokenizer file of a model directory.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -88,6 +89,32 @@ impl Tokenizer {
         match &self.inner {
             Inner::Hf { tokenizer, .. } => tokenizer.get_vocab_size(true),
             Inner::Bytes => BYTE_LEVEL_VOCAB,
+        }
+    }
+
+    /// Refuses a model whose embedding has fewer rows than this tokenizer has ids
+    /// ([`TrainError::HfConfig`] on `vocab_size`, naming the model's `config.json`).
+    pub fn check_fits(&self, cfg: &LlamaConfig, model_dir: &Path) -> Result<()> {
+        let ids = self.vocab_size();
+        if ids > cfg.vocab_size {
+            return Err(TrainError::HfConfig {
+                path: model_dir.join(CONFIG_FILE),
+                key: "vocab_size".into(),
+                reason: format!(
+                    "{} rows, but the tokenizer ({}) uses {ids} ids",
+                    cfg.vocab_size,
+                    self.source()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Where the tokenizer comes from: its file, or `byte-level`.
+    pub fn source(&self) -> String {
+        match &self.inner {
+            Inner::Hf { path, .. } => path.display().to_string(),
+            Inner::Bytes => "byte-level".into(),
         }
     }
 
@@ -260,6 +287,31 @@ mod tests {
         assert_eq!(byte_char(b' '), 'Ġ');
         assert_eq!(byte_char(b'\n'), 'Ċ');
         assert_eq!(byte_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn a_vocabulary_too_small_for_the_tokenizer_is_refused() {
+        let shape = crate::hf::LlamaShape {
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            vocab_size: 200,
+            tie_word_embeddings: true,
+            max_position_embeddings: 16,
+        };
+        let cfg = LlamaConfig::from_shape(shape).unwrap();
+        let e = Tokenizer::byte_level().check_fits(&cfg, Path::new("m"));
+        assert!(matches!(e, Err(TrainError::HfConfig { ref key, .. }) if key == "vocab_size"));
+        let cfg = LlamaConfig::from_shape(crate::hf::LlamaShape {
+            vocab_size: 258,
+            ..shape
+        })
+        .unwrap();
+        Tokenizer::byte_level()
+            .check_fits(&cfg, Path::new("m"))
+            .unwrap();
     }
 
     #[test]
