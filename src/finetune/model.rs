@@ -25,6 +25,8 @@ pub struct Loaded {
     pub hf: hf::LlamaConfig,
     /// The directory.
     pub dir: PathBuf,
+    /// Its tokenizer (byte-level when it has no `tokenizer.json`).
+    pub tokenizer: hf::Tokenizer,
 }
 
 fn targets(t: LoraTargets) -> Vec<String> {
@@ -74,6 +76,8 @@ impl Loaded {
 pub fn open(t: &TrainSection) -> Result<Loaded> {
     let dir = t.model_dir()?;
     let c = hf::LlamaConfig::load(dir)?;
+    let tokenizer = hf::Tokenizer::for_model(dir)?;
+    tokenizer.check_fits(&c, dir)?;
     if c.head_dim * c.num_attention_heads != c.hidden_size {
         return Err(Error::Finetune(format!(
             "{}: head_dim {} x {} heads is not hidden_size {}; such models are not supported",
@@ -104,6 +108,7 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
         model,
         hf: c,
         dir: dir.to_path_buf(),
+        tokenizer,
     })
 }
 
@@ -111,18 +116,7 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
 /// has none), cut into the section's samples.
 pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
     let path = t.text()?;
-    let tokenizer = hf::Tokenizer::for_model(&loaded.dir)?;
-    let tokens = tokenizer.encode(&hf::read_text(path)?)?;
-    if let Some(&bad) = tokens
-        .iter()
-        .find(|&&id| id as usize >= loaded.hf.vocab_size)
-    {
-        return Err(Error::Finetune(format!(
-            "{}: the tokenizer gives id {bad}, outside the model's vocab_size {}",
-            path.display(),
-            loaded.hf.vocab_size
-        )));
-    }
+    let tokens = loaded.tokenizer.encode(&hf::read_text(path)?)?;
     Samples::new(
         tokens,
         t.sequence as usize,
@@ -144,6 +138,7 @@ pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Res
             ))
         })?;
         params.set_param(name, &values)?;
+        weights.release(name);
     }
     if loaded.model.config().lora.is_some() {
         for (spec, values) in loaded.model.init(t.seed) {

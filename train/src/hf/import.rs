@@ -245,6 +245,15 @@ impl HfWeights {
         Some((t.dtype, &t.shape, &f.map[t.start..t.end]))
     }
 
+    /// Drops tensor `name`'s mapped pages from the process's resident set once it has
+    /// been read (they stay in the page cache): a caller reading tensor by tensor keeps
+    /// its RSS at one tensor, not the files read so far.
+    pub fn release(&self, name: &str) {
+        if let Some(t) = self.tensors.get(name) {
+            release_pages(&self.files[t.file], t.start, t.end - t.start);
+        }
+    }
+
     /// A tensor's values as f32 (exact for every dtype read).
     pub fn tensor_f32(&self, name: &str) -> Option<Vec<f32>> {
         let (dtype, _, bytes) = self.tensor(name)?;
