@@ -5,6 +5,7 @@
 
 use candle_core::{Device, Tensor};
 
+use crate::bench::splitmix64;
 use crate::error::{Error, Result};
 
 /// The tokenized text and how it is cut.
@@ -14,13 +15,6 @@ pub struct Samples {
     sequence: usize,
     micro_batch: usize,
     seed: u64,
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl Samples {
@@ -64,7 +58,7 @@ impl Samples {
         let mut x = Vec::with_capacity(self.micro_batch * self.sequence);
         let mut y = Vec::with_capacity(self.micro_batch * self.sequence);
         for i in 0..self.micro_batch as u64 {
-            let r = splitmix64(self.seed ^ splitmix64(step ^ splitmix64(k << 32 | i)));
+            let r = splitmix64(self.seed ^ splitmix64(step, k), i);
             let at = (r % starts as u64) as usize;
             x.extend_from_slice(&self.tokens[at..at + self.sequence]);
             y.extend_from_slice(&self.tokens[at + 1..at + 1 + self.sequence]);
