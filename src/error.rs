@@ -80,6 +80,11 @@ pub enum Error {
     #[error(transparent)]
     Train(tidestore_train::TrainError),
 
+    /// The GPU kernels of the bench could not be built or loaded for this GPU: NVRTC (its
+    /// version named) could write neither a cubin nor PTX the driver accepts.
+    #[error("GPU kernels: NVRTC {nvrtc}: {reason}")]
+    KernelBuild { nvrtc: String, reason: String },
+
     /// A benchmark run that went wrong in a way none of the layers reports.
     #[error("bench: {0}")]
     Bench(String),

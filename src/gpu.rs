@@ -30,7 +30,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
+use tidestore_optimizer::gpu::nvrtc as kernels_nvrtc;
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 
 use crate::error::{Error, Result};
@@ -62,8 +62,12 @@ pub fn cuda_available() -> bool {
 
 /// Whether libnvrtc can be loaded (the kernels can be compiled, GPU or not).
 pub fn nvrtc_available() -> bool {
-    // SAFETY: as `cuda_available`, for the NVRTC library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    kernels_nvrtc::nvrtc_available()
+}
+
+/// The loaded NVRTC's version (`12.4`), or why it is unknown; for logs and reports.
+pub fn nvrtc_version_text() -> String {
+    kernels_nvrtc::nvrtc_version_text()
 }
 
 fn launch_config(units: u64) -> LaunchConfig {
@@ -124,16 +128,24 @@ unsafe fn launch_grad_fill(
 
 // ---------------------------------------------------------------------------------------
 
-/// Compiles [`BENCH_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`: NVRTC's
-/// default). Needs libnvrtc only, no GPU.
+/// Compiles [`BENCH_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`:
+/// `compute_86`). Needs libnvrtc only, no GPU.
 pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
-    Ok(compile(arch, Vec::new())?.to_src())
+    tidestore_optimizer::gpu::compile_source(BENCH_CU, "tidestore_bench.cu", arch, Vec::new())
+        .map_err(|e| Error::KernelBuild {
+            nvrtc: nvrtc_version_text(),
+            reason: e.to_string(),
+        })
 }
 
-fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
-    tidestore_optimizer::gpu::compile_source(BENCH_CU, "tidestore_bench.cu", arch, options)
-        .map(Ptx::from_src)
-        .map_err(|e| cuda_err("nvrtc compile", e))
+/// Compiles [`BENCH_CU`] to a cubin for `sm_{major}{minor}`. Needs libnvrtc only.
+pub fn compile_cubin(cc: (i32, i32)) -> Result<Vec<u8>> {
+    kernels_nvrtc::compile_cubin(BENCH_CU, "tidestore_bench.cu", cc, &[]).map_err(|e| {
+        Error::KernelBuild {
+            nvrtc: nvrtc_version_text(),
+            reason: e.to_string(),
+        }
+    })
 }
 
 /// The bench's kernels on one GPU, with their stream and checksum accumulator.
@@ -174,13 +186,16 @@ impl BenchKernels {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("cuDeviceGetAttribute", e))?;
-        let ptx = compile(
-            None,
-            vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        )?;
+        let kernel_build = |reason: String| Error::KernelBuild {
+            nvrtc: nvrtc_version_text(),
+            reason,
+        };
+        let image = kernels_nvrtc::build_for_device(BENCH_CU, "tidestore_bench.cu", (major, minor))
+            .map_err(|e| kernel_build(e.to_string()))?;
+        let built = image.describe((major, minor));
         let module = ctx
-            .load_module(ptx)
-            .map_err(|e| cuda_err("loading the PTX (is NVRTC newer than the driver?)", e))?;
+            .load_module(image.into_module_image())
+            .map_err(|e| kernel_build(format!("loading the {built}: {e}")))?;
         let load = |name: &str| {
             module
                 .load_function(name)
@@ -197,7 +212,8 @@ impl BenchKernels {
         stream
             .synchronize()
             .map_err(|e| cuda_err("stream synchronize", e))?;
-        tracing::info!(ordinal, major, minor, "bench GPU kernels ready");
+        tracing::info!(ordinal, major, minor, image = %built, nvrtc = %nvrtc_version_text(),
+            "bench GPU kernels ready");
         Ok(BenchKernels {
             ordinal,
             ctx,
@@ -350,6 +366,11 @@ impl BenchKernels {
     /// `lead`, and returns the kernel's checksum of it.
     pub fn checksum_of_host_bytes(&mut self, bytes: &[u8], lead: usize) -> Result<u64> {
         let lead = lead % 8;
+        if bytes.is_empty() {
+            // Nothing to sum, and no allocation: `cuMemAlloc(0)` is an error.
+            self.take_checksum()?;
+            return Ok(0);
+        }
         let mut staged = vec![0u8; lead + bytes.len()];
         staged[lead..].copy_from_slice(bytes);
         self.ctx
@@ -378,15 +399,19 @@ impl BenchKernels {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;
+        if n == 0 {
+            // No allocation: `cuMemAlloc(0)` is an error.
+            return Ok(Vec::new());
+        }
         let mut dev = self
             .stream
-            .alloc_zeros::<u16>(n.max(1))
+            .alloc_zeros::<u16>(n)
             .map_err(|e| cuda_err("allocating", e))?;
         let ptr = {
             let (ptr, _record) = DevicePtrMut::device_ptr_mut(&mut dev, &self.stream);
             ptr
         };
-        // SAFETY: `dev` is our allocation of `n.max(1)` u16 on this stream, alive until
+        // SAFETY: `dev` is our allocation of `n` u16 on this stream, alive until
         // the end of this function, after the stream is synchronized.
         let queued = unsafe { self.queue_fill(ptr, n * 2, seed, first, scale) };
         let synced = self.sync();

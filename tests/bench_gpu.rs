@@ -52,7 +52,7 @@ mod on_gpu {
                 );
             }
         }
-        for (first, n) in [(0u64, 1usize), (977, 4096), (131, (1 << 20) + 5)] {
+        for (first, n) in [(5u64, 0usize), (0, 1), (977, 4096), (131, (1 << 20) + 5)] {
             let got = k
                 .grad_bits(bench::GRAD_SEED, first, n, bench::GRAD_SCALE)
                 .expect("gradient-fill kernel");

@@ -1,11 +1,16 @@
 //! Guards against a GPU kernel of the workspace that does not compile or spills
 //! registers, on machines without a GPU: the optimizer's AdamW source and the bench's
 //! kernels are compiled to PTX with NVRTC (libnvrtc only) and, when `ptxas` is on PATH,
-//! assembled for sm_86 and sm_89 with `-v`; registers and spills are printed per kernel
+//! assembled for sm_86, sm_89 and sm_90 with `-v`; registers and spills are printed per kernel
 //! and any spill fails the test. Without the `cuda` feature or without libnvrtc the
 //! test prints why it skipped and passes — except where `TIDESTORE_REQUIRE_KERNEL_TOOLS`
 //! is set (CI sets it after installing both with `.ci/cuda-env.sh`): there a missing tool
 //! fails the test, so CI never passes without having compiled every kernel.
+//!
+//! It also guards against a kernel image a GPU's driver would refuse: what a GPU loads is
+//! a cubin NVRTC writes for the device's own architecture (PTX from an NVRTC newer than
+//! the driver is refused), so every kernel source must compile to a cubin for sm_86,
+//! sm_89 and sm_90 — a CUDA ELF whose header names that architecture.
 
 /// Skip with the reason, or fail where the environment promises the tools.
 fn missing(reason: String) {
@@ -48,6 +53,58 @@ fn every_kernel_compiles_to_ptx_and_assembles_without_spills() {
     compile_and_assemble();
 }
 
+#[test]
+fn every_kernel_compiles_to_a_cubin_for_each_target_architecture() {
+    #[cfg(not(feature = "cuda"))]
+    missing("the test was built without the `cuda` feature".into());
+    #[cfg(feature = "cuda")]
+    compile_cubins();
+}
+
+#[cfg(feature = "cuda")]
+fn compile_cubins() {
+    use tidestore::optimizer::gpu::{cubin_sm, nvrtc_version_text};
+    if !tidestore::gpu::nvrtc_available() {
+        missing(format!(
+            "libnvrtc not found: LD_LIBRARY_PATH={}",
+            std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
+        ));
+        return;
+    }
+    let nvrtc = nvrtc_version_text();
+    println!("NVRTC {nvrtc}");
+    if let Ok(pinned) = std::env::var("TIDESTORE_NVRTC_PINNED") {
+        // .ci/cuda-env.sh pins e.g. 12.4.127: the library loaded must be that release.
+        let want: String = pinned.split('.').take(2).collect::<Vec<_>>().join(".");
+        assert_eq!(
+            nvrtc, want,
+            "the NVRTC loaded is not the one .ci/cuda-env.sh pins"
+        );
+    }
+    for cc in [(8, 6), (8, 9), (9, 0)] {
+        let sm = (cc.0 * 10 + cc.1) as u32;
+        let images = [
+            (
+                "adamw",
+                tidestore::optimizer::gpu::compile_cubin(cc).expect("NVRTC writes the AdamW cubin"),
+            ),
+            (
+                "bench",
+                tidestore::gpu::compile_cubin(cc).expect("NVRTC writes the bench cubin"),
+            ),
+        ];
+        for (name, image) in &images {
+            assert_eq!(&image[..4], b"\x7fELF", "{name} sm_{sm}: not an ELF image");
+            let got = cubin_sm(image).unwrap_or_else(|e| panic!("{name} sm_{sm}: {e}"));
+            println!(
+                "{name}: cubin sm_{sm}, {} bytes, ELF e_flags arch sm_{got}",
+                image.len()
+            );
+            assert_eq!(got, sm, "{name}: the cubin is for sm_{got}, not sm_{sm}");
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn compile_and_assemble() {
     if !tidestore::gpu::nvrtc_available() {
@@ -83,7 +140,7 @@ fn compile_and_assemble() {
     for (name, ptx, _) in &sources {
         let src = dir.path().join(format!("{name}.ptx"));
         std::fs::write(&src, ptx).expect("write PTX");
-        for sm in ["sm_86", "sm_89"] {
+        for sm in ["sm_86", "sm_89", "sm_90"] {
             let out = std::process::Command::new(&ptxas)
                 .arg(format!("-arch={sm}"))
                 .arg("-v")

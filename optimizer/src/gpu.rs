@@ -16,14 +16,22 @@
 //!   ends. In place, the gradient and output pointers are the same. The context is the device's primary context (cudarc's
 //!   `CudaContext::new`), the one the device tier allocates in, so its pointers are valid.
 //!
+//! - Kernels are loaded as a cubin for the device's own architecture (`sm_XY`), which any
+//!   driver loads; PTX, which a driver older than NVRTC refuses, only when NVRTC cannot
+//!   write a cubin for the GPU ([`nvrtc`]). The NVRTC version is logged when the kernels
+//!   are built.
+//!
 //! Every `unsafe` is an FFI call in a small function below with its `# Safety` contract.
+
+#[path = "gpu_nvrtc.rs"]
+pub mod nvrtc;
+pub use nvrtc::{cubin_sm, nvrtc_available, nvrtc_version, nvrtc_version_text, KernelImage};
 
 use std::sync::Arc;
 
 use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use crate::error::{OptimError, Result};
 use crate::params::{Consts, HyperParams, StepState};
@@ -85,12 +93,6 @@ fn culib_present() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Whether libnvrtc can be loaded (the kernel can be compiled, GPU or not).
-pub fn nvrtc_available() -> bool {
-    // SAFETY: as `culib_present`, for the NVRTC library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
 /// Queue one launch of `func` over `n` elements on `stream`.
 ///
 /// # Safety
@@ -141,46 +143,32 @@ fn cuda_err(op: &'static str, e: impl std::fmt::Display) -> OptimError {
     }
 }
 
-/// Compiles [`ADAMW_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`: NVRTC's
-/// default). Needs libnvrtc only, no GPU.
+/// The architecture NVRTC is asked for when none is given.
+const DEFAULT_ARCH: &str = "compute_86";
+
+/// Compiles [`ADAMW_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`:
+/// `compute_86`). Needs libnvrtc only, no GPU.
 pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
-    Ok(compile(arch, Vec::new())?.to_src())
+    compile_source(ADAMW_CU, "tidestore_adamw.cu", arch, Vec::new())
+}
+
+/// Compiles [`ADAMW_CU`] to a cubin for `sm_{major}{minor}`. Needs libnvrtc only.
+pub fn compile_cubin(cc: (i32, i32)) -> Result<Vec<u8>> {
+    nvrtc::compile_cubin(ADAMW_CU, "tidestore_adamw.cu", cc, &[])
 }
 
 /// Compiles the CUDA C `source` (called `file` in NVRTC's messages) to PTX text with the
-/// options every tidestore kernel is built with — no FMA contraction, no flush to zero,
-/// IEEE division and square root: the roundings that make a kernel give the CPU's bits —
-/// plus `options` (`arch`: e.g. `compute_86`; `None`: NVRTC's default). Needs libnvrtc
-/// only, no GPU.
+/// options every tidestore kernel is built with ([`nvrtc::BASE_OPTIONS`]: no FMA
+/// contraction, no flush to zero, IEEE division and square root — the roundings that make
+/// a kernel give the CPU's bits) plus `options` (`arch`: e.g. `compute_86`; `None`:
+/// `compute_86`). Needs libnvrtc only, no GPU.
 pub fn compile_source(
     source: &str,
     file: &str,
     arch: Option<&'static str>,
     options: Vec<String>,
 ) -> Result<String> {
-    if !nvrtc_available() {
-        return Err(OptimError::Cuda {
-            op: "nvrtc compile",
-            reason: "libnvrtc not found (install nvidia-cuda-nvrtc-cu12 and put its lib dir on LD_LIBRARY_PATH)".into(),
-        });
-    }
-    let opts = CompileOptions {
-        fmad: Some(false),
-        ftz: Some(false),
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
-        arch,
-        options,
-        name: Some(file.into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(source, opts)
-        .map(|ptx| ptx.to_src())
-        .map_err(|e| cuda_err("nvrtc compile", format!("{file}: {e:?}")))
-}
-
-fn compile(arch: Option<&'static str>, options: Vec<String>) -> Result<Ptx> {
-    compile_source(ADAMW_CU, "tidestore_adamw.cu", arch, options).map(Ptx::from_src)
+    nvrtc::compile_ptx(source, file, arch.unwrap_or(DEFAULT_ARCH), &options)
 }
 
 fn kernel_name(g: Dtype, out: Option<Dtype>, l2: bool) -> String {
@@ -234,13 +222,14 @@ impl GpuAdamW {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("cuDeviceGetAttribute", e))?;
-        let ptx = compile(
-            None,
-            vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        )?;
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| cuda_err("loading the PTX (is NVRTC newer than the driver?)", e))?;
+        let image = nvrtc::build_for_device(ADAMW_CU, "tidestore_adamw.cu", (major, minor))?;
+        let built = image.describe((major, minor));
+        let module = ctx.load_module(image.into_module_image()).map_err(|e| {
+            cuda_err(
+                "loading the kernels",
+                format!("{built} from NVRTC {}: {e}", nvrtc_version_text()),
+            )
+        })?;
         let mut funcs = Vec::with_capacity(18);
         for l2 in [false, true] {
             for g in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
@@ -256,7 +245,8 @@ impl GpuAdamW {
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating a stream", e))?;
-        tracing::info!(ordinal, major, minor, "GPU AdamW ready");
+        tracing::info!(ordinal, major, minor, image = %built, nvrtc = %nvrtc_version_text(),
+            "GPU AdamW ready");
         Ok(GpuAdamW {
             ordinal,
             ctx,

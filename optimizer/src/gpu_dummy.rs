@@ -24,6 +24,16 @@ pub fn compile_ptx(_arch: Option<&'static str>) -> Result<String> {
 }
 
 /// Always [`OptimError::NotCompiledWithCuda`].
+pub fn compile_cubin(_cc: (i32, i32)) -> Result<Vec<u8>> {
+    Err(OptimError::NotCompiledWithCuda)
+}
+
+/// The NVRTC version, for reports: none without the `cuda` feature.
+pub fn nvrtc_version_text() -> String {
+    "none (built without the `cuda` feature)".into()
+}
+
+/// Always [`OptimError::NotCompiledWithCuda`].
 pub fn compile_source(
     _source: &str,
     _file: &str,

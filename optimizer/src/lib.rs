@@ -58,6 +58,16 @@
 //! correction uses `1 - beta^step` in f64. Subnormal moments are computed exactly (no
 //! flush to zero), which is slow on x86 if they are common.
 //!
+//! # NaN policy
+//! A step writes every NaN result — master parameter, M or V — as the one canonical NaN,
+//! [`CANONICAL_NAN_BITS`] (`0x7FFF_FFFF`, the NaN NVIDIA GPUs produce), whatever NaN went
+//! in (sign and payload are not propagated), and the 16-bit parameter copy is converted
+//! from that value (`0x7FFF` in f16 and in bf16). x86 arithmetic would keep the payload of
+//! an input NaN and a GPU would not; canonicalizing on both sides (the CPU kernels at
+//! every SIMD level and the GPU kernel select it explicitly before storing) is what makes
+//! "the same bits on either side" hold for NaNs too. Casts and gradient accumulation are
+//! not steps: they keep `half`'s conversion rules (payload kept, quiet bit set).
+//!
 //! # Performance
 //! One pass over memory: per parameter the fp32 path reads and writes master, M and V
 //! and reads the gradient (28 bytes); the bf16 path reads a bf16 gradient and writes a
@@ -70,6 +80,9 @@
 //! allocated per call.
 //!
 //! Nothing in this crate prints; it logs through `tracing`.
+
+/// The bits of the one NaN a step writes (see the crate doc's NaN policy).
+pub const CANONICAL_NAN_BITS: u32 = 0x7FFF_FFFF;
 
 /// The `half` crate whose `f16` / `bf16` types the API uses, re-exported so callers need
 /// no version match of their own.

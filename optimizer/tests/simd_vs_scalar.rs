@@ -6,8 +6,9 @@
 //! subnormals mixed in) and every gradient / output dtype, every SIMD level and thread
 //! count gives fp32 master, M and V **bit-identical** to the scalar level with one
 //! thread — all levels evaluate the same f32 operations in the same order with the same
-//! fused multiply-adds, and `sqrt` / division are correctly rounded — NaN payloads
-//! excepted (any NaN equals any NaN). 16-bit outputs equal `half`'s conversion of the
+//! fused multiply-adds, and `sqrt` / division are correctly rounded (here any NaN equals
+//! any NaN; that every step NaN is the canonical one, at every level, is
+//! `nan_policy.rs`). 16-bit outputs equal `half`'s conversion of the
 //! final master value bit for bit. The f64 gradient norm agrees within 1e-12 relative
 //! (lanes sum in a different order); finiteness, accumulation and casts agree exactly.
 

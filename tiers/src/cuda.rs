@@ -4,14 +4,25 @@
 //!   all (cudarc panics on a missing library); a missing library, driver or GPU is
 //!   [`TierError::NoGpu`], and context creation runs under `catch_unwind` so a driver too
 //!   old for a symbol cudarc wants is that error too, not a panic.
-//! - Copies go on the device's own non-blocking copy stream, each followed by an event
-//!   from a small free list; they finish in stream order, so completions are taken from
-//!   the front of a FIFO by querying (poll) or synchronizing (wait) its event.
+//! - Chunk memory is a block of the device's slab ([`crate::slab`]): one `cuMemAlloc` when
+//!   the device opens, one `cuMemFree` when the last block and the device are gone;
+//!   nothing on the move path allocates or frees (either would synchronize the device).
+//!   Only when the slab is too fragmented for a chunk the budget admits is that chunk
+//!   allocated on its own (counted as an overflow, rounded to [`ALLOC_GRANULARITY_BYTES`]).
+//! - Copies go on two non-blocking copy streams, one per direction, so an eviction's copy
+//!   overlaps a prefetch's on GPUs with two copy engines; each is followed by an event
+//!   (blocking-sync, timing disabled) from a small free list. Completions are taken in
+//!   submission order from the front of one FIFO by querying (poll) or synchronizing
+//!   (wait) its event.
 //! - A copy owns its host buffer and device memory from submit to completion; neither is
 //!   freed or handed back before its event has completed, and dropping the device waits
-//!   for the stream first (or, if the stream cannot be waited for, leaks them).
+//!   for both streams first (or, if they cannot be waited for, leaks them).
 //! - Host pools are page-locked with `cuMemHostRegister` for the lifetime of a
-//!   [`CudaPinnedRegion`], which keeps the pool's mapping alive until it unregisters.
+//!   [`CudaPinnedRegion`], which keeps the pool's mapping alive until it unregisters —
+//!   for ever, if it cannot unregister (the mapping is leaked, never unmapped while
+//!   registered).
+//! - No drop path returns budget the GPU still holds: memory that cannot be freed (the
+//!   context cannot be bound, the free fails) is leaked together with its budget lease.
 //! - Every driver error is boxed into [`TierError::Cuda`]; no cudarc type is public.
 //!
 //! Every `unsafe` block is an FFI call wrapped in a small function below whose
@@ -20,15 +31,20 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use tidestore_io::BufferPool;
 
 use crate::budget::Lease;
 use crate::device::{
     CopyDir, CopyId, CopyRequest, CudaSpan, CudaSpanMut, DeviceBackend, DeviceConfig, DeviceCore,
-    DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, RawDone,
+    DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, RawDone, SlabPlace,
 };
 use crate::error::{Result, TierError};
+use crate::slab::{OverflowLease, Placement, SlabBlock};
+
+/// The granularity `cuMemAlloc` rounds large allocations to on current GPUs (2 MiB): the
+/// slab's footprint and an overflow allocation's are counted in it.
+pub const ALLOC_GRANULARITY_BYTES: u64 = 2 << 20;
 
 // ---------------------------------------------------------------------------------------
 // FFI, one call per function.
@@ -117,7 +133,177 @@ unsafe fn unregister_host(ptr: *mut u8) -> std::result::Result<(), DriverError> 
     unsafe { sys::cuMemHostUnregister(ptr.cast()).result() }
 }
 
+/// Create an event that blocks the waiting thread (no spinning) and records no timing.
+///
+/// # Safety
+/// A context is current on this thread; the event must be destroyed exactly once with
+/// [`destroy_event`], in that context.
+unsafe fn create_event() -> std::result::Result<sys::CUevent, DriverError> {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: `ev` is a live out-pointer; the flags are valid `CUevent_flags` bits.
+    unsafe { sys::cuEventCreate(&mut ev, flags) }.result()?;
+    Ok(ev)
+}
+
+/// Record `ev` on `stream`: it completes once everything queued before it has.
+///
+/// # Safety
+/// `ev` and `stream` are live and of the context current on this thread.
+unsafe fn record_event(
+    ev: sys::CUevent,
+    stream: sys::CUstream,
+) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { sys::cuEventRecord(ev, stream) }.result()
+}
+
+/// Whether `ev` has completed (`CUDA_ERROR_NOT_READY`: not yet).
+///
+/// # Safety
+/// `ev` is a live event.
+unsafe fn query_event(ev: sys::CUevent) -> std::result::Result<bool, DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    match unsafe { sys::cuEventQuery(ev) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(DriverError(e)),
+    }
+}
+
+/// Block until `ev` has completed.
+///
+/// # Safety
+/// `ev` is a live event.
+unsafe fn sync_event(ev: sys::CUevent) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { sys::cuEventSynchronize(ev) }.result()
+}
+
+/// Destroy `ev`.
+///
+/// # Safety
+/// `ev` came from [`create_event`] and is destroyed only here, once.
+unsafe fn destroy_event(ev: sys::CUevent) -> std::result::Result<(), DriverError> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { sys::cuEventDestroy_v2(ev) }.result()
+}
+
 // ---------------------------------------------------------------------------------------
+
+/// A copy's completion event (blocking sync, no timing), destroyed when dropped.
+struct CopyEvent {
+    ev: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUDA event handle may be used from any thread once its context is bound
+// there, which every use below does; the handle is owned by this value alone.
+unsafe impl Send for CopyEvent {}
+
+impl CopyEvent {
+    fn new(ctx: &Arc<CudaContext>) -> std::result::Result<Self, DriverError> {
+        ctx.bind_to_thread()?;
+        // SAFETY: the context was bound just above; the event is destroyed once, in
+        // `drop`, after binding the same context.
+        let ev = unsafe { create_event() }?;
+        Ok(CopyEvent {
+            ev,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    fn record(&self, stream: &CudaStream) -> std::result::Result<(), DriverError> {
+        // SAFETY: `ev` is live and of `ctx`, which the caller bound; `stream` belongs to
+        // the same context (the device's).
+        unsafe { record_event(self.ev, stream.cu_stream()) }
+    }
+
+    fn is_complete(&self) -> std::result::Result<bool, DriverError> {
+        // SAFETY: `ev` is live until `self` drops.
+        unsafe { query_event(self.ev) }
+    }
+
+    fn synchronize(&self) -> std::result::Result<(), DriverError> {
+        // SAFETY: `ev` is live until `self` drops.
+        unsafe { sync_event(self.ev) }
+    }
+}
+
+impl Drop for CopyEvent {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, "CUDA: cannot bind the context to destroy an event; leaked");
+            return;
+        }
+        // SAFETY: `ev` came from `create_event` in this context and is destroyed only here.
+        if let Err(e) = unsafe { destroy_event(self.ev) } {
+            tracing::error!(error = %e, "CUDA: destroying an event failed");
+        }
+    }
+}
+
+/// The device memory of a slab: one allocation, freed when the device and every block of
+/// it are gone (each holds this in an `Arc`).
+#[derive(Debug)]
+struct CudaSlabMemory {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaSlabMemory {
+    /// `bytes` of device memory (none for zero bytes: `cuMemAlloc(0)` is an error).
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        if bytes == 0 {
+            return Ok(CudaSlabMemory {
+                ptr: 0,
+                bytes,
+                ctx: Arc::clone(ctx),
+            });
+        }
+        ctx.bind_to_thread()
+            .map_err(|e| TierError::cuda("binding the context", None, bytes as u64, e))?;
+        // SAFETY: the context was bound just above; the memory is used only as raw bytes
+        // (blocks of it handed to copies and compute views) and freed once, in `drop`.
+        let ptr = unsafe { alloc_device(bytes) }.map_err(|e| {
+            if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                TierError::DeviceOutOfMemory {
+                    chunk: u64::MAX,
+                    needed_bytes: bytes as u64,
+                    free_bytes: ctx.mem_get_info().map_or(0, |(free, _)| free as u64),
+                }
+            } else {
+                TierError::cuda("cuMemAlloc (the chunk slab)", None, bytes as u64, e)
+            }
+        })?;
+        Ok(CudaSlabMemory {
+            ptr,
+            bytes,
+            ctx: Arc::clone(ctx),
+        })
+    }
+}
+
+impl Drop for CudaSlabMemory {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, bytes = self.bytes,
+                "CUDA: cannot bind the context to free the chunk slab; leaked");
+            return;
+        }
+        // SAFETY: `ptr` came from `alloc_device` in this context (bound just above) and
+        // is freed only here, once: every block of the slab holds this in an `Arc`, so
+        // none is alive, and no copy or kernel uses a block that is not alive.
+        if let Err(e) = unsafe { free_device(self.ptr) } {
+            tracing::error!(error = %e, bytes = self.bytes, "CUDA: freeing the chunk slab failed");
+        }
+    }
+}
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
@@ -135,8 +321,10 @@ fn no_gpu(what: &str, e: DriverError) -> TierError {
     }
 }
 
-/// Open device `ordinal`: its context, a copy stream, and its total memory.
-fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>, u64)> {
+/// Open device `ordinal`: its context, a copy stream per direction, and its total memory.
+type Opened = (Arc<CudaContext>, [Arc<CudaStream>; 2], u64);
+
+fn open_context(ordinal: usize) -> Result<Opened> {
     let count = CudaContext::device_count().map_err(|e| no_gpu("CUDA driver", e))?;
     if count <= 0 {
         return Err(TierError::NoGpu {
@@ -149,24 +337,41 @@ fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>, u6
         });
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| no_gpu("creating the context", e))?;
-    let stream = ctx
-        .new_stream()
-        .map_err(|e| TierError::cuda("creating the copy stream", None, 0, e))?;
+    let stream = || {
+        ctx.new_stream()
+            .map_err(|e| TierError::cuda("creating a copy stream", None, 0, e))
+    };
+    let streams = [stream()?, stream()?];
     let (_free, total) = ctx
         .mem_get_info()
         .map_err(|e| TierError::cuda("cuMemGetInfo", None, 0, e))?;
-    Ok((ctx, stream, total as u64))
+    Ok((ctx, streams, total as u64))
 }
 
-/// Memory on a CUDA GPU holding one chunk.
+/// Memory on a CUDA GPU holding one chunk: a block of the device's slab (or, when the
+/// slab was too fragmented, an allocation of its own).
 #[derive(Debug)]
 pub struct CudaMem {
     ptr: sys::CUdeviceptr,
     bytes: usize,
     chunk: u64,
     device_id: u32,
-    ctx: Arc<CudaContext>,
-    _lease: Lease,
+    /// `None` only while dropping.
+    store: Option<CudaStore>,
+    /// `None` only while dropping.
+    lease: Option<Lease>,
+}
+
+#[derive(Debug)]
+enum CudaStore {
+    Slab {
+        _slab: Arc<CudaSlabMemory>,
+        _block: SlabBlock,
+    },
+    Overflow {
+        ctx: Arc<CudaContext>,
+        accounting: OverflowLease,
+    },
 }
 
 impl CudaMem {
@@ -197,17 +402,23 @@ impl CudaMem {
 
 impl Drop for CudaMem {
     fn drop(&mut self) {
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::error!(error = %e, chunk = self.chunk, bytes = self.bytes,
-                "CUDA: cannot bind the context to free device memory; leaked");
+        // A slab block goes back to the slab (no CUDA call) with its lease.
+        let Some(CudaStore::Overflow { ctx, accounting }) = self.store.take() else {
             return;
-        }
-        // SAFETY: `ptr` came from `alloc_device` in this context (bound just above) and is
-        // freed only here, once. No copy uses it: a copy owns this `CudaMem` until its
-        // event has completed. Kernels reading it through a view must have finished, as
-        // `DeviceMem::view` requires.
-        if let Err(e) = unsafe { free_device(self.ptr) } {
-            tracing::error!(error = %e, chunk = self.chunk, "CUDA: freeing device memory failed");
+        };
+        let freed = ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: `ptr` came from `alloc_device` in this context (bound just before)
+            // and is freed only here, once. No copy uses it: a copy owns this `CudaMem`
+            // until its event has completed. Kernels reading it through a view must have
+            // finished, as `DeviceMem::view` requires.
+            unsafe { free_device(self.ptr) }
+        });
+        if let Err(e) = freed {
+            // The GPU still holds the memory: so does the budget, and the footprint.
+            tracing::error!(error = %e, chunk = self.chunk, bytes = self.bytes,
+                "CUDA: device memory cannot be freed; leaked with its budget");
+            std::mem::forget(accounting);
+            std::mem::forget(self.lease.take());
         }
     }
 }
@@ -219,8 +430,8 @@ pub struct CudaPinnedRegion {
     addr: usize,
     bytes: usize,
     ctx: Arc<CudaContext>,
-    /// Keeps the mapping alive until it is unregistered.
-    _pool: BufferPool,
+    /// Keeps the mapping alive until it is unregistered; `None` only while dropping.
+    pool: Option<BufferPool>,
 }
 
 impl CudaPinnedRegion {
@@ -231,16 +442,19 @@ impl CudaPinnedRegion {
 
 impl Drop for CudaPinnedRegion {
     fn drop(&mut self) {
-        if let Err(e) = self.ctx.bind_to_thread() {
-            tracing::error!(error = %e, "CUDA: cannot bind the context to unpin host memory");
-            return;
-        }
-        // SAFETY: `addr` was registered by `pin_pool` and is unregistered only here. The
-        // mapping is still alive (`_pool` is dropped after this). Copies from or to it are
-        // finished: each owns a buffer of the pool, and buffers come back only after
-        // their copy's event; the device drains its stream when dropped.
-        if let Err(e) = unsafe { unregister_host(self.addr as *mut u8) } {
-            tracing::error!(error = %e, bytes = self.bytes, "CUDA: unpinning host memory failed");
+        let unpinned = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: `addr` was registered by `pin_pool` and is unregistered only here.
+            // The mapping is still alive (`pool` is released after this). Copies from or
+            // to it are finished: each owns a buffer of the pool, and buffers come back
+            // only after their copy's event; the device drains its streams when dropped.
+            unsafe { unregister_host(self.addr as *mut u8) }
+        });
+        if let Err(e) = unpinned {
+            // Still registered: the mapping must never be unmapped (the driver would
+            // keep pinned pages of a range the process may reuse). Leak it.
+            tracing::error!(error = %e, bytes = self.bytes,
+                "CUDA: cannot unpin host memory; the pool's mapping is leaked");
+            std::mem::forget(self.pool.take());
         }
     }
 }
@@ -248,9 +462,9 @@ impl Drop for CudaPinnedRegion {
 struct InFlight {
     id: CopyId,
     req: CopyRequest,
-    /// Recorded after the copy; `None` when recording failed, then the stream is
+    /// Recorded after the copy; `None` when recording failed, then the copy's stream is
     /// synchronized instead.
-    event: Option<CudaEvent>,
+    event: Option<CopyEvent>,
     /// An error to report with the copy once its buffers are idle.
     error: Option<TierError>,
 }
@@ -259,9 +473,13 @@ struct InFlight {
 pub struct CudaDevice {
     core: DeviceCore,
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    /// Host-to-device copies.
+    h2d: Arc<CudaStream>,
+    /// Device-to-host copies.
+    d2h: Arc<CudaStream>,
+    slab: Arc<CudaSlabMemory>,
     in_flight: VecDeque<InFlight>,
-    spare_events: Vec<CudaEvent>,
+    spare_events: Vec<CopyEvent>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -285,33 +503,55 @@ impl CudaDevice {
             });
         }
         let ordinal = cfg.ordinal;
-        let (ctx, stream, total_bytes) = std::panic::catch_unwind(|| open_context(ordinal))
+        let (ctx, [h2d, d2h], total_bytes) = std::panic::catch_unwind(|| open_context(ordinal))
             .map_err(|p| TierError::NoGpu {
-                reason: format!("the CUDA driver failed: {}", panic_message(p.as_ref())),
-            })??;
-        let core = DeviceCore::new(cfg, total_bytes)?;
+            reason: format!("the CUDA driver failed: {}", panic_message(p.as_ref())),
+        })??;
+        let slab_bytes = cfg.slab_bytes.unwrap_or(cfg.budget_bytes);
+        if slab_bytes > total_bytes {
+            return Err(TierError::BudgetExceedsDevice {
+                budget_bytes: slab_bytes,
+                total_bytes,
+            });
+        }
+        let slab = Arc::new(CudaSlabMemory::new(&ctx, slab_bytes as usize)?);
+        let place = SlabPlace {
+            bytes: slab_bytes,
+            footprint_bytes: slab_bytes.div_ceil(ALLOC_GRANULARITY_BYTES) * ALLOC_GRANULARITY_BYTES,
+            base_addr: slab.ptr,
+            granularity_bytes: ALLOC_GRANULARITY_BYTES,
+        };
+        let core = DeviceCore::new(cfg, total_bytes, place)?;
         tracing::info!(
             ordinal,
             name = %ctx.name().unwrap_or_else(|e| format!("(name unknown: {e})")),
             total_bytes,
+            slab_bytes,
             budget_bytes = cfg.budget_bytes,
             "CUDA device opened"
         );
         Ok(CudaDevice {
             core,
             ctx,
-            stream,
+            h2d,
+            d2h,
+            slab,
             in_flight: VecDeque::with_capacity(cfg.copy_queue_depth),
             spare_events: Vec::with_capacity(cfg.copy_queue_depth),
         })
     }
 
-    fn take_event(&mut self) -> std::result::Result<CudaEvent, DriverError> {
+    fn stream(&self, dir: CopyDir) -> &Arc<CudaStream> {
+        match dir {
+            CopyDir::HostToDevice => &self.h2d,
+            CopyDir::DeviceToHost => &self.d2h,
+        }
+    }
+
+    fn take_event(&mut self) -> std::result::Result<CopyEvent, DriverError> {
         match self.spare_events.pop() {
             Some(e) => Ok(e),
-            None => self
-                .ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)),
+            None => CopyEvent::new(&self.ctx),
         }
     }
 
@@ -334,7 +574,7 @@ impl CudaDevice {
             });
         }
         let dptr = mem.ptr;
-        let stream = self.stream.cu_stream();
+        let stream = self.stream(req.dir).cu_stream();
         let Some(host) = req.host.get_mut(..len) else {
             return Err(TierError::BadCopy {
                 id,
@@ -356,13 +596,14 @@ impl CudaDevice {
         queued.map_err(|e| TierError::cuda("queueing a copy", Some(chunk), bytes, e))
     }
 
-    /// Wait for everything on the copy stream; on failure the copies in flight cannot be
-    /// known idle, so their buffers are leaked rather than handed back.
+    /// Wait for everything on both copy streams; on failure the copies in flight cannot
+    /// be known idle, so their buffers are leaked rather than handed back.
     fn drain_or_leak(&mut self) -> Result<()> {
         let waited = self
             .ctx
             .bind_to_thread()
-            .and_then(|()| self.stream.synchronize());
+            .and_then(|()| self.h2d.synchronize())
+            .and_then(|()| self.d2h.synchronize());
         if let Err(e) = waited {
             tracing::error!(error = %e, lost = self.in_flight.len(),
                 "CUDA copy stream failed; the buffers of its copies are leaked");
@@ -387,6 +628,24 @@ impl DeviceBackend for CudaDevice {
     }
 
     fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<DeviceMem> {
+        let accounting = match self.core.slab.take(chunk, bytes as u64) {
+            Placement::Slab(block) => {
+                assert_eq!(block.bytes(), lease.bytes(), "a block is its lease's bytes");
+                return Ok(DeviceMem::Cuda(CudaMem {
+                    ptr: self.slab.ptr + block.offset_bytes(),
+                    bytes,
+                    chunk,
+                    device_id: self.core.device_id,
+                    store: Some(CudaStore::Slab {
+                        _slab: Arc::clone(&self.slab),
+                        _block: block,
+                    }),
+                    lease: Some(lease),
+                }));
+            }
+            Placement::Overflow(accounting) => accounting,
+        };
+        // The slab is too fragmented for this chunk: an allocation of its own.
         self.ctx
             .bind_to_thread()
             .map_err(|e| TierError::cuda("binding the context", Some(chunk), bytes as u64, e))?;
@@ -408,8 +667,11 @@ impl DeviceBackend for CudaDevice {
             bytes,
             chunk,
             device_id: self.core.device_id,
-            ctx: Arc::clone(&self.ctx),
-            _lease: lease,
+            store: Some(CudaStore::Overflow {
+                ctx: Arc::clone(&self.ctx),
+                accounting,
+            }),
+            lease: Some(lease),
         }))
     }
 
@@ -436,7 +698,7 @@ impl DeviceBackend for CudaDevice {
         }
         // From here the copy is queued: the request goes into `in_flight` whatever
         // happens, and comes back only once the stream is known past it.
-        let (event, error) = match event.record(&self.stream) {
+        let (event, error) = match event.record(self.stream(req.dir)) {
             Ok(()) => (Some(event), None),
             Err(e) => (
                 None,
@@ -458,11 +720,15 @@ impl DeviceBackend for CudaDevice {
 
     fn next_done(&mut self, block: bool) -> Option<RawDone> {
         let front = self.in_flight.front()?;
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!(error = %e, "CUDA: cannot bind the context to wait for a copy");
+            return None;
+        }
         let finished = match &front.event {
             Some(ev) if block => ev.synchronize().map(|()| true),
-            Some(ev) => ev.try_is_complete(),
-            // No event to ask: wait for the whole stream (a rare error path).
-            None => self.stream.synchronize().map(|()| true),
+            Some(ev) => ev.is_complete(),
+            // No event to ask: wait for the copy's stream (a rare error path).
+            None => self.stream(front.req.dir).synchronize().map(|()| true),
         };
         match finished {
             Ok(false) => None,
@@ -498,7 +764,7 @@ impl DeviceBackend for CudaDevice {
             .map_err(|e| TierError::cuda("synchronizing the device", None, 0, e))
     }
 
-    fn mem_info(&self) -> Result<MemInfo> {
+    fn driver_mem_info(&self) -> Result<MemInfo> {
         let (free, total) = self
             .ctx
             .mem_get_info()
@@ -507,19 +773,6 @@ impl DeviceBackend for CudaDevice {
             total_bytes: total as u64,
             free_bytes: free as u64,
         })
-    }
-
-    fn report_non_model_bytes(&mut self, bytes: u64) {
-        tracing::trace!(
-            bytes,
-            "CUDA device measures non-model memory; the report is ignored"
-        );
-    }
-
-    fn non_model_bytes(&self) -> Result<u64> {
-        let info = self.mem_info()?;
-        let chunks = self.core.budget.snapshot().used_bytes();
-        Ok((info.total_bytes - info.free_bytes).saturating_sub(chunks))
     }
 
     fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion> {
@@ -536,7 +789,7 @@ impl DeviceBackend for CudaDevice {
             addr: ptr as usize,
             bytes,
             ctx: Arc::clone(&self.ctx),
-            _pool: pool.clone(),
+            pool: Some(pool.clone()),
         }
         .into())
     }

@@ -6,14 +6,24 @@
 //! code above needs a `cfg`.
 //!
 //! Invariants:
-//! - device memory is allocated only within the device budget: [`Device::alloc`] takes a
-//!   [`Lease`](crate::budget::Lease) of the chunk's bytes (rounded up to 4096) before it
-//!   allocates, and the memory gives the bytes back when dropped, wherever that is;
+//! - chunk memory is a block of the device's slab ([`crate::slab`]), one region allocated
+//!   when the device opens and never again: [`Device::alloc`] takes a
+//!   [`Lease`](crate::budget::Lease) of the chunk's bytes (rounded up to 4096, exactly the
+//!   block's size) and then a block; the memory gives both back when dropped, wherever
+//!   that is. The budget's capacity never exceeds the slab;
+//! - non-model memory is the same quantity on both backends: what the caller reported
+//!   ([`Device::report_non_model_bytes`], e.g. activations the bench models) plus what is
+//!   measured beyond the slab, `(total - free) - slab footprint` from the driver (the
+//!   simulation's driver sees the slab only, so it measures zero). Chunks are counted at
+//!   their real footprint: the whole slab, rounded to the allocation granularity;
 //! - a copy owns both ends: the host buffer and the device memory move into
 //!   [`Device::submit_copy`] and come back, exactly once, inside its [`CopyCompletion`],
 //!   whether it succeeded or not; nobody can touch either while the copy runs;
-//! - copies complete in submission order (one copy stream, or one copy worker); at most
-//!   `copy_queue_depth` are in flight, a submit beyond that first waits for the oldest;
+//! - each direction has its own copy stream (GPU) or copy worker (simulation), so an
+//!   eviction's copy overlaps a prefetch's on GPUs with two copy engines; completions are
+//!   handed back in submission order all the same (the oldest copy is waited for first);
+//!   at most `copy_queue_depth` are in flight, a submit beyond that first waits for the
+//!   oldest;
 //! - a malformed request (memory of another device, a length larger than either end or
 //!   zero) never starts: it completes at once with the error and its buffers.
 
@@ -26,6 +36,7 @@ use tidestore_io::{align_up, AlignedBuf, BufferPool};
 
 use crate::budget::{Budget, SharedBudget, TierKind};
 use crate::error::{Result, TierError};
+use crate::slab::{SharedSlab, SlabStats};
 use crate::stats::LinkStats;
 
 pub use crate::cuda::{CudaDevice, CudaMem, CudaPinnedRegion};
@@ -35,6 +46,9 @@ pub use crate::span::{CudaSpan, CudaSpanMut};
 /// Id of a copy, unique per device, handed out by [`Device::submit_copy`] and carried by
 /// its completion.
 pub type CopyId = u64;
+
+/// The simulated driver's allocation granularity unless configured (CUDA's usual one).
+pub const SIM_ALLOC_GRANULARITY_BYTES_DEFAULT: u64 = 2 << 20;
 
 /// Most copies one device keeps in flight.
 pub const COPY_QUEUE_DEPTH_MAX: usize = 1024;
@@ -75,8 +89,16 @@ pub struct DeviceConfig {
     pub copy_queue_depth: usize,
     /// Total memory of the simulated device; `None`: the budget.
     pub sim_total_bytes: Option<u64>,
-    /// Bandwidth of the simulated host↔device link; `None`: as fast as `memcpy`.
+    /// Bandwidth of the simulated host↔device link (each direction); `None`: as fast as
+    /// `memcpy`.
     pub sim_link_bytes_per_s: Option<u64>,
+    /// Bytes of the chunk slab allocated when the device opens; the budget can never be
+    /// set above it. `None`: the simulated device's whole memory, or on a GPU the initial
+    /// budget (`budget_bytes`).
+    pub slab_bytes: Option<u64>,
+    /// Allocation granularity of the simulated driver (a power of two, at least 4096):
+    /// the slab occupies its size rounded up to it, as on a GPU (2 MiB by default).
+    pub sim_alloc_granularity_bytes: u64,
 }
 
 impl DeviceConfig {
@@ -89,6 +111,8 @@ impl DeviceConfig {
             copy_queue_depth: 16,
             sim_total_bytes: None,
             sim_link_bytes_per_s: None,
+            slab_bytes: None,
+            sim_alloc_granularity_bytes: SIM_ALLOC_GRANULARITY_BYTES_DEFAULT,
         }
     }
 
@@ -102,6 +126,24 @@ impl DeviceConfig {
                     self.copy_queue_depth
                 ),
             });
+        }
+        let g = self.sim_alloc_granularity_bytes;
+        if !g.is_power_of_two() || g < 4096 {
+            return Err(TierError::Config {
+                key: "device.sim_alloc_granularity",
+                reason: format!("{g} is not a power of two of at least 4096"),
+            });
+        }
+        if let Some(slab) = self.slab_bytes {
+            if slab < self.budget_bytes {
+                return Err(TierError::Config {
+                    key: "device.slab_bytes",
+                    reason: format!(
+                        "a slab of {slab} bytes cannot hold the budget of {} bytes",
+                        self.budget_bytes
+                    ),
+                });
+            }
         }
         if self.sim_link_bytes_per_s == Some(0) {
             return Err(TierError::Config {
@@ -284,21 +326,49 @@ impl From<CudaPinnedRegion> for PinnedRegion {
     }
 }
 
-/// What both backends share: the budget, the copy ids, the queue of finished copies and
-/// the link counters.
+/// `bytes` rounded down to the budget's unit (a page, 4096).
+fn align_down_page(bytes: u64) -> u64 {
+    bytes - bytes % crate::slab::BLOCK_ALIGN_BYTES
+}
+
+/// Where a backend put its slab: its size, the device memory it occupies (rounded up to
+/// the allocation granularity) and its first byte's address.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlabPlace {
+    pub(crate) bytes: u64,
+    pub(crate) footprint_bytes: u64,
+    pub(crate) base_addr: u64,
+    /// The driver's allocation granularity (overflow allocations are rounded to it).
+    pub(crate) granularity_bytes: u64,
+}
+
+/// What both backends share: the budget, the slab, the copy ids, the queue of finished
+/// copies, the reported non-model memory and the link counters.
 #[derive(Debug)]
 pub(crate) struct DeviceCore {
     pub(crate) device_id: u32,
     pub(crate) budget: SharedBudget,
     pub(crate) total_bytes: u64,
     pub(crate) queue_depth: usize,
+    pub(crate) slab: SharedSlab,
+    /// Device memory the slab occupies (its size rounded up to the allocation granularity).
+    pub(crate) slab_footprint_bytes: u64,
+    slab_base_addr: u64,
+    non_model_reported_bytes: u64,
     next_copy_id: CopyId,
     ready: VecDeque<CopyCompletion>,
     links: LinkStats,
 }
 
 impl DeviceCore {
-    pub(crate) fn new(cfg: &DeviceConfig, total_bytes: u64) -> Result<Self> {
+    /// Checks the budget against the device and the slab the backend allocated.
+    pub(crate) fn new(cfg: &DeviceConfig, total_bytes: u64, slab: SlabPlace) -> Result<Self> {
+        let SlabPlace {
+            bytes: slab_bytes,
+            footprint_bytes: slab_footprint_bytes,
+            base_addr: slab_base_addr,
+            granularity_bytes: slab_granularity_bytes,
+        } = slab;
         cfg.validate()?;
         if cfg.budget_bytes > total_bytes {
             return Err(TierError::BudgetExceedsDevice {
@@ -306,15 +376,32 @@ impl DeviceCore {
                 total_bytes,
             });
         }
+        let slab = SharedSlab::new(slab_bytes, slab_granularity_bytes);
+        // Leases are whole pages: a budget's last partial page can never be used.
+        if align_down_page(cfg.budget_bytes) > align_down_page(slab_bytes) {
+            return Err(TierError::BudgetExceedsSlab {
+                budget_bytes: cfg.budget_bytes,
+                slab_bytes,
+            });
+        }
         Ok(DeviceCore {
             device_id: next_device_id(),
             budget: SharedBudget::new(TierKind::Device, cfg.budget_bytes),
             total_bytes,
             queue_depth: cfg.copy_queue_depth,
+            slab,
+            slab_footprint_bytes,
+            slab_base_addr,
+            non_model_reported_bytes: 0,
             next_copy_id: 1,
             ready: VecDeque::with_capacity(cfg.copy_queue_depth * 2),
             links: LinkStats::default(),
         })
+    }
+
+    /// The non-model bytes reported last.
+    pub(crate) fn non_model_reported_bytes(&self) -> u64 {
+        self.non_model_reported_bytes
     }
 
     /// Account for a finished copy and queue it for the caller.
@@ -396,9 +483,9 @@ impl Device {
     }
 
     /// Move the chunk budget (tidal: small during forward/backward, nearly all of the
-    /// device during the optimizer step). Refused below what is in use
-    /// ([`TierError::ShrinkBelowUsed`] says how much to evict) and above the device's
-    /// total memory.
+    /// slab during the optimizer step). Refused below what is in use
+    /// ([`TierError::ShrinkBelowUsed`] says how much to evict), above the device's total
+    /// memory and above the slab ([`Device::slab_bytes`]).
     pub fn set_budget_capacity(&self, capacity_bytes: u64) -> Result<()> {
         let core = self.core();
         if capacity_bytes > core.total_bytes {
@@ -407,7 +494,36 @@ impl Device {
                 total_bytes: core.total_bytes,
             });
         }
+        let slab_bytes = self.slab_bytes();
+        if align_down_page(capacity_bytes) > align_down_page(slab_bytes) {
+            return Err(TierError::BudgetExceedsSlab {
+                budget_bytes: capacity_bytes,
+                slab_bytes,
+            });
+        }
         core.budget.set_capacity(capacity_bytes)
+    }
+
+    /// Bytes of the chunk slab: the most the chunk budget can ever be. A store sizes its
+    /// budgets by `min(total memory, slab)`.
+    pub fn slab_bytes(&self) -> u64 {
+        self.core().slab.stats().slab_bytes
+    }
+
+    /// The slab's counts: bytes in blocks now and at peak, blocks, refusals.
+    pub fn slab_stats(&self) -> SlabStats {
+        self.core().slab.stats()
+    }
+
+    /// Address of the slab's first byte (host memory in the simulation, a device pointer
+    /// on a GPU): every chunk's memory lies in `base .. base + slab_bytes`.
+    pub fn slab_base_addr(&self) -> u64 {
+        self.core().slab_base_addr
+    }
+
+    /// Check the slab's invariants (for tests; cheap for a few hundred chunks).
+    pub fn verify_slab(&self) -> std::result::Result<(), String> {
+        self.core().slab.verify()
     }
 
     /// Bytes to evict before the budget could be `capacity_bytes`.
@@ -420,8 +536,10 @@ impl Device {
         self.core().budget.reset_peak();
     }
 
-    /// Allocate device memory for `chunk` (`bytes`, counted rounded up to 4096), within
-    /// the budget: [`TierError::OverBudget`] when it does not fit.
+    /// Device memory for `chunk` (`bytes`, counted rounded up to 4096): a block of the
+    /// slab, within the budget. [`TierError::OverBudget`] when the budget has no room,
+    /// [`TierError::DeviceOutOfMemory`] when the device (or, fragmented, the slab) has
+    /// none. Never asks the driver for memory.
     pub fn alloc(&self, chunk: u64, bytes: usize) -> Result<DeviceMem> {
         if bytes == 0 {
             return Err(TierError::ZeroBytes {
@@ -603,22 +721,43 @@ impl Device {
         dispatch!(self, d => d.synchronize())
     }
 
-    /// Total and free device memory: from `cuMemGetInfo` on a GPU; in the simulation, the
-    /// simulated total less the chunks and the reported non-model bytes.
+    /// Total device memory, and what neither chunks nor non-model memory use: the
+    /// driver's free memory (`cuMemGetInfo`, or the simulated driver's) plus the slab's
+    /// free blocks, less the reported non-model bytes.
     pub fn mem_info(&self) -> Result<MemInfo> {
-        dispatch!(self, d => d.mem_info())
+        let driver = dispatch!(self, d => d.driver_mem_info())?;
+        let core = self.core();
+        let slab = core.slab.stats();
+        Ok(MemInfo {
+            total_bytes: driver.total_bytes,
+            free_bytes: (driver.free_bytes + (slab.slab_bytes - slab.used_bytes))
+                .saturating_sub(core.non_model_reported_bytes()),
+        })
     }
 
-    /// Report the device memory used by everything but chunks (activations, workspace).
-    /// The simulation takes it as the truth; on a GPU it is measured, so this is ignored.
+    /// Report device memory used by everything but chunks that the device cannot see
+    /// (activations a modeled compute would hold); it adds to what is measured.
     pub fn report_non_model_bytes(&mut self, bytes: u64) {
-        dispatch!(self, d => d.report_non_model_bytes(bytes))
+        self.core_mut().non_model_reported_bytes = bytes;
     }
 
-    /// Device memory in use by everything but chunks: on a GPU `total - free - chunk
-    /// bytes`, in the simulation what was reported.
+    /// Device memory in use by everything but chunks, the same on both backends: the
+    /// reported bytes plus the measured `(total - free) - chunk footprint`, the chunk
+    /// footprint being the slab's plus that of any overflow allocation (zero in the
+    /// simulation, whose driver holds only those).
     pub fn non_model_bytes(&self) -> Result<u64> {
-        dispatch!(self, d => d.non_model_bytes())
+        let driver = dispatch!(self, d => d.driver_mem_info())?;
+        let core = self.core();
+        let chunk_footprint_bytes =
+            core.slab_footprint_bytes + core.slab.stats().overflow_footprint_bytes;
+        let measured = (driver.total_bytes - driver.free_bytes.min(driver.total_bytes))
+            .saturating_sub(chunk_footprint_bytes);
+        Ok(core.non_model_reported_bytes() + measured)
+    }
+
+    /// The non-model bytes reported last (see [`Device::report_non_model_bytes`]).
+    pub fn non_model_reported_bytes(&self) -> u64 {
+        self.core().non_model_reported_bytes()
     }
 
     /// Page-lock `pool`'s region for fast asynchronous copies (a GPU), or do nothing
@@ -644,8 +783,8 @@ pub(crate) trait DeviceBackend {
     fn in_flight(&self) -> usize;
     fn next_done(&mut self, block: bool) -> Option<RawDone>;
     fn synchronize(&mut self) -> Result<()>;
-    fn mem_info(&self) -> Result<MemInfo>;
-    fn report_non_model_bytes(&mut self, bytes: u64);
-    fn non_model_bytes(&self) -> Result<u64>;
+    /// Total and free memory as the driver (or the simulated driver) sees it: the slab
+    /// counts as used whole.
+    fn driver_mem_info(&self) -> Result<MemInfo>;
     fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion>;
 }

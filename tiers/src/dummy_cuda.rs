@@ -91,15 +91,7 @@ impl DeviceBackend for CudaDevice {
         match *self {}
     }
 
-    fn mem_info(&self) -> Result<MemInfo> {
-        match *self {}
-    }
-
-    fn report_non_model_bytes(&mut self, _bytes: u64) {
-        match *self {}
-    }
-
-    fn non_model_bytes(&self) -> Result<u64> {
+    fn driver_mem_info(&self) -> Result<MemInfo> {
         match *self {}
     }
 

@@ -98,6 +98,13 @@ pub enum TierError {
     #[error("device budget of {budget_bytes} bytes is more than the device's {total_bytes} bytes")]
     BudgetExceedsDevice { budget_bytes: u64, total_bytes: u64 },
 
+    /// The device budget asked for is more than the device's chunk slab, the memory made
+    /// for chunks when the device opened (`slab_bytes` in its config).
+    #[error(
+        "device budget of {budget_bytes} bytes is more than the chunk slab of {slab_bytes} bytes"
+    )]
+    BudgetExceedsSlab { budget_bytes: u64, slab_bytes: u64 },
+
     /// A configuration value out of range; `key` names it as written in TOML.
     #[error("invalid config `{key}`: {reason}")]
     Config { key: &'static str, reason: String },

@@ -5,13 +5,16 @@
 //! - [`device`]: GPU memory behind one type, [`Device`]: a CUDA backend (feature `cuda`)
 //!   or a simulation in host memory with the same budgets and the same asynchronous
 //!   copies, so every layer above runs the same code on every machine;
+//! - [`slab`]: the device slab, all chunk memory of a device allocated once at start-up,
+//!   and its block allocator (both backends);
 //! - [`host`]: the pinned host pool, fixed at start-up;
 //! - [`nvme`]: the NVMe tier over the io crate's swap file;
 //! - [`stats`]: peaks per tier and bytes moved per link.
 //!
 //! Nothing here prints; everything is logged with `tracing`. FFI lives only in the CUDA
 //! backend; every other module denies `unsafe` (but for the two `unsafe fn` constructors
-//! of GPU spans, which promise an address is device memory).
+//! of GPU spans, which promise an address is device memory, and the simulation's slab
+//! region in [`slab`], which hands out disjoint blocks of one host mapping).
 
 pub mod budget;
 pub mod device;
@@ -19,6 +22,7 @@ pub mod error;
 pub mod host;
 pub mod nvme;
 mod sim;
+pub mod slab;
 mod span;
 pub mod stats;
 
@@ -38,6 +42,7 @@ pub use device::{
 pub use error::{Result, TierError};
 pub use host::HostTier;
 pub use nvme::NvmeTier;
+pub use slab::{SlabAllocator, SlabStats};
 pub use stats::{LinkStats, NvmeLinkStats, TierStats, TierUsage};
 
 #[cfg(test)]

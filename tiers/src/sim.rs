@@ -2,34 +2,45 @@
 //!
 //! It has the device's budget, its asynchronous interface and its failure modes, so that
 //! every layer above runs the same code with or without a GPU:
-//! - memory is an [`AlignedBuf`] per chunk, allocated within the budget and, like a real
-//!   device, only while the simulated device has room left after the chunks and the
-//!   non-model memory the caller reports ([`TierError::DeviceOutOfMemory`] otherwise);
-//! - copies run on one worker thread standing in for the copy stream: they finish in
-//!   submission order and their completions really arrive asynchronously, optionally
-//!   paced to a given link bandwidth;
-//! - the job and completion channels are bounded by the copy queue depth, and the device
+//! - chunk memory is a block of one host mapping made at start-up (the slab, see
+//!   [`crate::slab`]; pages are faulted in once and reused, never zeroed again), handed
+//!   out within the budget and, like a real device, only while the simulated device has
+//!   room left after the chunks and the non-model memory the caller reports
+//!   ([`TierError::DeviceOutOfMemory`] otherwise);
+//! - the simulated driver holds the slab only, rounded up to its allocation granularity
+//!   (`sim_alloc_granularity_bytes`), so the non-model memory measured beyond the slab is
+//!   zero and what the caller reports is the whole of it, as on a GPU where it is measured;
+//! - copies run on two worker threads, one per direction, standing in for the GPU's two
+//!   copy streams (and engines): a device-to-host copy overlaps a host-to-device one, each
+//!   direction finishes in submission order, each paced to the link bandwidth when one is
+//!   given (full duplex), and completions really arrive asynchronously; the device hands
+//!   them back in submission order by waiting on the direction of the oldest;
+//! - each job and completion channel is bounded by the copy queue depth, and the device
 //!   never has more copies in flight than that, so neither side ever blocks on a send.
 
 #![deny(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::sync::mpsc::{Receiver, RecvError, SyncSender, TryRecvError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tidestore_io::{align_up, AlignedBuf, BufferPool};
+use tidestore_io::{AlignedBuf, BufferPool};
 
 use crate::budget::{Lease, TierKind};
 use crate::device::{
     CopyDir, CopyId, CopyRequest, DeviceBackend, DeviceConfig, DeviceCore, DeviceMem, DeviceView,
-    DeviceViewMut, MemInfo, PinnedRegion, RawDone,
+    DeviceViewMut, MemInfo, PinnedRegion, RawDone, SlabPlace,
 };
 use crate::error::{Result, TierError};
+use crate::slab::{HostRegion, OverflowLease, Placement, SlabBlock};
 
-/// Simulated device memory holding one chunk.
+/// Simulated device memory holding one chunk: a block of the simulated slab (or, when
+/// the slab was too fragmented, a buffer of its own).
 #[derive(Debug)]
 pub struct SimMem {
-    buf: AlignedBuf,
+    store: SimStore,
     bytes: usize,
     chunk: u64,
     device_id: u32,
@@ -50,64 +61,155 @@ impl SimMem {
     }
 
     pub(crate) fn view(&self) -> DeviceView<'_> {
-        DeviceView::Host(&self.buf[..self.bytes])
+        DeviceView::Host(match &self.store {
+            SimStore::Slab { region, block } => region.bytes(block, self.bytes),
+            SimStore::Overflow { buf, .. } => &buf[..self.bytes],
+        })
     }
 
     pub(crate) fn view_mut(&mut self) -> DeviceViewMut<'_> {
-        DeviceViewMut::Host(&mut self.buf[..self.bytes])
+        DeviceViewMut::Host(match &mut self.store {
+            SimStore::Slab { region, block } => region.bytes_mut(block, self.bytes),
+            SimStore::Overflow { buf, .. } => &mut buf[..self.bytes],
+        })
     }
 }
 
+#[derive(Debug)]
+enum SimStore {
+    Slab {
+        region: Arc<HostRegion>,
+        block: SlabBlock,
+    },
+    Overflow {
+        buf: AlignedBuf,
+        _accounting: OverflowLease,
+    },
+}
+
 type Job = (CopyId, CopyRequest);
+
+/// One direction's copy worker and its channels.
+#[derive(Debug)]
+struct CopyLane {
+    /// `None` only while dropping.
+    jobs: Option<SyncSender<Job>>,
+    done: Receiver<RawDone>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl CopyLane {
+    fn spawn(cfg: &DeviceConfig, device_id: u32, dir: CopyDir) -> Result<Self> {
+        let (jobs_tx, jobs_rx) = std::sync::mpsc::sync_channel(cfg.copy_queue_depth);
+        let (done_tx, done_rx) = std::sync::mpsc::sync_channel(cfg.copy_queue_depth);
+        let link_bytes_per_s = cfg.sim_link_bytes_per_s;
+        let name = match dir {
+            CopyDir::HostToDevice => "h2d",
+            CopyDir::DeviceToHost => "d2h",
+        };
+        let worker = std::thread::Builder::new()
+            .name(format!("tidestore-sim-{name}-{device_id}"))
+            .spawn(move || copy_worker(jobs_rx, done_tx, link_bytes_per_s))
+            .map_err(|e| TierError::CopyEngineStopped {
+                reason: format!("spawning the simulated {dir} copy worker failed: {e}"),
+            })?;
+        Ok(CopyLane {
+            jobs: Some(jobs_tx),
+            done: done_rx,
+            worker: Some(worker),
+        })
+    }
+
+    /// Close the job channel and wait for the worker to finish what it holds; the
+    /// completion channel has room for all of it, so the join cannot hang.
+    fn close(&mut self) {
+        self.jobs = None;
+        if let Some(worker) = self.worker.take() {
+            if worker.join().is_err() {
+                tracing::error!("simulated copy worker panicked");
+            }
+        }
+    }
+}
 
 /// The host simulation of a device.
 #[derive(Debug)]
 pub struct SimDevice {
     core: DeviceCore,
-    /// `None` only while dropping.
-    jobs: Option<SyncSender<Job>>,
-    done: Receiver<RawDone>,
-    worker: Option<JoinHandle<()>>,
-    in_flight: usize,
-    non_model_bytes: u64,
+    region: Arc<HostRegion>,
+    /// Boxed: keeps [`crate::Device`]'s variants of similar size.
+    h2d: Box<CopyLane>,
+    d2h: Box<CopyLane>,
+    /// Directions of the copies in flight, oldest first.
+    order: VecDeque<CopyDir>,
 }
 
 impl SimDevice {
     /// A simulated device of `cfg.sim_total_bytes` (default: the budget).
+    /// A simulated device of `cfg.sim_total_bytes` (default: the budget), with a slab of
+    /// `cfg.slab_bytes` (default: all of it).
     pub fn new(cfg: &DeviceConfig) -> Result<Self> {
+        cfg.validate()?;
         let total_bytes = cfg.sim_total_bytes.unwrap_or(cfg.budget_bytes);
-        let core = DeviceCore::new(cfg, total_bytes)?;
-        let (jobs_tx, jobs_rx) = std::sync::mpsc::sync_channel(cfg.copy_queue_depth);
-        let (done_tx, done_rx) = std::sync::mpsc::sync_channel(cfg.copy_queue_depth);
-        let link_bytes_per_s = cfg.sim_link_bytes_per_s;
-        let worker = std::thread::Builder::new()
-            .name(format!("tidestore-sim-copy-{}", core.device_id))
-            .spawn(move || copy_worker(jobs_rx, done_tx, link_bytes_per_s))
-            .map_err(|e| TierError::CopyEngineStopped {
-                reason: format!("spawning the simulated copy worker failed: {e}"),
-            })?;
+        let slab_bytes = cfg.slab_bytes.unwrap_or(total_bytes);
+        if slab_bytes > total_bytes {
+            return Err(TierError::Config {
+                key: "device.slab_bytes",
+                reason: format!("{slab_bytes} bytes is more than the device's {total_bytes}"),
+            });
+        }
+        // The simulated driver allocates in granules, as a GPU's does; it never reports
+        // more in use than it has.
+        let slab_footprint_bytes = slab_bytes
+            .div_ceil(cfg.sim_alloc_granularity_bytes)
+            .saturating_mul(cfg.sim_alloc_granularity_bytes)
+            .min(total_bytes);
+        let region = HostRegion::new(slab_bytes).map_err(|e| {
+            let reason = format!("mapping the simulated slab of {slab_bytes} bytes: {e}");
+            TierError::io(
+                TierKind::Device,
+                None,
+                tidestore_io::IoError::Pool { reason },
+            )
+        })?;
+        let place = SlabPlace {
+            bytes: slab_bytes,
+            footprint_bytes: slab_footprint_bytes,
+            base_addr: region.base_addr() as u64,
+            granularity_bytes: cfg.sim_alloc_granularity_bytes,
+        };
+        let core = DeviceCore::new(cfg, total_bytes, place)?;
+        let h2d = Box::new(CopyLane::spawn(cfg, core.device_id, CopyDir::HostToDevice)?);
+        let d2h = Box::new(CopyLane::spawn(cfg, core.device_id, CopyDir::DeviceToHost)?);
         tracing::debug!(
             device = core.device_id,
             total_bytes,
+            slab_bytes,
             budget_bytes = cfg.budget_bytes,
             "simulated device opened"
         );
         Ok(SimDevice {
             core,
-            jobs: Some(jobs_tx),
-            done: done_rx,
-            worker: Some(worker),
-            in_flight: 0,
-            non_model_bytes: 0,
+            region: Arc::new(region),
+            h2d,
+            d2h,
+            order: VecDeque::with_capacity(cfg.copy_queue_depth),
         })
+    }
+
+    fn lane(&self, dir: CopyDir) -> &CopyLane {
+        match dir {
+            CopyDir::HostToDevice => &self.h2d,
+            CopyDir::DeviceToHost => &self.d2h,
+        }
     }
 
     fn lost(&mut self) -> Option<RawDone> {
         tracing::error!(
-            in_flight = self.in_flight,
+            in_flight = self.order.len(),
             "simulated copy worker stopped; its copies are lost"
         );
-        self.in_flight = 0;
+        self.order.clear();
         None
     }
 }
@@ -128,7 +230,7 @@ impl DeviceBackend for SimDevice {
             .core
             .total_bytes
             .saturating_sub(used_bytes - lease.bytes())
-            .saturating_sub(self.non_model_bytes);
+            .saturating_sub(self.core.non_model_reported_bytes());
         if lease.bytes() > free_bytes {
             return Err(TierError::DeviceOutOfMemory {
                 chunk,
@@ -136,11 +238,22 @@ impl DeviceBackend for SimDevice {
                 free_bytes,
             });
         }
-        let buf = AlignedBuf::new_zeroed(bytes)
-            .map_err(|e| TierError::io(TierKind::Device, Some(chunk), e))?;
-        debug_assert_eq!(buf.capacity(), align_up(bytes));
+        let store = match self.core.slab.take(chunk, bytes as u64) {
+            Placement::Slab(block) => {
+                assert_eq!(block.bytes(), lease.bytes(), "a block is its lease's bytes");
+                SimStore::Slab {
+                    region: Arc::clone(&self.region),
+                    block,
+                }
+            }
+            Placement::Overflow(accounting) => SimStore::Overflow {
+                buf: AlignedBuf::new_zeroed(bytes)
+                    .map_err(|e| TierError::io(TierKind::Device, Some(chunk), e))?,
+                _accounting: accounting,
+            },
+        };
         Ok(DeviceMem::Sim(SimMem {
-            buf,
+            store,
             bytes,
             chunk,
             device_id: self.core.device_id,
@@ -149,14 +262,15 @@ impl DeviceBackend for SimDevice {
     }
 
     fn start_copy(&mut self, id: CopyId, req: CopyRequest) -> Option<(TierError, CopyRequest)> {
-        let Some(jobs) = &self.jobs else {
+        let dir = req.dir;
+        let Some(jobs) = &self.lane(dir).jobs else {
             return Some((stopped("the device is closing"), req));
         };
         // Never blocks: fewer than `copy_queue_depth` copies are in flight (the device
         // waits first otherwise), and that is the channel's capacity.
         match jobs.send((id, req)) {
             Ok(()) => {
-                self.in_flight += 1;
+                self.order.push_back(dir);
                 None
             }
             Err(std::sync::mpsc::SendError((_, req))) => {
@@ -166,23 +280,21 @@ impl DeviceBackend for SimDevice {
     }
 
     fn in_flight(&self) -> usize {
-        self.in_flight
+        self.order.len()
     }
 
     fn next_done(&mut self, block: bool) -> Option<RawDone> {
-        if self.in_flight == 0 {
-            return None;
-        }
+        // The oldest copy is the next one its direction's worker finishes.
+        let dir = *self.order.front()?;
+        let done = &self.lane(dir).done;
         let got = if block {
-            self.done
-                .recv()
-                .map_err(|RecvError| TryRecvError::Disconnected)
+            done.recv().map_err(|RecvError| TryRecvError::Disconnected)
         } else {
-            self.done.try_recv()
+            done.try_recv()
         };
         match got {
             Ok(done) => {
-                self.in_flight -= 1;
+                self.order.pop_front();
                 Some(done)
             }
             Err(TryRecvError::Empty) => None,
@@ -194,24 +306,15 @@ impl DeviceBackend for SimDevice {
         Ok(())
     }
 
-    fn mem_info(&self) -> Result<MemInfo> {
-        let used_bytes = self.core.budget.snapshot().used_bytes();
+    fn driver_mem_info(&self) -> Result<MemInfo> {
         Ok(MemInfo {
             total_bytes: self.core.total_bytes,
             free_bytes: self
                 .core
                 .total_bytes
-                .saturating_sub(used_bytes)
-                .saturating_sub(self.non_model_bytes),
+                .saturating_sub(self.core.slab_footprint_bytes)
+                .saturating_sub(self.core.slab.stats().overflow_footprint_bytes),
         })
-    }
-
-    fn report_non_model_bytes(&mut self, bytes: u64) {
-        self.non_model_bytes = bytes;
-    }
-
-    fn non_model_bytes(&self) -> Result<u64> {
-        Ok(self.non_model_bytes)
     }
 
     fn pin_pool(&self, _pool: &BufferPool) -> Result<PinnedRegion> {
@@ -221,14 +324,8 @@ impl DeviceBackend for SimDevice {
 
 impl Drop for SimDevice {
     fn drop(&mut self) {
-        // Closing the job channel ends the worker once it has finished what it holds;
-        // the completion channel has room for all of it, so the join cannot hang.
-        self.jobs = None;
-        if let Some(worker) = self.worker.take() {
-            if worker.join().is_err() {
-                tracing::error!("simulated copy worker panicked");
-            }
-        }
+        self.h2d.close();
+        self.d2h.close();
     }
 }
 
@@ -265,7 +362,14 @@ fn copy_bytes(id: CopyId, req: &mut CopyRequest) -> Result<()> {
         });
     };
     // Lengths were checked at submit; `get` keeps a bad one an error, not a panic.
-    let (host, dev) = match (req.host.get_mut(..len), mem.buf.get_mut(..len)) {
+    let DeviceViewMut::Host(dev) = mem.view_mut() else {
+        return Err(TierError::BadCopy {
+            id,
+            chunk,
+            reason: "simulated memory without host bytes".into(),
+        });
+    };
+    let (host, dev) = match (req.host.get_mut(..len), dev.get_mut(..len)) {
         (Some(h), Some(d)) => (h, d),
         _ => {
             return Err(TierError::BadCopy {

@@ -218,3 +218,31 @@ fn host_tier_buffers_round_trip_through_the_device() {
     host.give_back(c.host);
     assert_eq!(host.available(), host.buffers());
 }
+
+/// The simulated device has a copy worker per direction, as a GPU has a copy stream (and
+/// engine) per direction: an eviction's device-to-host copy runs while a prefetch's
+/// host-to-device copy does, each at the full link rate, instead of after it.
+#[test]
+fn copies_in_opposite_directions_overlap() {
+    const LEN: usize = 4 << 20;
+    const RATE: u64 = 50 << 20; // 50 MiB/s: each copy takes 80 ms
+    let mut dev = sim(2 * LEN as u64, 4, Some(RATE));
+    let evicted = dev.alloc(1, LEN).unwrap();
+    let fetched = dev.alloc(2, LEN).unwrap();
+    let start = std::time::Instant::now();
+    let out = dev.copy_to_host(1, evicted, AlignedBuf::new_zeroed(LEN).unwrap(), LEN);
+    let inc = dev.copy_to_device(2, AlignedBuf::new_zeroed(LEN).unwrap(), fetched, LEN);
+    // Completions still come back in submission order.
+    let first = dev.wait_copy().unwrap();
+    let second = dev.wait_copy().unwrap();
+    let elapsed = start.elapsed();
+    assert_eq!((first.id, second.id), (out, inc));
+    first.result.unwrap();
+    second.result.unwrap();
+    let one = Duration::from_secs_f64(LEN as f64 / RATE as f64);
+    assert!(elapsed >= one, "{elapsed:?}: faster than the link");
+    assert!(
+        elapsed < one.mul_f64(1.6),
+        "{elapsed:?}: the two directions ran one after the other ({one:?} each)"
+    );
+}

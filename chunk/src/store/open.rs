@@ -27,10 +27,12 @@ impl ChunkStore {
     /// are refused here, before the host pool or the swap file is allocated, with the
     /// bytes needed and available.
     pub fn open(layout: Layout, config: StoreConfig, device: Device) -> Result<Self> {
+        // Chunks live in the device's slab: it bounds every device budget.
         let device_total_bytes = device
             .mem_info()
             .map_err(|e| ChunkError::tier("reading the device's memory", None, e))?
-            .total_bytes;
+            .total_bytes
+            .min(device.slab_bytes());
         let len_bytes = layout.dense_chunk_bytes();
         let max_chunk = len_bytes.iter().copied().max().unwrap_or(0);
         if max_chunk == 0 {

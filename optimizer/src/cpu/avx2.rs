@@ -94,6 +94,19 @@ pub(crate) unsafe fn store8_out<const OK: u8>(out: *mut u16, i: usize, p: __m256
     }
 }
 
+/// `x` with every NaN lane replaced by the canonical NaN (the crate's NaN policy).
+///
+/// # Safety
+/// The CPU supports AVX.
+#[inline(always)]
+unsafe fn canon8(x: __m256) -> __m256 {
+    // SAFETY: register-only AVX intrinsics; the caller's target features include AVX.
+    unsafe {
+        let nan = _mm256_castsi256_ps(_mm256_set1_epi32(crate::CANONICAL_NAN_BITS as i32));
+        _mm256_blendv_ps(x, nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+    }
+}
+
 #[inline(always)]
 unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &StepPtrs) {
     // SAFETY: the wrapper enables AVX2/FMA/F16C; `i + 8 <= s.len` inside the loop and
@@ -134,6 +147,7 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &
                 _mm256_fmadd_ps(neg_lr_wd, p, p)
             };
             let p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, d), p);
+            let (p, m, v) = (canon8(p), canon8(m), canon8(v));
             _mm256_storeu_ps(s.p.add(i), p);
             _mm256_storeu_ps(s.m.add(i), m);
             _mm256_storeu_ps(s.v.add(i), v);

@@ -140,6 +140,19 @@ fn prefetch(p: *const f32, i: usize) {
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }
 }
 
+/// `x` with every NaN lane replaced by the canonical NaN (the crate's NaN policy).
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[inline(always)]
+unsafe fn canon16(x: __m512) -> __m512 {
+    // SAFETY: register-only AVX-512F intrinsics; the caller's target features include it.
+    unsafe {
+        let nan = _mm512_castsi512_ps(_mm512_set1_epi32(crate::CANONICAL_NAN_BITS as i32));
+        _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), x, nan)
+    }
+}
+
 #[inline(always)]
 unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool, const HW: bool>(
     c: &Consts,
@@ -181,6 +194,7 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool, const HW: bool>(
                 _mm512_fmadd_ps(neg_lr_wd, p, p)
             };
             let p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, d), p);
+            let (p, m, v) = (canon16(p), canon16(m), canon16(v));
             _mm512_storeu_ps(s.p.add(i), p);
             _mm512_storeu_ps(s.m.add(i), m);
             _mm512_storeu_ps(s.v.add(i), v);

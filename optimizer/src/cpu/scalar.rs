@@ -40,7 +40,17 @@ pub(crate) fn to_half_bits<const OK: u8>(p: f32) -> u16 {
     }
 }
 
-/// One AdamW / Adam-L2 update in f32; returns `(p, m, v)`.
+/// `x`, or the canonical NaN if `x` is any NaN (the crate's NaN policy).
+#[inline(always)]
+pub(crate) fn canon_nan(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::from_bits(crate::CANONICAL_NAN_BITS)
+    } else {
+        x
+    }
+}
+
+/// One AdamW / Adam-L2 update in f32; returns `(p, m, v)`, NaNs canonical.
 #[inline(always)]
 pub(crate) fn adam<const L2: bool>(c: &Consts, p: f32, m: f32, v: f32, g: f32) -> (f32, f32, f32) {
     let g = g * c.grad_scale;
@@ -50,7 +60,7 @@ pub(crate) fn adam<const L2: bool>(c: &Consts, p: f32, m: f32, v: f32, g: f32) -
     let d = v.sqrt().mul_add(c.inv_sqrt_bc2, c.eps);
     let p = if L2 { p } else { c.neg_lr_wd.mul_add(p, p) };
     let p = c.neg_step.mul_add(m / d, p);
-    (p, m, v)
+    (canon_nan(p), canon_nan(m), canon_nan(v))
 }
 
 /// Updates element `i` of a span.

@@ -7,6 +7,11 @@
 // conversions are integer code matching the `half` crate bit for bit (round to nearest
 // even, NaN keeps its payload with the quiet bit set, subnormals exact, overflow to inf).
 //
+// NaN policy (the optimizer crate's doc): every NaN result of a step (p, m, v) is stored as
+// the canonical NaN 0x7FFFFFFF, selected explicitly here as the CPU kernels do, so the
+// bits agree whatever NaN arithmetic the hardware produces; the 16-bit output is converted
+// from that value.
+//
 // One kernel per (gradient dtype, output dtype, L2 mode): adamw_<g>_<o>_<mode>, with
 // g in {f32, f16, bf16}, o in {none, f16, bf16}, mode in {adamw, l2}. Grid-stride loop
 // over n elements; every pointer is to n elements of its dtype.
@@ -116,6 +121,10 @@ __device__ __forceinline__ float load_grad(const void* g, u64 i) {
     }
 }
 
+__device__ __forceinline__ float canon_nan(float x) {
+    return (x != x) ? __uint_as_float(0x7fffffffu) : x;
+}
+
 template <int GK, int OK, bool L2>
 __device__ __forceinline__ void adamw_body(
     float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
@@ -134,7 +143,9 @@ __device__ __forceinline__ void adamw_body(
         if (!L2) {
             pi = __fmaf_rn(c.neg_lr_wd, pi, pi);
         }
-        pi = __fmaf_rn(c.neg_step, __fdiv_rn(mi, d), pi);
+        pi = canon_nan(__fmaf_rn(c.neg_step, __fdiv_rn(mi, d), pi));
+        mi = canon_nan(mi);
+        vi = canon_nan(vi);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
