@@ -35,6 +35,7 @@ pub mod dtype;
 pub mod error;
 pub mod id;
 pub mod layout;
+pub mod moments;
 mod mover;
 pub mod policy;
 pub mod search;
@@ -47,6 +48,7 @@ pub mod typed;
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
 pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::DType;
+pub use moments::MomentStates;
 pub use error::{AdoptRefusal, ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
