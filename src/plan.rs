@@ -449,8 +449,13 @@ mod tests {
             1,
             1024,
         );
-        let (layout, _, _) =
-            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let (layout, _, _) = crate::session::layout_for(
+            &w,
+            crate::config::AutoSize::Auto,
+            1 << 20,
+            tidestore_chunk::MomentStates::F32,
+        )
+        .unwrap();
         (w, layout)
     }
 
@@ -480,8 +485,13 @@ mod tests {
     #[test]
     fn host_homes_go_where_they_save_the_most_nvme_seconds() {
         let w = Workload::new(ModelName::Gpt2, models::GPT2, None, 1, 1024);
-        let (layout, _, _) =
-            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let (layout, _, _) = crate::session::layout_for(
+            &w,
+            crate::config::AutoSize::Auto,
+            1 << 20,
+            tidestore_chunk::MomentStates::F32,
+        )
+        .unwrap();
         let slot = *layout.dense_chunk_bytes().iter().max().unwrap();
         let m = Machine {
             gpu_bytes: 1 << 30,

@@ -617,10 +617,9 @@ impl Layout {
             ListKind::GradF16 if !self.config.grad_accumulation => return None,
             ListKind::GradF16 => (p.trainable_offset?, p.param16_dtype),
             ListKind::MasterF32 => (p.trainable_offset?, DType::F32),
-            ListKind::MomentumF32 | ListKind::VarianceF32 => (
-                p.moment_offset?,
-                self.config.moments.dtype_for(p.elements),
-            ),
+            ListKind::MomentumF32 | ListKind::VarianceF32 => {
+                (p.moment_offset?, self.config.moments.dtype_for(p.elements))
+            }
         };
         Some(TensorLocation {
             chunk: ChunkId::new(list, p.index),

@@ -48,12 +48,12 @@ pub mod typed;
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
 pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::DType;
-pub use moments::MomentStates;
 pub use error::{AdoptRefusal, ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
     Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,
 };
+pub use moments::MomentStates;
 pub use mover::IoPump;
 pub use policy::{
     EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PrefetchPlanner, PrefetchStep, Residency,

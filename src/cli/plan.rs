@@ -182,7 +182,12 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), CliError> {
         compute_flops_per_s: tflops * 1e12,
         overlap_backward: cfg.optimizer.overlap == OverlapName::Backward,
     };
-    let (layout, _, _) = layout_for(&workload, cfg.chunk.size, cfg.io.block_size.bytes())?;
+    let (layout, _, _) = layout_for(
+        &workload,
+        cfg.chunk.size,
+        cfg.io.block_size.bytes(),
+        cfg.optimizer.states.moments(),
+    )?;
     let report = plan::plan(&workload, &layout, &machine)?;
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::Output {
