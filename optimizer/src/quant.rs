@@ -12,14 +12,18 @@
 //!
 //! Quantization of a block, the definition every kernel (scalar, AVX2, AVX-512, CUDA)
 //! implements bit for bit:
-//! 1. `absmax` = the largest `|x|` of the block; if any element is inf or NaN, `absmax`
-//!    is stored as NaN, so the whole block reads back NaN: a non-finite moment is never
-//!    hidden (the step applies whatever it is given; the caller skips overflowed steps).
-//! 2. `x / d` with `d = absmax` (`d = 1` when `absmax == 0`: an all-zero block), correctly
-//!    rounded f32 division.
+//! 1. `absmax` = the largest `|x|` of the block, raised to `f32::MIN_POSITIVE` (2^-126)
+//!    when it is smaller but not zero (so its reciprocal is finite); if any element is
+//!    inf or NaN, `absmax` is stored as NaN, so the whole block reads back NaN: a
+//!    non-finite moment is never hidden (the step applies whatever it is given; the
+//!    caller skips overflowed steps).
+//! 2. `x * r` with `r = 1 / absmax` (one correctly rounded f32 division per block; `r = 0`
+//!    for an all-zero block), an f32 multiplication per element — no per-element
+//!    division, which would double the divider's load next to AdamW's own.
 //! 3. The code is the number of the map's 255 midpoints (`(map[k] + map[k+1]) / 2`,
-//!    rounded to f32) that are strictly below `x / d`: the nearest map value, ties to the
-//!    lower one, NaN to code 0. Kernels find it by an 8-step branch-free binary search.
+//!    rounded to f32) that are strictly below `x * r`: the nearest map value to `x *
+//!    r`, ties to the lower one, NaN to code 0. Kernels find it by an 8-step branch-free
+//!    binary search.
 //!
 //! The quantization error of a finite element is at most half the gap between the two
 //! map values around `x / absmax`, times `absmax` (tests check this per block).
@@ -198,23 +202,27 @@ pub fn maps() -> &'static Maps {
 
 /// The stored absmax of a block whose largest `|x|` has the bits `max_abs_bits` (the
 /// maximum of `x.to_bits() & 0x7FFF_FFFF` over the block, an integer maximum every
-/// kernel computes the same way): NaN when some element was inf or NaN.
+/// kernel computes the same way): NaN when some element was inf or NaN, at least
+/// `f32::MIN_POSITIVE` unless zero.
 #[inline(always)]
 pub fn absmax_of_bits(max_abs_bits: u32) -> f32 {
     if max_abs_bits >= 0x7F80_0000 {
         f32::NAN
+    } else if max_abs_bits == 0 {
+        0.0
     } else {
-        f32::from_bits(max_abs_bits)
+        f32::from_bits(max_abs_bits.max(f32::MIN_POSITIVE.to_bits()))
     }
 }
 
-/// The divisor of a block with this absmax (1 for an all-zero block).
+/// The factor a block's elements are multiplied by before the code search: `1 / absmax`
+/// (finite, as the absmax is NaN, 0 or at least 2^-126), 0 for an all-zero block.
 #[inline(always)]
-pub fn divisor_of(absmax: f32) -> f32 {
+pub fn inverse_of(absmax: f32) -> f32 {
     if absmax == 0.0 {
-        1.0
+        0.0
     } else {
-        absmax
+        1.0 / absmax
     }
 }
 
@@ -228,9 +236,9 @@ pub fn quantize_block(map: &DynamicMap, x: &[f32], codes: &mut [u8]) -> f32 {
         .max()
         .unwrap_or(0);
     let absmax = absmax_of_bits(max_bits);
-    let d = divisor_of(absmax);
+    let r = inverse_of(absmax);
     for (c, &v) in codes.iter_mut().zip(x) {
-        *c = map.code(v / d);
+        *c = map.code(v * r);
     }
     absmax
 }

@@ -61,10 +61,6 @@ enum Grad {
     SeparateF32,
 }
 
-fn layout(grad: Grad) -> Layout {
-    layout_with(grad, MomentStates::F32)
-}
-
 fn layout_with(grad: Grad, states: MomentStates) -> Layout {
     let mut specs: Vec<TensorSpec> = SIZES
         .iter()

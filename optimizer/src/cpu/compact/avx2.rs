@@ -100,7 +100,7 @@ unsafe fn codes8(map: &DynamicMap, x: __m256) -> __m256i {
     }
 }
 
-/// Writes the codes of `x[j] / d`, `j < len`, at `codes`.
+/// Writes the codes of `x[j] * r`, `j < len`, at `codes`.
 ///
 /// # Safety
 /// AVX2 is enabled in the caller; `codes` covers `len <= Q8_BLOCK` writable bytes.
@@ -108,13 +108,13 @@ unsafe fn codes8(map: &DynamicMap, x: __m256) -> __m256i {
 unsafe fn quantize_block(
     map: &DynamicMap,
     x: &[f32; Q8_BLOCK],
-    d: f32,
+    r: f32,
     codes: *mut u8,
     len: usize,
 ) {
     // SAFETY: `j + 8 <= len` for every vector access; the tail is scalar.
     unsafe {
-        let dv = _mm256_set1_ps(d);
+        let rv = _mm256_set1_ps(r);
         // Byte 0 of each 32-bit lane into the low 4 bytes of each 128-bit half.
         let pick = _mm256_setr_epi8(
             0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
@@ -123,7 +123,7 @@ unsafe fn quantize_block(
         let n8 = len - len % 8;
         let mut j = 0;
         while j < n8 {
-            let q = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(j)), dv);
+            let q = _mm256_mul_ps(_mm256_loadu_ps(x.as_ptr().add(j)), rv);
             let b = _mm256_shuffle_epi8(codes8(map, q), pick);
             let lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(b)) as u32;
             let hi = _mm_cvtsi128_si32(_mm256_extracti128_si256::<1>(b)) as u32;
@@ -131,7 +131,7 @@ unsafe fn quantize_block(
             codes.add(j).cast::<u64>().write_unaligned(w);
             j += 8;
         }
-        cs::q8_codes_from(map, x, d, codes, n8, len);
+        cs::q8_codes_from(map, x, r, codes, n8, len);
     }
 }
 

@@ -2,7 +2,8 @@
 //! (bf16 rounding with integer ops, or with `vcvtneps2bf16` + subnormal fix-up).
 //!
 //! The update is [`super::super::scalar::adam`]'s operation sequence in vector form; an
-//! int8 block is dequantized with a gather from the 256-entry map, its absmax is an
+//! int8 block is dequantized with register permutes over the 256-entry map (no gathers:
+//! they are slow under the Gather Data Sampling mitigation), its absmax is an
 //! integer `vpmaxud` over the magnitude bits, and the quantizer's binary search looks
 //! each level's midpoints up with register permutes (`vpermps` for levels of at most 16,
 //! `vpermt2ps` for 32 and more, blended on the index bits) instead of gathers. Scalar
@@ -155,6 +156,30 @@ unsafe fn bstep(lo: __m512i, x: __m512, t: __m512, s: i32) -> __m512i {
     }
 }
 
+/// The 256-entry table at `t` looked up at the 16 indices `idx` (`0..256`) with register
+/// permutes: eight 32-entry `vpermt2ps` lookups blended on index bits 5, 6 and 7. A
+/// gather does this in one instruction but is several times slower on CPUs with the
+/// Gather Data Sampling mitigation.
+///
+/// # Safety
+/// AVX-512F is enabled in the caller; `t` points to 256 readable floats.
+#[inline(always)]
+unsafe fn lookup256(t: *const f32, idx: __m512i) -> __m512 {
+    // SAFETY: every table load reads 16 floats inside the 256.
+    unsafe {
+        let b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+        let b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+        let b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+        let q0 = _mm512_mask_blend_ps(b5, t32(t, 0, idx), t32(t, 32, idx));
+        let q1 = _mm512_mask_blend_ps(b5, t32(t, 64, idx), t32(t, 96, idx));
+        let q2 = _mm512_mask_blend_ps(b5, t32(t, 128, idx), t32(t, 160, idx));
+        let q3 = _mm512_mask_blend_ps(b5, t32(t, 192, idx), t32(t, 224, idx));
+        let h0 = _mm512_mask_blend_ps(b6, q0, q1);
+        let h1 = _mm512_mask_blend_ps(b6, q2, q3);
+        _mm512_mask_blend_ps(b7, h0, h1)
+    }
+}
+
 /// The codes of 16 values `x` (already divided by the absmax): the branch-free binary
 /// search of [`DynamicMap::code`], level `l` looked up at `lo >> (8 - l)` in
 /// `map.levels[2^l - 1..]`.
@@ -190,29 +215,108 @@ unsafe fn codes16(map: &DynamicMap, x: __m512) -> __m512i {
     }
 }
 
-/// Writes the codes of `x[j] / d`, `j < len`, at `codes`.
+/// [`codes16`] for four vectors at once, level by level, so that the four searches'
+/// dependency chains (a permute, a compare and a masked add per level) overlap instead
+/// of each waiting on its own latency; `lv[k]` is the level table for `x[k]`.
 ///
 /// # Safety
-/// AVX-512F is enabled in the caller; `codes` covers `len <= Q8_BLOCK` writable bytes.
+/// AVX-512F is enabled in the caller; every `lv[k]` points to a 256-entry level table.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn quantize_block(
-    map: &DynamicMap,
-    x: &[f32; Q8_BLOCK],
-    d: f32,
-    codes: *mut u8,
+unsafe fn codes16x4(lv: [*const f32; 4], x: [__m512; 4]) -> [__m512i; 4] {
+    // SAFETY: every table load reads 16 floats inside `levels` (the last at 239..255).
+    unsafe {
+        let mut lo = [_mm512_setzero_si512(); 4];
+        for k in 0..4 {
+            lo[k] = bstep(lo[k], x[k], _mm512_set1_ps(*lv[k]), 128);
+        }
+        for k in 0..4 {
+            let t = _mm512_permutexvar_ps(_mm512_srli_epi32::<7>(lo[k]), ld(lv[k], 1));
+            lo[k] = bstep(lo[k], x[k], t, 64);
+        }
+        for k in 0..4 {
+            let t = _mm512_permutexvar_ps(_mm512_srli_epi32::<6>(lo[k]), ld(lv[k], 3));
+            lo[k] = bstep(lo[k], x[k], t, 32);
+        }
+        for k in 0..4 {
+            let t = _mm512_permutexvar_ps(_mm512_srli_epi32::<5>(lo[k]), ld(lv[k], 7));
+            lo[k] = bstep(lo[k], x[k], t, 16);
+        }
+        for k in 0..4 {
+            let t = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(lo[k]), ld(lv[k], 15));
+            lo[k] = bstep(lo[k], x[k], t, 8);
+        }
+        for k in 0..4 {
+            lo[k] = bstep(
+                lo[k],
+                x[k],
+                t32(lv[k], 31, _mm512_srli_epi32::<3>(lo[k])),
+                4,
+            );
+        }
+        for k in 0..4 {
+            let j = _mm512_srli_epi32::<2>(lo[k]);
+            let b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+            let t = _mm512_mask_blend_ps(b5, t32(lv[k], 63, j), t32(lv[k], 95, j));
+            lo[k] = bstep(lo[k], x[k], t, 2);
+        }
+        for k in 0..4 {
+            let j = _mm512_srli_epi32::<1>(lo[k]);
+            let b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+            let b6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
+            let low = _mm512_mask_blend_ps(b5, t32(lv[k], 127, j), t32(lv[k], 159, j));
+            let high = _mm512_mask_blend_ps(b5, t32(lv[k], 191, j), t32(lv[k], 223, j));
+            lo[k] = bstep(lo[k], x[k], _mm512_mask_blend_ps(b6, low, high), 1);
+        }
+        lo
+    }
+}
+
+/// Writes the codes of the block's new moments, `b.m[j] * rm` at `mc + j` and
+/// `b.v[j] * rv` at `vc + j` for `j < len`: 32 elements of each per iteration through
+/// [`codes16x4`], then 16 at a time, then the scalar tail.
+///
+/// # Safety
+/// AVX-512F is enabled in the caller; `mc` and `vc` cover `len <= Q8_BLOCK` writable
+/// bytes.
+#[inline(always)]
+unsafe fn quantize_pair(
+    q: &Maps,
+    b: &Q8Block,
+    (rm, rv): (f32, f32),
+    mc: *mut u8,
+    vc: *mut u8,
     len: usize,
 ) {
-    // SAFETY: `j + 16 <= len` for every vector access; the tail is scalar.
+    // SAFETY: `j + 32 <= n32` and `j + 16 <= n16 <= len` for the vector accesses.
     unsafe {
-        let dv = _mm512_set1_ps(d);
+        let (rmv, rvv) = (_mm512_set1_ps(rm), _mm512_set1_ps(rv));
+        let (sl, ul) = (q.signed.levels.as_ptr(), q.unsigned.levels.as_ptr());
+        let ldm = |j: usize| _mm512_mul_ps(_mm512_loadu_ps(b.m.as_ptr().add(j)), rmv);
+        let ldv = |j: usize| _mm512_mul_ps(_mm512_loadu_ps(b.v.as_ptr().add(j)), rvv);
         let n16 = len - len % 16;
+        let n32 = len - len % 32;
         let mut j = 0;
-        while j < n16 {
-            let q = _mm512_div_ps(_mm512_loadu_ps(x.as_ptr().add(j)), dv);
-            _mm_storeu_si128(codes.add(j).cast(), _mm512_cvtepi32_epi8(codes16(map, q)));
-            j += 16;
+        while j < n32 {
+            let c = codes16x4([sl, sl, ul, ul], [ldm(j), ldm(j + 16), ldv(j), ldv(j + 16)]);
+            _mm_storeu_si128(mc.add(j).cast(), _mm512_cvtepi32_epi8(c[0]));
+            _mm_storeu_si128(mc.add(j + 16).cast(), _mm512_cvtepi32_epi8(c[1]));
+            _mm_storeu_si128(vc.add(j).cast(), _mm512_cvtepi32_epi8(c[2]));
+            _mm_storeu_si128(vc.add(j + 16).cast(), _mm512_cvtepi32_epi8(c[3]));
+            j += 32;
         }
-        cs::q8_codes_from(map, x, d, codes, n16, len);
+        if j < n16 {
+            _mm_storeu_si128(
+                mc.add(j).cast(),
+                _mm512_cvtepi32_epi8(codes16(&q.signed, ldm(j))),
+            );
+            _mm_storeu_si128(
+                vc.add(j).cast(),
+                _mm512_cvtepi32_epi8(codes16(&q.unsigned, ldv(j))),
+            );
+        }
+        cs::q8_codes_from(&q.signed, &b.m, rm, mc, n16, len);
+        cs::q8_codes_from(&q.unsigned, &b.v, rv, vc, n16, len);
     }
 }
 
@@ -247,8 +351,8 @@ unsafe fn q8_body<const GK: u8, const OK: u8, const L2: bool, const HW: bool>(
                 }
                 let mc = _mm512_cvtepu8_epi32(_mm_loadu_si128(s.m.add(i).cast()));
                 let vc = _mm512_cvtepu8_epi32(_mm_loadu_si128(s.v.add(i).cast()));
-                let m = _mm512_i32gather_ps::<4>(mc, q.signed.values.as_ptr());
-                let v = _mm512_i32gather_ps::<4>(vc, q.unsigned.values.as_ptr());
+                let m = lookup256(q.signed.values.as_ptr(), mc);
+                let v = lookup256(q.unsigned.values.as_ptr(), vc);
                 let m = _mm512_mul_ps(m, amv);
                 let v = _mm512_mul_ps(v, avv);
                 let g = load16::<GK>(s.g, i);
@@ -264,9 +368,8 @@ unsafe fn q8_body<const GK: u8, const OK: u8, const L2: bool, const HW: bool>(
             b.m_bits = _mm512_reduce_max_epu32(mb);
             b.v_bits = _mm512_reduce_max_epu32(vb);
             cs::q8_update_from::<GK, OK, L2>(c, q, s, b0, (am, av), n16, len, &mut b);
-            let (dm, dv) = cs::q8_store_absmax(s, blk, &b);
-            quantize_block(&q.signed, &b.m, dm, s.m.add(b0), len);
-            quantize_block(&q.unsigned, &b.v, dv, s.v.add(b0), len);
+            let r = cs::q8_store_absmax(s, blk, &b);
+            quantize_pair(q, &b, r, s.m.add(b0), s.v.add(b0), len);
             b0 += len;
         }
         if nt {
@@ -329,4 +432,43 @@ pub(crate) unsafe fn step_q8_bf16<const GK: u8, const OK: u8, const L2: bool>(
 ) {
     // SAFETY: features enabled here; caller's invariant.
     unsafe { q8_body::<GK, OK, L2, true>(c, q, s) }
+}
+
+/// AVX-512 compact memory probe (see [`cs::probe_from`]): 16 elements per iteration,
+/// their `16 * w` moment bytes loaded and stored back with one vector each.
+///
+/// # Safety
+/// The CPU supports AVX-512F, AVX2, FMA and F16C; the bounds of [`cs::probe_from`].
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize, zero: f32) {
+    // SAFETY: features enabled here; `i + 16 <= s.len` for every vector access, and the
+    // moments' `16 * w` bytes from byte `w * i` are in bounds.
+    unsafe {
+        let z = _mm512_set1_ps(zero);
+        let n16 = s.len - s.len % 16;
+        let nt = out_streamable::<OK>(s.out);
+        let mut i = 0;
+        while i < n16 {
+            prefetch(s.p, i);
+            if GK == G_F32 {
+                prefetch(s.g.cast(), i);
+            }
+            let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
+            _mm512_storeu_ps(s.p.add(i), p);
+            let (m, v) = (s.m.add(w * i), s.v.add(w * i));
+            if w == 2 {
+                _mm256_storeu_si256(m.cast(), _mm256_loadu_si256(m.cast()));
+                _mm256_storeu_si256(v.cast(), _mm256_loadu_si256(v.cast()));
+            } else {
+                _mm_storeu_si128(m.cast(), _mm_loadu_si128(m.cast()));
+                _mm_storeu_si128(v.cast(), _mm_loadu_si128(v.cast()));
+            }
+            store16_out::<OK, false>(s.out, i, p, nt);
+            i += 16;
+        }
+        if nt {
+            _mm_sfence();
+        }
+        cs::probe_from::<GK, OK>(s, w, zero, n16);
+    }
 }

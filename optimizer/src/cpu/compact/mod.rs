@@ -245,3 +245,99 @@ fn step_leaf(level: SimdLevel, c: &Consts, q: &Maps, j: CompactJob<'_>) {
         }
     }
 }
+
+impl AdamW {
+    /// The memory roofline probe of [`AdamW::step_moments`]: moves the bytes that step
+    /// moves for the same arguments (master, the stored moments with their absmax, read
+    /// and written back; gradients read; the 16-bit output written), with the same
+    /// blocking and threads and almost no arithmetic. Values are left unchanged when the
+    /// gradients are finite. The fp32 form is [`AdamW::probe_slice`].
+    pub fn probe_moments(
+        &self,
+        master: &mut [f32],
+        moments: Moments<'_>,
+        grads: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+    ) -> Result<()> {
+        let n = master.len();
+        let mv = match moments {
+            Moments::F32 { m, v } => return self.probe_slice(master, m, v, grads, out),
+            Moments::Bf16 { m, v } => {
+                check_len("m", m.len(), "master", n)?;
+                check_len("v", v.len(), "master", n)?;
+                Compact::Bf16(m, v)
+            }
+            Moments::Int8 { m, v } => {
+                check_q8("m", &m, n)?;
+                check_q8("v", &v, n)?;
+                Compact::Int8(m, v)
+            }
+        };
+        check_len("grads", grads.len(), "master", n)?;
+        if let Some(o) = &out {
+            check_len("out", o.len(), "master", n)?;
+        }
+        let zero = std::hint::black_box(0.0f32);
+        let level = self.level;
+        let block = self.block_params.div_ceil(Q8_BLOCK) * Q8_BLOCK;
+        run_blocks(
+            self.pool(),
+            block,
+            CompactJob {
+                p: master,
+                mv,
+                g: grads,
+                out,
+            },
+            &|j: CompactJob<'_>| probe_leaf(level, j, zero),
+            &|(), ()| (),
+        );
+        Ok(())
+    }
+}
+
+fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, zero: f32) {
+    let (gk, g) = grad_raw(j.g);
+    let (ok, out) = out_raw(j.out);
+    let n = j.p.len();
+    let (w, m, v, absmax) = match j.mv {
+        Compact::Bf16(m, v) => (
+            2,
+            m.as_mut_ptr().cast::<u8>(),
+            v.as_mut_ptr().cast::<u8>(),
+            None,
+        ),
+        Compact::Int8(m, v) => (
+            1,
+            m.codes.as_mut_ptr(),
+            v.codes.as_mut_ptr(),
+            Some((m.absmax, v.absmax)),
+        ),
+    };
+    if let Some((ma, va)) = absmax {
+        for a in ma.iter_mut().chain(va.iter_mut()) {
+            *a = a.mul_add(zero, *a);
+        }
+    }
+    let s = CompactPtrs {
+        p: j.p.as_mut_ptr(),
+        m,
+        v,
+        ma: std::ptr::NonNull::<f32>::dangling().as_ptr(),
+        va: std::ptr::NonNull::<f32>::dangling().as_ptr(),
+        g,
+        out,
+        len: n,
+    };
+    // SAFETY: `s` covers the job's slices (`w` bytes per moment element, checked lengths
+    // kept by the split), exclusive for the call; `level` is supported by this CPU.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
+                dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero))
+            }
+            _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, w, zero)),
+        }
+    }
+}

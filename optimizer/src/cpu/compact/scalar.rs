@@ -9,7 +9,7 @@ use super::super::raw::O_NONE;
 use super::super::scalar::{adam, load_grad, to_half_bits};
 use super::CompactPtrs;
 use crate::params::Consts;
-use crate::quant::{absmax_of_bits, divisor_of, DynamicMap, Maps, Q8_BLOCK};
+use crate::quant::{absmax_of_bits, inverse_of, DynamicMap, Maps, Q8_BLOCK};
 
 /// bf16 bits widened to f32 (exact).
 #[inline(always)]
@@ -129,7 +129,7 @@ pub(crate) unsafe fn q8_update_from<const GK: u8, const OK: u8, const L2: bool>(
     }
 }
 
-/// Phase 2 for elements `from..len`: codes of `x[j] / d` written at `codes + j`.
+/// Phase 2 for elements `from..len`: codes of `x[j] * r` written at `codes + j`.
 ///
 /// # Safety
 /// `codes` covers `len` writable bytes; `len <= Q8_BLOCK`.
@@ -137,18 +137,18 @@ pub(crate) unsafe fn q8_update_from<const GK: u8, const OK: u8, const L2: bool>(
 pub(crate) unsafe fn q8_codes_from(
     map: &DynamicMap,
     x: &[f32; Q8_BLOCK],
-    d: f32,
+    r: f32,
     codes: *mut u8,
     from: usize,
     len: usize,
 ) {
     for (j, &xj) in x.iter().enumerate().take(len).skip(from) {
         // SAFETY: `j < len`, within the caller's bytes.
-        unsafe { *codes.add(j) = map.code(xj / d) }
+        unsafe { *codes.add(j) = map.code(xj * r) }
     }
 }
 
-/// Stores the block's new absmax values and returns their divisors `(dm, dv)`.
+/// Stores the block's new absmax values and returns their inverses `(rm, rv)`.
 ///
 /// # Safety
 /// `s` satisfies the [`CompactPtrs`] invariant for int8 moments and `blk` is a block
@@ -162,7 +162,7 @@ pub(crate) unsafe fn q8_store_absmax(s: &CompactPtrs, blk: usize, b: &Q8Block) -
         *s.ma.add(blk) = am;
         *s.va.add(blk) = av;
     }
-    (divisor_of(am), divisor_of(av))
+    (inverse_of(am), inverse_of(av))
 }
 
 /// Portable step over int8 moments.
@@ -191,4 +191,44 @@ pub(crate) unsafe fn step_q8<const GK: u8, const OK: u8, const L2: bool>(
         }
         b0 += len;
     }
+}
+
+/// The compact memory probe for elements `from..s.len`: master and `w` bytes of each
+/// moment per element read and written back, the gradient read, the output written
+/// (the bf16 truncation of the master value), no arithmetic beyond `fma(g, zero, p)`.
+///
+/// # Safety
+/// `s` covers `s.len` elements of master, gradient and output and `w * s.len` bytes of
+/// each moment, all exclusive but the gradient.
+#[inline(always)]
+pub(crate) unsafe fn probe_from<const GK: u8, const OK: u8>(
+    s: &CompactPtrs,
+    w: usize,
+    zero: f32,
+    from: usize,
+) {
+    for i in from..s.len {
+        // SAFETY: `i < s.len`; the caller's bounds.
+        unsafe {
+            let p = load_grad::<GK>(s.g, i).mul_add(zero, *s.p.add(i));
+            *s.p.add(i) = p;
+            for k in w * i..w * (i + 1) {
+                let (m, v) = (s.m.add(k), s.v.add(k));
+                m.write_volatile(m.read_volatile());
+                v.write_volatile(v.read_volatile());
+            }
+            if OK != O_NONE {
+                *s.out.add(i) = (p.to_bits() >> 16) as u16;
+            }
+        }
+    }
+}
+
+/// Portable compact probe.
+///
+/// # Safety
+/// As [`probe_from`].
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize, zero: f32) {
+    // SAFETY: forwarded caller contract.
+    unsafe { probe_from::<GK, OK>(s, w, zero, 0) }
 }
