@@ -79,6 +79,7 @@ pub mod bench;
 pub mod controller;
 pub mod cpu;
 pub mod error;
+pub mod gpu_compact;
 pub mod group;
 pub mod loss_scale;
 pub mod moments;
