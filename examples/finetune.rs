@@ -26,7 +26,7 @@ use tidestore_candle::{
     checkpoint, Batches, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision, TideConfig,
     TideParams,
 };
-use tidestore_chunk::ListKind;
+use tidestore_chunk::{ListKind, MomentStates};
 use tidestore_optimizer::{HyperParams, Mode};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -41,6 +41,13 @@ enum Opt {
 enum Prec {
     F32,
     Bf16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum States {
+    Fp32,
+    Bf16,
+    Int8,
 }
 
 #[derive(Debug, Parser)]
@@ -104,6 +111,9 @@ struct Args {
     /// LoRA: base weights from this checkpoint (e.g. a full run's); default: random init.
     #[arg(long)]
     base: Option<PathBuf>,
+    /// How M and V are stored (optimizer.states): fp32, bf16 or int8.
+    #[arg(long, value_enum, default_value_t = States::Fp32)]
+    states: States,
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 10)]
     log_every: u64,
@@ -279,6 +289,11 @@ fn run_tidestore(
     cfg.host_chunks = args.host_chunks;
     cfg.device_chunks = args.device_chunks;
     cfg.chunk_elements = args.chunk_elements;
+    cfg.moments = match args.states {
+        States::Fp32 => MomentStates::F32,
+        States::Bf16 => MomentStates::Bf16,
+        States::Int8 => MomentStates::Int8,
+    };
     let ckpt = args.ckpt.clone().unwrap_or_else(|| {
         let name = if args.lora.is_some() { "lora" } else { "ckpt" };
         PathBuf::from(format!("target/finetune/{name}.safetensors"))

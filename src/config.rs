@@ -528,6 +528,31 @@ pub enum DecayMode {
     AdamL2,
 }
 
+/// `optimizer.states`: how Adam's M and V are stored (chunks, disk, PCIe, checkpoints).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StatesName {
+    /// fp32 moments (8 bytes per trained parameter).
+    #[default]
+    Fp32,
+    /// bf16 moments, rounded to nearest even (4 bytes).
+    Bf16,
+    /// Block-wise 8-bit dynamic quantization, one fp32 absmax per 256 (2 bytes + 1/32);
+    /// tensors under 4096 elements keep fp32 moments.
+    Int8,
+}
+
+impl StatesName {
+    /// The layout's form of the moment lists.
+    pub fn moments(self) -> tidestore_chunk::MomentStates {
+        match self {
+            StatesName::Fp32 => tidestore_chunk::MomentStates::F32,
+            StatesName::Bf16 => tidestore_chunk::MomentStates::Bf16,
+            StatesName::Int8 => tidestore_chunk::MomentStates::Int8,
+        }
+    }
+}
+
 /// `[optimizer]`: AdamW hyper-parameters and where the step runs.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -553,6 +578,8 @@ pub struct OptimizerSection {
     pub max_grad_norm: f64,
     /// When tensors are stepped: after backward, or during it.
     pub overlap: OverlapName,
+    /// How M and V are stored: fp32, bf16 or int8.
+    pub states: StatesName,
 }
 
 impl Default for OptimizerSection {
@@ -568,6 +595,7 @@ impl Default for OptimizerSection {
             mode: DecayMode::Adamw,
             max_grad_norm: 1.0,
             overlap: OverlapName::Off,
+            states: StatesName::Fp32,
         }
     }
 }
@@ -770,6 +798,16 @@ impl Config {
             return Err(Error::config(
                 "optimizer.threads",
                 format!("{} is outside 0..=1024", o.threads),
+            ));
+        }
+        if o.device == OptimizerDevice::Gpu && o.states != StatesName::Fp32 {
+            return Err(Error::config(
+                "optimizer.states",
+                format!(
+                    "{:?} moments run on the CPU step only so far; set device = \"auto\" \
+                     or \"cpu\", or states = \"fp32\"",
+                    o.states
+                ),
             ));
         }
         if o.overlap == OverlapName::Backward && o.max_grad_norm > 0.0 {

@@ -366,30 +366,59 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     })
 }
 
-/// Measures this machine's CPU AdamW rate (bf16 gradients, fp32 state, bf16 params out)
-/// over `params` parameters, the best of `repeats` steps.
+/// Measures this machine's CPU AdamW rate (bf16 gradients, moments stored as `moments`,
+/// bf16 params out) over `params` parameters, the best of `repeats` steps.
 pub fn measure_optimizer_rate(
     opt: &tidestore_optimizer::AdamW,
     params: usize,
     repeats: u32,
+    moments: tidestore_chunk::MomentStates,
 ) -> Result<f64> {
     use half::bf16;
-    use tidestore_optimizer::{Grads, HyperParams, ParamOut, StepState};
+    use tidestore_chunk::MomentStates;
+    use tidestore_optimizer::quant::absmax_len;
+    use tidestore_optimizer::{Grads, HyperParams, Moments, ParamOut, Q8Mut, StepState};
     let mut master = vec![0.01f32; params];
+    // The moments in the form the run stores them (the kernels differ in speed).
     let mut m = vec![0.0f32; params];
     let mut v = vec![0.0f32; params];
+    let mut mb = vec![bf16::ZERO; params];
+    let mut vb = vec![bf16::ZERO; params];
+    let mut mc = vec![0u8; params];
+    let mut vc = vec![0u8; params];
+    let mut ma = vec![0.0f32; absmax_len(params)];
+    let mut va = vec![0.0f32; absmax_len(params)];
     let g = vec![bf16::from_f32(1e-3); params];
     let mut out = vec![bf16::ZERO; params];
     let hp = HyperParams::default();
     let mut best = f64::INFINITY;
     for step in 1..=u64::from(repeats.max(1)) {
         let t = std::time::Instant::now();
-        opt.step_slice(
+        let mv = match moments {
+            MomentStates::F32 => Moments::F32 {
+                m: &mut m,
+                v: &mut v,
+            },
+            MomentStates::Bf16 => Moments::Bf16 {
+                m: &mut mb,
+                v: &mut vb,
+            },
+            MomentStates::Int8 => Moments::Int8 {
+                m: Q8Mut {
+                    codes: &mut mc,
+                    absmax: &mut ma,
+                },
+                v: Q8Mut {
+                    codes: &mut vc,
+                    absmax: &mut va,
+                },
+            },
+        };
+        opt.step_moments(
             StepState::new(step),
             &hp,
             &mut master,
-            &mut m,
-            &mut v,
+            mv,
             Grads::Bf16(&g),
             Some(ParamOut::Bf16(&mut out)),
         )?;
@@ -449,8 +478,13 @@ mod tests {
             1,
             1024,
         );
-        let (layout, _, _) =
-            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let (layout, _, _) = crate::session::layout_for(
+            &w,
+            crate::config::AutoSize::Auto,
+            1 << 20,
+            tidestore_chunk::MomentStates::F32,
+        )
+        .unwrap();
         (w, layout)
     }
 
@@ -480,8 +514,13 @@ mod tests {
     #[test]
     fn host_homes_go_where_they_save_the_most_nvme_seconds() {
         let w = Workload::new(ModelName::Gpt2, models::GPT2, None, 1, 1024);
-        let (layout, _, _) =
-            crate::session::layout_for(&w, crate::config::AutoSize::Auto, 1 << 20).unwrap();
+        let (layout, _, _) = crate::session::layout_for(
+            &w,
+            crate::config::AutoSize::Auto,
+            1 << 20,
+            tidestore_chunk::MomentStates::F32,
+        )
+        .unwrap();
         let slot = *layout.dense_chunk_bytes().iter().max().unwrap();
         let m = Machine {
             gpu_bytes: 1 << 30,

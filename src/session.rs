@@ -91,8 +91,9 @@ pub fn layout_for(
     workload: &Workload,
     chunk: AutoSize,
     block_bytes: u64,
+    moments: tidestore_chunk::MomentStates,
 ) -> Result<(Layout, u64, bool)> {
-    let base = LayoutConfig::new(1);
+    let base = LayoutConfig::new(1).with_moments(moments);
     let (elements, searched) = match chunk {
         AutoSize::Auto => {
             let report =
@@ -117,7 +118,7 @@ pub fn layout_for(
         }
     };
     let layout = Layout::new(
-        LayoutConfig::new(elements),
+        LayoutConfig::new(elements).with_moments(moments),
         workload.tensors.iter().cloned(),
     )
     .map_err(|e| match e {
@@ -146,8 +147,12 @@ fn human(b: u64) -> String {
 /// Builds the workload and its layout and checks every budget (see the module doc).
 pub fn prepare(cfg: &Config) -> Result<Prepared> {
     let workload = cfg.workload.build()?;
-    let (layout, chunk_elements, chunk_searched) =
-        layout_for(&workload, cfg.chunk.size, cfg.io.block_size.bytes())?;
+    let (layout, chunk_elements, chunk_searched) = layout_for(
+        &workload,
+        cfg.chunk.size,
+        cfg.io.block_size.bytes(),
+        cfg.optimizer.states.moments(),
+    )?;
     let param16_chunk_bytes = layout.chunk_bytes(ListKind::Param16);
     let device_budget = cfg.device.budget.bytes();
     if device_budget < param16_chunk_bytes {

@@ -1,5 +1,5 @@
 //! Guards against the binary's optimizer bench mode breaking: a small run prints one
-//! table row per (size, threads, path) with a positive rate and a probe fraction, and
+//! table row per (size, threads, path; compact-moment paths included) with a positive rate and a probe fraction, and
 //! impossible flags exit 2 naming the flag.
 
 use std::process::Command;
@@ -33,8 +33,8 @@ fn a_small_run_prints_a_row_per_setting() {
     let rows: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
     assert_eq!(
         rows.len(),
-        4,
-        "2 sizes x 1 thread count x 2 paths:\n{stdout}"
+        8,
+        "2 sizes x 1 thread count x 4 paths (fp32, bf16, m-bf16, m-int8):\n{stdout}"
     );
     for row in rows {
         let rate: f64 = row[5].parse().expect("Gparams/s is a number");

@@ -79,6 +79,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "mode",
                 "max_grad_norm",
                 "overlap",
+                "states",
             ],
         ),
         (

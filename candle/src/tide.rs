@@ -39,9 +39,9 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_chunk::{
-    search_chunk_size, typed, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
-    MoveKind, NvmeSource, Place, SearchConfig, StoreConfig, StoreStats, TensorId, TensorSpec,
-    TensorState,
+    search_chunk_size, typed, ChunkStore, DType, Layout, LayoutConfig, ListKind, MomentStates,
+    MoveEvent, MoveKind, NvmeSource, Place, SearchConfig, StoreConfig, StoreStats, TensorId,
+    TensorSpec, TensorState,
 };
 use tidestore_io::IoConfig;
 use tidestore_optimizer::{
@@ -92,6 +92,8 @@ pub struct TideConfig {
     /// Device and host budgets in bytes, when given instead of the chunk counts above
     /// (rounded down to whole chunks by the store).
     pub budget_bytes: Option<(u64, u64)>,
+    /// How M and V are stored (`optimizer.states`): fp32, bf16 or block-wise int8.
+    pub moments: MomentStates,
 }
 
 impl TideConfig {
@@ -113,6 +115,7 @@ impl TideConfig {
             },
             optimizer_threads: 0,
             budget_bytes: None,
+            moments: MomentStates::F32,
         }
     }
 }
@@ -230,7 +233,9 @@ impl TideParams {
                 TensorSpec::new(name, &p.shape, DType::F32, false)
             }));
         }
-        let layout_cfg = LayoutConfig::new(1).with_param16_dtype(DType::BF16);
+        let layout_cfg = LayoutConfig::new(1)
+            .with_param16_dtype(DType::BF16)
+            .with_moments(config.moments);
         let chunk_elements = match config.chunk_elements {
             Some(c) => c,
             None => {
@@ -578,11 +583,19 @@ impl TideParams {
         Ok(bytes_f32(&self.store.read(grad, ListKind::Param16)?))
     }
 
-    /// A trainable parameter's Adam moments (M, V); untraced.
+    /// A trainable parameter's Adam moments (M, V) as f32, decoded from their stored
+    /// form (bf16 widened, int8 dequantized); untraced.
     pub fn moments(&mut self, name: &str) -> Result<(Vec<f32>, Vec<f32>)> {
         let id = self.entries[self.index(name)?].id;
-        let m = bytes_f32(&self.store.read(id, ListKind::MomentumF32)?);
-        let v = bytes_f32(&self.store.read(id, ListKind::VarianceF32)?);
+        let loc = self.store.layout().location(id, ListKind::MomentumF32);
+        let (dtype, n) = loc.map_or((DType::F32, 0), |l| (l.dtype, l.elements as usize));
+        let m = decode_moment(&self.store.read(id, ListKind::MomentumF32)?, dtype, n, true);
+        let v = decode_moment(
+            &self.store.read(id, ListKind::VarianceF32)?,
+            dtype,
+            n,
+            false,
+        );
         Ok((m, v))
     }
 
@@ -686,6 +699,27 @@ fn step_loop(store: &ChunkStore, entries: &[Entry], config: &TideConfig) -> Resu
 
 pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A moment's stored bytes as f32: fp32 as is, bf16 widened, a Q8 place (codes, padding,
+/// absmax) dequantized with the signed (M) or unsigned (V) map.
+fn decode_moment(bytes: &[u8], dtype: DType, n: usize, signed: bool) -> Vec<f32> {
+    match dtype {
+        DType::Q8 => {
+            let q = tidestore_optimizer::quant::maps();
+            let map = if signed { &q.signed } else { &q.unsigned };
+            let absmax = bytes_f32(&bytes[n.next_multiple_of(4)..]);
+            let blocks = tidestore_optimizer::quant::absmax_len(n);
+            let mut out = vec![0.0; n];
+            tidestore_optimizer::quant::dequantize(map, &bytes[..n], &absmax[..blocks], &mut out);
+            out
+        }
+        d => {
+            let mut out = vec![0.0; bytes.len() / d.size_bytes() as usize];
+            typed::decode_f32(bytes, d, &mut out);
+            out
+        }
+    }
 }
 
 pub(crate) fn bytes_f32(bytes: &[u8]) -> Vec<f32> {

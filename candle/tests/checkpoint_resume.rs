@@ -12,6 +12,7 @@
 mod common;
 
 use std::path::Path;
+use tidestore_chunk::MomentStates;
 
 use common::*;
 use tidestore_candle::{checkpoint, Error, Gpt, Precision, TideParams};
@@ -44,6 +45,13 @@ fn snapshot(p: &mut TideParams) -> Snapshot {
 }
 
 fn resume_is_bit_identical(model: &Gpt, precision: Precision) {
+    resume_is_bit_identical_with(model, precision, MomentStates::F32);
+}
+
+fn resume_is_bit_identical_with(model: &Gpt, precision: Precision, moments: MomentStates) {
+    let open_tide = |model: &Gpt, seed: u64, dir: &Path, precision: Precision| {
+        open_tide_with(model, seed, dir, precision, moments)
+    };
     let end = FIRST + MORE;
     let d0 = tempfile::tempdir().unwrap();
     let mut p = open_tide(model, 0, d0.path(), precision);
@@ -119,6 +127,12 @@ fn resume_is_bit_identical_in_f32() {
 #[test]
 fn resume_is_bit_identical_in_bf16() {
     resume_is_bit_identical(&gpt(None), Precision::Bf16);
+}
+
+#[test]
+fn resume_is_bit_identical_with_bf16_and_int8_moments() {
+    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentStates::Bf16);
+    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentStates::Int8);
 }
 
 #[test]

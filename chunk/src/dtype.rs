@@ -3,8 +3,8 @@
 //! Three types exist: `f32` (master parameters and Adam state), and the two 16-bit
 //! formats `f16` and `bf16` (compute parameters and gradients). A [`DType`] only knows
 //! its byte size and its names; conversions between formats belong to the optimizer.
-//! Invariant: [`DType::size_bytes`] is 2 or 4, so every byte count derived from an
-//! element count is exact.
+//! Invariant: [`DType::size_bytes`] is 1, 2 or 4, and [`DType::place_bytes`] is the exact
+//! byte count of a tensor's elements (with [`DType::Q8`]'s absmax).
 
 use std::fmt;
 use std::str::FromStr;
@@ -20,10 +20,15 @@ pub enum DType {
     F16,
     /// bfloat16 (8 exponent bits, 7 mantissa bits).
     BF16,
+    /// A block-wise 8-bit quantized Adam moment (only in the M and V lists, see
+    /// [`crate::moments`]): one code byte per element, padding to 4 bytes, then one
+    /// fp32 absmax per 256 elements. Its bytes are only read through the optimizer's
+    /// quantizer; [`crate::typed`] decodes them to NaN, never to plausible numbers.
+    Q8,
 }
 
 impl DType {
-    /// All element types, in declaration order.
+    /// The element types of tensors (not [`DType::Q8`], which only moments use).
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
     /// Bytes per element.
@@ -31,6 +36,18 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::Q8 => 1,
+        }
+    }
+
+    /// Bytes of `elements` elements stored in this type (for [`DType::Q8`]: the codes,
+    /// padding to 4 bytes and the fp32 absmax of every 256 elements).
+    pub const fn place_bytes(self, elements: u64) -> u64 {
+        match self {
+            DType::Q8 => {
+                elements.next_multiple_of(4) + 4 * elements.div_ceil(crate::moments::Q8_BLOCK)
+            }
+            d => elements * d.size_bytes(),
         }
     }
 
@@ -45,6 +62,7 @@ impl DType {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::BF16 => "bf16",
+            DType::Q8 => "q8",
         }
     }
 }
@@ -68,6 +86,7 @@ impl FromStr for DType {
             "f32" | "fp32" | "float32" | "float" => Ok(DType::F32),
             "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
+            "q8" => Ok(DType::Q8),
             _ => Err(ChunkError::UnknownDType {
                 name: s.to_string(),
             }),

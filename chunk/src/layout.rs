@@ -12,7 +12,12 @@
 //!   [`LayoutConfig::param16_dtype`]); its fp32 values live in `MasterF32`. A **frozen
 //!   fp32 tensor stays fp32** (it has no master copy, so casting it would silently
 //!   change its bytes) and takes two slots per element.
-//! - `MasterF32`, `MomentumF32`, `VarianceF32`: trainable tensors only, fp32.
+//! - `MasterF32`: trainable tensors only, fp32.
+//! - `MomentumF32`, `VarianceF32` (M, V): trainable tensors only, in the form of
+//!   [`LayoutConfig::moments`] (fp32 by default, whence the names; bf16 or block-wise
+//!   int8, see [`crate::moments`]), with that form's slot size (4, 2 or 1 bytes). Their
+//!   offsets count the moment slots of the trainable tensors before them in the chunk,
+//!   so compact chunks are dense too, and their chunks are as small as their bytes.
 //! - `GradF16`: trainable tensors only, in their Param16 dtype, and only when gradient
 //!   accumulation is on. Otherwise a gradient reuses its tensor's Param16 space once
 //!   the layer's backward is done ([`Layout::grad_location`] returns that space).
@@ -57,6 +62,7 @@ use std::collections::HashMap;
 use crate::dtype::DType;
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
+use crate::moments::MomentStates;
 use crate::Result;
 
 /// What a chunk's allocated and moved bytes are rounded up to (a page: O_DIRECT I/O and
@@ -133,6 +139,8 @@ pub struct LayoutConfig {
     /// adapters in the same chunk, at the cost of mostly empty fp32 chunks). Layouts
     /// where every tensor is trainable, or every one frozen, are the same either way.
     pub separate_frozen: bool,
+    /// The stored form of the M and V lists (`optimizer.states`); fp32 by default.
+    pub moments: MomentStates,
 }
 
 impl LayoutConfig {
@@ -144,6 +152,22 @@ impl LayoutConfig {
             grad_accumulation: false,
             param16_dtype: DType::BF16,
             separate_frozen: true,
+            moments: MomentStates::F32,
+        }
+    }
+
+    /// With the M and V lists stored as `moments`.
+    pub fn with_moments(mut self, moments: MomentStates) -> Self {
+        self.moments = moments;
+        self
+    }
+
+    /// Bytes per slot of `list` under this configuration (the moment lists' depends on
+    /// [`LayoutConfig::moments`]).
+    pub fn slot_bytes(&self, list: ListKind) -> u64 {
+        match list {
+            ListKind::MomentumF32 | ListKind::VarianceF32 => self.moments.slot_bytes(),
+            l => l.slot_bytes(),
         }
     }
 
@@ -196,7 +220,7 @@ impl LayoutConfig {
     /// Bytes per element of the optimizer-state lists of one trainable element
     /// (master + M + V, plus a 16-bit gradient with accumulation).
     pub(crate) fn trainable_state_bytes(&self) -> u64 {
-        self.trainable_lists().map(ListKind::slot_bytes).sum()
+        self.trainable_lists().map(|l| self.slot_bytes(l)).sum()
     }
 
     /// The trainable-only lists that exist under this configuration.
@@ -219,13 +243,15 @@ pub struct TensorLocation {
     pub elements: u64,
     /// The tensor's dtype in this list.
     pub dtype: DType,
+    /// Bytes per slot of this list (see [`LayoutConfig::slot_bytes`]).
+    pub slot_bytes: u64,
 }
 
 impl TensorLocation {
     /// Slots occupied (elements x dtype size / slot size; 2 per element for a frozen
     /// fp32 tensor in Param16, otherwise equal to `elements`).
     pub fn slots(&self) -> u64 {
-        self.bytes() / self.chunk.list().slot_bytes()
+        self.bytes().div_ceil(self.slot_bytes)
     }
 
     /// The slot just past the tensor.
@@ -235,12 +261,13 @@ impl TensorLocation {
 
     /// Offset in the chunk, in bytes.
     pub fn offset_bytes(&self) -> u64 {
-        self.offset_elements * self.chunk.list().slot_bytes()
+        self.offset_elements * self.slot_bytes
     }
 
-    /// The tensor's size in bytes in this list.
+    /// The tensor's size in bytes in this list (for a [`DType::Q8`] moment: codes,
+    /// padding and absmax; without the padding to the next place).
     pub fn bytes(&self) -> u64 {
-        self.elements * self.dtype.size_bytes()
+        self.dtype.place_bytes(self.elements)
     }
 }
 
@@ -345,6 +372,8 @@ struct Placement {
     param16_dtype: DType,
     /// Offset within the chunk's trainable tensors; `None` for a frozen tensor.
     trainable_offset: Option<u64>,
+    /// Offset in the chunk's M and V lists, in their slots; `None` for a frozen tensor.
+    moment_offset: Option<u64>,
 }
 
 /// Registers tensors one by one, in model order.
@@ -358,6 +387,7 @@ pub struct LayoutBuilder {
     chunk_trainable: Vec<Vec<TensorId>>,
     fill_slots: Vec<u64>,
     fill_trainable: Vec<u64>,
+    fill_moments: Vec<u64>,
     /// The open chunk of each packing stream ([`LayoutConfig::stream`]).
     open: [Option<usize>; 2],
 }
@@ -375,6 +405,7 @@ impl LayoutBuilder {
             chunk_trainable: Vec::new(),
             fill_slots: Vec::new(),
             fill_trainable: Vec::new(),
+            fill_moments: Vec::new(),
             open: [None, None],
         })
     }
@@ -415,6 +446,7 @@ impl LayoutBuilder {
                 }
                 self.fill_slots.push(0);
                 self.fill_trainable.push(0);
+                self.fill_moments.push(0);
                 self.chunk_tensors.push(Vec::new());
                 self.chunk_trainable.push(Vec::new());
                 let opened = self.fill_slots.len() - 1;
@@ -427,13 +459,15 @@ impl LayoutBuilder {
         let offset_slots = self.fill_slots[at];
         self.fill_slots[at] += item.slots;
         self.chunk_tensors[at].push(id);
-        let trainable_offset = if spec.trainable {
+        let (trainable_offset, moment_offset) = if spec.trainable {
             let off = self.fill_trainable[at];
+            let moff = self.fill_moments[at];
             self.fill_trainable[at] += item.trainable_elements;
+            self.fill_moments[at] += self.config.moments.place_slots(item.elements);
             self.chunk_trainable[at].push(id);
-            Some(off)
+            (Some(off), Some(moff))
         } else {
-            None
+            (None, None)
         };
         self.places.push(Placement {
             index,
@@ -441,6 +475,7 @@ impl LayoutBuilder {
             elements: item.elements,
             param16_dtype: spec.param16_dtype(self.config.param16_dtype),
             trainable_offset,
+            moment_offset,
         });
         self.by_name.insert(spec.name.clone(), id);
         self.specs.push(spec);
@@ -468,6 +503,7 @@ impl LayoutBuilder {
             chunk_trainable: self.chunk_trainable,
             fill_slots: self.fill_slots,
             fill_trainable: self.fill_trainable,
+            fill_moments: self.fill_moments,
         }
     }
 }
@@ -483,6 +519,7 @@ pub struct Layout {
     chunk_trainable: Vec<Vec<TensorId>>,
     fill_slots: Vec<u64>,
     fill_trainable: Vec<u64>,
+    fill_moments: Vec<u64>,
 }
 
 impl Layout {
@@ -579,13 +616,17 @@ impl Layout {
             ListKind::Param16 => (p.offset_slots, p.param16_dtype),
             ListKind::GradF16 if !self.config.grad_accumulation => return None,
             ListKind::GradF16 => (p.trainable_offset?, p.param16_dtype),
-            _ => (p.trainable_offset?, DType::F32),
+            ListKind::MasterF32 => (p.trainable_offset?, DType::F32),
+            ListKind::MomentumF32 | ListKind::VarianceF32 => {
+                (p.moment_offset?, self.config.moments.dtype_for(p.elements))
+            }
         };
         Some(TensorLocation {
             chunk: ChunkId::new(list, p.index),
             offset_elements,
             elements: p.elements,
             dtype,
+            slot_bytes: self.config.slot_bytes(list),
         })
     }
 
@@ -603,8 +644,23 @@ impl Layout {
     }
 
     /// Bytes of one chunk of `list`.
+    ///
+    /// An int8 moment list's chunk is as large as its fullest chunk needs (codes, absmax
+    /// and the fp32 places of small tensors), page-rounded, and at least the chunk
+    /// size's codes and absmax.
     pub fn chunk_bytes(&self, list: ListKind) -> u64 {
-        self.config.chunk_elements * list.slot_bytes()
+        let c = self.config.chunk_elements;
+        match list {
+            ListKind::MomentumF32 | ListKind::VarianceF32
+                if self.config.moments == MomentStates::Int8 =>
+            {
+                let fullest = self.fill_moments.iter().copied().max().unwrap_or(0);
+                fullest
+                    .max(DType::Q8.place_bytes(c))
+                    .next_multiple_of(CHUNK_ALIGN_BYTES)
+            }
+            l => c * self.config.slot_bytes(l),
+        }
     }
 
     /// Bytes of `chunk` occupied by tensors (0 for a chunk that does not exist).
@@ -615,6 +671,9 @@ impl Layout {
         let i = chunk.index() as usize;
         match chunk.list() {
             ListKind::Param16 => self.fill_slots[i] * ListKind::Param16.slot_bytes(),
+            l @ (ListKind::MomentumF32 | ListKind::VarianceF32) => {
+                self.fill_moments[i] * self.config.slot_bytes(l)
+            }
             l => self.fill_trainable[i] * l.slot_bytes(),
         }
     }
@@ -709,6 +768,10 @@ impl Layout {
         h.u64(u64::from(c.grad_accumulation));
         h.u64(dtype_code(c.param16_dtype));
         h.u64(u64::from(c.separate_frozen));
+        // fp32 moments hash as before compact moments existed (same fingerprints).
+        if c.moments != MomentStates::F32 {
+            h.bytes(c.moments.as_str().as_bytes());
+        }
         h.u64(self.specs.len() as u64);
         for (i, spec) in self.specs.iter().enumerate() {
             h.u64(spec.name.len() as u64);
@@ -781,6 +844,7 @@ fn dtype_code(d: DType) -> u64 {
         DType::F32 => 1,
         DType::F16 => 2,
         DType::BF16 => 3,
+        DType::Q8 => 4,
     }
 }
 

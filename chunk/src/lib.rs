@@ -35,6 +35,7 @@ pub mod dtype;
 pub mod error;
 pub mod id;
 pub mod layout;
+pub mod moments;
 mod mover;
 pub mod policy;
 pub mod search;
@@ -52,6 +53,7 @@ pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
     Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,
 };
+pub use moments::MomentStates;
 pub use mover::IoPump;
 pub use policy::{
     EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PrefetchPlanner, PrefetchStep, Residency,

@@ -27,6 +27,8 @@ pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
+        // Codes need the optimizer's map: never pass them off as numbers.
+        DType::Q8 => out.fill(f32::NAN),
     }
 }
 
@@ -48,6 +50,8 @@ pub fn encode_f32(values: &[f32], dtype: DType, out: &mut [u8]) {
                 b.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
             }
         }
+        // Quantizing needs the optimizer's map; callers write Q8 places as raw bytes.
+        DType::Q8 => panic!("encode_f32 into a Q8 place: write its bytes through the optimizer"),
     }
 }
 

@@ -30,6 +30,10 @@ pub enum BenchPath {
     Fp32,
     /// bf16 gradients in, fp32 master, bf16 parameters out.
     Bf16,
+    /// bf16 gradients and output, bf16 moments (`step_moments`).
+    StatesBf16,
+    /// bf16 gradients and output, block-wise int8 moments (`step_moments`).
+    StatesInt8,
 }
 
 impl BenchPath {
@@ -38,6 +42,18 @@ impl BenchPath {
         match self {
             BenchPath::Fp32 => 3 * 8 + 4,
             BenchPath::Bf16 => 3 * 8 + 2 + 2,
+            BenchPath::StatesBf16 => 8 + 2 * 4 + 2 + 2,
+            // Rounded down: the absmax adds 2 x 8 bytes per 256 (0.0625 per parameter),
+            // which `bytes_per_param_exact` counts.
+            BenchPath::StatesInt8 => 8 + 2 * 2 + 2 + 2,
+        }
+    }
+
+    /// Bytes moved per parameter, the int8 absmax included.
+    pub fn bytes_per_param_exact(self) -> f64 {
+        match self {
+            BenchPath::StatesInt8 => 16.0 + 16.0 / crate::quant::Q8_BLOCK as f64,
+            p => p.bytes_per_param() as f64,
         }
     }
 
@@ -46,6 +62,8 @@ impl BenchPath {
         match self {
             BenchPath::Fp32 => "fp32",
             BenchPath::Bf16 => "bf16",
+            BenchPath::StatesBf16 => "m-bf16",
+            BenchPath::StatesInt8 => "m-int8",
         }
     }
 }
@@ -73,7 +91,12 @@ impl Default for BenchConfig {
         BenchConfig {
             sizes: vec![10_000_000, 100_000_000],
             threads: vec![1, 2],
-            paths: vec![BenchPath::Fp32, BenchPath::Bf16],
+            paths: vec![
+                BenchPath::Fp32,
+                BenchPath::Bf16,
+                BenchPath::StatesBf16,
+                BenchPath::StatesInt8,
+            ],
             repeats: 9,
             block_params: BLOCK_PARAMS_DEFAULT,
             simd: None,
@@ -163,6 +186,12 @@ struct Arrays {
     g32: Aligned<f32>,
     g16: Aligned<bf16>,
     out16: Aligned<bf16>,
+    mb: Aligned<bf16>,
+    vb: Aligned<bf16>,
+    mc: Aligned<u8>,
+    vc: Aligned<u8>,
+    ma: Aligned<f32>,
+    va: Aligned<f32>,
 }
 
 impl Arrays {
@@ -174,7 +203,33 @@ impl Arrays {
             g32: Aligned::new(n, |i| 1e-2 * unit(i, 4))?,
             g16: Aligned::new(n, |i| bf16::from_f32(1e-2 * unit(i, 4)))?,
             out16: Aligned::new(n, |_| bf16::ZERO)?,
+            mb: Aligned::new(n, |i| bf16::from_f32(1e-3 * unit(i, 2)))?,
+            vb: Aligned::new(n, |i| bf16::from_f32(1e-6 * (1.5 + unit(i, 3))))?,
+            // Codes of realistic magnitudes (mid-map), absmax of the fp32 arrays' scale.
+            mc: Aligned::new(n, |i| (unit(i, 5) * 100.0 + 128.0) as u8)?,
+            vc: Aligned::new(n, |i| ((unit(i, 6) + 1.0) * 100.0 + 20.0) as u8)?,
+            ma: Aligned::new(crate::quant::absmax_len(n), |_| 1e-3)?,
+            va: Aligned::new(crate::quant::absmax_len(n), |_| 2.5e-6)?,
         })
+    }
+
+    fn moments(&mut self, path: BenchPath) -> crate::Moments<'_> {
+        match path {
+            BenchPath::StatesInt8 => crate::Moments::Int8 {
+                m: crate::Q8Mut {
+                    codes: self.mc.as_mut_slice(),
+                    absmax: self.ma.as_mut_slice(),
+                },
+                v: crate::Q8Mut {
+                    codes: self.vc.as_mut_slice(),
+                    absmax: self.va.as_mut_slice(),
+                },
+            },
+            _ => crate::Moments::Bf16 {
+                m: self.mb.as_mut_slice(),
+                v: self.vb.as_mut_slice(),
+            },
+        }
     }
 
     fn step(&mut self, opt: &AdamW, path: BenchPath, step: u64) -> Result<f64> {
@@ -200,6 +255,26 @@ impl Arrays {
                 Grads::Bf16(self.g16.as_slice()),
                 Some(ParamOut::Bf16(self.out16.as_mut_slice())),
             )?,
+            BenchPath::StatesBf16 | BenchPath::StatesInt8 => {
+                // Disjoint fields: the moments borrow only their own arrays.
+                let mut master = std::mem::take(&mut self.master.buf);
+                let (off, len) = (self.master.off, self.master.len);
+                let (goff, ooff) = (self.g16.off, self.out16.off);
+                let g16 = std::mem::take(&mut self.g16.buf);
+                let mut out = std::mem::take(&mut self.out16.buf);
+                let r = opt.step_moments(
+                    state,
+                    &hp,
+                    &mut master[off..off + len],
+                    self.moments(path),
+                    Grads::Bf16(&g16[goff..goff + len]),
+                    Some(ParamOut::Bf16(&mut out[ooff..ooff + len])),
+                );
+                self.master.buf = master;
+                self.g16.buf = g16;
+                self.out16.buf = out;
+                r?
+            }
         }
         Ok(t.elapsed().as_secs_f64())
     }
@@ -221,6 +296,23 @@ impl Arrays {
                 Grads::Bf16(self.g16.as_slice()),
                 Some(ParamOut::Bf16(self.out16.as_mut_slice())),
             )?,
+            BenchPath::StatesBf16 | BenchPath::StatesInt8 => {
+                let mut master = std::mem::take(&mut self.master.buf);
+                let (off, len) = (self.master.off, self.master.len);
+                let (goff, ooff) = (self.g16.off, self.out16.off);
+                let g16 = std::mem::take(&mut self.g16.buf);
+                let mut out = std::mem::take(&mut self.out16.buf);
+                let r = opt.probe_moments(
+                    &mut master[off..off + len],
+                    self.moments(path),
+                    Grads::Bf16(&g16[goff..goff + len]),
+                    Some(ParamOut::Bf16(&mut out[ooff..ooff + len])),
+                );
+                self.master.buf = master;
+                self.g16.buf = g16;
+                self.out16.buf = out;
+                r?
+            }
         }
         Ok(t.elapsed().as_secs_f64())
     }
@@ -230,7 +322,7 @@ impl Arrays {
 /// Column titles matching [`BenchRow::table_line`].
 pub fn table_header() -> String {
     format!(
-        "{:>11} {:>3} {:>5} {:>10} {:>9} {:>10} {:>8} {:>9} {:>6}  bytes/param",
+        "{:>11} {:>3} {:>6} {:>10} {:>9} {:>10} {:>8} {:>9} {:>6}  bytes/param",
         "params", "thr", "path", "simd", "ms/step", "Gparams/s", "GB/s", "probeGB/s", "frac"
     )
 }
@@ -240,7 +332,7 @@ impl BenchRow {
     /// counted per parameter, the probe's GB/s over the same arrays, and the fraction.
     pub fn table_line(&self) -> String {
         format!(
-            "{:>11} {:>3} {:>5} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {}",
+            "{:>11} {:>3} {:>6} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {}",
             self.params,
             self.threads,
             self.path.name(),
@@ -312,7 +404,7 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                 let bpp = path.bytes_per_param();
                 let sm = median(&step_s);
                 let pm = median(&probe_s);
-                let bytes = (bpp * n) as f64;
+                let bytes = path.bytes_per_param_exact() * n as f64;
                 let row = BenchRow {
                     params: n,
                     threads: opt.threads(),

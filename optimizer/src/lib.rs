@@ -92,10 +92,13 @@ pub mod bench;
 pub mod controller;
 pub mod cpu;
 pub mod error;
+pub mod gpu_compact;
 pub mod group;
 pub mod loss_scale;
+pub mod moments;
 pub mod params;
 pub mod placement;
+pub mod quant;
 pub mod slices;
 
 #[cfg(feature = "cuda")]
@@ -110,9 +113,11 @@ pub use cpu::{AdamW, CpuConfig, SimdLevel, BLOCK_PARAMS_DEFAULT};
 pub use error::{OptimError, Result};
 pub use group::ParamGroup;
 pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};
+pub use moments::{Moments, Q8Mut};
 pub use params::{HyperParams, Mode, StepState};
 pub use placement::{
     DeviceGrads, DeviceGroup, DeviceSlices, GroupPlacement, HybridAdamW, Placement,
     PlacementReport, ResidentGroup,
 };
+pub use quant::{StateType, Q8_BLOCK, Q8_MIN_ELEMENTS};
 pub use slices::{Dtype, Grads, ParamOut};

@@ -19,9 +19,10 @@ pub struct AdamwBenchArgs {
     /// Measured repeats of each (step, probe) pair; medians are reported.
     #[arg(long, default_value_t = 5)]
     repeats: usize,
-    /// Only the fp32 path (fp32 grads, no 16-bit output) or only the mixed path (bf16
-    /// grads in, bf16 params out); both by default.
-    #[arg(long, value_parser = ["fp32", "bf16"])]
+    /// Only one path: fp32 (fp32 grads, no 16-bit output), bf16 (bf16 grads in, bf16
+    /// params out, fp32 moments), m-bf16 / m-int8 (as bf16, with bf16 or block-wise
+    /// int8 moments: `optimizer.states`); all by default.
+    #[arg(long, value_parser = ["fp32", "bf16", "m-bf16", "m-int8"])]
     path: Option<String>,
 }
 
@@ -53,6 +54,8 @@ pub fn run(args: &AdamwBenchArgs) -> Result<(), CliError> {
     match args.path.as_deref() {
         Some("fp32") => cfg.paths = vec![BenchPath::Fp32],
         Some("bf16") => cfg.paths = vec![BenchPath::Bf16],
+        Some("m-bf16") => cfg.paths = vec![BenchPath::StatesBf16],
+        Some("m-int8") => cfg.paths = vec![BenchPath::StatesInt8],
         _ => {}
     }
     out!("{}", bench::table_header());

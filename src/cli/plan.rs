@@ -144,7 +144,11 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), CliError> {
         Some(r) => (positive("--optimizer-rate", r)?, false),
         None => {
             let opt = cpu_optimizer(&cfg)?;
-            (plan::measure_optimizer_rate(&opt, 8 << 20, 5)?, true)
+            let moments = cfg.optimizer.states.moments();
+            (
+                plan::measure_optimizer_rate(&opt, 8 << 20, 5, moments)?,
+                true,
+            )
         }
     };
     let act = workload.activation_bytes().peak();
@@ -182,7 +186,12 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), CliError> {
         compute_flops_per_s: tflops * 1e12,
         overlap_backward: cfg.optimizer.overlap == OverlapName::Backward,
     };
-    let (layout, _, _) = layout_for(&workload, cfg.chunk.size, cfg.io.block_size.bytes())?;
+    let (layout, _, _) = layout_for(
+        &workload,
+        cfg.chunk.size,
+        cfg.io.block_size.bytes(),
+        cfg.optimizer.states.moments(),
+    )?;
     let report = plan::plan(&workload, &layout, &machine)?;
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::Output {
@@ -226,7 +235,7 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         },
         m.optimizer_params_per_s / 1e9,
         if measured {
-            "measured now on this machine, bf16 grads, 8M params"
+            "measured now on this machine, bf16 grads, optimizer.states moments, 8M params"
         } else {
             "--optimizer-rate"
         }

@@ -126,6 +126,7 @@ fn tide_config(cfg: &Config) -> Result<TideConfig> {
         AutoSize::Fixed(s) => Some(s.bytes() / 4),
     };
     tc.budget_bytes = Some((cfg.device.budget.bytes(), cfg.host.budget.bytes()));
+    tc.moments = cfg.optimizer.states.moments();
     tc.io = cfg.io_config()?;
     tc.optimizer_threads = cfg.optimizer.threads as usize;
     Ok(tc)

@@ -164,16 +164,24 @@ fn entries(layout: &Layout, tensors: &[TensorId]) -> Result<Vec<Entry>> {
                 tensor: spec.name.clone(),
                 reason: format!("list {list} is not checkpointed"),
             })?;
+            let len_bytes = usize::try_from(loc.bytes()).map_err(|_| TrainError::Tensor {
+                tensor: spec.name.clone(),
+                reason: "larger than this machine's address space".into(),
+            })?;
+            // Compact moments are kept as they are: bf16 elements in the tensor's shape,
+            // or a Q8 place's bytes as one U8 vector (codes, padding, absmax). Loading
+            // into a store of another state type fails naming both forms.
+            let shape = match loc.dtype {
+                DType::Q8 => vec![len_bytes],
+                _ => spec.shape.clone(),
+            };
             out.push(Entry {
                 tensor: t,
                 list,
                 name,
                 dtype: loc.dtype,
-                shape: spec.shape.clone(),
-                len_bytes: usize::try_from(loc.bytes()).map_err(|_| TrainError::Tensor {
-                    tensor: spec.name.clone(),
-                    reason: "larger than this machine's address space".into(),
-                })?,
+                shape,
+                len_bytes,
             });
         }
     }
@@ -202,6 +210,8 @@ pub(crate) fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::F32 => safetensors::Dtype::F32,
         DType::F16 => safetensors::Dtype::F16,
         DType::BF16 => safetensors::Dtype::BF16,
+        // A Q8 moment is stored as its place's raw bytes (codes, padding, absmax).
+        DType::Q8 => safetensors::Dtype::U8,
     }
 }
 
@@ -478,6 +488,7 @@ pub fn read_tensors(
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
+            safetensors::Dtype::U8 => DType::Q8,
             other => {
                 return Err(malformed(
                     path,

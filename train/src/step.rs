@@ -54,7 +54,7 @@ use tidestore_chunk::{
 };
 use tidestore_optimizer::{
     ControllerState, DeviceGrads, DeviceSlices, Dtype, Grads, HybridAdamW, HyperParams,
-    LossScalerConfig, ParamOut, Placement, StepController, StepDecision, StepState,
+    LossScalerConfig, Moments, ParamOut, Placement, Q8Mut, StepController, StepDecision, StepState,
 };
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 
@@ -163,6 +163,10 @@ struct Entry {
     grad_dtype: DType,
     /// The 16-bit copy's dtype, when the step writes it.
     out_dtype: Option<DType>,
+    /// How its M and V are stored (F32, BF16 or Q8; see `tidestore_chunk::moments`).
+    moments: DType,
+    /// Bytes of its M place (= of its V place).
+    moment_bytes: usize,
     grad_final: bool,
     stepped: bool,
 }
@@ -281,6 +285,18 @@ impl StepLoop {
             g.0.push(entries.len());
             g.1 += 1;
             entries.push(entry);
+        }
+        if cfg.place == StepPlace::Device {
+            if let Some(e) = entries.iter().find(|e| e.moments != DType::F32) {
+                return Err(TrainError::Config {
+                    key: "optimizer.states",
+                    reason: format!(
+                        "`{}` has {} moments, which only the host step runs so far; use \
+                         states = \"fp32\" with the device step",
+                        e.name, e.moments
+                    ),
+                });
+            }
         }
         let places_max = entries.iter().map(|e| e.places().len()).max().unwrap_or(0);
         let in_place = store.capacity_plan().host_buffers > places_max as u64;
@@ -652,8 +668,6 @@ impl StepLoop {
                     unreachable!("master, M and V follow the gradient places")
                 };
                 let master = f32s(master, &e.name, "master")?;
-                let m = f32s(m, &e.name, "m")?;
-                let v = f32s(v, &e.name, "v")?;
                 let mut ns = 0u64;
                 let mut at = 0;
                 while at < e.len {
@@ -668,12 +682,12 @@ impl StepLoop {
                         let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
                         let out =
                             param_out(&mut grad_bytes[2 * at..2 * end], e.grad_dtype, &e.name)?;
-                        opt.cpu().step_slice(
+                        let mv = moments_of(m, v, e, at..end)?;
+                        opt.cpu().step_moments(
                             state,
                             hp,
                             &mut master[at..end],
-                            &mut m[at..end],
-                            &mut v[at..end],
+                            mv,
                             grads,
                             Some(out),
                         )?;
@@ -686,15 +700,9 @@ impl StepLoop {
                             }
                             _ => None,
                         };
-                        opt.cpu().step_slice(
-                            state,
-                            hp,
-                            &mut master[at..end],
-                            &mut m[at..end],
-                            &mut v[at..end],
-                            grads,
-                            out,
-                        )?;
+                        let mv = moments_of(m, v, e, at..end)?;
+                        opt.cpu()
+                            .step_moments(state, hp, &mut master[at..end], mv, grads, out)?;
                     }
                     ns += started.elapsed().as_nanos() as u64;
                     // Keep the NVMe reads of the next tensors (and write-backs) moving.
@@ -724,19 +732,12 @@ impl StepLoop {
         let grad_len = len * e.grad_dtype.size_bytes() as usize;
         let grad: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.grad[..])[..grad_len];
         copy_out(store, (e.grad_at(), ListKind::Param16), grad, observe)?;
-        let (m, v) = (&mut s.m[..len], &mut s.v[..len]);
-        copy_out(
-            store,
-            (t, ListKind::MomentumF32),
-            bytemuck::cast_slice_mut(m),
-            observe,
-        )?;
-        copy_out(
-            store,
-            (t, ListKind::VarianceF32),
-            bytemuck::cast_slice_mut(v),
-            observe,
-        )?;
+        // The moments' stored bytes (at most 4 per element), in f32-aligned scratch.
+        let mb = e.moment_bytes;
+        let m: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.m[..])[..mb];
+        let v: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.v[..])[..mb];
+        copy_out(store, (t, ListKind::MomentumF32), m, observe)?;
+        copy_out(store, (t, ListKind::VarianceF32), v, observe)?;
         let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
         let (opt, hp) = (&self.opt, &self.hp);
         let ns =
@@ -747,24 +748,15 @@ impl StepLoop {
                     Some(d) => Some(param_out(out_bytes, d, &e.name)?),
                     None => None,
                 };
+                let mv = moments_of(m, v, e, 0..len)?;
                 let started = Instant::now();
-                opt.cpu().step_slice(state, hp, master, m, v, grads, out)?;
+                opt.cpu().step_moments(state, hp, master, mv, grads, out)?;
                 Ok::<_, TrainError>(started.elapsed().as_nanos() as u64)
             })??;
         observe(store);
         self.stats.kernel_ns += ns;
-        copy_in(
-            store,
-            (t, ListKind::MomentumF32),
-            bytemuck::cast_slice(m),
-            observe,
-        )?;
-        copy_in(
-            store,
-            (t, ListKind::VarianceF32),
-            bytemuck::cast_slice(v),
-            observe,
-        )?;
+        copy_in(store, (t, ListKind::MomentumF32), m, observe)?;
+        copy_in(store, (t, ListKind::VarianceF32), v, observe)?;
         if e.out_dtype.is_some() {
             let out: &[u8] = bytemuck::cast_slice(&s.out16[..len]);
             copy_in(store, (t, ListKind::Param16), out, observe)?;
@@ -889,6 +881,12 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
             grad_loc.dtype
         )));
     }
+    let m_loc = layout
+        .location(spec.tensor, ListKind::MomentumF32)
+        .expect("checked above");
+    if grad_loc.dtype == DType::Q8 {
+        return Err(missing("its gradient place holds 8-bit codes".into()));
+    }
     let p16 = layout.location(spec.tensor, ListKind::Param16);
     let out_dtype = match spec.grad {
         GradPlace::InParam16 => {
@@ -908,6 +906,8 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         },
         GradPlace::Separate { .. } => None,
     };
+    let moment_bytes = usize::try_from(m_loc.bytes())
+        .map_err(|_| missing("more moment bytes than this machine addresses".into()))?;
     Ok(Entry {
         spec,
         name,
@@ -915,6 +915,8 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         group: grad_loc.chunk,
         grad_dtype: grad_loc.dtype,
         out_dtype,
+        moments: m_loc.dtype,
+        moment_bytes,
         grad_final: false,
         stepped: false,
     })
@@ -937,6 +939,7 @@ fn grads_of<'a>(bytes: &'a [u8], dtype: DType, tensor: &str) -> Result<Grads<'a>
         DType::F32 => Grads::F32(bytemuck::try_cast_slice(bytes).map_err(err)?),
         DType::F16 => Grads::F16(bytemuck::try_cast_slice::<u8, f16>(bytes).map_err(err)?),
         DType::BF16 => Grads::Bf16(bytemuck::try_cast_slice::<u8, bf16>(bytes).map_err(err)?),
+        DType::Q8 => return Err(cast_err(tensor, "gradient (8-bit codes)")),
     })
 }
 
@@ -945,10 +948,10 @@ fn param_out<'a>(bytes: &'a mut [u8], dtype: DType, tensor: &str) -> Result<Para
     Ok(match dtype {
         DType::F16 => ParamOut::F16(bytemuck::try_cast_slice_mut(bytes).map_err(err)?),
         DType::BF16 => ParamOut::Bf16(bytemuck::try_cast_slice_mut(bytes).map_err(err)?),
-        DType::F32 => {
+        DType::F32 | DType::Q8 => {
             return Err(TrainError::Tensor {
                 tensor: tensor.into(),
-                reason: "the 16-bit parameters are stored as f32".into(),
+                reason: format!("the 16-bit parameters are stored as {dtype}"),
             })
         }
     })
@@ -959,7 +962,56 @@ fn dtype_of(d: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::Bf16,
+        DType::Q8 => unreachable!("entry_of refuses 8-bit gradients and parameters"),
     }
+}
+
+/// Elements `piece` of a tensor's M and V place bytes as the kernel's view: fp32 or
+/// bf16 elements, or (Q8) the codes and absmax of the piece's blocks (a Q8 place is the
+/// `len` codes, padding to 4 bytes, then the absmax; pieces start at whole blocks).
+fn moments_of<'a>(
+    m: &'a mut [u8],
+    v: &'a mut [u8],
+    e: &Entry,
+    piece: std::ops::Range<usize>,
+) -> Result<Moments<'a>> {
+    let name = &e.name;
+    Ok(match e.moments {
+        DType::F32 => Moments::F32 {
+            m: &mut f32s(m, name, "m")?[piece.clone()],
+            v: &mut f32s(v, name, "v")?[piece],
+        },
+        DType::BF16 => Moments::Bf16 {
+            m: &mut bf16s(m, name, "m")?[piece.clone()],
+            v: &mut bf16s(v, name, "v")?[piece],
+        },
+        DType::Q8 => Moments::Int8 {
+            m: q8_of(m, e.len, piece.clone(), name, "m")?,
+            v: q8_of(v, e.len, piece, name, "v")?,
+        },
+        DType::F16 => return Err(cast_err(name, "moment (f16 is no moment form)")),
+    })
+}
+
+fn bf16s<'a>(bytes: &'a mut [u8], tensor: &str, what: &str) -> Result<&'a mut [bf16]> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|_| cast_err(tensor, what))
+}
+
+fn q8_of<'a>(
+    bytes: &'a mut [u8],
+    len: usize,
+    piece: std::ops::Range<usize>,
+    tensor: &str,
+    what: &str,
+) -> Result<Q8Mut<'a>> {
+    use tidestore_optimizer::quant::{absmax_len, Q8_BLOCK};
+    debug_assert!(piece.start.is_multiple_of(Q8_BLOCK));
+    let (codes, rest) = bytes.split_at_mut(len.next_multiple_of(4));
+    let absmax = f32s(&mut rest[..4 * absmax_len(len)], tensor, what)?;
+    Ok(Q8Mut {
+        absmax: &mut absmax[piece.start / Q8_BLOCK..piece.end.div_ceil(Q8_BLOCK)],
+        codes: &mut codes[piece],
+    })
 }
 
 /// The host bytes of views of host-pool accesses.

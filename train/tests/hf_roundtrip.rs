@@ -19,6 +19,7 @@ fn st_dtype(d: DType) -> safetensors::Dtype {
         DType::F32 => safetensors::Dtype::F32,
         DType::F16 => safetensors::Dtype::F16,
         DType::BF16 => safetensors::Dtype::BF16,
+        DType::Q8 => unreachable!("model weights are never block-quantized moments"),
     }
 }
 

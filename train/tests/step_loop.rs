@@ -3,18 +3,20 @@
 //! copies, on the simulated device; gradients over the 16-bit copy or in their own
 //! fp32 tensors) and both overlap settings must leave master, M, V and the 16-bit
 //! parameters bit-identical to `AdamW::step_slice` over plain vectors fed the same
-//! gradients, for several steps, with chunks spilling to NVMe. Also: stepping during
+//! gradients, for several steps, with chunks spilling to NVMe — with fp32, bf16 and int8
+//! moments alike (`AdamW::step_moments` over plain buffers of the same stored bytes:
+//! codes, padding and absmax of every int8 place, fp32 places of the small tensors). Also: stepping during
 //! backward really happens before `finish`, and every misuse is a typed error.
 
 use tidestore_chunk::{
-    ChunkStore, DType, Layout, LayoutConfig, ListKind, NvmeSource, Place, StoreConfig, TensorId,
-    TensorSpec, TensorState,
+    ChunkStore, DType, Layout, LayoutConfig, ListKind, MomentStates, NvmeSource, Place,
+    StoreConfig, TensorId, TensorSpec, TensorState,
 };
 use tidestore_io::IoConfig;
 use tidestore_optimizer::half::bf16;
 use tidestore_optimizer::{
-    AdamW, CpuConfig, Grads, HybridAdamW, HyperParams, OptimError, ParamOut, StepDecision,
-    StepState,
+    AdamW, CpuConfig, Grads, HybridAdamW, HyperParams, Moments, OptimError, ParamOut, Q8Mut,
+    StepDecision, StepState,
 };
 use tidestore_tiers::{Device, DeviceConfig};
 use tidestore_train::{
@@ -59,7 +61,7 @@ enum Grad {
     SeparateF32,
 }
 
-fn layout(grad: Grad) -> Layout {
+fn layout_with(grad: Grad, states: MomentStates) -> Layout {
     let mut specs: Vec<TensorSpec> = SIZES
         .iter()
         .enumerate()
@@ -73,11 +75,24 @@ fn layout(grad: Grad) -> Layout {
                 .map(|(i, &n)| TensorSpec::new(format!("w{i}#grad"), &[n], DType::F32, false)),
         );
     }
-    Layout::new(LayoutConfig::new(CHUNK_ELEMENTS), specs).expect("layout")
+    Layout::new(
+        LayoutConfig::new(CHUNK_ELEMENTS).with_moments(states),
+        specs,
+    )
+    .expect("layout")
 }
 
 /// A store whose host pool holds `host_buffers` whole chunks, over a real swap file.
 fn store(dir: &tempfile::TempDir, grad: Grad, host_buffers: u64) -> ChunkStore {
+    store_with(dir, grad, host_buffers, MomentStates::F32)
+}
+
+fn store_with(
+    dir: &tempfile::TempDir,
+    grad: Grad,
+    host_buffers: u64,
+    states: MomentStates,
+) -> ChunkStore {
     let slot = CHUNK_ELEMENTS * 4;
     let io = IoConfig {
         block_bytes: 16 * 1024,
@@ -94,15 +109,44 @@ fn store(dir: &tempfile::TempDir, grad: Grad, host_buffers: u64) -> ChunkStore {
         .with_async_write_back(true)
         .with_working_set_chunks((host_buffers - 1).min(5) as u32);
     let device = Device::sim(&DeviceConfig::new(6 * slot)).expect("sim device");
-    ChunkStore::open(layout(grad), cfg, device).expect("store")
+    ChunkStore::open(layout_with(grad, states), cfg, device).expect("store")
 }
 
-/// The plain-vector model of the same training.
+/// The plain-vector model of the same training; M and V as their stored bytes (in
+/// f32-aligned buffers, `moment_bytes` long), of dtype `moments[i]`.
 struct Reference {
     master: Vec<Vec<f32>>,
     m: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
+    moments: Vec<DType>,
+    moment_bytes: Vec<usize>,
     p16: Vec<Vec<bf16>>,
+}
+
+/// A tensor's stored moment bytes as the kernel's view (see `tidestore_chunk::moments`).
+fn moments_view<'a>(m: &'a mut [u8], v: &'a mut [u8], dtype: DType, n: usize) -> Moments<'a> {
+    fn q8(b: &mut [u8], n: usize) -> Q8Mut<'_> {
+        let (codes, rest) = b.split_at_mut(n.next_multiple_of(4));
+        Q8Mut {
+            codes: &mut codes[..n],
+            absmax: bytemuck::cast_slice_mut(&mut rest[..4 * n.div_ceil(256)]),
+        }
+    }
+    match dtype {
+        DType::F32 => Moments::F32 {
+            m: bytemuck::cast_slice_mut(m),
+            v: bytemuck::cast_slice_mut(v),
+        },
+        DType::BF16 => Moments::Bf16 {
+            m: bytemuck::cast_slice_mut(m),
+            v: bytemuck::cast_slice_mut(v),
+        },
+        DType::Q8 => Moments::Int8 {
+            m: q8(m, n),
+            v: q8(v, n),
+        },
+        DType::F16 => unreachable!("no f16 moments"),
+    }
 }
 
 fn init(i: usize, n: usize) -> Vec<f32> {
@@ -134,8 +178,12 @@ fn write_initial(store: &mut ChunkStore, reference: &mut Reference) {
             .write(t, ListKind::Param16, bytemuck::cast_slice(&p16))
             .unwrap();
         reference.master.push(w);
-        reference.m.push(vec![0.0; n]);
-        reference.v.push(vec![0.0; n]);
+        let loc = store.layout().location(t, ListKind::MomentumF32).unwrap();
+        let bytes = loc.bytes() as usize;
+        reference.m.push(vec![0.0; bytes.div_ceil(4)]);
+        reference.v.push(vec![0.0; bytes.div_ceil(4)]);
+        reference.moments.push(loc.dtype);
+        reference.moment_bytes.push(bytes);
         reference.p16.push(p16);
     }
 }
@@ -159,12 +207,24 @@ fn tensors(grad: Grad) -> Vec<StepTensor> {
 /// 16-bit parameters every iteration and everything at the end. Returns how many tensor
 /// steps overlapped backward.
 fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u64 {
+    train_with(place, overlap, grad, host_buffers, MomentStates::F32)
+}
+
+fn train_with(
+    place: StepPlace,
+    overlap: Overlap,
+    grad: Grad,
+    host_buffers: u64,
+    states: MomentStates,
+) -> u64 {
     let dir = tempfile::tempdir().unwrap();
-    let mut store = store(&dir, grad, host_buffers);
+    let mut store = store_with(&dir, grad, host_buffers, states);
     let mut reference = Reference {
         master: vec![],
         m: vec![],
         v: vec![],
+        moments: vec![],
+        moment_bytes: vec![],
         p16: vec![],
     };
     write_initial(&mut store, &mut reference);
@@ -231,12 +291,14 @@ fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u
         assert!(matches!(outcome.decision, StepDecision::Apply { .. }));
         store.end_iteration().unwrap();
         for (i, g) in grads.iter().enumerate() {
-            cpu.step_slice(
+            let mb = reference.moment_bytes[i];
+            let m = &mut bytemuck::cast_slice_mut(&mut reference.m[i][..])[..mb];
+            let v = &mut bytemuck::cast_slice_mut(&mut reference.v[i][..])[..mb];
+            cpu.step_moments(
                 StepState::new(step),
                 &hp(),
                 &mut reference.master[i],
-                &mut reference.m[i],
-                &mut reference.v[i],
+                moments_view(m, v, reference.moments[i], SIZES[i]),
                 Grads::F32(g),
                 Some(ParamOut::Bf16(&mut reference.p16[i])),
             )
@@ -245,15 +307,22 @@ fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u
     }
     for i in 0..SIZES.len() {
         let t = TensorId(i as u32);
+        let mb = reference.moment_bytes[i];
         for (list, want) in [
-            (ListKind::MasterF32, &reference.master[i]),
-            (ListKind::MomentumF32, &reference.m[i]),
-            (ListKind::VarianceF32, &reference.v[i]),
+            (ListKind::MasterF32, &reference.master[i][..]),
+            (ListKind::MomentumF32, &reference.m[i][..]),
+            (ListKind::VarianceF32, &reference.v[i][..]),
         ] {
             let got = store.read(t, list).unwrap();
+            let want = bytemuck::cast_slice::<f32, u8>(want);
+            let want = if list == ListKind::MasterF32 {
+                want
+            } else {
+                &want[..mb]
+            };
             assert!(
-                got == bytemuck::cast_slice::<f32, u8>(want),
-                "{place:?}/{overlap:?}/{grad:?}: w{i} {list} differs from the reference"
+                got == want,
+                "{place:?}/{overlap:?}/{grad:?}/{states}: w{i} {list} differs from the reference"
             );
         }
         let got = store.read(t, ListKind::Param16).unwrap();
@@ -372,6 +441,8 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
         master: vec![],
         m: vec![],
         v: vec![],
+        moments: vec![],
+        moment_bytes: vec![],
         p16: vec![],
     };
     write_initial(&mut store, &mut reference);
@@ -417,4 +488,59 @@ fn a_non_finite_gradient_after_overlapped_steps_is_an_error() {
         Err(TrainError::Protocol(msg)) => assert!(msg.contains("non-finite"), "{msg}"),
         other => panic!("expected a protocol error, got {other:?}"),
     }
+}
+
+/// Every host path with bf16 and int8 moments (int8: the small tensors keep fp32 places;
+/// the others, odd lengths included, codes + absmax).
+#[test]
+fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
+    for states in [MomentStates::Bf16, MomentStates::Int8] {
+        assert_eq!(
+            train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 7, states),
+            0
+        );
+        train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 4, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 8, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 5, states);
+        let overlapped = train_with(
+            StepPlace::Host,
+            Overlap::Backward,
+            Grad::InParam16,
+            7,
+            states,
+        );
+        assert!(overlapped > 0, "{states}: nothing stepped during backward");
+    }
+}
+
+/// The device step has no compact-moment path yet: refused up front, naming the key.
+#[test]
+fn compact_moments_on_the_device_step_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_with(&dir, Grad::InParam16, 5, MomentStates::Int8);
+    let cfg = StepConfig {
+        hp: hp(),
+        max_grad_norm: None,
+        loss_scaler: None,
+        place: StepPlace::Device,
+        overlap: Overlap::Off,
+    };
+    let err = StepLoop::new(&store, no_gpu(), tensors(Grad::InParam16), cfg).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Config { key, .. } if *key == "optimizer.states"),
+        "{err}"
+    );
+}
+
+/// The layout's copy of the int8 block constants equals the optimizer's.
+#[test]
+fn int8_block_constants_agree_between_layout_and_optimizer() {
+    assert_eq!(
+        tidestore_chunk::moments::Q8_BLOCK,
+        tidestore_optimizer::Q8_BLOCK as u64
+    );
+    assert_eq!(
+        tidestore_chunk::moments::Q8_MIN_ELEMENTS,
+        tidestore_optimizer::Q8_MIN_ELEMENTS as u64
+    );
 }

@@ -7,6 +7,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use tidestore_candle::{
     Batches, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
 };
+use tidestore_chunk::MomentStates;
 use tidestore_io::IoConfig;
 use tidestore_optimizer::{HyperParams, Mode};
 
@@ -94,12 +95,20 @@ pub fn open_tide(
     dir: &std::path::Path,
     precision: Precision,
 ) -> TideParams {
-    TideParams::open(
-        &model.init(seed),
-        &tide_config(dir, precision),
-        &Device::Cpu,
-    )
-    .unwrap()
+    open_tide_with(model, seed, dir, precision, MomentStates::F32)
+}
+
+/// As [`open_tide`], with M and V stored as `moments`.
+pub fn open_tide_with(
+    model: &Gpt,
+    seed: u64,
+    dir: &std::path::Path,
+    precision: Precision,
+    moments: MomentStates,
+) -> TideParams {
+    let mut cfg = tide_config(dir, precision);
+    cfg.moments = moments;
+    TideParams::open(&model.init(seed), &cfg, &Device::Cpu).unwrap()
 }
 
 /// Losses of steps `from..to` through tidestore.

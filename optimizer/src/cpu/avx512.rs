@@ -20,7 +20,7 @@ use crate::params::Consts;
 /// # Safety
 /// AVX-512F is enabled in the caller; elements `i..i + 16` are in bounds.
 #[inline(always)]
-unsafe fn load16<const GK: u8>(g: *const u8, i: usize) -> __m512 {
+pub(crate) unsafe fn load16<const GK: u8>(g: *const u8, i: usize) -> __m512 {
     // SAFETY: the caller guarantees AVX-512F and that 16 elements (32 or 64 bytes) from
     // element `i` are readable; all loads are unaligned ones.
     unsafe {
@@ -102,7 +102,12 @@ unsafe fn store16_bits(out: *mut u16, i: usize, h: __m256i, nt: bool) {
 /// AVX-512F (and AVX512_BF16 when `HW`) are enabled in the caller; `out + i .. + 16` is
 /// writable; when `nt`, `out + i` is 32-byte aligned.
 #[inline(always)]
-unsafe fn store16_out<const OK: u8, const HW: bool>(out: *mut u16, i: usize, p: __m512, nt: bool) {
+pub(crate) unsafe fn store16_out<const OK: u8, const HW: bool>(
+    out: *mut u16,
+    i: usize,
+    p: __m512,
+    nt: bool,
+) {
     if OK == O_NONE {
         return;
     }
@@ -122,7 +127,7 @@ unsafe fn store16_out<const OK: u8, const HW: bool>(out: *mut u16, i: usize, p: 
 /// Whether a 16-bit output at `out` can be streamed (32-byte aligned, so every
 /// 16-element store from it is too).
 #[inline(always)]
-fn out_streamable<const OK: u8>(out: *mut u16) -> bool {
+pub(crate) fn out_streamable<const OK: u8>(out: *mut u16) -> bool {
     OK != O_NONE && out.addr().is_multiple_of(32)
 }
 
@@ -134,7 +139,7 @@ pub(crate) const PREFETCH_BYTES: usize = 4096;
 
 /// Prefetches the line `PREFETCH_BYTES` ahead of element `i` of an f32 stream.
 #[inline(always)]
-fn prefetch(p: *const f32, i: usize) {
+pub(crate) fn prefetch(p: *const f32, i: usize) {
     // SAFETY: a prefetch is a hint that never faults, whatever the address (SSE is part
     // of x86_64); `wrapping_add` forms the address without claiming it is in bounds.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }

@@ -15,6 +15,8 @@ pub(crate) mod level;
 pub(crate) mod parallel;
 #[macro_use]
 pub(crate) mod raw;
+// After `raw`: uses its dispatch macros.
+pub(crate) mod compact;
 pub(crate) mod scalar;
 
 #[cfg(target_arch = "x86_64")]

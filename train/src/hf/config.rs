@@ -354,12 +354,14 @@ fn check_supported(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result
     Ok(())
 }
 
-/// `torch_dtype`'s spelling of a dtype.
+/// `torch_dtype`'s spelling of a dtype (`Q8`, block-quantized moments, is never a
+/// model's weights; its raw codes are bytes).
 pub fn dtype_to_torch(d: DType) -> &'static str {
     match d {
         DType::F32 => "float32",
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",
+        DType::Q8 => "uint8",
     }
 }
 

@@ -1,0 +1,278 @@
+//! Block-wise 8-bit dynamic quantization of Adam moments (Dettmers et al., "8-bit
+//! Optimizers via Block-wise Quantization", as in bitsandbytes), and the state types.
+//!
+//! A moment array of `n` elements is stored as `n` one-byte codes and `ceil(n / 256)`
+//! fp32 block maxima (`absmax`). Element `i` reads back as `map[code[i]] * absmax[i / 256]`.
+//! M uses the **signed** dynamic map, V (never negative) the **unsigned** one; both are
+//! bitsandbytes' `create_dynamic_map(signed, max_exponent_bits = 7, total_bits = 8)`:
+//! for each decade `10^(i-6)`, `i = 0..7`, the midpoints of `linspace(0.1, 1, k + 1)`
+//! with `k = 2^i` (signed, both signs) or `2^(i+1)` (unsigned), plus `0` and `1`, sorted.
+//! The values are computed here in f64 and rounded once to f32 (bitsandbytes rounds
+//! `linspace` in f32 first, so a value may differ from its table in the last bit).
+//!
+//! Quantization of a block, the definition every kernel (scalar, AVX2, AVX-512, CUDA)
+//! implements bit for bit:
+//! 1. `absmax` = the largest `|x|` of the block, raised to `f32::MIN_POSITIVE` (2^-126)
+//!    when it is smaller but not zero (so its reciprocal is finite); if any element is
+//!    inf or NaN, `absmax` is stored as NaN, so the whole block reads back NaN: a
+//!    non-finite moment is never hidden (the step applies whatever it is given; the
+//!    caller skips overflowed steps).
+//! 2. `x * r` with `r = 1 / absmax` (one correctly rounded f32 division per block; `r = 0`
+//!    for an all-zero block), an f32 multiplication per element — no per-element
+//!    division, which would double the divider's load next to AdamW's own.
+//! 3. The code is the number of the map's 255 midpoints (`(map[k] + map[k+1]) / 2`,
+//!    rounded to f32) that are strictly below `x * r`: the nearest map value to `x *
+//!    r`, ties to the lower one, NaN to code 0. Kernels find it by an 8-step branch-free
+//!    binary search.
+//!
+//! The quantization error of a finite element is at most half the gap between the two
+//! map values around `x / absmax`, times `absmax` (tests check this per block).
+
+use std::sync::OnceLock;
+
+/// Elements per quantization block (one fp32 `absmax` each).
+pub const Q8_BLOCK: usize = 256;
+
+/// Tensors with fewer elements keep fp32 moments even with [`StateType::Int8`] (their
+/// absmax overhead and error are not worth it; bitsandbytes uses the same cut-off).
+pub const Q8_MIN_ELEMENTS: usize = 4096;
+
+/// Number of absmax values of an `n`-element quantized array.
+pub const fn absmax_len(n: usize) -> usize {
+    n.div_ceil(Q8_BLOCK)
+}
+
+/// How Adam's M and V are stored (the fp32 master copy is kept in every case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum StateType {
+    /// fp32 moments: 8 bytes per parameter.
+    #[default]
+    Fp32,
+    /// bf16 moments rounded to nearest even: 4 bytes per parameter.
+    Bf16,
+    /// Block-wise 8-bit dynamic quantization: 2 bytes per parameter plus 8 bytes per 256
+    /// (tensors under [`Q8_MIN_ELEMENTS`] stay fp32).
+    Int8,
+}
+
+impl StateType {
+    /// Every state type.
+    pub const ALL: [StateType; 3] = [StateType::Fp32, StateType::Bf16, StateType::Int8];
+
+    /// The configuration spelling: `"fp32"`, `"bf16"` or `"int8"`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            StateType::Fp32 => "fp32",
+            StateType::Bf16 => "bf16",
+            StateType::Int8 => "int8",
+        }
+    }
+
+    /// Parses the configuration spelling.
+    pub fn parse(s: &str) -> Option<StateType> {
+        StateType::ALL.into_iter().find(|t| t.as_str() == s)
+    }
+
+    /// The state type a tensor of `n` elements actually uses: int8 falls back to fp32
+    /// under [`Q8_MIN_ELEMENTS`].
+    pub const fn for_len(self, n: usize) -> StateType {
+        match self {
+            StateType::Int8 if n < Q8_MIN_ELEMENTS => StateType::Fp32,
+            t => t,
+        }
+    }
+
+    /// Bytes of one moment array (M or V) of an `n`-element tensor, as stored.
+    pub const fn moment_bytes(self, n: usize) -> usize {
+        match self.for_len(n) {
+            StateType::Fp32 => 4 * n,
+            StateType::Bf16 => 2 * n,
+            StateType::Int8 => n + 4 * absmax_len(n),
+        }
+    }
+}
+
+impl std::fmt::Display for StateType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One 8-bit dynamic map and the tables its quantizer searches.
+#[derive(Debug)]
+pub struct DynamicMap {
+    /// The 256 code values, increasing.
+    pub values: [f32; 256],
+    /// `midpoints[k]` lies between `values[k]` and `values[k + 1]` (255 used, last NaN-free
+    /// padding `+inf`).
+    pub midpoints: [f32; 256],
+    /// The binary search's tables by level: level `l` (`0..8`) starts at `2^l - 1` and
+    /// holds `2^l` midpoints, `levels[2^l - 1 + j] = midpoints[(2j + 1) * s - 1]` with
+    /// `s = 128 >> l`; the last entry is padding. A SIMD kernel looks up level `l` with
+    /// index `lo >> (8 - l)` in a vector permute.
+    pub levels: [f32; 256],
+}
+
+impl DynamicMap {
+    fn build(signed: bool) -> DynamicMap {
+        let mut data: Vec<f64> = Vec::with_capacity(256);
+        for i in 0..7i32 {
+            let k = if signed {
+                1usize << i
+            } else {
+                1usize << (i + 1)
+            };
+            let scale = 10f64.powi(i - 6);
+            for j in 0..k {
+                // Midpoint of linspace(0.1, 1, k + 1)[j..=j + 1].
+                let a = 0.1 + 0.9 * j as f64 / k as f64;
+                let b = 0.1 + 0.9 * (j + 1) as f64 / k as f64;
+                let mean = (a + b) / 2.0 * scale;
+                data.push(mean);
+                if signed {
+                    data.push(-mean);
+                }
+            }
+        }
+        data.push(0.0);
+        data.push(1.0);
+        assert_eq!(data.len(), 256, "dynamic map size");
+        data.sort_by(f64::total_cmp);
+        let mut values = [0f32; 256];
+        for (v, d) in values.iter_mut().zip(&data) {
+            *v = *d as f32;
+        }
+        let mut midpoints = [f32::INFINITY; 256];
+        for k in 0..255 {
+            midpoints[k] = ((f64::from(values[k]) + f64::from(values[k + 1])) / 2.0) as f32;
+        }
+        let mut levels = [f32::INFINITY; 256];
+        for l in 0..8 {
+            let s = 128usize >> l;
+            for j in 0..(1usize << l) {
+                levels[(1 << l) - 1 + j] = midpoints[(2 * j + 1) * s - 1];
+            }
+        }
+        DynamicMap {
+            values,
+            midpoints,
+            levels,
+        }
+    }
+
+    /// The code of `x` (already divided by the block's absmax): the number of midpoints
+    /// strictly below `x`, by the same 8-step binary search the SIMD kernels run.
+    #[inline(always)]
+    pub fn code(&self, x: f32) -> u8 {
+        let mut lo = 0usize;
+        let mut s = 128usize;
+        while s > 0 {
+            if x > self.midpoints[lo + s - 1] {
+                lo += s;
+            }
+            s >>= 1;
+        }
+        lo as u8
+    }
+
+    /// The value of `code`.
+    #[inline(always)]
+    pub fn value(&self, code: u8) -> f32 {
+        self.values[usize::from(code)]
+    }
+}
+
+/// The signed map (M) and the unsigned map (V).
+#[derive(Debug)]
+pub struct Maps {
+    /// For M.
+    pub signed: DynamicMap,
+    /// For V.
+    pub unsigned: DynamicMap,
+}
+
+/// The two maps, built once.
+pub fn maps() -> &'static Maps {
+    static MAPS: OnceLock<Maps> = OnceLock::new();
+    MAPS.get_or_init(|| Maps {
+        signed: DynamicMap::build(true),
+        unsigned: DynamicMap::build(false),
+    })
+}
+
+/// The stored absmax of a block whose largest `|x|` has the bits `max_abs_bits` (the
+/// maximum of `x.to_bits() & 0x7FFF_FFFF` over the block, an integer maximum every
+/// kernel computes the same way): NaN when some element was inf or NaN, at least
+/// `f32::MIN_POSITIVE` unless zero.
+#[inline(always)]
+pub fn absmax_of_bits(max_abs_bits: u32) -> f32 {
+    if max_abs_bits >= 0x7F80_0000 {
+        f32::NAN
+    } else if max_abs_bits == 0 {
+        0.0
+    } else {
+        f32::from_bits(max_abs_bits.max(f32::MIN_POSITIVE.to_bits()))
+    }
+}
+
+/// The factor a block's elements are multiplied by before the code search: `1 / absmax`
+/// (finite, as the absmax is NaN, 0 or at least 2^-126), 0 for an all-zero block.
+#[inline(always)]
+pub fn inverse_of(absmax: f32) -> f32 {
+    if absmax == 0.0 {
+        0.0
+    } else {
+        1.0 / absmax
+    }
+}
+
+/// Quantizes one block (at most [`Q8_BLOCK`] elements) with `map`; returns its absmax.
+/// The reference the kernels are tested against.
+pub fn quantize_block(map: &DynamicMap, x: &[f32], codes: &mut [u8]) -> f32 {
+    assert!(x.len() <= Q8_BLOCK && codes.len() == x.len(), "one block");
+    let max_bits = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7FFF_FFFF)
+        .max()
+        .unwrap_or(0);
+    let absmax = absmax_of_bits(max_bits);
+    let r = inverse_of(absmax);
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = map.code(v * r);
+    }
+    absmax
+}
+
+/// Reads one block back: `out[i] = map[codes[i]] * absmax`.
+pub fn dequantize_block(map: &DynamicMap, codes: &[u8], absmax: f32, out: &mut [f32]) {
+    assert_eq!(codes.len(), out.len(), "one block");
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = map.value(c) * absmax;
+    }
+}
+
+/// Quantizes a whole array (blocks of [`Q8_BLOCK`]); `absmax.len() == absmax_len(x.len())`.
+pub fn quantize(map: &DynamicMap, x: &[f32], codes: &mut [u8], absmax: &mut [f32]) {
+    assert_eq!(codes.len(), x.len());
+    assert_eq!(absmax.len(), absmax_len(x.len()));
+    for ((xb, cb), a) in x
+        .chunks(Q8_BLOCK)
+        .zip(codes.chunks_mut(Q8_BLOCK))
+        .zip(absmax.iter_mut())
+    {
+        *a = quantize_block(map, xb, cb);
+    }
+}
+
+/// Reads a whole quantized array back.
+pub fn dequantize(map: &DynamicMap, codes: &[u8], absmax: &[f32], out: &mut [f32]) {
+    assert_eq!(codes.len(), out.len());
+    assert_eq!(absmax.len(), absmax_len(codes.len()));
+    for ((cb, ob), &a) in codes
+        .chunks(Q8_BLOCK)
+        .zip(out.chunks_mut(Q8_BLOCK))
+        .zip(absmax)
+    {
+        dequantize_block(map, cb, a, ob);
+    }
+}
