@@ -80,7 +80,22 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
+/// Large allocations straight from `mmap` (returned to the OS when freed), as
+/// `tidestore finetune` sets them: glibc's default threshold rises to 32 MiB after the
+/// first frees, and the block-sized tensors the trainer frees then fragment its heap.
+#[allow(unsafe_code)]
+fn cap_heap_growth() {
+    // SAFETY: `mallopt` only sets one of glibc malloc's tunables (under its own lock); it
+    // has no pointer arguments and runs before anything else allocates much.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("TIDESTORE_DEFAULT_MALLOC").is_none() {
+        cap_heap_growth();
+    }
     let a = Args::parse();
     let model = Llama::new(LlamaConfig {
         vocab: a.vocab,
