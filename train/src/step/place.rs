@@ -1,0 +1,231 @@
+//! Where a tensor is stepped: in the host pool in place (the CPU kernel over the
+//! scope's views, in pieces, the store's NVMe transfers polled between pieces), in the
+//! host pool one chunk at a time through scratch copies (a pool too small for a
+//! tensor's places at once), or on the device (the GPU kernel, or the CPU kernel over
+//! the simulated device). Each access is released on every path by the store's scoped
+//! API.
+
+use std::time::Instant;
+
+use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
+use tidestore_optimizer::{DeviceGrads, DeviceSlices, Placement, StepState};
+
+use super::views::*;
+use super::{GradPlace, Observer, StepLoop, STEP_PIECE};
+use crate::error::{Result, TrainError};
+
+impl StepLoop {
+    pub(super) fn step_host_in_place(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let places = e.places();
+        let (opt, hp, scratch) = (&self.opt, &self.hp, &mut self.scratch);
+        let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
+        let ns =
+            store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
+                let mut views = host_slices(views, &e.name)?;
+                let (grad_bytes, rest) = views.split_first_mut().expect("four places or five");
+                let (mut out, rest) = match e.spec.grad {
+                    GradPlace::Separate {
+                        write_param16: true,
+                        ..
+                    } => {
+                        let (o, r) = rest.split_first_mut().expect("five places");
+                        (Some(o), r)
+                    }
+                    _ => (None, rest),
+                };
+                let [master, m, v] = rest else {
+                    unreachable!("master, M and V follow the gradient places")
+                };
+                let master = f32s(master, &e.name, "master")?;
+                let mut ns = 0u64;
+                let mut at = 0;
+                while at < e.len {
+                    let end = (at + STEP_PIECE).min(e.len);
+                    let n = end - at;
+                    let started = Instant::now();
+                    if matches!(e.spec.grad, GradPlace::InParam16) {
+                        // The gradient and the new parameters share these bytes: stage the
+                        // piece's gradient in a cache-sized buffer.
+                        let staged: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch.grad[..]);
+                        staged[..2 * n].copy_from_slice(&grad_bytes[2 * at..2 * end]);
+                        let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
+                        let out =
+                            param_out(&mut grad_bytes[2 * at..2 * end], e.grad_dtype, &e.name)?;
+                        let mv = moments_of(m, v, e, at..end)?;
+                        opt.cpu().step_moments(
+                            state,
+                            hp,
+                            &mut master[at..end],
+                            mv,
+                            grads,
+                            Some(out),
+                        )?;
+                    } else {
+                        let w = e.grad_dtype.size_bytes() as usize;
+                        let grads = grads_of(&grad_bytes[w * at..w * end], e.grad_dtype, &e.name)?;
+                        let out = match (&mut out, e.out_dtype) {
+                            (Some(o), Some(d)) => {
+                                Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?)
+                            }
+                            _ => None,
+                        };
+                        let mv = moments_of(m, v, e, at..end)?;
+                        opt.cpu()
+                            .step_moments(state, hp, &mut master[at..end], mv, grads, out)?;
+                    }
+                    ns += started.elapsed().as_nanos() as u64;
+                    // Keep the NVMe reads of the next tensors (and write-backs) moving.
+                    pump.poll();
+                    at = end;
+                }
+                Ok(ns)
+            })??;
+        observe(store);
+        self.stats.kernel_ns += ns;
+        Ok(())
+    }
+
+    /// The step one chunk in use at a time (a host pool too small for a tensor's chunks
+    /// at once): gradient, M and V copied out to scratch, master updated in place, M, V
+    /// and the new 16-bit parameters copied back.
+    pub(super) fn step_host_copying(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let (t, len) = (e.spec.tensor, e.len);
+        let s = &mut self.scratch;
+        let grad_len = len * e.grad_dtype.size_bytes() as usize;
+        let grad: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.grad[..])[..grad_len];
+        copy_out(store, (e.grad_at(), ListKind::Param16), grad, observe)?;
+        // The moments' stored bytes (at most 4 per element), in f32-aligned scratch.
+        let mb = e.moment_bytes;
+        let m: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.m[..])[..mb];
+        let v: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.v[..])[..mb];
+        copy_out(store, (t, ListKind::MomentumF32), m, observe)?;
+        copy_out(store, (t, ListKind::VarianceF32), v, observe)?;
+        let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
+        let (opt, hp) = (&self.opt, &self.hp);
+        let ns =
+            store.with_host_views(&[(t, ListKind::MasterF32)], TensorState::Hold, |views| {
+                let master = f32s(views[0], &e.name, "master")?;
+                let grads = grads_of(grad, e.grad_dtype, &e.name)?;
+                let out = match e.out_dtype {
+                    Some(d) => Some(param_out(out_bytes, d, &e.name)?),
+                    None => None,
+                };
+                let mv = moments_of(m, v, e, 0..len)?;
+                let started = Instant::now();
+                opt.cpu().step_moments(state, hp, master, mv, grads, out)?;
+                Ok::<_, TrainError>(started.elapsed().as_nanos() as u64)
+            })??;
+        observe(store);
+        self.stats.kernel_ns += ns;
+        copy_in(store, (t, ListKind::MomentumF32), m, observe)?;
+        copy_in(store, (t, ListKind::VarianceF32), v, observe)?;
+        if e.out_dtype.is_some() {
+            let out: &[u8] = bytemuck::cast_slice(&s.out16[..len]);
+            copy_in(store, (t, ListKind::Param16), out, observe)?;
+        }
+        Ok(())
+    }
+
+    /// The step on the device: every place accessed there and stepped where it is; the
+    /// kernel has finished when the optimizer returns, before the guards are released.
+    pub(super) fn step_device(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        state: StepState,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        let e = &self.entries[i];
+        let places = e.places();
+        let (opt, hp) = (&self.opt, &self.hp);
+        let at_device: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Device)).collect();
+        let (ns, simulated) =
+            store.with_access(&at_device, TensorState::Hold, |views, pump| {
+                let mut views = views
+                    .iter_mut()
+                    .map(|v| device_view(v, &e.name))
+                    .collect::<Result<Vec<_>>>()?;
+                let v = views.pop().expect("five or four places");
+                let m = views.pop().expect("five or four places");
+                let master = views.pop().expect("five or four places");
+                let grad = views.swap_remove(0);
+                let grads = match e.spec.grad {
+                    GradPlace::InParam16 => DeviceGrads::InPlace {
+                        bytes: grad,
+                        dtype: dtype_of(e.grad_dtype),
+                    },
+                    GradPlace::Separate { .. } => DeviceGrads::Separate {
+                        grads: read_only(grad),
+                        dtype: dtype_of(e.grad_dtype),
+                        out: views.pop().zip(e.out_dtype.map(dtype_of)),
+                    },
+                };
+                let started = Instant::now();
+                let placed = opt.step_device_slices(
+                    state,
+                    hp,
+                    DeviceSlices {
+                        len: e.len,
+                        master,
+                        m,
+                        v,
+                        grads,
+                    },
+                )?;
+                let ns = started.elapsed().as_nanos() as u64;
+                pump.poll();
+                if placed.placement != Placement::Gpu {
+                    return Err(TrainError::Tensor {
+                        tensor: e.name.clone(),
+                        reason: format!(
+                            "the optimizer stepped device memory on {:?}",
+                            placed.placement
+                        ),
+                    });
+                }
+                Ok((ns, placed.simulated))
+            })??;
+        observe(store);
+        self.stats.kernel_ns += ns;
+        self.stats.simulated |= simulated;
+        Ok(())
+    }
+}
+
+/// Copies the place's bytes out to `dst` (one access).
+fn copy_out(
+    store: &mut ChunkStore,
+    (t, l): (TensorId, ListKind),
+    dst: &mut [u8],
+    observe: Observer<'_>,
+) -> Result<()> {
+    store.with_host_views(&[(t, l)], TensorState::Hold, |v| dst.copy_from_slice(v[0]))?;
+    observe(store);
+    Ok(())
+}
+
+/// Copies `src` into the place (one access).
+fn copy_in(
+    store: &mut ChunkStore,
+    (t, l): (TensorId, ListKind),
+    src: &[u8],
+    observe: Observer<'_>,
+) -> Result<()> {
+    store.with_host_views(&[(t, l)], TensorState::Hold, |v| v[0].copy_from_slice(src))?;
+    observe(store);
+    Ok(())
+}
