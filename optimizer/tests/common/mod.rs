@@ -5,7 +5,8 @@
 
 use std::sync::OnceLock;
 
-use tidestore_optimizer::{AdamW, CpuConfig, SimdLevel};
+use proptest::prelude::*;
+use tidestore_optimizer::{AdamW, CpuConfig, HyperParams, Mode, SimdLevel, StepState};
 
 /// xorshift64*: deterministic, no dependency.
 pub struct Rng(pub u64);
@@ -63,4 +64,87 @@ pub fn optimizers(block_params: usize) -> Vec<(SimdLevel, usize, AdamW)> {
 /// `fmaf` and from hardware may differ; no finite value is excused).
 pub fn same_f32(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// The scalar kernel, one thread: the reference every level is held to.
+pub fn scalar() -> AdamW {
+    AdamW::new(CpuConfig {
+        threads: 1,
+        block_params: 1 << 16,
+        simd: Some(SimdLevel::Scalar),
+    })
+    .unwrap()
+}
+
+/// Fails the case at the first element whose bits differ from the scalar kernel's.
+pub fn check_same(a: &[f32], b: &[f32], what: &str) -> Result<(), TestCaseError> {
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        prop_assert!(
+            same_f32(x, y),
+            "{what}[{i}]: {x:e} ({:#x}) vs scalar {y:e} ({:#x})",
+            x.to_bits(),
+            y.to_bits()
+        );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+/// One property-test case of a step.
+pub struct Case {
+    pub len: usize,
+    pub seed: u64,
+    pub hp: HyperParams,
+    pub state: StepState,
+    pub gkind: u8,
+    pub okind: u8,
+    pub specials: bool,
+    pub block: usize,
+}
+
+/// A random step: `len` below `len_max`, hyper-parameters, state, gradient and output
+/// kinds, special values or not, and a block size from `blocks`.
+pub fn case(len_max: usize, blocks: &[usize]) -> impl Strategy<Value = Case> {
+    (
+        (
+            0usize..len_max,
+            any::<u64>(),
+            0f32..1e-2,
+            0f32..0.999,
+            0.9f32..0.99999,
+        ),
+        (-12i32..-3, 0f32..0.2, any::<bool>(), 1u64..5000, -6i32..4),
+        (
+            0u8..3,
+            0u8..3,
+            any::<bool>(),
+            prop::sample::select(blocks.to_vec()),
+        ),
+    )
+        .prop_map(
+            |(
+                (len, seed, lr, beta1, beta2),
+                (eps_e, wd, l2, step, gs_e),
+                (gkind, okind, specials, block),
+            )| Case {
+                len,
+                seed,
+                hp: HyperParams {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps: 10f32.powi(eps_e),
+                    weight_decay: wd,
+                    mode: if l2 { Mode::AdamL2 } else { Mode::AdamW },
+                },
+                state: StepState {
+                    step,
+                    grad_scale: 2f32.powi(gs_e) * 0.7,
+                },
+                gkind,
+                okind,
+                specials,
+                block,
+            },
+        )
 }
