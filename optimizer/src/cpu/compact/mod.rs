@@ -124,6 +124,37 @@ impl Split for CompactJob<'_> {
     }
 }
 
+/// `moments` checked against `n` parameters: the compact views, or the fp32 pair (`Err`)
+/// for the fp32 kernel, which checks them itself.
+#[allow(clippy::type_complexity)]
+fn compact_of<'a>(
+    moments: Moments<'a>,
+    n: usize,
+) -> Result<std::result::Result<Compact<'a>, (&'a mut [f32], &'a mut [f32])>> {
+    Ok(Ok(match moments {
+        Moments::F32 { m, v } => return Ok(Err((m, v))),
+        Moments::Bf16 { m, v } => {
+            check_len("m", m.len(), "master", n)?;
+            check_len("v", v.len(), "master", n)?;
+            Compact::Bf16(m, v)
+        }
+        Moments::Int8 { m, v } => {
+            check_q8("m", &m, n)?;
+            check_q8("v", &v, n)?;
+            Compact::Int8(m, v)
+        }
+    }))
+}
+
+/// The gradients and the 16-bit output checked against `n` parameters.
+fn check_rest(n: usize, grads: &Grads<'_>, out: &Option<ParamOut<'_>>) -> Result<()> {
+    check_len("grads", grads.len(), "master", n)?;
+    if let Some(o) = out {
+        check_len("out", o.len(), "master", n)?;
+    }
+    Ok(())
+}
+
 fn check_q8(what: &'static str, q: &Q8Mut<'_>, n: usize) -> Result<()> {
     check_len(what, q.codes.len(), "master", n)?;
     check_len(what, q.absmax.len(), "absmax_len(master)", absmax_len(n))
@@ -145,23 +176,11 @@ impl AdamW {
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
         let n = master.len();
-        let mv = match moments {
-            Moments::F32 { m, v } => return self.step_slice(state, hp, master, m, v, grads, out),
-            Moments::Bf16 { m, v } => {
-                check_len("m", m.len(), "master", n)?;
-                check_len("v", v.len(), "master", n)?;
-                Compact::Bf16(m, v)
-            }
-            Moments::Int8 { m, v } => {
-                check_q8("m", &m, n)?;
-                check_q8("v", &v, n)?;
-                Compact::Int8(m, v)
-            }
+        let mv = match compact_of(moments, n)? {
+            Err((m, v)) => return self.step_slice(state, hp, master, m, v, grads, out),
+            Ok(mv) => mv,
         };
-        check_len("grads", grads.len(), "master", n)?;
-        if let Some(o) = &out {
-            check_len("out", o.len(), "master", n)?;
-        }
+        check_rest(n, &grads, &out)?;
         let c = Consts::new(state, hp)?;
         let q = maps();
         let level = self.level;
@@ -260,23 +279,11 @@ impl AdamW {
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
         let n = master.len();
-        let mv = match moments {
-            Moments::F32 { m, v } => return self.probe_slice(master, m, v, grads, out),
-            Moments::Bf16 { m, v } => {
-                check_len("m", m.len(), "master", n)?;
-                check_len("v", v.len(), "master", n)?;
-                Compact::Bf16(m, v)
-            }
-            Moments::Int8 { m, v } => {
-                check_q8("m", &m, n)?;
-                check_q8("v", &v, n)?;
-                Compact::Int8(m, v)
-            }
+        let mv = match compact_of(moments, n)? {
+            Err((m, v)) => return self.probe_slice(master, m, v, grads, out),
+            Ok(mv) => mv,
         };
-        check_len("grads", grads.len(), "master", n)?;
-        if let Some(o) = &out {
-            check_len("out", o.len(), "master", n)?;
-        }
+        check_rest(n, &grads, &out)?;
         let zero = std::hint::black_box(0.0f32);
         let level = self.level;
         let block = self.block_params.div_ceil(Q8_BLOCK) * Q8_BLOCK;
