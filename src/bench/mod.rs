@@ -11,11 +11,11 @@
 //! gradients in, bf16 parameters out), with global-norm clipping.
 //!
 //! What is emulated: the compute. No matmul runs; gradients are a fixed pseudo-random
-//! pattern ([`pattern`]); activations are not allocated but reported to the store as
+//! pattern (`pattern.rs`); activations are not allocated but reported to the store as
 //! non-model device memory ([`crate::workload::Workload::activation_bytes`]), which
 //! drives the tidal device budget exactly as real activations would. With
 //! `workload.tflops` set, forward and backward take the time their FLOPs take at that
-//! rate ([`compute`]), so that the store's transfers and, with `optimizer.overlap =
+//! rate (`compute.rs`), so that the store's transfers and, with `optimizer.overlap =
 //! "backward"`, the optimizer's steps run while the device computes; the report then
 //! sets the iteration against its bound ([`BoundReport`]).
 //!
@@ -25,7 +25,7 @@
 //! accumulated on the device and read back once per phase, the gradient pattern written
 //! there), each finished before its tensor is released. Both sides compute the same bits.
 //!
-//! Where the step runs is `optimizer.device` ([`placement`]): `cpu`, the host pool;
+//! Where the step runs is `optimizer.device` (`placement.rs`): `cpu`, the host pool;
 //! `gpu`, the device (the GPU kernel on CUDA, the CPU kernel over the simulation's
 //! memory); `auto`, `gpu` where a CUDA GPU's step budget holds all trainable state.
 //!

@@ -13,173 +13,23 @@
 //! - a `Config` that passed [`Config::validate`] converts into an [`IoConfig`] the io
 //!   crate accepts.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
-use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 use tidestore_io::{EngineChoice, IoConfig, ALIGN_BYTES};
 
-use crate::error::{from_io_validation, Error, Location, Result};
+use crate::error::{from_io_validation, Error, Result};
 pub use crate::workload::WorkloadSection;
 
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-const TIB: u64 = 1 << 40;
+mod parse;
+mod size;
 
-/// A number of bytes, written in TOML or on the command line as a plain integer
-/// (`4096`) or a string with an optional unit: `"4096"`, `"64MiB"`, `"1.5 GiB"`, `"2TB"`.
-/// Binary units (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`, any case) are powers of
-/// 1024, decimal ones (`kB`, `MB`, `GB`, `TB`) powers of 1000. A negative, fractional
-/// (below one byte) or unparsable size is an error.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Size(u64);
-
-impl Size {
-    /// `bytes` bytes.
-    pub const fn from_bytes(bytes: u64) -> Self {
-        Size(bytes)
-    }
-
-    /// `mib` MiB.
-    pub const fn from_mib(mib: u64) -> Self {
-        Size(mib * MIB)
-    }
-
-    /// `gib` GiB.
-    pub const fn from_gib(gib: u64) -> Self {
-        Size(gib * GIB)
-    }
-
-    /// The size in bytes.
-    pub const fn bytes(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for Size {
-    /// The largest binary unit that divides the size exactly (`64MiB`, `4096B` is written
-    /// `4KiB`), so the text parses back to the same size and can be pasted into TOML.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = self.0;
-        for (unit, name) in [(TIB, "TiB"), (GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")] {
-            if b != 0 && b.is_multiple_of(unit) {
-                return write!(f, "{}{name}", b / unit);
-            }
-        }
-        write!(f, "{b}B")
-    }
-}
-
-fn unit_multiplier(unit: &str) -> Option<u64> {
-    Some(match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "ki" | "kib" => KIB,
-        "m" | "mi" | "mib" => MIB,
-        "g" | "gi" | "gib" => GIB,
-        "t" | "ti" | "tib" => TIB,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        _ => return None,
-    })
-}
-
-impl FromStr for Size {
-    /// Why the text is not a size.
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let t = s.trim();
-        if t.is_empty() {
-            return Err("an empty string is not a size".into());
-        }
-        if t.starts_with('-') {
-            return Err(format!("`{s}` is negative; a size cannot be"));
-        }
-        let split = t
-            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-            .unwrap_or(t.len());
-        let (number, unit) = t.split_at(split);
-        let unit = unit.trim();
-        let bad = || {
-            format!(
-                "`{s}` is not a size (expected bytes or a number with a unit such as \
-                 \"4096\", \"512MiB\", \"24GiB\", \"2TB\")"
-            )
-        };
-        let multiplier = unit_multiplier(unit).ok_or_else(bad)?;
-        let number = number.replace('_', "");
-        let (int_text, frac_text) = match number.split_once('.') {
-            Some((i, f)) => (i, f),
-            None => (number.as_str(), ""),
-        };
-        if (int_text.is_empty() && frac_text.is_empty()) || frac_text.contains('.') {
-            return Err(bad());
-        }
-        let too_large = || format!("`{s}` is too large");
-        let int: u64 = if int_text.is_empty() {
-            0
-        } else {
-            int_text.parse().map_err(|_| too_large())?
-        };
-        let mut bytes = int.checked_mul(multiplier).ok_or_else(too_large)?;
-        if !frac_text.is_empty() {
-            let digits = u32::try_from(frac_text.len()).map_err(|_| bad())?;
-            if digits > 18 {
-                return Err(format!("`{s}` has more decimals than a size can use"));
-            }
-            let frac: u128 = frac_text.parse().map_err(|_| bad())?;
-            let scaled = frac * u128::from(multiplier);
-            let denominator = 10u128.pow(digits);
-            if !scaled.is_multiple_of(denominator) {
-                return Err(format!("`{s}` is not a whole number of bytes"));
-            }
-            let extra = u64::try_from(scaled / denominator).map_err(|_| too_large())?;
-            bytes = bytes.checked_add(extra).ok_or_else(too_large)?;
-        }
-        Ok(Size(bytes))
-    }
-}
-
-impl<'de> Deserialize<'de> for Size {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        struct SizeVisitor;
-
-        impl Visitor<'_> for SizeVisitor {
-            type Value = Size;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a size: bytes as an integer, or a string such as \"64MiB\"")
-            }
-
-            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Size, E> {
-                Ok(Size(v))
-            }
-
-            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Size, E> {
-                u64::try_from(v)
-                    .map(Size)
-                    .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
-            }
-
-            fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Size, E> {
-                Err(E::custom(format!(
-                    "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
-                )))
-            }
-
-            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Size, E> {
-                v.parse().map_err(E::custom)
-            }
-        }
-
-        deserializer.deserialize_any(SizeVisitor)
-    }
-}
+use parse::parse;
+#[cfg(test)]
+use parse::{key_and_reason, locate};
+pub use size::{AutoSize, Size};
+#[cfg(test)]
+use size::{GIB, MIB, TIB};
 
 /// `io.engine`: which engine moves the bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -237,84 +87,6 @@ impl Default for IoSection {
             fixed_buffers: io.fixed_buffers,
             threads: u32::try_from(io.threads).unwrap_or(u32::MAX),
         }
-    }
-}
-
-/// A size, or `"auto"`: let tidestore choose (see each key).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum AutoSize {
-    /// Chosen by tidestore.
-    Auto,
-    /// This many bytes.
-    Fixed(Size),
-}
-
-impl AutoSize {
-    /// The fixed size, or `None` for `"auto"`.
-    pub fn fixed(self) -> Option<Size> {
-        match self {
-            AutoSize::Auto => None,
-            AutoSize::Fixed(s) => Some(s),
-        }
-    }
-}
-
-impl fmt::Display for AutoSize {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AutoSize::Auto => f.write_str("auto"),
-            AutoSize::Fixed(s) => s.fmt(f),
-        }
-    }
-}
-
-impl FromStr for AutoSize {
-    type Err = String;
-
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        if s.trim().eq_ignore_ascii_case("auto") {
-            Ok(AutoSize::Auto)
-        } else {
-            s.parse().map(AutoSize::Fixed)
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for AutoSize {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        struct AutoVisitor;
-
-        impl Visitor<'_> for AutoVisitor {
-            type Value = AutoSize;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "\"auto\" or a size: bytes as an integer, or a string such as \"64MiB\"",
-                )
-            }
-
-            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<AutoSize, E> {
-                Ok(AutoSize::Fixed(Size(v)))
-            }
-
-            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<AutoSize, E> {
-                u64::try_from(v)
-                    .map(|b| AutoSize::Fixed(Size(b)))
-                    .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
-            }
-
-            fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<AutoSize, E> {
-                Err(E::custom(format!(
-                    "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
-                )))
-            }
-
-            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<AutoSize, E> {
-                v.parse().map_err(E::custom)
-            }
-        }
-
-        deserializer.deserialize_any(AutoVisitor)
     }
 }
 
@@ -876,95 +648,6 @@ impl Config {
             threads: io.threads as usize,
         })
     }
-}
-
-/// Deserialize without validating; type errors and unknown keys name their key.
-fn parse(src: &str) -> Result<Config> {
-    let de = toml::Deserializer::parse(src).map_err(|e| Error::Syntax {
-        at: locate(src, e.span()),
-        message: one_line(e.message()),
-    })?;
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let (key, reason) = key_and_reason(&path, inner.message());
-        Error::Config {
-            at: locate(src, inner.span()),
-            key,
-            reason,
-        }
-    })
-}
-
-/// The dotted key and a readable reason for a deserialization error at `path`.
-/// serde reports unknown and missing fields by name in the message, at their parent.
-fn key_and_reason(path: &str, message: &str) -> (String, String) {
-    let parent = if path == "." { "" } else { path };
-    // The path may or may not end with the field already.
-    let join = |field: &str| {
-        if parent.is_empty() || parent == field {
-            field.to_string()
-        } else if parent.ends_with(&format!(".{field}")) {
-            parent.to_string()
-        } else {
-            format!("{parent}.{field}")
-        }
-    };
-    for (prefix, what) in [
-        ("unknown field `", "unknown key"),
-        ("missing field `", "missing"),
-    ] {
-        if let Some(rest) = message.strip_prefix(prefix) {
-            if let Some((field, tail)) = rest.split_once('`') {
-                let tail = tail.trim_start_matches(',').trim();
-                let reason = if tail.is_empty() {
-                    what.to_string()
-                } else {
-                    format!("{what}; {tail}")
-                };
-                return (join(field), one_line(&reason));
-            }
-        }
-    }
-    let key = if parent.is_empty() {
-        "(top level)".to_string()
-    } else {
-        parent.to_string()
-    };
-    // serde names our Rust types; the user wrote a TOML table.
-    let message = match message.find("expected struct ") {
-        Some(i) => format!("{}expected a table", &message[..i]),
-        None => message.to_string(),
-    };
-    (key, one_line(&message))
-}
-
-/// 1-based line and column (in characters) of byte `span.start` in `src`.
-fn locate(src: &str, span: Option<std::ops::Range<usize>>) -> Location {
-    let line_column = span.map(|span| {
-        let at = span.start.min(src.len());
-        let at = (0..=at)
-            .rev()
-            .find(|&i| src.is_char_boundary(i))
-            .unwrap_or(0);
-        let before = &src[..at];
-        let line = before.matches('\n').count() + 1;
-        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-        let column = before[line_start..].chars().count() + 1;
-        (line, column)
-    });
-    Location {
-        file: None,
-        line_column,
-    }
-}
-
-fn one_line(s: &str) -> String {
-    s.trim()
-        .lines()
-        .map(str::trim)
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 #[cfg(test)]
