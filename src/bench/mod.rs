@@ -402,13 +402,16 @@ fn step_loop(
     Ok(StepLoop::new(&s.store, opt, tensors, step_cfg)?)
 }
 
-/// Per tensor, the (block, position) of its last use in backward (blocks in reverse,
-/// positions in reverse): the first use in forward order.
+/// Per trainable tensor, the (block, position) of its last use in backward (blocks in
+/// reverse, positions in reverse): the first use in forward order. Frozen tensors (the
+/// base weights of a LoRA run) have no gradient, so none.
 fn grad_final_at(s: &Session) -> Vec<Option<(usize, usize)>> {
     let mut at = vec![None; s.workload.tensors.len()];
     for (bi, b) in s.workload.blocks.iter().enumerate().rev() {
         for (k, &i) in b.tensors.iter().enumerate().rev() {
-            at[i] = Some((bi, k));
+            if s.workload.tensors[i].trainable {
+                at[i] = Some((bi, k));
+            }
         }
     }
     at
