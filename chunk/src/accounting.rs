@@ -74,6 +74,14 @@ pub struct StoreStats {
     pub queued_reads: u64,
     /// Most NVMe requests (chunk reads and writes) in flight at once.
     pub nvme_in_flight_max: u64,
+    /// NVMe reads made by the access that needed the chunk (synchronous: nothing read
+    /// it ahead).
+    pub nvme_reads_on_demand: u64,
+    /// Accesses whose chunk's NVMe read a prefetch had started at an earlier moment.
+    pub nvme_reads_ahead: u64,
+    /// Of `nvme_reads_ahead`: the fewest moments between a read's start and the access
+    /// that needed it (0: none was read ahead).
+    pub nvme_read_lead_min: u64,
     /// Nanoseconds `access` spent waiting for chunks (loads, evictions, copies).
     pub stall_ns: u64,
     /// Iterations ended.

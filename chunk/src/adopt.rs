@@ -142,12 +142,13 @@ pub(crate) fn prepare_swap_file(
     fingerprint: u64,
     adopt: bool,
 ) -> Result<Vec<ChunkId>> {
-    let path = nvme.swap_file().path().to_path_buf();
-    let stored: Vec<(u64, usize)> = nvme
-        .swap_file()
-        .chunks()
-        .map(|(id, _)| (id, nvme.len_of(id).unwrap_or(0)))
-        .collect();
+    let (path, stored) = nvme.with_swap_file(|f| {
+        let stored: Vec<(u64, usize)> = f
+            .chunks()
+            .map(|(id, _)| (id, f.len_of(id).unwrap_or(0)))
+            .collect();
+        (f.path().to_path_buf(), stored)
+    });
     let nvme_err = |op: &'static str| move |e| ChunkError::tier(op, None, e);
     if adopt {
         check_adoptable(

@@ -75,8 +75,9 @@ pub struct StoreConfig {
     pub prefetch_lookahead: u32,
     /// Most bytes of chunks the prefetch window may cover (`u64::MAX`: no bound).
     pub prefetch_lookahead_bytes_max: u64,
-    /// Moments the host-tier prefetcher looks ahead on the schedule of host accesses
-    /// (NVMe -> host reads started ahead of need, within the host pool; 0: off).
+    /// Moments the host-tier prefetcher looks ahead on the traced schedule
+    /// (NVMe -> host reads started ahead of need, for accesses on either tier, within
+    /// the host pool; 0: off).
     pub host_prefetch_lookahead: u32,
     /// Host -> NVMe write-backs forced by eviction run without waiting: the buffer
     /// stays with the I/O until it completes, and the chunk is not used until then.

@@ -319,7 +319,7 @@ impl PrefetchPlanner {
         now: u64,
         tier: Residency<'_>,
     ) -> Result<Vec<PrefetchStep>> {
-        self.plan_inner(schedule, schedule, now, tier, None)
+        self.plan_inner(schedule, schedule, now, tier, None, None)
     }
 
     /// As [`PrefetchPlanner::plan`], with the chunks to load read from `needs` and the
@@ -338,6 +338,11 @@ impl PrefetchPlanner {
     /// then has to be written back and read again: the host prefetcher evicting the
     /// 16-bit parameters the next forward needs first, while the optimizer state it just
     /// stepped (next used one iteration later) is still pinned.
+    ///
+    /// `shadows` marks (per dense chunk; missing entries: false) copies on this tier of
+    /// chunks current on a faster tier too: their next use is read from the schedule
+    /// given with them (this tier's own accesses), as the faster copy serves the
+    /// others.
     pub fn plan_split(
         &self,
         needs: &Schedule,
@@ -345,8 +350,9 @@ impl PrefetchPlanner {
         now: u64,
         tier: Residency<'_>,
         held: &[ChunkId],
+        shadows: Option<(&[bool], &Schedule)>,
     ) -> Result<Vec<PrefetchStep>> {
-        self.plan_inner(needs, uses, now, tier, Some(held))
+        self.plan_inner(needs, uses, now, tier, Some(held), shadows)
     }
 
     fn plan_inner(
@@ -356,6 +362,7 @@ impl PrefetchPlanner {
         now: u64,
         tier: Residency<'_>,
         held: Option<&[ChunkId]>,
+        shadows: Option<(&[bool], &Schedule)>,
     ) -> Result<Vec<PrefetchStep>> {
         let schedule = needs;
         let size = |c: ChunkId| {
@@ -393,6 +400,10 @@ impl PrefetchPlanner {
             }
         }
         let next_use = |c: ChunkId, from: u64| {
+            let uses = match shadows {
+                Some((marks, own)) if marks.get(c.dense()).copied().unwrap_or(false) => own,
+                _ => uses,
+            };
             uses.next_use_from(c, from, self.horizon)
                 .unwrap_or(u64::MAX)
         };
@@ -610,12 +621,12 @@ mod tests {
             free_bytes: 0,
         };
         // Without held chunks: 0 (next use 3) makes room for 3 (needed at 1).
-        let plan = planner.plan_split(&s, &s, 0, tier, &[]).unwrap();
+        let plan = planner.plan_split(&s, &s, 0, tier, &[], None).unwrap();
         assert_eq!(plan.len(), 1);
         assert_eq!(plan[0].evict, vec![c(0)]);
         // 1 and 2, in use now, go farther (4, 5) than 0: the load waits for them.
         assert!(planner
-            .plan_split(&s, &s, 0, tier, &[c(1), c(2)])
+            .plan_split(&s, &s, 0, tier, &[c(1), c(2)], None)
             .unwrap()
             .is_empty());
         // The plain planner is unchanged.

@@ -185,14 +185,13 @@ fn write_backs_and_the_next_rows_reads_are_in_flight_together() {
     );
     // The host pool is registered with the swap file's engine: chunk transfers use
     // fixed buffers wherever io_uring is there to take them.
-    let engine = store.nvme().swap_file().engine();
-    if engine.kind() == tidestore_io::BackendKind::IoUring {
-        assert!(
-            engine.ops_fixed() > 0,
-            "chunk transfers went out as plain requests"
-        );
+    let (kind, ops_fixed) = store
+        .nvme()
+        .with_swap_file(|f| (f.engine().kind(), f.engine().ops_fixed()));
+    if kind == tidestore_io::BackendKind::IoUring {
+        assert!(ops_fixed > 0, "chunk transfers went out as plain requests");
     } else {
-        println!("fixed buffers not checked: {} engine", engine.kind());
+        println!("fixed buffers not checked: {kind} engine");
     }
 }
 

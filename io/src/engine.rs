@@ -217,6 +217,17 @@ impl Engine {
         self.backend.ops_fixed()
     }
 
+    /// Pieces handed to the backend and not yet reaped: the requests the device has in
+    /// flight, as far as the engine knows (at most [`Engine::queue_depth`]).
+    pub fn pieces_in_flight(&self) -> usize {
+        self.in_flight.len() - self.free_ids.len()
+    }
+
+    /// The most pieces in flight at once (the backend's queue depth).
+    pub fn queue_depth(&self) -> usize {
+        self.in_flight.len()
+    }
+
     /// Requests submitted and not yet returned by [`Engine::wait`] / [`Engine::poll`].
     pub fn outstanding(&self) -> usize {
         self.requests.len() - self.free_requests.len() + self.done.len()

@@ -5,7 +5,7 @@
 //! EIO on reads or writes, transient EINTR/EAGAIN, short transfers, ENOSPC once a number
 //! of bytes has been written, bits flipped in data read (transient) or stored
 //! (persistent), completions returned out of order and held back across calls,
-//! latency, and failing syncs. [`FaultCounters`] records what was injected, so a test can check its faults
+//! latency, failing syncs, and completions held back until the caller waits. [`FaultCounters`] records what was injected, so a test can check its faults
 //! really happened.
 //!
 //! Invariant: every pushed operation completes exactly once; its memory effect (the copy)
@@ -44,6 +44,11 @@ pub struct FaultConfig {
     /// `sync_data` succeeds this many times, then fails with EIO from then on (a device
     /// that lost its write cache).
     pub sync_eio_after: Option<u32>,
+    /// Completions go back only to a caller that waits, and then only as many as it
+    /// must take (in submission order); a poll gets none. A disk that is slow next to
+    /// its caller: requests pile up to the queue depth unless someone blocks, so a test
+    /// can count what a pipeline keeps in flight and when it issues reads.
+    pub hold_until_wait: bool,
 }
 
 impl FaultConfig {
@@ -61,6 +66,7 @@ impl FaultConfig {
             reorder: false,
             latency_max: Duration::ZERO,
             sync_eio_after: None,
+            hold_until_wait: false,
         }
     }
 
@@ -275,7 +281,10 @@ impl Backend for MemoryBackend {
             self.held.push(RawCompletion { id: op.id, result });
         }
         self.staged = staged;
-        if self.faults.reorder && self.held.len() > 1 {
+        if self.faults.hold_until_wait {
+            let give = min_complete.min(self.held.len());
+            out.extend(self.held.drain(..give));
+        } else if self.faults.reorder && self.held.len() > 1 {
             // Fisher–Yates on the held completions, then keep back a random tail beyond
             // what the caller must get now.
             for i in (1..self.held.len()).rev() {

@@ -96,7 +96,7 @@ impl Sampler {
             *p = (*p).max(t.used_bytes);
         }
         if self.sampling {
-            let c = Counters::of(&store.stats()).since(self.iter_base);
+            let c = Counters::of(store).since(self.iter_base);
             self.samples.push(Sample {
                 moment: self.moment,
                 phase: self.phase.unwrap_or(PhaseName::Init),
@@ -581,11 +581,11 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
         }
         r.sampler.sampling = it == iterations && it > 0;
         r.sampler.moment = 0;
-        r.sampler.iter_base = Counters::of(&r.s.store.stats());
+        r.sampler.iter_base = Counters::of(&r.s.store);
         for (k, phase) in PHASES.into_iter().enumerate() {
             r.sampler.phase = Some(phase);
             r.sampler.peaks = [0; 3];
-            let before = Counters::of(&r.s.store.stats());
+            let before = Counters::of(&r.s.store);
             let t = Instant::now();
             match phase {
                 PhaseName::Forward => r.forward(it)?,
@@ -597,7 +597,7 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
             }
             let secs = t.elapsed().as_secs_f64();
             if it > 0 {
-                let c = Counters::of(&r.s.store.stats()).since(before);
+                let c = Counters::of(&r.s.store).since(before);
                 let p = &mut m.phases[k];
                 p.seconds += secs;
                 p.host_to_device_bytes += c.h2d;
@@ -606,6 +606,10 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
                 p.host_to_nvme_bytes += c.h2n;
                 p.stall_seconds += c.stall_ns as f64 / 1e9;
                 p.accesses += c.accesses;
+                p.nvme_wait_seconds += c.nvme.wait_ns as f64 / 1e9;
+                // Averages over the phases summed so far (time-weighted).
+                p.nvme_requests_in_flight += c.nvme.piece_ns as f64 / 1e9;
+                p.nvme_busy_fraction += c.nvme.busy_ns as f64 / 1e9;
                 p.peak_device_bytes = p.peak_device_bytes.max(r.sampler.peaks[0]);
                 p.peak_host_bytes = p.peak_host_bytes.max(r.sampler.peaks[1]);
                 p.peak_nvme_bytes = p.peak_nvme_bytes.max(r.sampler.peaks[2]);
@@ -617,6 +621,17 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
             m.warmup_seconds = secs;
         } else {
             m.seconds += secs;
+        }
+    }
+    for p in &mut m.phases {
+        // Summed piece-seconds and busy seconds become averages over the phase's time.
+        if p.seconds > 0.0 {
+            p.nvme_requests_in_flight /= p.seconds;
+            p.nvme_busy_fraction /= p.seconds;
+            p.nvme_read_bytes_per_s = p.nvme_to_host_bytes as f64 / p.seconds;
+        } else {
+            p.nvme_requests_in_flight = 0.0;
+            p.nvme_busy_fraction = 0.0;
         }
     }
     let st = r.step.stats();
@@ -711,6 +726,10 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         tensors_overlapped: step_stats.tensors_overlapped,
     };
     let bound = bound(cfg, &r, &m, disk, iterations);
+    for p in &mut m.phases {
+        let no_nvme = (p.seconds - p.nvme_wait_seconds).max(0.0);
+        p.bound_seconds = no_nvme.max(disk.seconds(p.nvme_to_host_bytes, p.host_to_nvme_bytes));
+    }
     Ok(BenchReport {
         schema: SCHEMA.into(),
         emulated: EMULATED.into(),
@@ -724,6 +743,7 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         warmup_seconds: m.warmup_seconds,
         seconds_per_iteration: m.seconds / f64::from(iterations),
         phases: std::mem::take(&mut m.phases),
+        nvme_queue_depth: r.s.store.nvme().queue_depth() as u64,
         peak: PeakReport {
             device_bytes: st.device.peak_bytes,
             host_bytes: st.host.peak_bytes,

@@ -2,7 +2,8 @@
 //! binary's bars, and the report (`--json` writes it; its schema is in the README).
 
 use serde::Serialize;
-use tidestore_chunk::{StoreStats, TierSnapshot};
+use tidestore_chunk::{ChunkStore, TierSnapshot};
+use tidestore_tiers::NvmeActivity;
 
 use super::disk::DiskRates;
 
@@ -162,6 +163,18 @@ pub struct PhaseReport {
     pub peak_host_bytes: u64,
     /// Most bytes in use in the swap file during the phase.
     pub peak_nvme_bytes: u64,
+    /// NVMe read rate while the phase ran (bytes read / phase time), bytes/s.
+    pub nvme_read_bytes_per_s: f64,
+    /// Requests (I/O pieces of `io.block_size`) in flight on average over the phase.
+    pub nvme_requests_in_flight: f64,
+    /// Fraction of the phase with at least one request in flight.
+    pub nvme_busy_fraction: f64,
+    /// Time the phase waited on NVMe requests (for reads to land, or synchronous ones).
+    pub nvme_wait_seconds: f64,
+    /// The phase's bound: max(the phase with no NVMe traffic — estimated as its time
+    /// less `nvme_wait_seconds` —, its NVMe bytes at the engine's rates measured before
+    /// the first iteration).
+    pub bound_seconds: f64,
 }
 
 /// Peak bytes per tier over the measured iterations.
@@ -293,6 +306,8 @@ pub struct BenchReport {
     pub seconds_per_iteration: f64,
     /// Per phase, summed over the measured iterations.
     pub phases: Vec<PhaseReport>,
+    /// The most NVMe requests in flight at once (`io.queue_depth`).
+    pub nvme_queue_depth: u64,
     /// Peaks per tier.
     pub peak: PeakReport,
     /// The optimizer.
@@ -316,11 +331,14 @@ pub(super) struct Counters {
     pub(super) h2n: u64,
     pub(super) stall_ns: u64,
     pub(super) accesses: u64,
+    pub(super) nvme: NvmeActivity,
 }
 
 impl Counters {
-    pub(super) fn of(s: &StoreStats) -> Self {
+    pub(super) fn of(store: &ChunkStore) -> Self {
+        let s = store.stats();
         Counters {
+            nvme: store.nvme().activity(),
             h2d: s.host_to_device_bytes,
             d2h: s.device_to_host_bytes,
             n2h: s.nvme_to_host_bytes,
@@ -338,6 +356,12 @@ impl Counters {
             h2n: self.h2n - before.h2n,
             stall_ns: self.stall_ns - before.stall_ns,
             accesses: self.accesses - before.accesses,
+            nvme: NvmeActivity {
+                piece_ns: self.nvme.piece_ns - before.nvme.piece_ns,
+                busy_ns: self.nvme.busy_ns - before.nvme.busy_ns,
+                wait_ns: self.nvme.wait_ns - before.nvme.wait_ns,
+                pieces_max: self.nvme.pieces_max,
+            },
         }
     }
 }

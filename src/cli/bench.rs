@@ -250,6 +250,39 @@ fn print_table(r: &BenchReport) {
     );
     out!();
     out!(
+        "{:<10} {:>10} {:>10} {:>6} {:>10} {:>10} {:>11}",
+        "nvme",
+        "read",
+        "in flight",
+        "busy",
+        "waited",
+        "bound",
+        "time/bound"
+    );
+    for p in &r.phases {
+        out!(
+            "{:<10} {:>10} {:>10.1} {:>5.0}% {:>8.3} s {:>8.3} s {:>11.2}",
+            p.name,
+            gbps(p.nvme_to_host_bytes, p.seconds),
+            p.nvme_requests_in_flight,
+            100.0 * p.nvme_busy_fraction,
+            p.nvme_wait_seconds / n,
+            p.bound_seconds / n,
+            if p.bound_seconds > 0.0 {
+                p.seconds / p.bound_seconds
+            } else {
+                0.0
+            }
+        );
+    }
+    out!(
+        "(read: NVMe bytes read / phase time; in flight: requests of io.block_size on \
+         average, at most {}; bound: max(the phase less its NVMe waits, its NVMe bytes at \
+         the disk's rates below))",
+        r.nvme_queue_depth
+    );
+    out!();
+    out!(
         "peak per tier: device {}, host {}, nvme {}",
         human_bytes(r.peak.device_bytes),
         human_bytes(r.peak.host_bytes),

@@ -41,7 +41,7 @@ pub use device::{
 };
 pub use error::{Result, TierError};
 pub use host::HostTier;
-pub use nvme::NvmeTier;
+pub use nvme::{NvmeActivity, NvmeTier, PUMP_INTERVAL};
 pub use slab::{SlabAllocator, SlabStats};
 pub use stats::{LinkStats, NvmeLinkStats, TierStats, TierUsage};
 

@@ -67,22 +67,19 @@ fn registered_pool_buffers_go_out_as_fixed_operations() {
     let dir = tempfile::tempdir().unwrap();
     let (host, mut nvme) = tiers(&dir, true);
     let registered = nvme.register_pool(host.pool()).unwrap();
-    let engine = nvme.swap_file().engine();
-    if engine.kind() != BackendKind::IoUring {
-        println!(
-            "skipped: io_uring unavailable here ({} engine)",
-            engine.kind()
-        );
+    let kind = nvme.with_swap_file(|f| f.engine().kind());
+    if kind != BackendKind::IoUring {
+        println!("skipped: io_uring unavailable here ({kind} engine)");
         return;
     }
     if !registered {
         println!("skipped: the kernel refused to register the pool (RLIMIT_MEMLOCK?)");
         return;
     }
-    assert_eq!(engine.ops_fixed(), 0);
+    assert_eq!(nvme.with_swap_file(|f| f.engine().ops_fixed()), 0);
     round_trip(&host, &mut nvme);
     // 5 pool-buffer requests of 4 blocks each; the heap-buffer read is plain.
-    assert_eq!(nvme.swap_file().engine().ops_fixed(), 5 * 4);
+    assert_eq!(nvme.with_swap_file(|f| f.engine().ops_fixed()), 5 * 4);
 }
 
 #[test]
@@ -91,5 +88,5 @@ fn with_fixed_buffers_off_nothing_is_registered() {
     let (host, mut nvme) = tiers(&dir, false);
     assert!(!nvme.register_pool(host.pool()).unwrap());
     round_trip(&host, &mut nvme);
-    assert_eq!(nvme.swap_file().engine().ops_fixed(), 0);
+    assert_eq!(nvme.with_swap_file(|f| f.engine().ops_fixed()), 0);
 }

@@ -126,6 +126,8 @@ impl Mover {
         if self.slots[d].nvme_valid {
             self.drain_nvme();
             self.note_nvme_in_flight(true);
+            self.stats.nvme_reads_on_demand += 1;
+            self.slots[d].read_started_at = None;
             let (result, buf) = self.nvme.read_chunk(d as u64, buf);
             match result {
                 Ok(n) if n == len => {}

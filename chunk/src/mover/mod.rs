@@ -109,6 +109,9 @@ pub(crate) struct Slot {
     pub(crate) dev_pins: u32,
     /// Tensors of this chunk in COMPUTE on the host.
     pub(crate) host_pins: u32,
+    /// The moment a prefetch started (or queued) the NVMe read of the host copy now
+    /// on its way or landed, until an access uses it (for the read-ahead counters).
+    pub(crate) read_started_at: Option<u64>,
 }
 
 impl Slot {
@@ -124,6 +127,7 @@ impl Slot {
             host_prefetched: false,
             dev_pins: 0,
             host_pins: 0,
+            read_started_at: None,
         }
     }
 }

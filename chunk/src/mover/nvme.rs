@@ -48,6 +48,7 @@ impl Mover {
                 self.dev_mark[d] = false;
                 slot.prefetched = false;
                 slot.host_prefetched = false;
+                slot.read_started_at = None;
                 drop(reserved);
                 drop(c.buf);
                 counted?;

@@ -44,6 +44,7 @@ impl Mover {
                 let slot = &mut self.slots[d];
                 slot.reserved_dev = Some(mem);
                 slot.prefetched = true;
+                slot.read_started_at = Some(self.moment);
                 self.dev_mark[d] = true;
                 self.stats.prefetch_loads += 1;
                 self.dev_policy.on_insert(c, self.moment);
@@ -94,6 +95,7 @@ impl Mover {
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::NvmeRead;
                 slot.host_prefetched = true;
+                slot.read_started_at = Some(self.moment);
                 self.pending_nvme += 1;
                 self.note_nvme_in_flight(false);
                 self.stats.prefetch_loads += 1;
@@ -108,6 +110,7 @@ impl Mover {
         let slot = &mut self.slots[d];
         slot.pending = Pending::NvmeReadQueued;
         slot.host_prefetched = true;
+        slot.read_started_at = Some(self.moment);
         self.stats.prefetch_loads += 1;
         self.stats.host_prefetch_loads += 1;
         self.stats.queued_reads += 1;

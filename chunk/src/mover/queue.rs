@@ -62,6 +62,7 @@ impl Mover {
         if slot.pending == Pending::NvmeReadQueued {
             slot.pending = Pending::None;
             slot.host_prefetched = false;
+            slot.read_started_at = None;
             if let Some(mem) = slot.reserved_dev.take() {
                 drop(mem);
                 slot.prefetched = false;

@@ -105,7 +105,10 @@ impl Mover {
     /// Every chunk the swap file stores is claimed by its slot.
     fn verify_swap_claims(&self) -> Result<()> {
         let bad = |what: String| Err(ChunkError::Invariant { chunk: None, what });
-        for (id, _) in self.nvme.swap_file().chunks() {
+        let stored: Vec<u64> = self
+            .nvme
+            .with_swap_file(|f| f.chunks().map(|(id, _)| id).collect());
+        for id in stored {
             let ours = usize::try_from(id)
                 .ok()
                 .and_then(|d| self.slots.get(d))

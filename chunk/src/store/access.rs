@@ -38,13 +38,14 @@ impl ChunkStore {
         self.update_tide(moment)?;
         // Where the chunk is; where it is not, room is made and it is loaded.
         self.make_current(chunk, place, moment)?;
+        self.count_read_ahead(chunk, moment);
         self.pin(chunk, place);
         let generation = self.enter_compute(list, local, place)?;
         self.record_warmup(moment, chunk, place);
-        match place {
-            Place::Device => self.prefetch(moment),
-            Place::Host => self.prefetch_host(moment),
+        if place == Place::Device {
+            self.prefetch(moment);
         }
+        self.prefetch_host(moment);
         Ok(Guard {
             store: self.id,
             generation,
@@ -125,6 +126,20 @@ impl ChunkStore {
             }
         }
         Ok(())
+    }
+
+    /// Counts the NVMe read a prefetch started for `chunk` before `moment`, now used.
+    fn count_read_ahead(&mut self, chunk: ChunkId, moment: u64) {
+        let Some(at) = self.mover.slots[chunk.dense()].read_started_at.take() else {
+            return;
+        };
+        let lead = moment.saturating_sub(at);
+        let s = &mut self.mover.stats;
+        s.nvme_reads_ahead += 1;
+        s.nvme_read_lead_min = match s.nvme_read_lead_min {
+            0 => lead,
+            m => m.min(lead),
+        };
     }
 
     /// One more tensor of `chunk` in COMPUTE at `place` (a prefetch that brought it

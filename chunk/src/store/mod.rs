@@ -163,7 +163,8 @@ pub struct ChunkStore {
     device_moments: Vec<Option<ChunkId>>,
     /// During tracing, per moment: the chunk accessed on the host, if any.
     host_moments: Vec<Option<ChunkId>>,
-    /// The schedule of host accesses (same moments): what the host prefetcher loads.
+    /// The schedule of host accesses (same moments): when a host copy is needed as
+    /// such, rather than for a copy to the device (see `prefetch_host`).
     host_schedule: Option<Arc<Schedule>>,
     /// The schedule of device accesses only (same moments as the followed one): what
     /// the device's `lifetime` policy and the prefetcher read.

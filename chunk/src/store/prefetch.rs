@@ -1,5 +1,6 @@
 //! Prefetch planning on both tiers: after an access, the loads the next moments need
-//! (device: host->device copies and NVMe reads; host: NVMe reads into the pool), planned
+//! (device: host->device copies and NVMe reads; host: NVMe reads into the pool, for
+//! accesses on either tier), planned
 //! by the [`PrefetchPlanner`] rule — a victim is never needed before the chunk it makes
 //! room for — and started while the caller computes.
 //!
@@ -71,45 +72,79 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// The host tier's prefetch: NVMe -> host reads of the chunks the host accesses of
-    /// the next moments need, planned by the same [`PrefetchPlanner`] rule as the
-    /// device's (a victim is never needed, by any access, before the chunk it makes
-    /// room for), within the host pool. Reads run while the caller computes.
+    /// The host tier's prefetch, after every access on either tier, in two passes:
+    /// 1. NVMe -> host reads of the chunks the host accesses of the next moments need,
+    ///    planned by the same [`PrefetchPlanner`] rule as the device's (a victim is
+    ///    never needed, by any access, before the chunk it makes room for);
+    /// 2. read-ahead for the device: NVMe -> host reads of the chunks the device
+    ///    accesses of the next moments need, so that the device's own prefetch only
+    ///    copies them — into free buffers, or in place of host copies of chunks current
+    ///    on the device (shadows: the device's accesses use its copy, so a shadow is
+    ///    next needed at its chunk's next host access), never of anything else.
+    ///
+    /// Reads run while the caller computes; the NVMe tier's pump keeps them moving.
     pub(super) fn prefetch_host(&mut self, now: u64) {
         if self.settings.host_lookahead == 0 || self.diverged || self.is_tracing() {
             return;
         }
-        let (Some(hs), Some(s)) = (&self.host_schedule, &self.mover.schedule) else {
+        let (Some(hs), Some(ds), Some(s)) = (
+            &self.host_schedule,
+            &self.device_schedule,
+            &self.mover.schedule,
+        ) else {
             return;
         };
+        let lookahead = self.settings.host_lookahead;
         let mover = &self.mover;
-        if !needs_any(hs, now, self.settings.host_lookahead, |c| {
-            !mover.host_ready(c)
-        }) {
+        let missing = |c: ChunkId| !mover.host_ready(c);
+        let for_host = needs_any(hs, now, lookahead, missing);
+        let for_device = needs_any(ds, now, lookahead, missing);
+        if !for_host && !for_device {
             return;
         }
-        let (hs, s) = (hs.clone(), s.clone());
-        if let Err(e) = self.prefetch_host_planned(&hs, &s, now) {
+        let (hs, ds, s) = (hs.clone(), ds.clone(), s.clone());
+        let mut result = Ok(());
+        if for_host {
+            result = self.prefetch_host_planned(&hs, &s, now, None);
+        }
+        if for_device && result.is_ok() {
+            result = self.prefetch_host_planned(&ds, &s, now, Some(&hs));
+        }
+        if let Err(e) = result {
             tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
         }
         self.mover.reason = MoveReason::Demand;
     }
 
-    fn prefetch_host_planned(&mut self, hs: &Schedule, s: &Schedule, now: u64) -> Result<()> {
+    /// Plans and starts the host pool's reads of the chunks `needs` asks for. With
+    /// `shadows_only` (the host accesses' schedule), the device read-ahead: only shadow
+    /// copies may go, each next needed at its next host access.
+    fn prefetch_host_planned(
+        &mut self,
+        needs: &Schedule,
+        s: &Schedule,
+        now: u64,
+        shadows_only: Option<&Schedule>,
+    ) -> Result<()> {
         self.mover.harvest()?;
         let resident: Vec<bool> = (0..self.mover.slots.len())
             .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
             .collect();
         // Chunks in use cannot go now, but may be what Belady's rule would evict when a
         // load is needed (see `plan_split`).
-        let (held, evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
+        let (mut held, mut evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
             .mover
             .host_list
             .iter()
             .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
+        let shadow: Vec<bool> = self.mover.slots.iter().map(|s| s.dev.is_some()).collect();
+        if shadows_only.is_some() {
+            evictable.retain(|c| shadow[c.dense()]);
+            held.clear();
+        }
         let budget = self.mover.host.budget();
         let plan = self.host_planner.plan_split(
-            hs,
+            needs,
             s,
             now,
             Residency {
@@ -124,11 +159,16 @@ impl ChunkStore {
                     .saturating_add(self.mover.host_bytes_writing()),
             },
             &held,
+            shadows_only.map(|hs| (&shadow[..], hs)),
         )?;
         let mut started = false;
         for step in plan {
             for &v in &step.evict {
-                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
+                let uses = match shadows_only {
+                    Some(hs) => hs,
+                    None => s,
+                };
+                self.mover.reason = prefetch_reason(&step, Some((uses, v, now)));
                 match self.mover.evict_host(v, false) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
