@@ -53,8 +53,9 @@ pub struct CoreConfig {
     pub moments: MomentStates,
     /// Directory of the swap file.
     pub nvme_dir: PathBuf,
-    /// Bytes of the host pool (rounded down to whole chunks).
-    pub host_budget_bytes: u64,
+    /// Bytes of the host pool (rounded down to whole chunks); `None`: every chunk (plus
+    /// a staging buffer) in RAM, nothing on NVMe but the swap file's header.
+    pub host_budget_bytes: Option<u64>,
     /// Clip the global gradient norm to this.
     pub max_grad_norm: Option<f32>,
     /// Step each group during backward as its gradients become final.
@@ -132,12 +133,14 @@ impl AdamWCore {
             })
             .collect::<Result<Vec<_>>>()?;
         let step = step_loop(&store, &params, cfg)?;
+        let plan = store.capacity_plan();
+        let host_budget_bytes = plan.host_buffers * plan.slot_bytes;
         Ok(AdamWCore {
             store,
             step,
             params,
             reported: 0,
-            host_budget_bytes: cfg.host_budget_bytes,
+            host_budget_bytes,
             chunk_elements,
         })
     }
@@ -477,11 +480,12 @@ fn open_store(layout: Layout, cfg: &CoreConfig) -> Result<ChunkStore> {
         .map(|&l| layout.list_chunk_count(l))
         .sum();
     let device_budget_bytes = 4 * slot_bytes;
+    let host_budget_bytes = cfg.host_budget_bytes.unwrap_or((chunks + 1) * slot_bytes);
     let nvme_bytes = (chunks + 2) * slot_bytes;
     tracing::info!(
         chunks,
         slot_bytes,
-        host_budget_bytes = cfg.host_budget_bytes,
+        host_budget_bytes,
         nvme_bytes,
         "tidestore.AdamW: layout"
     );
@@ -489,7 +493,7 @@ fn open_store(layout: Layout, cfg: &CoreConfig) -> Result<ChunkStore> {
         .map_err(|e| ChunkError::tier("opening the device tier", None, e))?;
     let store_cfg = StoreConfig::new(
         device_budget_bytes,
-        cfg.host_budget_bytes,
+        host_budget_bytes,
         NvmeSource::Dir {
             dir: cfg.nvme_dir.clone(),
             bytes: nvme_bytes,

@@ -71,7 +71,7 @@ impl PyAdamWCore {
         weight_decay: f32,
         states: &str,
         nvme_dir: PathBuf,
-        host_budget: u64,
+        host_budget: Option<u64>,
         max_grad_norm: Option<f32>,
         overlap: bool,
         threads: usize,
