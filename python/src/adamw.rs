@@ -456,13 +456,24 @@ fn layout(shapes: &[Vec<usize>], cfg: &CoreConfig) -> Result<Layout> {
                 .chunk_elements
         }
     };
-    Ok(Layout::new(
+    Layout::new(
         LayoutConfig {
             chunk_elements,
             ..layout_cfg
         },
         tensors,
-    )?)
+    )
+    .map_err(|e| match e {
+        e @ (ChunkError::TensorTooLarge { .. } | ChunkError::InvalidChunkSize { .. }) => {
+            Error::bad(
+                "chunk_elements",
+                format!(
+                    "{e} (a parameter's fp32 gradient takes two slots per element:                      chunk_elements must be at least twice the largest parameter)"
+                ),
+            )
+        }
+        e => Error::Store(e),
+    })
 }
 
 fn swap_io() -> IoConfig {

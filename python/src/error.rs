@@ -85,46 +85,69 @@ enum Class {
     Other,
 }
 
+/// The class of `err`: first from the variants wrapped transparently (whose `source()`
+/// skips them), then from the first I/O error down the chain of causes.
 fn classify(err: &Error) -> Class {
-    match err {
-        Error::BadInput { .. } => return Class::Config,
-        Error::Protocol(_) => return Class::Other,
-        _ => {}
+    let direct = match err {
+        Error::BadInput { .. } => Some(Class::Config),
+        Error::Protocol(_) => Some(Class::Other),
+        Error::Optim(o) => optim_class(o),
+        Error::Store(c) => chunk_class(c),
+        Error::Train(t) => train_class(t),
+        Error::Io { source, .. } => Some(io_class(source)),
+    };
+    direct.unwrap_or_else(|| chain_class(err))
+}
+
+fn optim_class(e: &OptimError) -> Option<Class> {
+    matches!(e, OptimError::InvalidParam { .. }).then_some(Class::Config)
+}
+
+fn chunk_class(e: &ChunkError) -> Option<Class> {
+    matches!(
+        e,
+        ChunkError::BudgetTooSmall { .. }
+            | ChunkError::ModelTooLarge { .. }
+            | ChunkError::Config { .. }
+            | ChunkError::TensorTooLarge { .. }
+            | ChunkError::InvalidChunkSize { .. }
+    )
+    .then_some(Class::Config)
+}
+
+fn train_class(e: &TrainError) -> Option<Class> {
+    match e {
+        TrainError::Config { .. } => Some(Class::Config),
+        TrainError::Store(c) => chunk_class(c),
+        TrainError::Optim(o) => optim_class(o),
+        _ => None,
     }
-    let mut class = Class::Other;
-    let mut cur: Option<&(dyn StdError + 'static)> = Some(err);
+}
+
+fn io_class(e: &IoError) -> Class {
+    match e {
+        IoError::Config { .. } => Class::Config,
+        IoError::NoSpace { .. } => Class::Io(Some(libc::ENOSPC)),
+        IoError::Device { source, .. } | IoError::Setup { source, .. } => {
+            Class::Io(source.raw_os_error())
+        }
+        _ => Class::Io(None),
+    }
+}
+
+/// The first I/O error among `err`'s causes decides; otherwise `Other`.
+fn chain_class(err: &Error) -> Class {
+    let mut cur: Option<&(dyn StdError + 'static)> = err.source();
     while let Some(e) = cur {
         if let Some(io) = e.downcast_ref::<IoError>() {
-            class = match io {
-                IoError::Config { .. } => Class::Config,
-                IoError::NoSpace { .. } => Class::Io(Some(libc::ENOSPC)),
-                IoError::UnexpectedEof { .. } => Class::Io(None),
-                _ => Class::Io(None),
-            };
-        } else if let Some(os) = e.downcast_ref::<std::io::Error>() {
-            if let Class::Io(None) | Class::Other = class {
-                class = Class::Io(os.raw_os_error());
-            }
-        } else if let Some(c) = e.downcast_ref::<ChunkError>() {
-            if matches!(
-                c,
-                ChunkError::BudgetTooSmall { .. }
-                    | ChunkError::ModelTooLarge { .. }
-                    | ChunkError::Config { .. }
-            ) {
-                return Class::Config;
-            }
-        } else if let Some(t) = e.downcast_ref::<TrainError>() {
-            if matches!(t, TrainError::Config { .. }) {
-                return Class::Config;
-            }
-        } else if let Some(OptimError::InvalidParam { .. }) = e.downcast_ref::<OptimError>()
-        {
-            return Class::Config;
+            return io_class(io);
+        }
+        if let Some(os) = e.downcast_ref::<std::io::Error>() {
+            return Class::Io(os.raw_os_error());
         }
         cur = e.source();
     }
-    class
+    Class::Other
 }
 
 /// The error's message with every cause its text does not already contain.
