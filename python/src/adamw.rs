@@ -27,9 +27,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tidestore_chunk::{
-    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind,
-    MomentStates, NvmeSource, SearchConfig, StoreConfig, TensorId,
-    TensorSpec, TensorState,
+    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind, MomentStates,
+    NvmeSource, SearchConfig, StoreConfig, TensorId, TensorSpec, TensorState,
 };
 use tidestore_io::IoConfig;
 use tidestore_optimizer::{
@@ -149,10 +148,7 @@ impl AdamWCore {
         self.params.get(i).ok_or_else(|| {
             Error::bad(
                 "param",
-                format!(
-                    "index {i} out of range ({} parameters)",
-                    self.params.len()
-                ),
+                format!("index {i} out of range ({} parameters)", self.params.len()),
             )
         })
     }
@@ -163,7 +159,7 @@ impl AdamWCore {
     }
 
     /// Number of registered parameters.
-    pub fn len(&self) -> usize {
+    pub fn param_count(&self) -> usize {
         self.params.len()
     }
 
@@ -200,25 +196,25 @@ impl AdamWCore {
     pub fn sync_param(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<bool> {
         self.check_len(i, src.len(), dtype, "values")?;
         let id = self.params[i].id;
-        let changed = self
-            .store
-            .with_host_views(&[(id, ListKind::MasterF32)], TensorState::Hold, |v| {
-                let master = &mut v[0][..];
-                let differs = match dtype {
-                    DType::F32 => master[..] != src[..],
-                    _ => src
-                        .chunks_exact(2)
-                        .zip(master.chunks_exact(4))
-                        .any(|(s, m)| {
-                            narrow_one(f32::from_le_bytes([m[0], m[1], m[2], m[3]]), dtype)
-                                != [s[0], s[1]]
-                        }),
-                };
-                if differs {
-                    widen(src, dtype, master);
-                }
-                differs
-            })?;
+        let changed =
+            self.store
+                .with_host_views(&[(id, ListKind::MasterF32)], TensorState::Hold, |v| {
+                    let master = &mut v[0][..];
+                    let differs = match dtype {
+                        DType::F32 => master[..] != src[..],
+                        _ => src
+                            .chunks_exact(2)
+                            .zip(master.chunks_exact(4))
+                            .any(|(s, m)| {
+                                narrow_one(f32::from_le_bytes([m[0], m[1], m[2], m[3]]), dtype)
+                                    != [s[0], s[1]]
+                            }),
+                    };
+                    if differs {
+                        widen(src, dtype, master);
+                    }
+                    differs
+                })?;
         Ok(changed)
     }
 
@@ -603,7 +599,10 @@ fn narrow(src: &[u8], dtype: DType, out: &mut [u8]) {
         DType::F32 => out.copy_from_slice(src),
         _ => {
             for (s, d) in src.chunks_exact(4).zip(out.chunks_exact_mut(2)) {
-                d.copy_from_slice(&narrow_one(f32::from_le_bytes([s[0], s[1], s[2], s[3]]), dtype));
+                d.copy_from_slice(&narrow_one(
+                    f32::from_le_bytes([s[0], s[1], s[2], s[3]]),
+                    dtype,
+                ));
             }
         }
     }
@@ -619,5 +618,46 @@ pub fn parse_states(s: &str) -> Result<MomentStates> {
             "states",
             format!("`{other}` is not one of fp32, bf16, int8"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn widen_and_narrow_round_trip_16_bit_values() {
+        for dtype in [DType::BF16, DType::F16] {
+            let values = [0.0f32, 1.5, -2.25, 1e-3, 65000.0];
+            let mut bits = vec![0u8; values.len() * 2];
+            let src: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            narrow(&src, dtype, &mut bits);
+            let mut wide = vec![0u8; values.len() * 4];
+            widen(&bits, dtype, &mut wide);
+            let mut again = vec![0u8; bits.len()];
+            narrow(&wide, dtype, &mut again);
+            assert_eq!(bits, again, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn overlap_with_clipping_is_refused_before_the_store_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = CoreConfig {
+            hp: hyper_params(1e-3, (0.9, 0.999), 1e-8, 0.0),
+            moments: MomentStates::F32,
+            nvme_dir: dir.path().to_path_buf(),
+            host_budget_bytes: None,
+            max_grad_norm: Some(1.0),
+            overlap: true,
+            threads: 1,
+            chunk_elements: None,
+        };
+        let e = AdamWCore::new(&[vec![4, 4]], &cfg).unwrap_err();
+        assert!(
+            matches!(&e, Error::BadInput { what, .. } if what == "overlap"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

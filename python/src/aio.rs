@@ -78,7 +78,10 @@ impl Worker {
         if cfg.bounce_bytes == 0 || !cfg.bounce_bytes.is_multiple_of(ALIGN_BYTES) {
             return Err(Error::bad(
                 "bounce_size",
-                format!("{} bytes is not a positive multiple of 4096", cfg.bounce_bytes),
+                format!(
+                    "{} bytes is not a positive multiple of 4096",
+                    cfg.bounce_bytes
+                ),
             ));
         }
         if cfg.bounce_count == 0 || cfg.bounce_count > 1024 {
@@ -320,4 +323,69 @@ fn run_buffered(job: &Job, skip: usize, user: &mut [u8]) -> Result<()> {
         return Err(io_err(&job.path, source));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker() -> Worker {
+        Worker::start(AioConfig {
+            io: IoConfig {
+                block_bytes: 64 * 1024,
+                ..IoConfig::default()
+            },
+            bounce_bytes: 128 * 1024,
+            bounce_count: 2,
+        })
+        .expect("worker starts")
+    }
+
+    fn transfer(
+        w: &Worker,
+        op: Op,
+        path: &Path,
+        offset_bytes: u64,
+        mem: &mut [u8],
+    ) -> Result<usize> {
+        let m = Memory {
+            addr: mem.as_mut_ptr() as usize,
+            len: mem.len(),
+        };
+        // SAFETY: `mem` outlives the transfer: its result is received before returning.
+        unsafe { w.submit(7, op, path.to_path_buf(), offset_bytes, m)? };
+        let (id, r) = w.recv()?;
+        assert_eq!(id, 7);
+        r
+    }
+
+    #[test]
+    fn round_trip_of_blocks_and_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.bin");
+        let w = worker();
+        let mut src: Vec<u8> = (0..(300 * 1024 + 77))
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        let n = src.len();
+        assert_eq!(transfer(&w, Op::Write, &path, 0, &mut src).unwrap(), n);
+        let mut out = vec![0u8; n];
+        assert_eq!(transfer(&w, Op::Read, &path, 0, &mut out).unwrap(), n);
+        assert_eq!(out, src);
+    }
+
+    #[test]
+    fn read_past_the_end_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("short.bin");
+        std::fs::write(&path, vec![1u8; 8192]).unwrap();
+        let w = worker();
+        let mut out = vec![0u8; 3 * 4096];
+        let e = transfer(&w, Op::Read, &path, 0, &mut out).unwrap_err();
+        let msg = crate::error::message(&e);
+        assert!(
+            msg.contains("short.bin") && msg.contains("end of file"),
+            "{msg}"
+        );
+    }
 }

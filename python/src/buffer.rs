@@ -31,9 +31,12 @@ impl Bytes {
     /// `writable`.
     pub fn new(obj: &Bound<'_, PyAny>, what: &str, writable: bool) -> Result<Self> {
         let bad = |reason: String| Error::bad(what, reason);
-        let iface = obj
-            .getattr("__array_interface__")
-            .map_err(|_| bad(format!("a {} is not a numpy array (pass a uint8 view)", type_name(obj))))?;
+        let iface = obj.getattr("__array_interface__").map_err(|_| {
+            bad(format!(
+                "a {} is not a numpy array (pass a uint8 view)",
+                type_name(obj)
+            ))
+        })?;
         let iface = iface
             .downcast::<PyDict>()
             .map_err(|_| bad("__array_interface__ is not a dict".into()))?;
@@ -48,7 +51,9 @@ impl Bytes {
             .extract()
             .map_err(|_| bad("typestr is not a string".into()))?;
         if typestr != "|u1" {
-            return Err(bad(format!("items of type `{typestr}`, expected uint8 (`|u1`)")));
+            return Err(bad(format!(
+                "items of type `{typestr}`, expected uint8 (`|u1`)"
+            )));
         }
         let shape: Vec<usize> = get("shape")?
             .extract()
@@ -70,9 +75,9 @@ impl Bytes {
             }
         }
         let data = get("data")?;
-        let data = data
-            .downcast::<PyTuple>()
-            .map_err(|_| bad("data is not an (address, read-only) pair (a buffer-backed array?)".into()))?;
+        let data = data.downcast::<PyTuple>().map_err(|_| {
+            bad("data is not an (address, read-only) pair (a buffer-backed array?)".into())
+        })?;
         let (addr, readonly): (usize, bool) = data
             .extract()
             .map_err(|_| bad("data is not an (address, read-only) pair".into()))?;
@@ -89,11 +94,6 @@ impl Bytes {
             readonly,
             what: what.to_string(),
         })
-    }
-
-    /// Bytes in the array.
-    pub fn len(&self) -> usize {
-        self.len
     }
 
     /// The memory, read-only.

@@ -95,7 +95,7 @@ impl PyAdamWCore {
 
     /// Number of parameters.
     fn __len__(&mut self) -> usize {
-        self.core().len()
+        self.core().param_count()
     }
 
     /// Registered shape of parameter `i`.
@@ -104,7 +104,13 @@ impl PyAdamWCore {
     }
 
     /// Writes parameter `i`'s values (a uint8 buffer of `dtype` elements) as its master.
-    fn set_param(&mut self, py: Python<'_>, i: usize, buf: &Bound<'_, PyAny>, dtype: &str) -> PyResult<()> {
+    fn set_param(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<()> {
         let dtype = parse_dtype("dtype", dtype)?;
         let bytes = Bytes::new(buf, &adamw::param_name(i), false)?;
         let src = bytes.as_slice();
@@ -114,7 +120,13 @@ impl PyAdamWCore {
 
     /// Replaces parameter `i`'s master with its values when they differ from the master
     /// rounded to `dtype`; returns whether they did.
-    fn sync_param(&mut self, py: Python<'_>, i: usize, buf: &Bound<'_, PyAny>, dtype: &str) -> PyResult<bool> {
+    fn sync_param(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<bool> {
         let dtype = parse_dtype("dtype", dtype)?;
         let bytes = Bytes::new(buf, &adamw::param_name(i), false)?;
         let src = bytes.as_slice();
@@ -124,7 +136,13 @@ impl PyAdamWCore {
 
     /// Writes parameter `i`'s master, rounded to `dtype`, into `out` (a writable uint8
     /// buffer).
-    fn read_param(&mut self, py: Python<'_>, i: usize, out: &Bound<'_, PyAny>, dtype: &str) -> PyResult<()> {
+    fn read_param(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        out: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<()> {
         let dtype = parse_dtype("dtype", dtype)?;
         let mut bytes = Bytes::new(out, &adamw::param_name(i), true)?;
         let dst = bytes.as_mut_slice()?;
@@ -133,7 +151,13 @@ impl PyAdamWCore {
     }
 
     /// Parameter `i`'s gradient for this step (a uint8 buffer of `dtype` elements).
-    fn put_grad(&mut self, py: Python<'_>, i: usize, buf: &Bound<'_, PyAny>, dtype: &str) -> PyResult<()> {
+    fn put_grad(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<()> {
         let dtype = parse_dtype("dtype", dtype)?;
         let bytes = Bytes::new(buf, &format!("{}.grad", adamw::param_name(i)), false)?;
         let src = bytes.as_slice();
@@ -180,7 +204,12 @@ impl PyAdamWCore {
 
     /// Streams the state into a tidestore checkpoint (safetensors) at `path`.
     #[pyo3(signature = (path, metadata=BTreeMap::new()))]
-    fn save(&mut self, py: Python<'_>, path: PathBuf, metadata: BTreeMap<String, String>) -> PyResult<()> {
+    fn save(
+        &mut self,
+        py: Python<'_>,
+        path: PathBuf,
+        metadata: BTreeMap<String, String>,
+    ) -> PyResult<()> {
         let core = self.core();
         Ok(py.allow_threads(|| core.save(&path, metadata))?)
     }
@@ -213,7 +242,13 @@ struct PyAioHandle {
 }
 
 impl PyAioHandle {
-    fn queue(&mut self, op: Op, buf: &Bound<'_, PyAny>, path: PathBuf, offset: u64) -> PyResult<u64> {
+    fn queue(
+        &mut self,
+        op: Op,
+        buf: &Bound<'_, PyAny>,
+        path: PathBuf,
+        offset: u64,
+    ) -> PyResult<u64> {
         let what = format!("buffer for {}", path.display());
         let mut bytes = Bytes::new(buf, &what, op == Op::Read)?;
         let mem = match op {
@@ -304,14 +339,24 @@ impl PyAioHandle {
 
     /// Queues a read of `len(buffer)` bytes of `filename` at `offset` into `buffer`.
     #[pyo3(signature = (buffer, filename, offset=0))]
-    fn async_pread(&mut self, buffer: &Bound<'_, PyAny>, filename: PathBuf, offset: u64) -> PyResult<()> {
+    fn async_pread(
+        &mut self,
+        buffer: &Bound<'_, PyAny>,
+        filename: PathBuf,
+        offset: u64,
+    ) -> PyResult<()> {
         self.queue(Op::Read, buffer, filename, offset).map(|_| ())
     }
 
     /// Queues a write of `buffer` to `filename` at `offset` (created if missing, never
     /// truncated).
     #[pyo3(signature = (buffer, filename, offset=0))]
-    fn async_pwrite(&mut self, buffer: &Bound<'_, PyAny>, filename: PathBuf, offset: u64) -> PyResult<()> {
+    fn async_pwrite(
+        &mut self,
+        buffer: &Bound<'_, PyAny>,
+        filename: PathBuf,
+        offset: u64,
+    ) -> PyResult<()> {
         self.queue(Op::Write, buffer, filename, offset).map(|_| ())
     }
 
@@ -323,7 +368,13 @@ impl PyAioHandle {
 
     /// Reads into `buffer` and waits (for earlier queued transfers too); returns bytes.
     #[pyo3(signature = (buffer, filename, offset=0))]
-    fn sync_pread(&mut self, py: Python<'_>, buffer: &Bound<'_, PyAny>, filename: PathBuf, offset: u64) -> PyResult<usize> {
+    fn sync_pread(
+        &mut self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        filename: PathBuf,
+        offset: u64,
+    ) -> PyResult<usize> {
         let id = self.queue(Op::Read, buffer, filename, offset)?;
         let done = self.wait_all(py)?;
         Ok(done.iter().find(|d| d.0 == id).map_or(0, |d| d.1))
@@ -331,7 +382,13 @@ impl PyAioHandle {
 
     /// Writes `buffer` and waits (for earlier queued transfers too); returns bytes.
     #[pyo3(signature = (buffer, filename, offset=0))]
-    fn sync_pwrite(&mut self, py: Python<'_>, buffer: &Bound<'_, PyAny>, filename: PathBuf, offset: u64) -> PyResult<usize> {
+    fn sync_pwrite(
+        &mut self,
+        py: Python<'_>,
+        buffer: &Bound<'_, PyAny>,
+        filename: PathBuf,
+        offset: u64,
+    ) -> PyResult<usize> {
         let id = self.queue(Op::Write, buffer, filename, offset)?;
         let done = self.wait_all(py)?;
         Ok(done.iter().find(|d| d.0 == id).map_or(0, |d| d.1))
