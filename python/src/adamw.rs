@@ -488,7 +488,10 @@ fn open_store(layout: Layout, cfg: &CoreConfig) -> Result<ChunkStore> {
         .sum();
     let device_budget_bytes = 4 * slot_bytes;
     let host_budget_bytes = cfg.host_budget_bytes.unwrap_or((chunks + 1) * slot_bytes);
-    let nvme_bytes = (chunks + 2) * slot_bytes;
+    // Slots for what the host pool cannot hold (and two to spare): all in RAM, the swap
+    // file stays small.
+    let host_slots = host_budget_bytes / slot_bytes.max(1);
+    let nvme_bytes = ((chunks + 2).saturating_sub(host_slots)).max(2) * slot_bytes;
     tracing::info!(
         chunks,
         slot_bytes,
