@@ -83,6 +83,19 @@ pub struct AdamWCore {
     reported: usize,
     host_budget_bytes: u64,
     chunk_elements: u64,
+    /// The store's swap file, removed on drop: a store never takes a swap file's bytes
+    /// from an earlier run as state, so nothing in it outlives the optimizer.
+    swap_path: PathBuf,
+}
+
+impl Drop for AdamWCore {
+    fn drop(&mut self) {
+        // Unlinked while the store still has it open: its space is freed when the store
+        // (dropped right after this) closes it.
+        if let Err(e) = std::fs::remove_file(&self.swap_path) {
+            tracing::warn!(path = %self.swap_path.display(), error = %e, "tidestore.AdamW: swap file not removed");
+        }
+    }
 }
 
 impl std::fmt::Debug for AdamWCore {
@@ -141,6 +154,7 @@ impl AdamWCore {
             reported: 0,
             host_budget_bytes,
             chunk_elements,
+            swap_path: cfg.nvme_dir.join(tidestore_chunk::SWAP_FILE_NAME),
         })
     }
 

@@ -264,3 +264,11 @@ def test_importing_tidestore_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=os.path.dirname(__file__))
     assert out.stdout.strip() == "False"
+
+
+def test_swap_file_is_removed_with_the_core(tmp_path, rng):
+    c = core(tmp_path, spill_shapes(), chunk_elements=CHUNK, host_budget=SMALL_HOST)
+    init_params(c, rng, spill_shapes())
+    assert os.listdir(tmp_path) == ["tidestore-chunks.swap"]
+    del c
+    assert os.listdir(tmp_path) == []

@@ -272,6 +272,14 @@ class AdamW(torch.optim.Optimizer):
         self.load(path)
         self._restore_groups(state_dict["param_groups"])
 
+    def close(self):
+        """Releases the store now: its host pool, and its swap file in ``nvme_dir``
+        (otherwise removed when the optimizer is garbage-collected)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._core = None
+
     def stats(self):
         """The store's and the step loop's counters (NVMe bytes moved, host buffers...)."""
         return self._core.stats()
