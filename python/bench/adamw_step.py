@@ -32,7 +32,12 @@ def main():
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small-host", default="1GiB", help="host_budget of the NVMe case")
+    ap.add_argument("--full", action="store_true",
+                    help="time whole training steps (forward, backward, step) instead, "
+                         "with overlap=True cases")
     args = ap.parse_args()
+    if args.full:
+        return full_steps(args)
 
     models, opts = {}, {}
     ref = make_model(args.layers, args.width)
@@ -91,6 +96,37 @@ def main():
     dmax = max((p - q).abs().max().item()
                for p, q in zip(models["torch"].parameters(), models["tide_nvme"].parameters()))
     print(f"max |torch - tidestore(NVMe)| after {args.reps + 1} steps: {dmax:.2e}")
+
+
+def full_steps(args):
+    """Forward + backward + step of a batch of 8, per optimizer, alternated."""
+    hp = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    cases = {}
+    m = make_model(args.layers, args.width)
+    cases["torch.optim.AdamW(fused=True)"] = (m, torch.optim.AdamW(m.parameters(), **hp, fused=True))
+    for name, kw in [("tidestore RAM, overlap=False", {}),
+                     ("tidestore RAM, overlap=True", {"overlap": True}),
+                     (f"tidestore NVMe ({args.small_host}), overlap=True",
+                      {"overlap": True, "host_budget": args.small_host})]:
+        m = make_model(args.layers, args.width)
+        cases[name] = (m, tidestore.AdamW(m.parameters(), **hp, **kw,
+                                          nvme_dir=tempfile.mkdtemp(dir=args.nvme_dir)))
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, args.width, generator=g) for _ in range(args.reps + 1)]
+    times = {k: [] for k in cases}
+    for rep, x in enumerate(batches):
+        for k, (m, o) in cases.items():
+            t = time.perf_counter()
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+            if rep > 0:
+                times[k].append(time.perf_counter() - t)
+    n = sum(p.numel() for p in cases[next(iter(cases))][0].parameters())
+    print(f"model: {args.layers} x Linear({args.width}, {args.width}) = {n / 1e6:.1f}M params, "
+          f"fp32, CPU, batch 8, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for k, v in times.items():
+        print(f"{k:45s} median {statistics.median(v):.3f} s  all {[round(t, 3) for t in v]}")
 
 
 if __name__ == "__main__":
