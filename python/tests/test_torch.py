@@ -1,0 +1,208 @@
+"""tidestore.AdamW in PyTorch training loops.
+
+Guards against: parameters that drift from torch.optim.AdamW (fp32, and bf16 parameters
+against an fp32 master trained by torch); clipping that differs from
+clip_grad_norm_; overlap=True that is not bit-identical to overlap=False; a state_dict
+that does not resume bit for bit or loads a file overwritten since; bad input (a
+non-float or non-contiguous parameter, a parameter whose shape changed, a missing
+gradient) that changes anything before it is refused. Skipped, with the reason printed,
+where torch is not installed (see .ci/python-tests.sh).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the torch-level tests need it")
+
+import tidestore  # noqa: E402
+
+
+def model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+        torch.nn.Linear(64, 4)).to(dtype)
+
+
+def batches(n, dtype=torch.float32, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 4, generator=g).to(dtype))
+            for _ in range(n)]
+
+
+def train(m, opt, data, clip=None):
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x).float(), y.float()).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+
+
+def max_diff(a, b):
+    return max((p.float() - q.float()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+@pytest.mark.parametrize("states", ["fp32"])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fp32_matches_torch_adamw(tmp_path, clip, states):
+    a, b = model(), model()
+    data = batches(8)
+    train(a, tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path, max_grad_norm=clip,
+                             states=states), data)
+    train(b, torch.optim.AdamW(b.parameters(), **HP, foreach=False), data, clip=clip)
+    assert max_diff(a, b) < 2e-5
+
+
+def test_bf16_params_match_an_fp32_master_trained_by_torch(tmp_path):
+    """bf16 parameters: the core keeps an fp32 master; the reference is torch's AdamW on
+    fp32 copies fed the same bf16 gradients, rounded to bf16 after each step."""
+    a = model(dtype=torch.bfloat16)
+    master = copy.deepcopy(a).float()
+    opt_a = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path)
+    opt_m = torch.optim.AdamW(master.parameters(), **HP, foreach=False)
+    shadow = copy.deepcopy(a)
+    for x, y in batches(5, torch.bfloat16):
+        opt_a.zero_grad()
+        torch.nn.functional.mse_loss(a(x).float(), y.float()).backward()
+        shadow.load_state_dict(a.state_dict())
+        for pm, pa in zip(master.parameters(), a.parameters()):
+            pm.grad = pa.grad.float()
+        opt_a.step()
+        opt_m.step()
+    for pa, pm in zip(a.parameters(), master.parameters()):
+        assert pa.dtype == torch.bfloat16
+        diff = (pa.float() - pm.to(torch.bfloat16).float()).abs()
+        # Equal but for ties of rounding where the two fp32 masters differ in the last bits.
+        assert (diff > 0).float().mean().item() < 0.01
+        assert diff.max().item() <= 2 ** -7 * pm.abs().max().item()
+
+
+def test_overlap_is_bit_identical(tmp_path):
+    a, b = model(), model()
+    data = batches(6)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path / "a", chunk_elements=8192)
+    ob = tidestore.AdamW(b.parameters(), **HP, nvme_dir=tmp_path / "b", chunk_elements=8192,
+                         overlap=True)
+    train(a, oa, data)
+    train(b, ob, data)
+    assert ob.stats()["tensors_overlapped"] > 0
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_overlap_with_clipping_is_refused():
+    m = model()
+    with pytest.raises(tidestore.ConfigError, match="max_grad_norm"):
+        tidestore.AdamW(m.parameters(), overlap=True, max_grad_norm=1.0)
+
+
+def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
+    data = batches(6)
+    a = model()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path / "a", states="bf16",
+                         host_budget="160KiB", chunk_elements=8192)
+    train(a, oa, data[:3])
+    assert oa.stats()["nvme_read_bytes"] > 0
+    saved = {"model": copy.deepcopy(a.state_dict()), "optim": oa.state_dict()}
+    torch.save(saved, tmp_path / "ckpt.pt")
+    train(a, oa, data[3:])
+
+    b = model(seed=99)
+    ob = tidestore.AdamW(b.parameters(), **HP, nvme_dir=tmp_path / "b", states="bf16")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    b.load_state_dict(loaded["model"])
+    ob.load_state_dict(loaded["optim"])
+    train(b, ob, data[3:])
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_of_an_overwritten_file_is_refused(tmp_path):
+    m = model()
+    opt = tidestore.AdamW(m.parameters(), nvme_dir=tmp_path)
+    train(m, opt, batches(1))
+    sd = opt.state_dict()
+    train(m, opt, batches(1))
+    opt.state_dict()
+    with pytest.raises(ValueError, match="overwritten"):
+        opt.load_state_dict(sd)
+
+
+def test_parameter_changed_outside_the_optimizer_is_taken(tmp_path):
+    a, b = model(), model()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path)
+    ob = torch.optim.AdamW(b.parameters(), **HP, foreach=False)
+    data = batches(4)
+    train(a, oa, data[:2])
+    train(b, ob, data[:2])
+    fresh = model(seed=3).state_dict()
+    a.load_state_dict(fresh)
+    b.load_state_dict(fresh)
+    train(a, oa, data[2:])
+    train(b, ob, data[2:])
+    assert max_diff(a, b) < 2e-5
+
+
+def test_lr_scheduler_changes_the_step(tmp_path):
+    a, b = model(), model()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path)
+    ob = torch.optim.AdamW(b.parameters(), **HP, foreach=False)
+    sa = torch.optim.lr_scheduler.StepLR(oa, 1, gamma=0.5)
+    sb = torch.optim.lr_scheduler.StepLR(ob, 1, gamma=0.5)
+    for batch in batches(4):
+        train(a, oa, [batch])
+        train(b, ob, [batch])
+        sa.step()
+        sb.step()
+    assert max_diff(a, b) < 2e-5
+
+
+def test_bad_parameters_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="parameter 0.*int64"):
+        tidestore.AdamW([torch.zeros(3, dtype=torch.int64)], nvme_dir=tmp_path)
+    nc = torch.randn(4, 3).t().detach().requires_grad_()
+    with pytest.raises(ValueError, match="parameter 0.*not contiguous"):
+        tidestore.AdamW([nc], nvme_dir=tmp_path)
+    with pytest.raises(tidestore.ConfigError, match="nvme_dir"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path / "missing")
+    with pytest.raises(tidestore.ConfigError, match="host_budget"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, host_budget="4KiB")
+    with pytest.raises(ValueError, match="host_budget"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, host_budget="lots")
+    m = model()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\]"):
+        tidestore.AdamW([{"params": m[0].parameters()},
+                         {"params": m[2].parameters(), "weight_decay": 0.0}], nvme_dir=tmp_path)
+
+
+def test_shape_change_and_missing_grad_change_nothing(tmp_path):
+    m = model()
+    opt = tidestore.AdamW(m.parameters(), nvme_dir=tmp_path)
+    train(m, opt, batches(1))
+    before = [p.detach().clone() for p in m.parameters()]
+    masters = [opt._core.master(i) for i in range(len(before))]
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    m[4].bias.grad = None
+    with pytest.raises(ValueError, match="parameter 5.*no gradient"):
+        opt.step()
+    m[4].bias.grad = torch.zeros(4)
+    with torch.no_grad():
+        m[0].bias.data = torch.zeros(65)
+    with pytest.raises(ValueError, match="parameter 1 changed shape"):
+        opt.step()
+    assert opt._core.reported() == 0
+    assert [opt._core.master(i) for i in range(len(before))] == masters
+    for p, q in zip(before[2:], list(m.parameters())[2:]):
+        assert torch.equal(p, q)

@@ -1,0 +1,285 @@
+"""``tidestore.AdamW``: a ``torch.optim.Optimizer`` over tidestore's chunk store.
+
+The optimizer state — an fp32 master copy of every parameter, Adam's M and V (fp32,
+bf16 or block-wise int8), and an fp32 copy of each gradient — lives in a tidestore
+store: a host-memory pool of ``host_budget`` bytes, the rest in a swap file in
+``nvme_dir``. The Rust core steps it with tidestore's SIMD AdamW (``AdamWCore``); this
+class only moves tensors in and out:
+
+- ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it is copied
+  to the CPU first) is handed to the core, the core steps, and each parameter receives
+  its new master copy rounded to its dtype, in place.
+- ``overlap=True``: a ``register_post_accumulate_grad_hook`` hands each gradient over as
+  soon as backward has finished it, and the core steps every group whose gradients are
+  all final while backward goes on; ``step()`` steps the rest and writes parameters back.
+  The result is bit-identical to ``overlap=False``. It is refused with ``max_grad_norm``
+  (clipping needs every gradient first) and needs one backward per step (no gradient
+  accumulation over several backward passes).
+- A parameter changed outside the optimizer (``model.load_state_dict``, an in-place edit
+  under ``no_grad``: its version counter moved) is compared with the master copy before
+  the next step; if its values differ, they become the master copy.
+
+Checkpoints are streamed: ``state_dict()`` writes the state into a tidestore checkpoint
+(one safetensors file: ``optimizer.master.param.I``, ``optimizer.exp_avg.param.I``,
+``optimizer.exp_avg_sq.param.I``, one tensor at a time, never all in RAM) at
+``checkpoint_path`` and returns a small dict that names the file, its step and the
+param groups — so ``torch.save({"optim": opt.state_dict(), ...})`` stays small; keep the
+file with it. ``load_state_dict()`` verifies the whole file (checksums, shapes, and that it
+still holds the step the dict names) before it changes anything, loads it and writes the
+master copies into the parameters. ``save(path)`` / ``load(path)`` do the same with an
+explicit file.
+
+Differences from ``torch.optim.AdamW``: every parameter is stepped every step (one
+without a gradient is an error, where torch skips it); all param groups must share one
+set of hyper-parameters (the learning rate may change between steps, e.g. by a
+scheduler); ``amsgrad``, ``maximize``, ``capturable`` and complex parameters are not
+supported.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from ._tidestore import AdamWCore
+from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes
+
+__all__ = ["AdamW"]
+
+_HP_KEYS = ("betas", "eps", "weight_decay")
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
+                 overlap=False, threads=0, checkpoint_path=None, chunk_elements=None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self._check_groups()
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(self._params):
+            self._check_param(i, p)
+        host_budget = parse_bytes(host_budget, "host_budget")
+        self._tmpdir = None
+        if nvme_dir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="tidestore-adamw-")
+            nvme_dir = self._tmpdir
+            weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
+        self.nvme_dir = os.fspath(nvme_dir)
+        self.checkpoint_path = os.fspath(
+            checkpoint_path or os.path.join(self.nvme_dir, "tidestore-adamw.safetensors"))
+        self.overlap = bool(overlap)
+        self._shapes = [tuple(p.shape) for p in self._params]
+        g0 = self.param_groups[0]
+        self._core = AdamWCore(
+            [list(s) for s in self._shapes], lr=float(g0["lr"]), betas=tuple(g0["betas"]),
+            eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
+            nvme_dir=self.nvme_dir, host_budget=host_budget, max_grad_norm=max_grad_norm,
+            overlap=self.overlap, threads=threads, chunk_elements=chunk_elements)
+        self._lr = float(g0["lr"])
+        for i, p in enumerate(self._params):
+            self._core.set_param(i, self._cpu_view(p), dtype_name(p))
+        self._versions = [p._version for p in self._params]
+        self._checked = False
+        self._hooks = []
+        if self.overlap:
+            for i, p in enumerate(self._params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_groups(self):
+        def norm(v):
+            return tuple(v) if isinstance(v, (list, tuple)) else v
+
+        g0 = self.param_groups[0]
+        for k, g in enumerate(self.param_groups[1:], 1):
+            for key in _HP_KEYS + ("lr",):
+                if norm(g[key]) != norm(g0[key]):
+                    raise ValueError(
+                        f"param_groups[{k}]['{key}'] = {g[key]!r} differs from group 0's "
+                        f"{g0[key]!r}: tidestore.AdamW steps every parameter with one set of "
+                        "hyper-parameters")
+
+    def _check_param(self, i, p, shape=None):
+        what = f"parameter {i}"
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{what}: a {type(p).__name__}, expected a torch.Tensor")
+        if dtype_name(p) not in FLOAT_DTYPES:
+            raise TypeError(f"{what}: dtype {p.dtype} is not float32, bfloat16 or float16")
+        if not p.requires_grad:
+            raise ValueError(f"{what} does not require grad; pass only trainable parameters")
+        if not p.is_contiguous():
+            raise ValueError(f"{what} (shape {tuple(p.shape)}) is not contiguous")
+        if shape is not None and tuple(p.shape) != shape:
+            raise ValueError(
+                f"{what} changed shape from {shape} to {tuple(p.shape)} since it was registered")
+
+    def _check_grad(self, i, p):
+        g = p.grad
+        what = f"parameter {i}"
+        if g is None:
+            raise ValueError(
+                f"{what} (shape {tuple(p.shape)}) has no gradient: tidestore.AdamW steps every "
+                "parameter every step; pass only parameters that get gradients")
+        if g.is_sparse or g.layout != torch.strided:
+            raise TypeError(f"{what}: sparse gradients are not supported")
+        if dtype_name(g) not in FLOAT_DTYPES:
+            raise TypeError(f"{what}: gradient dtype {g.dtype} is not float32, bfloat16 or float16")
+        if tuple(g.shape) != self._shapes[i]:
+            raise ValueError(
+                f"{what}: gradient of shape {tuple(g.shape)} for a parameter of shape "
+                f"{self._shapes[i]}")
+
+    def _check_all(self):
+        """Every parameter as registered (shape, dtype, contiguity), checked before any
+        is handed over; parameters changed outside the optimizer synced into the core."""
+        self._check_groups()
+        for i, p in enumerate(self._params):
+            self._check_param(i, p, self._shapes[i])
+        for i, p in enumerate(self._params):
+            if p._version != self._versions[i]:
+                self._core.sync_param(i, self._cpu_view(p), dtype_name(p))
+                self._versions[i] = p._version
+        lr = float(self.param_groups[0]["lr"])
+        if lr != self._lr:
+            self._core.set_lr(lr)
+            self._lr = lr
+
+    # -- moving tensors ----------------------------------------------------------------
+
+    @staticmethod
+    def _cpu_view(t):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return byte_view(t, "tensor")
+
+    def _put_grad(self, i, p):
+        g = p.grad.detach()
+        self._core.put_grad(i, self._cpu_view(g), dtype_name(g))
+
+    def _write_back(self):
+        for i, p in enumerate(self._params):
+            dt = dtype_name(p)
+            if p.device.type == "cpu":
+                self._core.read_param(i, byte_view(p.detach(), f"parameter {i}", writable=True), dt)
+            else:
+                tmp = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                self._core.read_param(i, byte_view(tmp, f"parameter {i}", writable=True), dt)
+                with torch.no_grad():
+                    p.copy_(tmp)
+            self._versions[i] = p._version
+
+    def _hook(self, i):
+        def hook(p):
+            if not self._checked:
+                self._check_all()
+                self._checked = True
+            self._check_grad(i, p)
+            self._put_grad(i, p)
+        return hook
+
+    # -- the Optimizer interface -------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.overlap:
+            self._check_all()
+            for i, p in enumerate(self._params):
+                self._check_grad(i, p)
+            for i, p in enumerate(self._params):
+                self._put_grad(i, p)
+        self._checked = False
+        self.last_step = self._core.step()
+        self._write_back()
+        return loss
+
+    def _groups_meta(self):
+        groups, start = [], 0
+        for g in self.param_groups:
+            meta = {k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in g.items() if k != "params"}
+            meta["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(meta)
+        return groups
+
+    def save(self, path):
+        """Streams the optimizer state into a tidestore checkpoint file at ``path``."""
+        path = os.fspath(path)
+        meta = {"param_groups": json.dumps(self._groups_meta()),
+                "step": str(self._core.step_count())}
+        self._core.save(path, meta)
+        return path
+
+    def load(self, path):
+        """Loads a checkpoint written by ``save``/``state_dict`` (verified whole first)
+        and writes its master copies into the parameters."""
+        path = os.fspath(path)
+        groups = json.loads(AdamWCore.read_metadata(path).get("param_groups", "[]"))
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"checkpoint {path} has {len(groups)} param groups, this optimizer "
+                f"{len(self.param_groups)}")
+        meta = self._core.load(path)
+        self._restore_groups(groups)
+        self._write_back()
+        return meta
+
+    def _restore_groups(self, groups):
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        for g, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+        lr = float(self.param_groups[0]["lr"])
+        self._core.set_lr(lr)
+        self._lr = lr
+
+    def state_dict(self):
+        path = self.save(self.checkpoint_path)
+        return {
+            "state": {},
+            "param_groups": self._groups_meta(),
+            "tidestore": {"format": "tidestore.checkpoint.v1", "path": path,
+                          "step": self._core.step_count()},
+        }
+
+    def load_state_dict(self, state_dict):
+        ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
+        if not ts or "path" not in ts:
+            raise ValueError(
+                "not a tidestore.AdamW state dict (no 'tidestore' entry naming the checkpoint "
+                "file); torch.optim.AdamW state cannot be loaded into it")
+        path = ts["path"]
+        found = AdamWCore.read_metadata(path).get("step")
+        if found != str(ts.get("step")):
+            raise ValueError(
+                f"checkpoint {path} holds step {found}, the state dict names step "
+                f"{ts.get('step')}: the file was overwritten by a later save")
+        self.load(path)
+        self._restore_groups(state_dict["param_groups"])
+
+    def close(self):
+        """Releases the store now: its host pool, and its swap file in ``nvme_dir``
+        (otherwise removed when the optimizer is garbage-collected)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._core = None
+
+    def stats(self):
+        """The store's and the step loop's counters (NVMe bytes moved, host buffers...)."""
+        return self._core.stats()
