@@ -156,8 +156,13 @@ impl fmt::Display for StoreStats {
         )?;
         writeln!(
             f,
-            "nvme: at most {} requests in flight; {} reads queued behind write-backs",
-            self.nvme_in_flight_max, self.queued_reads
+            "nvme: at most {} requests in flight; {} reads queued behind write-backs; \
+             {} reads started ahead and used (lead at least {} moments), {} on demand",
+            self.nvme_in_flight_max,
+            self.queued_reads,
+            self.nvme_reads_ahead,
+            self.nvme_read_lead_min,
+            self.nvme_reads_on_demand
         )?;
         writeln!(
             f,

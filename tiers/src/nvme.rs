@@ -312,6 +312,13 @@ impl NvmeTier {
         self.lock().outstanding()
     }
 
+    /// Requests finished and not yet handed back by [`NvmeTier::poll`] /
+    /// [`NvmeTier::wait`] (taken by the pump, or by the owner's last call).
+    pub fn finished(&self) -> usize {
+        let st = self.lock();
+        st.stash.len() + st.file.finished()
+    }
+
     /// Register `pool` (the host tier's) with the swap file's engine as io_uring fixed
     /// buffers; returns whether it took (see `SwapFile::register_pool`). Requests on
     /// other buffers are unaffected.

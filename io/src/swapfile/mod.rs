@@ -210,6 +210,12 @@ impl SwapFile {
         self.poisoned.is_some()
     }
 
+    /// Requests finished whose completion [`SwapFile::poll`] / [`SwapFile::wait`] has
+    /// not returned yet.
+    pub fn finished(&self) -> usize {
+        self.ready.len()
+    }
+
     /// Requests submitted whose completion [`SwapFile::wait`] has not returned yet.
     pub fn outstanding(&self) -> usize {
         self.in_flight.len() - self.free_tokens.len() + self.ready.len()
