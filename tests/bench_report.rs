@@ -102,9 +102,28 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
             "peak_device_bytes",
             "peak_host_bytes",
             "peak_nvme_bytes",
+            "nvme_read_bytes_per_s",
+            "nvme_requests_in_flight",
+            "nvme_busy_fraction",
+            "nvme_wait_seconds",
+            "bound_seconds",
         ] {
             assert!(p[f].is_number(), "phases[].{f}");
         }
+        // The phase's bound is at most its time (its time less the NVMe waits is one
+        // candidate), or the disk's: either way positive.
+        let secs = p["seconds"].as_f64().unwrap();
+        let bound = p["bound_seconds"].as_f64().unwrap();
+        assert!(
+            bound > 0.0 || secs == 0.0,
+            "phases[].bound_seconds = {bound}"
+        );
+        let in_flight = p["nvme_requests_in_flight"].as_f64().unwrap();
+        let depth = v["nvme_queue_depth"].as_u64().expect("nvme_queue_depth") as f64;
+        assert!(
+            (0.0..=depth).contains(&in_flight),
+            "{in_flight} requests in flight on average, queue depth {depth}"
+        );
     }
     for f in ["device_bytes", "host_bytes", "nvme_bytes"] {
         assert!(v["peak"][f].is_u64(), "peak.{f}");
@@ -154,6 +173,8 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
         "prefetch_loads",
         "prefetch_hits",
         "divergences",
+        "nvme_reads_ahead",
+        "nvme_reads_on_demand",
     ] {
         assert!(v["store"][f].is_u64(), "store.{f}");
     }

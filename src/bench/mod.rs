@@ -757,6 +757,8 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
             prefetch_loads: st.prefetch_loads,
             prefetch_hits: st.prefetch_hits,
             divergences: st.divergences,
+            nvme_reads_ahead: st.nvme_reads_ahead,
+            nvme_reads_on_demand: st.nvme_reads_on_demand,
         },
         bound,
         checksum: format!("{:016x}", r.checksum),

@@ -257,6 +257,10 @@ pub struct StoreReport {
     pub prefetch_hits: u64,
     /// Times the access sequence left the schedule.
     pub divergences: u64,
+    /// Accesses whose chunk's NVMe read a prefetch had started at an earlier moment.
+    pub nvme_reads_ahead: u64,
+    /// NVMe reads made by the access that needed the chunk.
+    pub nvme_reads_on_demand: u64,
 }
 
 /// One instant of the last measured iteration, for the plot.

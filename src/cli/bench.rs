@@ -309,13 +309,15 @@ fn print_table(r: &BenchReport) {
     let s = &r.store;
     out!(
         "store: {} device evictions, {} host evictions, {} demand loads, {} prefetch loads \
-         ({} hits), {} divergences",
+         ({} hits), {} divergences; NVMe reads: {} started ahead of their access, {} on demand",
         s.device_evictions,
         s.host_evictions,
         s.demand_loads,
         s.prefetch_loads,
         s.prefetch_hits,
-        s.divergences
+        s.divergences,
+        s.nvme_reads_ahead,
+        s.nvme_reads_on_demand
     );
     let b = &r.bound;
     let compute = if b.tflops > 0.0 {
