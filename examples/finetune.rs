@@ -25,6 +25,7 @@ use candle_core::Device;
 use candle_nn::{Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use tidestore::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use tidestore_candle::{
     checkpoint, Batches, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision, TideConfig,
     TideParams,
@@ -247,9 +248,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// Steps the final loss is averaged over (one batch per step: single steps are noisy).
 const FINAL_STEPS: usize = 20;
 
-fn final_loss(c: &Curve) -> f64 {
-    let tail = &c[c.len().saturating_sub(FINAL_STEPS)..];
-    tail.iter().map(|p| f64::from(p.1)).sum::<f64>() / tail.len().max(1) as f64
+fn points(c: &Curve) -> Vec<(u32, f32)> {
+    c.iter().map(|&(s, l)| (s as u32, l)).collect()
 }
 
 /// Every run's final loss against the first run's.
@@ -260,56 +260,24 @@ fn compare(curves: &[(String, Curve)]) {
     if rest.is_empty() || first.is_empty() {
         return;
     }
-    let base = final_loss(first);
+    let base = final_loss(&points(first), FINAL_STEPS);
     println!("final loss (mean of the last {FINAL_STEPS} steps): {first_label} {base:.4}");
     for (label, c) in rest {
-        let l = final_loss(c);
+        let l = final_loss(&points(c), FINAL_STEPS);
         println!("  {label} {l:.4} ({:+.2} %)", (l / base - 1.0) * 100.0);
     }
 }
 
-/// The curves on one pair of axes, one colour each.
+/// The curves side by side, and each one's distance to the first.
 fn draw(curves: &[(String, Curve)], path: &std::path::Path) -> Result<(), String> {
-    use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    let all = || curves.iter().flat_map(|(_, c)| c.iter());
-    let last = all().map(|p| p.0).max().ok_or("no step was run")?;
-    let hi = all().map(|p| p.1).fold(f32::MIN, f32::max);
-    let lo = all().map(|p| p.1).fold(f32::MAX, f32::min);
-    let pad = ((hi - lo) * 0.05).max(1e-3);
-    let root = SVGBackend::new(path, (1000, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "loss: byte-level GPT (examples/finetune.rs)",
-            ("sans-serif", 20),
-        )
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(60)
-        .build_cartesian_2d(1..last.max(2), (lo - pad)..(hi + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy")
-        .draw()
-        .map_err(|e| err(&e))?;
-    for (k, (label, c)) in curves.iter().enumerate() {
-        let color = Palette99::pick(k).to_rgba();
-        chart
-            .draw_series(LineSeries::new(c.iter().copied(), color))
-            .map_err(|e| err(&e))?
-            .label(label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))
+    let curves: Vec<LossCurve> = curves
+        .iter()
+        .map(|(label, c)| LossCurve {
+            label: label.clone(),
+            points: points(c),
+        })
+        .collect();
+    draw_loss_curves("byte-level GPT (examples/finetune.rs)", &curves, path)
 }
 
 fn bar(from: u64, to: u64) -> ProgressBar {

@@ -10,8 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use plotters::prelude::*;
 use tidestore::finetune::{self, FinetuneProgress, FinetuneReport, StepRecord};
+use tidestore::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use tidestore::plan::human_bytes;
 use tidestore::Config;
 
@@ -42,18 +42,18 @@ pub struct FinetuneArgs {
     plot_with: Vec<PathBuf>,
 }
 
-/// One run's loss curve: a label and `(step, loss)` points.
-struct Curve {
-    label: String,
-    points: Vec<(u32, f32)>,
-}
-
 /// Steps the final loss is averaged over (single steps are one batch each: noisy).
 const FINAL_STEPS: usize = 20;
 
-impl Curve {
-    fn of(r: &FinetuneReport) -> Curve {
-        Curve {
+/// A run's loss curve, from this run's report or an earlier run's `--json` file.
+trait Curve: Sized {
+    fn of(r: &FinetuneReport) -> Self;
+    fn load(path: &Path) -> Result<Self, CliError>;
+}
+
+impl Curve for LossCurve {
+    fn of(r: &FinetuneReport) -> LossCurve {
+        LossCurve {
             label: format!("this run ({})", r.states),
             points: r.steps.iter().map(|s| (s.step, s.loss)).collect(),
         }
@@ -61,7 +61,7 @@ impl Curve {
 
     /// A `--json` report of `tidestore finetune`, labelled by its `states` (or, in a
     /// report from before that field, its file name).
-    fn load(path: &Path) -> Result<Curve, CliError> {
+    fn load(path: &Path) -> Result<LossCurve, CliError> {
         let bad = |reason: String| CliError::Output {
             what: "cannot read the loss curve of",
             path: path.to_path_buf(),
@@ -96,13 +96,7 @@ impl Curve {
             Some(states) => format!("{states} ({name})"),
             None => name,
         };
-        Ok(Curve { label, points })
-    }
-
-    /// The mean loss of the last [`FINAL_STEPS`] steps.
-    fn final_loss(&self) -> f64 {
-        let tail = &self.points[self.points.len().saturating_sub(FINAL_STEPS)..];
-        tail.iter().map(|p| f64::from(p.1)).sum::<f64>() / tail.len().max(1) as f64
+        Ok(LossCurve { label, points })
     }
 }
 
@@ -167,13 +161,13 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), CliError> {
     let others = args
         .plot_with
         .iter()
-        .map(|p| Curve::load(p))
+        .map(|p| LossCurve::load(p))
         .collect::<Result<Vec<_>, _>>()?;
     let report = finetune::run(&cfg, args.resume, &mut Bar(bar))?;
-    let mut curves = vec![Curve::of(&report)];
+    let mut curves = vec![LossCurve::of(&report)];
     curves.extend(others);
     if let Some(path) = &args.plot {
-        draw(&report.model, &curves, path).map_err(|reason| CliError::Output {
+        draw_loss_curves(&report.model, &curves, path).map_err(|reason| CliError::Output {
             what: "cannot draw the loss curve into",
             path: path.clone(),
             reason,
@@ -194,20 +188,20 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), CliError> {
 }
 
 /// Each earlier run's final loss against this run's.
-fn compare(curves: &[Curve]) {
+fn compare(curves: &[LossCurve]) {
     let [this, others @ ..] = curves else {
         return;
     };
     if others.is_empty() || this.points.is_empty() {
         return;
     }
-    let mine = this.final_loss();
+    let mine = final_loss(&this.points, FINAL_STEPS);
     out!(
         "final loss (mean of the last {FINAL_STEPS} steps): {} {mine:.4}",
         this.label
     );
     for c in others {
-        let theirs = c.final_loss();
+        let theirs = final_loss(&c.points, FINAL_STEPS);
         out!(
             "  {} {theirs:.4}: this run is {:+.2} % against it",
             c.label,
@@ -263,48 +257,4 @@ fn print(r: &FinetuneReport) {
     if let Some(e) = &r.export {
         out!("exported: {}", e.display());
     }
-}
-
-/// The loss per step of every curve, one line each, on one pair of axes.
-fn draw(model: &str, curves: &[Curve], path: &Path) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    let all = || curves.iter().flat_map(|c| c.points.iter());
-    if all().next().is_none() {
-        return Err("no step was run".into());
-    }
-    let first = all().map(|p| p.0).min().unwrap_or(0);
-    let last = all().map(|p| p.0).max().unwrap_or(1);
-    let hi = all().map(|p| p.1).fold(f32::MIN, f32::max);
-    let lo = all().map(|p| p.1).fold(f32::MAX, f32::min);
-    let pad = ((hi - lo) * 0.05).max(1e-3);
-    let root = SVGBackend::new(path, (1000, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("loss: {model}"), ("sans-serif", 20))
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(60)
-        .build_cartesian_2d(first..last.max(first + 1), (lo - pad)..(hi + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy")
-        .draw()
-        .map_err(|e| err(&e))?;
-    for (k, c) in curves.iter().enumerate() {
-        let color = Palette99::pick(k).to_rgba();
-        chart
-            .draw_series(LineSeries::new(c.points.iter().copied(), color))
-            .map_err(|e| err(&e))?
-            .label(c.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))
 }
