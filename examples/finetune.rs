@@ -7,13 +7,16 @@
 //! cargo run --release --example finetune -- --steps 200 --optimizer candle   # baseline
 //! cargo run --release --example finetune -- --steps 300 --resume    # continue from the checkpoint
 //! cargo run --release --example finetune -- --lora 8 --base target/finetune/ckpt.safetensors
+//! cargo run --release --example finetune -- --steps 300 --states fp32,bf16,int8 --plot states.svg
 //! cargo run --release --example finetune --features tidestore-candle/candle-cuda -- ...   # GPU (needs nvcc)
 //! ```
 //!
 //! `--optimizer candle` trains the same model, same data and hyper-parameters with
 //! `candle_nn::AdamW` entirely in memory (no checkpoint): the reference for the loss
 //! curve and the wall time. Prints the loss with a progress bar, a loss curve at the end,
-//! the wall time, and (tidestore) the bytes each tier moved.
+//! the wall time, and (tidestore) the bytes each tier moved. Several `--states` train the
+//! same model on the same batches once per moment form, print each final loss against
+//! the first form's, and with `--plot` draw the curves side by side.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -22,6 +25,7 @@ use candle_core::Device;
 use candle_nn::{Optimizer, ParamsAdamW};
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use tidestore::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use tidestore_candle::{
     checkpoint, Batches, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision, TideConfig,
     TideParams,
@@ -48,6 +52,16 @@ enum States {
     Fp32,
     Bf16,
     Int8,
+}
+
+impl States {
+    fn name(self) -> &'static str {
+        match self {
+            States::Fp32 => "fp32",
+            States::Bf16 => "bf16",
+            States::Int8 => "int8",
+        }
+    }
 }
 
 #[derive(Debug, Parser)]
@@ -111,9 +125,13 @@ struct Args {
     /// LoRA: base weights from this checkpoint (e.g. a full run's); default: random init.
     #[arg(long)]
     base: Option<PathBuf>,
-    /// How M and V are stored (optimizer.states): fp32, bf16 or int8.
-    #[arg(long, value_enum, default_value_t = States::Fp32)]
-    states: States,
+    /// How M and V are stored (optimizer.states): fp32, bf16 or int8; several
+    /// (comma-separated) train once per form, same model and batches, and compare.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
+    states: Vec<States>,
+    /// Draw the loss curve(s) into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// Print the loss every this many steps.
     #[arg(long, default_value_t = 10)]
     log_every: u64,
@@ -182,28 +200,84 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         args.text.metadata().map(|m| m.len()).unwrap_or(0)
     );
 
-    let started = Instant::now();
-    let curve = match args.optimizer {
-        Opt::Candle => run_candle(&args, &model, &data, &params, &device)?,
-        Opt::Tidestore => run_tidestore(&args, &model, &data, &params, &device)?,
-    };
-    let wall = started.elapsed().as_secs_f64();
-    println!("loss curve (step: loss):");
-    let stride = (curve.len() / 10).max(1);
-    for (i, (step, loss)) in curve.iter().enumerate() {
-        if i % stride == 0 || i + 1 == curve.len() {
-            println!("  {step:>6}: {loss:.4}");
-        }
+    if args.resume && args.states.len() > 1 {
+        return Err("--resume continues one run: give one --states".into());
     }
-    if !curve.is_empty() {
-        println!(
-            "wall {wall:.1} s for {} steps ({:.3} s/step), optimizer {:?}",
-            curve.len(),
-            wall / curve.len() as f64,
-            args.optimizer
-        );
+    let mut curves: Vec<(String, Curve)> = Vec::new();
+    let runs: Vec<Option<States>> = match args.optimizer {
+        Opt::Candle => vec![None],
+        Opt::Tidestore => args.states.iter().map(|&s| Some(s)).collect(),
+    };
+    for states in runs {
+        let started = Instant::now();
+        let (label, curve) = match states {
+            None => (
+                "candle AdamW".to_string(),
+                run_candle(&args, &model, &data, &params, &device)?,
+            ),
+            Some(s) => (
+                format!("tidestore, {} moments", s.name()),
+                run_tidestore(&args, s, &model, &data, &params, &device)?,
+            ),
+        };
+        let wall = started.elapsed().as_secs_f64();
+        println!("loss curve, {label} (step: loss):");
+        let stride = (curve.len() / 10).max(1);
+        for (i, (step, loss)) in curve.iter().enumerate() {
+            if i % stride == 0 || i + 1 == curve.len() {
+                println!("  {step:>6}: {loss:.4}");
+            }
+        }
+        if !curve.is_empty() {
+            println!(
+                "wall {wall:.1} s for {} steps ({:.3} s/step), {label}",
+                curve.len(),
+                wall / curve.len() as f64,
+            );
+        }
+        curves.push((label, curve));
+    }
+    compare(&curves);
+    if let Some(path) = &args.plot {
+        draw(&curves, path).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        println!("plot: {}", path.display());
     }
     Ok(())
+}
+
+/// Steps the final loss is averaged over (one batch per step: single steps are noisy).
+const FINAL_STEPS: usize = 20;
+
+fn points(c: &Curve) -> Vec<(u32, f32)> {
+    c.iter().map(|&(s, l)| (s as u32, l)).collect()
+}
+
+/// Every run's final loss against the first run's.
+fn compare(curves: &[(String, Curve)]) {
+    let [(first_label, first), rest @ ..] = curves else {
+        return;
+    };
+    if rest.is_empty() || first.is_empty() {
+        return;
+    }
+    let base = final_loss(&points(first), FINAL_STEPS);
+    println!("final loss (mean of the last {FINAL_STEPS} steps): {first_label} {base:.4}");
+    for (label, c) in rest {
+        let l = final_loss(&points(c), FINAL_STEPS);
+        println!("  {label} {l:.4} ({:+.2} %)", (l / base - 1.0) * 100.0);
+    }
+}
+
+/// The curves side by side, and each one's distance to the first.
+fn draw(curves: &[(String, Curve)], path: &std::path::Path) -> Result<(), String> {
+    let curves: Vec<LossCurve> = curves
+        .iter()
+        .map(|(label, c)| LossCurve {
+            label: label.clone(),
+            points: points(c),
+        })
+        .collect();
+    draw_loss_curves("byte-level GPT (examples/finetune.rs)", &curves, path)
 }
 
 fn bar(from: u64, to: u64) -> ProgressBar {
@@ -265,6 +339,7 @@ fn run_candle(
 
 fn run_tidestore(
     args: &Args,
+    states: States,
     model: &Gpt,
     data: &Batches,
     params: &[(tidestore_candle::ParamSpec, Vec<f32>)],
@@ -289,14 +364,20 @@ fn run_tidestore(
     cfg.host_chunks = args.host_chunks;
     cfg.device_chunks = args.device_chunks;
     cfg.chunk_elements = args.chunk_elements;
-    cfg.moments = match args.states {
+    cfg.moments = match states {
         States::Fp32 => MomentStates::F32,
         States::Bf16 => MomentStates::Bf16,
         States::Int8 => MomentStates::Int8,
     };
     let ckpt = args.ckpt.clone().unwrap_or_else(|| {
         let name = if args.lora.is_some() { "lora" } else { "ckpt" };
-        PathBuf::from(format!("target/finetune/{name}.safetensors"))
+        // One file per form when several are compared (a checkpoint holds its form).
+        let form = if args.states.len() > 1 {
+            format!("-{}", states.name())
+        } else {
+            String::new()
+        };
+        PathBuf::from(format!("target/finetune/{name}{form}.safetensors"))
     });
 
     let mut p = TideParams::open(params, &cfg, device)?;

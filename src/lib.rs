@@ -28,6 +28,8 @@ pub mod error;
 pub mod finetune;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+#[cfg(feature = "cli")]
+pub mod loss_plot;
 pub mod plan;
 pub mod session;
 pub mod workload;

@@ -121,6 +121,65 @@ fn lora_exports_a_peft_adapter() {
     assert!(d.path().join("adapter/adapter_model.safetensors").exists());
 }
 
+/// Runs with other moment forms are compared as a user does: the first run's `--json`
+/// report handed to the second with `--plot-with`; both curves in the SVG, each named by
+/// its `optimizer.states`, and the final losses compared on stdout. A report that is not
+/// one is refused before any step runs.
+#[test]
+fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
+    let d = setup("");
+    let fp32 = ok(d.path(), &["finetune", "--json", "--steps", "4"]);
+    let v: serde_json::Value = serde_json::from_str(&fp32).unwrap();
+    assert_eq!(v["states"], "fp32");
+
+    let d2 = setup("");
+    let toml = d2.path().join("tidestore.toml");
+    let cfg = std::fs::read_to_string(&toml).unwrap();
+    std::fs::write(
+        &toml,
+        cfg.replace("threads = 1\n", "threads = 1\nstates = \"int8\"\n"),
+    )
+    .unwrap();
+    std::fs::write(d2.path().join("fp32.json"), &fp32).unwrap();
+    let out = ok(
+        d2.path(),
+        &[
+            "finetune",
+            "--steps",
+            "4",
+            "--plot",
+            "cmp.svg",
+            "--plot-with",
+            "fp32.json",
+        ],
+    );
+    assert!(out.contains("final loss (mean of the last"), "{out}");
+    assert!(
+        out.contains("this run (int8)") && out.contains("fp32 (fp32)"),
+        "{out}"
+    );
+    let svg = std::fs::read_to_string(d2.path().join("cmp.svg")).unwrap();
+    assert!(svg.contains("this run (int8)") && svg.contains("fp32 (fp32)"));
+
+    std::fs::write(d2.path().join("junk.json"), "{\"schema\": \"other\"}").unwrap();
+    let bad = run(
+        d2.path(),
+        &[
+            "finetune",
+            "--steps",
+            "6",
+            "--plot",
+            "x.svg",
+            "--plot-with",
+            "junk.json",
+        ],
+    );
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("junk.json") && err.contains("schema"), "{err}");
+    assert!(!d2.path().join("x.svg").exists(), "refused before the run");
+}
+
 #[test]
 fn bad_input_is_refused_naming_the_key_or_file() {
     let d = setup("");

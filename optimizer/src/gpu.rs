@@ -30,12 +30,15 @@ pub use nvrtc::{cubin_sm, nvrtc_available, nvrtc_version, nvrtc_version_text, Ke
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
 use crate::error::{OptimError, Result};
+use crate::gpu_compact::{compact_kernel_names, map_table, ADAMW_COMPACT_CU};
 use crate::params::{Consts, HyperParams, StepState};
-use crate::placement::{CudaPtrs, DeviceGroup, DeviceSlices};
+use crate::placement::{CudaArgs, CudaPtrs, DeviceGroup, DeviceSlices};
+use crate::quant::{absmax_len, StateType};
 use crate::slices::Dtype;
 
 /// The CUDA C source of the kernels.
@@ -134,6 +137,54 @@ unsafe fn launch_adamw(
     unsafe { b.launch(cfg) }.map(|_| ())
 }
 
+/// Queue one launch of a compact kernel of [`ADAMW_COMPACT_CU`] over `a.n` elements.
+///
+/// # Safety
+/// As [`launch_adamw`], with `func` the `adamw_m16_*` (bf16 moments: `a.m`, `a.v` of
+/// `2 * n` bytes) or `adamw_q8_*` (int8: `a.m`, `a.v` of `n` codes, `a.ma`, `a.va` of
+/// `absmax_len(n)` f32, none overlapping) kernel matching `a.moments`, the gradient and
+/// output dtypes; `maps` is the 1024-float [`map_table`] on this context.
+unsafe fn launch_compact(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    a: &CudaArgs,
+    out: u64,
+    maps: &CudaSlice<f32>,
+    c: AdamConstsRepr,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let n = a.n as u64;
+    let int8 = a.moments == StateType::Int8;
+    // int8: one thread block of exactly 256 threads per quantization block.
+    let work = if int8 {
+        absmax_len(a.n) as u64
+    } else {
+        n.div_ceil(u64::from(BLOCK_THREADS))
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (work.clamp(1, u64::from(GRID_BLOCKS_MAX)) as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(func);
+    if int8 {
+        b.arg(&a.p).arg(&a.m).arg(&a.ma).arg(&a.v).arg(&a.va);
+        b.arg(&a.g).arg(&out).arg(&n).arg(maps).arg(&c);
+    } else {
+        b.arg(&a.p)
+            .arg(&a.m)
+            .arg(&a.v)
+            .arg(&a.g)
+            .arg(&out)
+            .arg(&n)
+            .arg(&c);
+    }
+    // SAFETY: forwarded from this function's contract; the argument lists match the
+    // kernels' signatures (`adamw_q8_*`: p, mc, ma, vc, va, g, out as pointers, u64 n,
+    // the map table, AdamConsts; `adamw_m16_*`: p, m, v, g, out, n, AdamConsts), and the
+    // q8 kernel is launched with the 256 threads it requires.
+    unsafe { b.launch(cfg) }.map(|_| ())
+}
+
 // ---------------------------------------------------------------------------------------
 
 fn cuda_err(op: &'static str, e: impl std::fmt::Display) -> OptimError {
@@ -171,14 +222,19 @@ pub fn compile_source(
     nvrtc::compile_ptx(source, file, arch.unwrap_or(DEFAULT_ARCH), &options)
 }
 
-fn kernel_name(g: Dtype, out: Option<Dtype>, l2: bool) -> String {
+fn kernel_name(moments: StateType, g: Dtype, out: Option<Dtype>, l2: bool) -> String {
     let d = |d: Dtype| match d {
         Dtype::F32 => "f32",
         Dtype::F16 => "f16",
         Dtype::Bf16 => "bf16",
     };
+    let kind = match moments {
+        StateType::Fp32 => "",
+        StateType::Bf16 => "m16_",
+        StateType::Int8 => "q8_",
+    };
     format!(
-        "adamw_{}_{}_{}",
+        "adamw_{kind}{}_{}_{}",
         d(g),
         out.map_or("none", d),
         if l2 { "l2" } else { "adamw" }
@@ -192,6 +248,8 @@ pub struct GpuAdamW {
     stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     funcs: Vec<(String, CudaFunction)>,
+    /// The int8 kernels' map table ([`map_table`]) in device memory.
+    maps: CudaSlice<f32>,
 }
 
 impl std::fmt::Debug for GpuAdamW {
@@ -222,7 +280,9 @@ impl GpuAdamW {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| cuda_err("cuDeviceGetAttribute", e))?;
-        let image = nvrtc::build_for_device(ADAMW_CU, "tidestore_adamw.cu", (major, minor))?;
+        // One module: the fp32 kernels and the compact ones (which use its helpers).
+        let source = format!("{ADAMW_CU}\n{ADAMW_COMPACT_CU}");
+        let image = nvrtc::build_for_device(&source, "tidestore_adamw.cu", (major, minor))?;
         let built = image.describe((major, minor));
         let module = ctx.load_module(image.into_module_image()).map_err(|e| {
             cuda_err(
@@ -230,21 +290,31 @@ impl GpuAdamW {
                 format!("{built} from NVRTC {}: {e}", nvrtc_version_text()),
             )
         })?;
-        let mut funcs = Vec::with_capacity(18);
+        let mut names = Vec::with_capacity(18 + 36);
         for l2 in [false, true] {
             for g in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
                 for out in [None, Some(Dtype::F16), Some(Dtype::Bf16)] {
-                    let name = kernel_name(g, out, l2);
-                    let f = module
-                        .load_function(&name)
-                        .map_err(|e| cuda_err("cuModuleGetFunction", e))?;
-                    funcs.push((name, f));
+                    names.push(kernel_name(StateType::Fp32, g, out, l2));
                 }
             }
+        }
+        names.extend(compact_kernel_names());
+        let mut funcs = Vec::with_capacity(names.len());
+        for name in names {
+            let f = module
+                .load_function(&name)
+                .map_err(|e| cuda_err("cuModuleGetFunction", format!("{name}: {e}")))?;
+            funcs.push((name, f));
         }
         let stream = ctx
             .new_stream()
             .map_err(|e| cuda_err("creating a stream", e))?;
+        let maps = stream
+            .clone_htod(&map_table())
+            .map_err(|e| cuda_err("uploading the int8 map table", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| cuda_err("stream synchronize", e))?;
         tracing::info!(ordinal, major, minor, image = %built, nvrtc = %nvrtc_version_text(),
             "GPU AdamW ready");
         Ok(GpuAdamW {
@@ -253,6 +323,7 @@ impl GpuAdamW {
             stream,
             _module: module,
             funcs,
+            maps,
         })
     }
 
@@ -276,7 +347,7 @@ impl GpuAdamW {
             Some((o, d)) => (o, Some(d)),
             None => (0, None),
         };
-        let name = kernel_name(a.g_dtype, out_dtype, c.l2);
+        let name = kernel_name(a.moments, a.g_dtype, out_dtype, c.l2);
         let func = self
             .funcs
             .iter()
@@ -289,29 +360,41 @@ impl GpuAdamW {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("binding the context", e))?;
-        // SAFETY: `func` is the kernel for `a.g_dtype` and `out_dtype`. `ptrs` comes only
-        // from `DeviceSlices::into_cuda`, which checked that every view is CUDA memory of
-        // at least `n` elements of its dtype, aligned to its element, with `p`, `m`, `v`
-        // overlapping nothing and `out` either disjoint from `g` or equal to it with the
-        // same 16-bit dtype (in place) — the launch contract. The views are the device
-        // tier's memory of this ordinal's primary context, the context `func` is loaded
-        // in (the contract of `HybridAdamW::step_device_slices`). `ptrs` holds their
-        // borrows for the whole of this call (it is an argument), which returns only
-        // after the stream is synchronized below.
-        unsafe {
-            launch_adamw(
-                &self.stream,
-                func,
-                a.p,
-                a.m,
-                a.v,
-                a.g,
-                out,
-                a.n as u64,
-                AdamConstsRepr::from(&c),
-            )
-        }
-        .map_err(|e| cuda_err("kernel launch", e))?;
+        let consts = AdamConstsRepr::from(&c);
+        let launched = match a.moments {
+            // SAFETY: `func` is the kernel for `a.g_dtype` and `out_dtype`. `ptrs` comes
+            // only from `DeviceSlices::into_cuda`, which checked that every view is CUDA
+            // memory of at least `n` elements of its dtype, aligned to its element, with
+            // `p`, `m`, `v` overlapping nothing and `out` either disjoint from `g` or
+            // equal to it with the same 16-bit dtype (in place) — the launch contract.
+            // The views are the device tier's memory of this ordinal's primary context,
+            // the context `func` is loaded in (the contract of
+            // `HybridAdamW::step_device_slices`). `ptrs` holds their borrows for the whole
+            // of this call (it is an argument), which returns only after the stream is
+            // synchronized below.
+            StateType::Fp32 => unsafe {
+                launch_adamw(
+                    &self.stream,
+                    func,
+                    a.p,
+                    a.m,
+                    a.v,
+                    a.g,
+                    out,
+                    a.n as u64,
+                    consts,
+                )
+            },
+            // SAFETY: as above, and: `func` is the kernel of `a.moments` (its name says
+            // so); `into_cuda` checked the moment views' bytes in that form (for int8 the
+            // codes and the absmax inside each view, `ma`/`va` pointing at the absmax);
+            // `self.maps` is the map table uploaded on this context — `launch_compact`'s
+            // contract.
+            StateType::Bf16 | StateType::Int8 => unsafe {
+                launch_compact(&self.stream, func, &a, out, &self.maps, consts)
+            },
+        };
+        launched.map_err(|e| cuda_err("kernel launch", e))?;
         self.stream
             .synchronize()
             .map_err(|e| cuda_err("stream synchronize", e))

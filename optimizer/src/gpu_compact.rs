@@ -3,9 +3,11 @@
 //! to [`crate::gpu::ADAMW_CU`], whose helpers it uses), their entry points, and the map
 //! table the int8 kernels read.
 //!
-//! Status: compiled to PTX and assembled by ptxas for sm_86 / sm_89 in CI
-//! (`tests/kernel_compile.rs`); not yet launched by [`crate::HybridAdamW`] — the step
-//! loop runs compact moments on the host step and refuses them on the device step.
+//! Compiled to PTX and assembled by ptxas for sm_86 / sm_89 in CI
+//! (`tests/kernel_compile.rs`); [`crate::GpuAdamW`] builds them into its module with the
+//! fp32 kernels and launches them for [`crate::DeviceSlices`] whose `moments` is bf16 or
+//! int8 (`tests/device_compact.rs` compares them with the CPU kernel bit for bit on a
+//! GPU; not yet run on one at the time of writing).
 //! Without the `cuda` feature, [`compile_compact_ptx`] returns
 //! [`crate::OptimError::NotCompiledWithCuda`] like every GPU entry point.
 

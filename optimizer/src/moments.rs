@@ -54,3 +54,41 @@ impl Moments<'_> {
         }
     }
 }
+
+impl<'a> Moments<'a> {
+    /// Elements `r` of these moments (an int8 range starts at a whole block, and ends at
+    /// one or at the end): the codes of `r` and the absmax of the blocks they fall in.
+    pub fn range(&mut self, r: std::ops::Range<usize>) -> Moments<'_> {
+        match self {
+            Moments::F32 { m, v } => Moments::F32 {
+                m: &mut m[r.clone()],
+                v: &mut v[r],
+            },
+            Moments::Bf16 { m, v } => Moments::Bf16 {
+                m: &mut m[r.clone()],
+                v: &mut v[r],
+            },
+            Moments::Int8 { m, v } => {
+                assert!(
+                    r.start.is_multiple_of(crate::quant::Q8_BLOCK),
+                    "int8 ranges start at whole blocks"
+                );
+                Moments::Int8 {
+                    m: m.range(r.clone()),
+                    v: v.range(r),
+                }
+            }
+        }
+    }
+}
+
+impl Q8Mut<'_> {
+    /// Elements `r` (starting at a whole block) with their blocks' absmax.
+    pub fn range(&mut self, r: std::ops::Range<usize>) -> Q8Mut<'_> {
+        let b = crate::quant::Q8_BLOCK;
+        Q8Mut {
+            absmax: &mut self.absmax[r.start / b..r.end.div_ceil(b)],
+            codes: &mut self.codes[r],
+        }
+    }
+}

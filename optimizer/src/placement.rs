@@ -12,6 +12,10 @@
 //! written to ([`DeviceGrads::InPlace`]). A whole-chunk [`DeviceGroup`] is converted
 //! into [`DeviceSlices`] and takes the same path.
 //!
+//! M and V are views in the tensor's stored form ([`DeviceSlices::moments`]: fp32,
+//! bf16, or int8 codes + absmax as the layout places them, [`moment_view_bytes`]); the
+//! GPU runs the matching kernel, the simulation [`AdamW::step_moments`].
+//!
 //! With the simulated device (no GPU, or no `cuda` feature) device memory is updated by
 //! the CPU kernel over the simulation's host bytes and reported as `Gpu` with
 //! `simulated: true`, so every path above runs everywhere. Memory on a CUDA device with
@@ -35,8 +39,22 @@ use crate::cpu::AdamW;
 use crate::error::{OptimError, Result};
 use crate::gpu::GpuAdamW;
 use crate::group::ParamGroup;
+use crate::moments::{Moments, Q8Mut};
 use crate::params::{HyperParams, StepState};
+use crate::quant::{absmax_len, StateType, Q8_BLOCK};
 use crate::slices::{Dtype, Grads, ParamOut};
+
+/// Bytes of one moment view of `len` elements stored as `form`, and the alignment its
+/// start needs: fp32 `4 * len` (4), bf16 `2 * len` (2), int8 the `len` codes, padding
+/// to a multiple of 4 bytes, then `absmax_len(len)` f32 (4) — the chunk layout's Q8
+/// place, whose absmax starts at byte `len.next_multiple_of(4)`.
+pub fn moment_view_bytes(form: StateType, len: usize) -> (usize, usize) {
+    match form {
+        StateType::Fp32 => (4 * len, 4),
+        StateType::Bf16 => (2 * len, 2),
+        StateType::Int8 => (len.next_multiple_of(4) + 4 * absmax_len(len), 4),
+    }
+}
 
 /// The processor that updated a group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -123,9 +141,12 @@ pub struct DeviceSlices<'a> {
     pub len: usize,
     /// fp32 master parameters (at least `4 * len` bytes, 4-aligned).
     pub master: DeviceViewMut<'a>,
-    /// First moments (as `master`).
+    /// How `m` and `v` are stored (the form this tensor actually uses, see
+    /// [`StateType::for_len`]); see [`moment_view_bytes`] for each form's bytes.
+    pub moments: StateType,
+    /// First moments, in the form `moments`.
     pub m: DeviceViewMut<'a>,
-    /// Second moments (as `master`).
+    /// Second moments (as `m`).
     pub v: DeviceViewMut<'a>,
     /// The gradients, and where the new 16-bit parameters go.
     pub grads: DeviceGrads<'a>,
@@ -137,6 +158,7 @@ impl<'a> From<DeviceGroup<'a>> for DeviceSlices<'a> {
         DeviceSlices {
             len: g.len,
             master: g.master.view_mut(),
+            moments: StateType::Fp32,
             m: g.m.view_mut(),
             v: g.v.view_mut(),
             grads: DeviceGrads::Separate {
@@ -304,6 +326,9 @@ struct Span {
     addr: u64,
     len_bytes: usize,
     elem_bytes: usize,
+    /// For a moment view in a compact form: the bytes `len` elements take (then
+    /// `elem_bytes` is the alignment).
+    form: Option<StateType>,
 }
 
 impl Span {
@@ -316,6 +341,24 @@ impl Span {
             addr,
             len_bytes,
             elem_bytes,
+            form: None,
+        }
+    }
+
+    /// A moment view stored as `form`.
+    fn moment(name: &'static str, view: (bool, u64, usize), form: StateType) -> Self {
+        let (_, align) = moment_view_bytes(form, 0);
+        Span {
+            form: Some(form),
+            ..Span::new(name, view, align)
+        }
+    }
+
+    /// Bytes `n` elements take.
+    fn need_bytes(&self, n: usize) -> usize {
+        match self.form {
+            Some(f) => moment_view_bytes(f, n).0,
+            None => n * self.elem_bytes,
         }
     }
 
@@ -324,8 +367,20 @@ impl Span {
         if self.cuda != cuda {
             return Err(mixed(self.name, cuda));
         }
+        if let Some(form @ StateType::Int8) = self.form {
+            let need = self.need_bytes(n);
+            if self.len_bytes < need {
+                return Err(OptimError::DeviceView {
+                    view: self.name,
+                    reason: format!(
+                        "holds {} bytes; {form} moments of {n} elements take {need}",
+                        self.len_bytes
+                    ),
+                });
+            }
+        }
         let have = self.len_bytes / self.elem_bytes;
-        if have < n {
+        if self.form != Some(StateType::Int8) && have < n {
             return Err(short(self.name, have, n));
         }
         let off = self.addr % self.elem_bytes as u64;
@@ -337,7 +392,7 @@ impl Span {
 
     /// The bytes the step touches (after [`Span::check`], so no overflow).
     fn used(&self, n: usize) -> std::ops::Range<u64> {
-        self.addr..self.addr.saturating_add((n * self.elem_bytes) as u64)
+        self.addr..self.addr.saturating_add(self.need_bytes(n) as u64)
     }
 }
 
@@ -425,8 +480,8 @@ impl DeviceSlices<'_> {
         let n = self.len;
         let master = Span::new("master", parts_mut(&self.master), 4);
         let cuda = master.cuda;
-        let m = Span::new("m", parts_mut(&self.m), 4);
-        let v = Span::new("v", parts_mut(&self.v), 4);
+        let m = Span::moment("m", parts_mut(&self.m), self.moments);
+        let v = Span::moment("v", parts_mut(&self.v), self.moments);
         let (g, out) = match &self.grads {
             DeviceGrads::Separate { grads, dtype, out } => {
                 let out = match out {
@@ -478,12 +533,19 @@ impl<'a> DeviceSlices<'a> {
             }
             DeviceGrads::InPlace { dtype, .. } => (*dtype, Some((addr(3), *dtype))),
         };
+        let absmax = |i: usize| match self.moments {
+            StateType::Int8 => addr(i) + self.len.next_multiple_of(4) as u64,
+            _ => 0,
+        };
         Ok(CudaPtrs {
             args: CudaArgs {
                 n: self.len,
+                moments: self.moments,
                 p: addr(0),
                 m: addr(1),
                 v: addr(2),
+                ma: absmax(1),
+                va: absmax(2),
                 g: addr(3),
                 g_dtype,
                 out,
@@ -499,10 +561,16 @@ impl<'a> DeviceSlices<'a> {
 pub(crate) struct CudaArgs {
     /// Elements.
     pub(crate) n: usize,
-    /// fp32 master, M, V: at least `4 * n` bytes each, 4-aligned, pairwise disjoint.
+    /// The form of M and V.
+    pub(crate) moments: StateType,
+    /// fp32 master (`4 * n` bytes), M and V (`moment_view_bytes(moments, n)` bytes each),
+    /// aligned, pairwise disjoint.
     pub(crate) p: u64,
     pub(crate) m: u64,
     pub(crate) v: u64,
+    /// Int8: the absmax arrays inside the M and V views (0 otherwise).
+    pub(crate) ma: u64,
+    pub(crate) va: u64,
     /// At least `n` gradients of `g_dtype`, aligned, disjoint from `p`, `m`, `v`.
     pub(crate) g: u64,
     pub(crate) g_dtype: Dtype,
@@ -538,6 +606,7 @@ impl Plain for f32 {}
 impl Plain for u16 {}
 impl Plain for half::f16 {}
 impl Plain for half::bf16 {}
+impl Plain for u8 {}
 
 fn host_mut<'a>(v: DeviceViewMut<'a>, name: &'static str) -> Result<&'a mut [u8]> {
     match v {
@@ -607,8 +676,8 @@ fn step_host(cpu: &AdamW, state: StepState, hp: &HyperParams, s: DeviceSlices<'_
     s.check()?;
     let n = s.len;
     let p = f32_mut(s.master, n, "master")?;
-    let m = f32_mut(s.m, n, "m")?;
-    let v = f32_mut(s.v, n, "v")?;
+    let (m, v) = (host_mut(s.m, "m")?, host_mut(s.v, "v")?);
+    let mv = moments_host(s.moments, m, v, n)?;
     match s.grads {
         DeviceGrads::Separate { grads, dtype, out } => {
             let gb = match grads {
@@ -620,13 +689,60 @@ fn step_host(cpu: &AdamW, state: StepState, hp: &HyperParams, s: DeviceSlices<'_
                 None => None,
                 Some((o, d)) => Some(out_of(cast_mut(host_mut(o, "out")?, n, "out")?, d)?),
             };
-            cpu.step_slice(state, hp, p, m, v, grads, out)
+            cpu.step_moments(state, hp, p, mv, grads, out)
         }
         DeviceGrads::InPlace { bytes, dtype } => {
             let bits = cast_mut::<u16>(host_mut(bytes, "bytes")?, n, "bytes")?;
-            step_in_place(cpu, state, hp, [p, m, v], bits, dtype)
+            step_in_place(cpu, state, hp, (p, mv), bits, dtype)
         }
     }
+}
+
+/// One host moment view of `n` elements in `form`.
+fn moment_host<'a>(
+    form: StateType,
+    bytes: &'a mut [u8],
+    n: usize,
+    name: &'static str,
+) -> Result<MomentHost<'a>> {
+    Ok(match form {
+        StateType::Fp32 => MomentHost::F32(cast_mut(bytes, n, name)?),
+        StateType::Bf16 => MomentHost::Bf16(cast_mut(bytes, n, name)?),
+        StateType::Int8 => {
+            let (codes, rest) = bytes.split_at_mut(n.next_multiple_of(4).min(bytes.len()));
+            let absmax = cast_mut(rest, absmax_len(n), name)?;
+            if codes.len() < n {
+                return Err(short(name, codes.len(), n));
+            }
+            MomentHost::Int8(Q8Mut {
+                codes: &mut codes[..n],
+                absmax,
+            })
+        }
+    })
+}
+
+enum MomentHost<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [half::bf16]),
+    Int8(Q8Mut<'a>),
+}
+
+/// M and V host views as the CPU kernel's [`Moments`].
+fn moments_host<'a>(
+    form: StateType,
+    m: &'a mut [u8],
+    v: &'a mut [u8],
+    n: usize,
+) -> Result<Moments<'a>> {
+    Ok(
+        match (moment_host(form, m, n, "m")?, moment_host(form, v, n, "v")?) {
+            (MomentHost::F32(m), MomentHost::F32(v)) => Moments::F32 { m, v },
+            (MomentHost::Bf16(m), MomentHost::Bf16(v)) => Moments::Bf16 { m, v },
+            (MomentHost::Int8(m), MomentHost::Int8(v)) => Moments::Int8 { m, v },
+            _ => unreachable!("both views were read in one form"),
+        },
+    )
 }
 
 /// Smallest piece of an in-place step (elements): the gradient of one piece is staged
@@ -653,20 +769,23 @@ fn step_in_place(
     cpu: &AdamW,
     state: StepState,
     hp: &HyperParams,
-    [p, m, v]: [&mut [f32]; 3],
+    (p, mut mv): (&mut [f32], Moments<'_>),
     bits: &mut [u16],
     dtype: Dtype,
 ) -> Result<()> {
     let n = p.len();
     if n == 0 {
         // Nothing to stage; the kernel still checks `hp`.
-        return cpu.step_slice(state, hp, p, m, v, Grads::F32(&[]), None);
+        return cpu.step_moments(state, hp, p, mv, Grads::F32(&[]), None);
     }
     // Enough for every thread of the pool to get whole blocks.
     let piece = cpu
         .threads()
         .saturating_mul(cpu.block_params())
         .clamp(IN_PLACE_PIECE_MIN, IN_PLACE_PIECE_MAX)
+        // Whole quantization blocks (both bounds are multiples of 256).
+        .next_multiple_of(Q8_BLOCK)
+        .min(IN_PLACE_PIECE_MAX)
         .min(n);
     let mut stage = STAGING.take();
     if stage.len() < piece {
@@ -683,12 +802,11 @@ fn step_in_place(
                 Dtype::F32 => return Err(in_place_f32()),
             };
             let out = out_of(&mut bits[lo..hi], dtype)?;
-            cpu.step_slice(
+            cpu.step_moments(
                 state,
                 hp,
                 &mut p[lo..hi],
-                &mut m[lo..hi],
-                &mut v[lo..hi],
+                mv.range(lo..hi),
                 grads,
                 Some(out),
             )?;

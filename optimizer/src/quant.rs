@@ -22,8 +22,10 @@
 //!    division, which would double the divider's load next to AdamW's own.
 //! 3. The code is the number of the map's 255 midpoints (`(map[k] + map[k+1]) / 2`,
 //!    rounded to f32) that are strictly below `x * r`: the nearest map value to `x *
-//!    r`, ties to the lower one, NaN to code 0. Kernels find it by an 8-step branch-free
-//!    binary search.
+//!    r`, ties to the lower one, NaN to code 0. The scalar and AVX2 kernels find it by
+//!    an 8-step branch-free binary search ([`DynamicMap::code`]); the AVX-512 VBMI
+//!    kernel by one bucket lookup and one compare ([`DynamicMap::code_by_bucket`],
+//!    the same code for every input: see [`BucketTables`]).
 //!
 //! The quantization error of a finite element is at most half the gap between the two
 //! map values around `x / absmax`, times `absmax` (tests check this per block).
@@ -111,6 +113,168 @@ pub struct DynamicMap {
     /// `s = 128 >> l`; the last entry is padding. A SIMD kernel looks up level `l` with
     /// index `lo >> (8 - l)` in a vector permute.
     pub levels: [f32; 256],
+    /// The quantizer's bucket tables (one lookup, one compare).
+    pub buckets: BucketTables,
+    /// `values` split into byte planes (`value_planes.0[b][k]` = byte `b` of `values[k]`,
+    /// little-endian) for byte-permute lookups.
+    pub value_planes: Planes<256>,
+}
+
+/// Four byte planes of a table of `N` f32 (plane `b` holds byte `b` of each value),
+/// 64-byte aligned so a SIMD kernel loads each 64-byte row whole.
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+pub struct Planes<const N: usize>(pub [[u8; N]; 4]);
+
+impl<const N: usize> Planes<N> {
+    fn of(values: &[f32; N]) -> Self {
+        let mut p = [[0u8; N]; 4];
+        for (k, v) in values.iter().enumerate() {
+            for (b, plane) in p.iter_mut().enumerate() {
+                plane[k] = v.to_bits().to_le_bytes()[b];
+            }
+        }
+        Planes(p)
+    }
+}
+
+/// A 64-byte aligned byte table.
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+pub struct Bytes<const N: usize>(pub [u8; N]);
+
+/// Number of buckets a map's quantizer may use (indices fit in 9 bits).
+pub const BUCKETS_MAX: usize = 512;
+
+/// The key of the smallest magnitude the buckets tell apart: the top 16 bits of 2^-26
+/// (every smaller magnitude shares its bucket; no midpoint of either map is that small).
+pub const BUCKET_KEY_MIN: u16 = (101 << 7) as u16;
+
+/// The key of the largest magnitude the buckets tell apart: the top 16 bits of the
+/// largest float below 2 (every larger magnitude, inf included, shares its bucket).
+pub const BUCKET_KEY_MAX: u16 = 0x3FFF;
+
+/// The quantizer as a lookup: `x`'s top 16 bits (sign, exponent, 7 mantissa bits) give a
+/// bucket `b = f(x)` — a function non-decreasing in `x` that puts at most one midpoint in
+/// any bucket — and the code is `code[b] + (x > mid[b])`, where `code[b]` counts the
+/// midpoints of the buckets below `b` and `mid[b]` is the midpoint in `b` (`+inf` if
+/// none). As `f` is non-decreasing, a midpoint in a lower bucket is below `x` and one in
+/// a higher bucket above it, so this counts exactly the midpoints strictly below `x`:
+/// the same code as the binary search for every non-NaN `x` (tests check every key's
+/// bounds and every midpoint's neighbours).
+///
+/// `f`: the magnitude's key `k = top16(|x|)` clamped to `BUCKET_KEY_MIN..=BUCKET_KEY_MAX`
+/// (one-sided maps: `x`'s own top 16 bits as `i16`, so negatives take the minimum) has exponent `e = k >> 7` and
+/// falls in bucket `g = off[e & 31] + (k >> shift[e & 31])` (wrapping u16; each binade
+/// is cut into `128 >> shift` buckets, as few as keep its midpoints apart); a two-sided
+/// map mirrors negative `x` to `mirror - g` below the positive buckets.
+#[derive(Debug, Clone)]
+pub struct BucketTables {
+    /// Bucket offset per exponent (`e & 31`), the exponent's own key bits subtracted.
+    pub off: [u16; 32],
+    /// Mantissa bits dropped per exponent (`0..=7`).
+    pub shift: [u16; 32],
+    /// For a two-sided (signed) map: `2 * positive buckets - 1`.
+    pub mirror: Option<u16>,
+    /// Buckets in use (`<= BUCKETS_MAX`).
+    pub len: usize,
+    /// Midpoints below each bucket (the code of its lowest values).
+    pub code: Bytes<BUCKETS_MAX>,
+    /// The midpoint inside each bucket, `+inf` where none.
+    pub mid: [f32; BUCKETS_MAX],
+    /// `mid` in byte planes.
+    pub mid_planes: Planes<BUCKETS_MAX>,
+}
+
+impl BucketTables {
+    /// The bucket of `x` (see the type's documentation).
+    #[inline(always)]
+    pub fn bucket(&self, x: f32) -> usize {
+        let top = (x.to_bits() >> 16) as u16;
+        let neg = top & 0x8000 != 0;
+        let key = match self.mirror {
+            Some(_) => (top & 0x7FFF).clamp(BUCKET_KEY_MIN, BUCKET_KEY_MAX),
+            None if neg => BUCKET_KEY_MIN,
+            None => top.clamp(BUCKET_KEY_MIN, BUCKET_KEY_MAX),
+        };
+        let e = usize::from(key >> 7) & 31;
+        let g = self.off[e].wrapping_add(key >> self.shift[e]);
+        usize::from(match self.mirror {
+            Some(mirror) if neg => mirror.wrapping_sub(g),
+            _ => g,
+        })
+    }
+
+    /// Builds the tables for the 255 increasing `midpoints` (`two_sided`: the map has
+    /// negative values). Panics if the map does not fit, which the tests of both maps
+    /// rule out.
+    fn build(midpoints: &[f32], two_sided: bool) -> BucketTables {
+        // The distinct magnitudes (a two-sided map's mirrored midpoints share one).
+        let mut mags: Vec<u32> = midpoints.iter().map(|m| m.abs().to_bits()).collect();
+        mags.sort_unstable();
+        mags.dedup();
+        let keys: Vec<u16> = mags.iter().map(|&b| (b >> 16) as u16).collect();
+        let mut off = [0u16; 32];
+        let mut shift = [7u16; 32];
+        let mut next = 0u16;
+        for e in 101u16..=127 {
+            // Mantissa bits (of 7) of this binade's midpoints' keys.
+            let m7: Vec<u16> = keys
+                .iter()
+                .filter(|&&k| k >> 7 == e)
+                .map(|&k| k & 127)
+                .collect();
+            let sh = (0..=7u16)
+                .rev()
+                .find(|&sh| {
+                    let mut b: Vec<u16> = m7.iter().map(|&m| m >> sh).collect();
+                    b.sort_unstable();
+                    b.windows(2).all(|w| w[0] != w[1])
+                })
+                .expect("two midpoints share a 16-bit key");
+            let i = usize::from(e & 31);
+            shift[i] = sh;
+            off[i] = next.wrapping_sub((e << 7) >> sh);
+            next += 128 >> sh;
+        }
+        let positive = next;
+        let mirror = two_sided.then(|| 2 * positive - 1);
+        if two_sided {
+            for o in &mut off {
+                *o = o.wrapping_add(positive);
+            }
+        }
+        let len = usize::from(if two_sided { 2 * positive } else { positive });
+        assert!(len <= BUCKETS_MAX, "{len} buckets");
+        let mut t = BucketTables {
+            off,
+            shift,
+            mirror,
+            len,
+            code: Bytes([u8::MAX; BUCKETS_MAX]),
+            mid: [f32::INFINITY; BUCKETS_MAX],
+            mid_planes: Planes([[0; BUCKETS_MAX]; 4]),
+        };
+        let mut below = 0usize;
+        let mut m = midpoints.iter().peekable();
+        for b in 0..len {
+            t.code.0[b] = u8::try_from(below).expect("at most 255 midpoints");
+            if let Some(&&x) = m.peek() {
+                if t.bucket(x) == b {
+                    t.mid[b] = x;
+                    below += 1;
+                    m.next();
+                }
+            }
+            assert!(
+                m.peek().is_none_or(|&&x| t.bucket(x) > b),
+                "bucket {b} holds two midpoints or is out of order"
+            );
+        }
+        assert!(m.peek().is_none(), "a midpoint beyond the last bucket");
+        t.mid_planes = Planes::of(&t.mid);
+        t
+    }
 }
 
 impl DynamicMap {
@@ -157,6 +321,8 @@ impl DynamicMap {
             values,
             midpoints,
             levels,
+            buckets: BucketTables::build(&midpoints[..255], signed),
+            value_planes: Planes::of(&values),
         }
     }
 
@@ -173,6 +339,17 @@ impl DynamicMap {
             s >>= 1;
         }
         lo as u8
+    }
+
+    /// The code of `x` by the bucket lookup of [`BucketTables`]: equal to
+    /// [`DynamicMap::code`] for every `x` (NaN gives 0).
+    #[inline(always)]
+    pub fn code_by_bucket(&self, x: f32) -> u8 {
+        if x.is_nan() {
+            return 0;
+        }
+        let b = self.buckets.bucket(x);
+        self.buckets.code.0[b] + u8::from(x > self.buckets.mid[b])
     }
 
     /// The value of `code`.
@@ -274,5 +451,73 @@ pub fn dequantize(map: &DynamicMap, codes: &[u8], absmax: &[f32], out: &mut [f32
         .zip(absmax)
     {
         dequantize_block(map, cb, a, ob);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn agree(map: &DynamicMap, x: f32) {
+        assert_eq!(
+            map.code_by_bucket(x),
+            map.code(x),
+            "x = {x:e} ({:#010x})",
+            x.to_bits()
+        );
+    }
+
+    /// The bucket quantizer is a function of the top 16 bits plus one compare, so the
+    /// first and last float of every 16-bit key, and every midpoint with its nearest
+    /// neighbours, cover every way it could differ from the binary search.
+    #[test]
+    fn bucket_code_equals_binary_search_at_every_key_and_midpoint() {
+        for map in [&maps().signed, &maps().unsigned] {
+            for top in 0..=u16::MAX {
+                let lo = u32::from(top) << 16;
+                for bits in [lo, lo + 1, lo | 0x7FFF, lo | 0xFFFE, lo | 0xFFFF] {
+                    agree(map, f32::from_bits(bits));
+                }
+            }
+            for &m in &map.midpoints[..255] {
+                for d in 0..4u32 {
+                    agree(map, f32::from_bits(m.to_bits() + d));
+                    agree(map, f32::from_bits(m.to_bits() - d));
+                }
+            }
+            for &v in &map.values {
+                agree(map, v);
+            }
+        }
+    }
+
+    #[test]
+    fn bucket_tables_fit() {
+        let q = maps();
+        assert_eq!(
+            q.signed.buckets.mirror.map(|m| usize::from(m) + 1),
+            Some(q.signed.buckets.len)
+        );
+        assert!(q.unsigned.buckets.mirror.is_none());
+        for map in [&q.signed, &q.unsigned] {
+            assert!(map.buckets.len <= BUCKETS_MAX);
+            let n = map.buckets.mid.iter().filter(|m| m.is_finite()).count();
+            assert_eq!(n, 255, "every midpoint in its own bucket");
+        }
+    }
+
+    /// Every f32 bit pattern (about a minute in release on 2 cores): run with
+    /// `cargo test --release -p tidestore-optimizer -- --ignored every_float`.
+    #[test]
+    #[ignore = "4 billion inputs; the key-bound test covers the same cases"]
+    fn bucket_code_equals_binary_search_for_every_float() {
+        for map in [&maps().signed, &maps().unsigned] {
+            for bits in 0..=u32::MAX {
+                let x = f32::from_bits(bits);
+                if map.code_by_bucket(x) != map.code(x) {
+                    agree(map, x);
+                }
+            }
+        }
     }
 }

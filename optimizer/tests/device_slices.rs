@@ -17,7 +17,7 @@ use tidestore_optimizer::half::{bf16, f16};
 use tidestore_optimizer::placement::IN_PLACE_PIECE_MIN;
 use tidestore_optimizer::{
     AdamW, CpuConfig, DeviceGrads, DeviceSlices, Dtype, Grads, GroupPlacement, HybridAdamW,
-    HyperParams, Mode, OptimError, ParamOut, Placement, StepState,
+    HyperParams, Mode, OptimError, ParamOut, Placement, StateType, StepState,
 };
 use tidestore_tiers::{
     CudaSpan, CudaSpanMut, Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut,
@@ -226,6 +226,7 @@ fn check_case(who: &str, hybrid: &HybridAdamW, case: Case, hp: &HyperParams, n: 
         let s = DeviceSlices {
             len: n,
             master: DeviceViewMut::Host(&mut host(mp)[off * 4..(off + n) * 4]),
+            moments: StateType::Fp32,
             // A longer view than needed: only the first `n` elements may change.
             m: DeviceViewMut::Host(&mut host(mm)[off * 4..]),
             v: DeviceViewMut::Host(&mut host(mv)[off * 4..(off + n) * 4]),
@@ -633,6 +634,7 @@ impl DeviceSlicesSpec {
         DeviceSlices {
             len: n,
             master,
+            moments: StateType::Fp32,
             m,
             v,
             grads,
@@ -656,6 +658,7 @@ fn fake_slices(n: usize, f: impl Fn(usize) -> (u64, u64, usize)) -> DeviceSlices
     DeviceSlices {
         len: n,
         master: mk(0),
+        moments: StateType::Fp32,
         m: mk(1),
         v: mk(2),
         grads: DeviceGrads::InPlace {
@@ -715,6 +718,7 @@ fn cuda_views_that_are_wrong_are_refused_before_any_launch() {
     let s = DeviceSlices {
         len: n,
         master: fake(0, 0, 4 * n),
+        moments: StateType::Fp32,
         m: fake(1, 0, 4 * n),
         v: fake(2, 0, 4 * n),
         grads: DeviceGrads::Separate {
@@ -891,6 +895,7 @@ mod gpu {
                     let s = DeviceSlices {
                         len: n,
                         master: view(mp, off * 4, n * 4, is_gpu),
+                        moments: StateType::Fp32,
                         m: view(mm, off * 4, n * 4, is_gpu),
                         v: view(mv, off * 4, n * 4, is_gpu),
                         grads,

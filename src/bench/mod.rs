@@ -50,7 +50,7 @@ use tidestore_optimizer::{OptimError, StepDecision};
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 use tidestore_train::{GradPlace, Overlap, StepConfig, StepLoop, StepPlace, StepTensor};
 
-use crate::config::{Config, DeviceKindName, OptimizerDevice, OverlapName, StatesName};
+use crate::config::{Config, DeviceKindName, OptimizerDevice, OverlapName};
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::gpu::BenchKernels;
@@ -388,8 +388,7 @@ fn step_loop(
         hp: hyper_params(cfg),
         max_grad_norm: max_norm,
         loss_scaler: None,
-        // Compact moments have only the host step so far (auto picks it for them).
-        place: if placement.on_device && cfg.optimizer.states == StatesName::Fp32 {
+        place: if placement.on_device {
             StepPlace::Device
         } else {
             StepPlace::Host

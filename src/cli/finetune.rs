@@ -3,13 +3,15 @@
 //! from first to last step, tokens/s, where each step's time went (compute, waiting on
 //! the store, optimizer), NVMe traffic, peak bytes per tier and the process's peak
 //! resident memory; `--json` prints the report as JSON instead; `--plot FILE.svg` draws
-//! the loss per step.
+//! the loss per step, with `--plot-with REPORT.json` the curves of earlier runs (their
+//! `--json` reports, e.g. with other `optimizer.states`) on the same axes, and prints
+//! each one's final loss against this run's.
 
 use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use plotters::prelude::*;
 use tidestore::finetune::{self, FinetuneProgress, FinetuneReport, StepRecord};
+use tidestore::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use tidestore::plan::human_bytes;
 use tidestore::Config;
 
@@ -33,6 +35,69 @@ pub struct FinetuneArgs {
     /// Draw the loss per step into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+
+    /// An earlier run's `--json` report whose loss curve is drawn with this run's (with
+    /// --plot) and whose final loss is compared with this run's; repeatable.
+    #[arg(long, value_name = "REPORT.json", requires = "plot")]
+    plot_with: Vec<PathBuf>,
+}
+
+/// Steps the final loss is averaged over (single steps are one batch each: noisy).
+const FINAL_STEPS: usize = 20;
+
+/// A run's loss curve, from this run's report or an earlier run's `--json` file.
+trait Curve: Sized {
+    fn of(r: &FinetuneReport) -> Self;
+    fn load(path: &Path) -> Result<Self, CliError>;
+}
+
+impl Curve for LossCurve {
+    fn of(r: &FinetuneReport) -> LossCurve {
+        LossCurve {
+            label: format!("this run ({})", r.states),
+            points: r.steps.iter().map(|s| (s.step, s.loss)).collect(),
+        }
+    }
+
+    /// A `--json` report of `tidestore finetune`, labelled by its `states` (or, in a
+    /// report from before that field, its file name).
+    fn load(path: &Path) -> Result<LossCurve, CliError> {
+        let bad = |reason: String| CliError::Output {
+            what: "cannot read the loss curve of",
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if v["schema"] != finetune::SCHEMA {
+            return Err(bad(format!(
+                "schema is {}, not {} (write it with `finetune --json`)",
+                v["schema"],
+                finetune::SCHEMA
+            )));
+        }
+        let steps = v["steps"]
+            .as_array()
+            .ok_or_else(|| bad("no `steps` array".into()))?;
+        let mut points = Vec::with_capacity(steps.len());
+        for s in steps {
+            match (s["step"].as_u64(), s["loss"].as_f64()) {
+                (Some(step), Some(loss)) => points.push((step as u32, loss as f32)),
+                _ => return Err(bad(format!("a step without `step` and `loss`: {s}"))),
+            }
+        }
+        if points.is_empty() {
+            return Err(bad("no step was run".into()));
+        }
+        let name = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        let label = match v["states"].as_str() {
+            Some(states) => format!("{states} ({name})"),
+            None => name,
+        };
+        Ok(LossCurve { label, points })
+    }
 }
 
 /// A progress bar over the steps, with the last loss and the token rate.
@@ -92,9 +157,17 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), CliError> {
     .map(|s| s.progress_chars("=> "))
     .unwrap_or_else(|_| ProgressStyle::default_bar());
     let bar = ProgressBar::new(0).with_style(style);
+    // Read the earlier reports first: a bad path fails before the run, not after it.
+    let others = args
+        .plot_with
+        .iter()
+        .map(|p| LossCurve::load(p))
+        .collect::<Result<Vec<_>, _>>()?;
     let report = finetune::run(&cfg, args.resume, &mut Bar(bar))?;
+    let mut curves = vec![LossCurve::of(&report)];
+    curves.extend(others);
     if let Some(path) = &args.plot {
-        draw(&report, path).map_err(|reason| CliError::Output {
+        draw_loss_curves(&report.model, &curves, path).map_err(|reason| CliError::Output {
             what: "cannot draw the loss curve into",
             path: path.clone(),
             reason,
@@ -109,8 +182,32 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), CliError> {
         out!("{text}");
     } else {
         print(&report);
+        compare(&curves);
     }
     Ok(())
+}
+
+/// Each earlier run's final loss against this run's.
+fn compare(curves: &[LossCurve]) {
+    let [this, others @ ..] = curves else {
+        return;
+    };
+    if others.is_empty() || this.points.is_empty() {
+        return;
+    }
+    let mine = final_loss(&this.points, FINAL_STEPS);
+    out!(
+        "final loss (mean of the last {FINAL_STEPS} steps): {} {mine:.4}",
+        this.label
+    );
+    for c in others {
+        let theirs = final_loss(&c.points, FINAL_STEPS);
+        out!(
+            "  {} {theirs:.4}: this run is {:+.2} % against it",
+            c.label,
+            (mine / theirs - 1.0) * 100.0
+        );
+    }
 }
 
 fn print(r: &FinetuneReport) {
@@ -160,42 +257,4 @@ fn print(r: &FinetuneReport) {
     if let Some(e) = &r.export {
         out!("exported: {}", e.display());
     }
-}
-
-/// The loss per step, one line named `loss`.
-fn draw(r: &FinetuneReport, path: &Path) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    let points: Vec<(u32, f32)> = r.steps.iter().map(|s| (s.step, s.loss)).collect();
-    let (Some(first), Some(last)) = (points.first(), points.last()) else {
-        return Err("no step was run".into());
-    };
-    let hi = points.iter().map(|p| p.1).fold(f32::MIN, f32::max);
-    let lo = points.iter().map(|p| p.1).fold(f32::MAX, f32::min);
-    let pad = ((hi - lo) * 0.05).max(1e-3);
-    let root = SVGBackend::new(path, (1000, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("loss: {}", r.model), ("sans-serif", 20))
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(60)
-        .build_cartesian_2d(first.0..last.0.max(first.0 + 1), (lo - pad)..(hi + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy")
-        .draw()
-        .map_err(|e| err(&e))?;
-    chart
-        .draw_series(LineSeries::new(points, &BLUE))
-        .map_err(|e| err(&e))?
-        .label("loss")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE));
-    chart
-        .configure_series_labels()
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))
 }

@@ -572,16 +572,6 @@ impl Config {
                 format!("{} is outside 0..=1024", o.threads),
             ));
         }
-        if o.device == OptimizerDevice::Gpu && o.states != StatesName::Fp32 {
-            return Err(Error::config(
-                "optimizer.states",
-                format!(
-                    "{:?} moments run on the CPU step only so far; set device = \"auto\" \
-                     or \"cpu\", or states = \"fp32\"",
-                    o.states
-                ),
-            ));
-        }
         if o.overlap == OverlapName::Backward && o.max_grad_norm > 0.0 {
             return Err(Error::config(
                 "optimizer.overlap",

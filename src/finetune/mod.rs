@@ -66,6 +66,8 @@ pub struct FinetuneReport {
     pub schema: String,
     /// The model in one line.
     pub model: String,
+    /// How Adam's moments were stored (`optimizer.states`: fp32, bf16 or int8).
+    pub states: String,
     /// Parameters.
     pub params: u64,
     /// Trained parameters.
@@ -178,6 +180,7 @@ pub fn run(
     let mut report = FinetuneReport {
         schema: SCHEMA.into(),
         model: loaded.describe(),
+        states: cfg.optimizer.states.moments().to_string(),
         params: loaded.params(),
         params_trainable: loaded.params_trainable(),
         text_tokens: samples.len() as u64,

@@ -287,18 +287,6 @@ impl StepLoop {
             g.1 += 1;
             entries.push(entry);
         }
-        if cfg.place == StepPlace::Device {
-            if let Some(e) = entries.iter().find(|e| e.moments != DType::F32) {
-                return Err(TrainError::Config {
-                    key: "optimizer.states",
-                    reason: format!(
-                        "`{}` has {} moments, which only the host step runs so far; use \
-                         states = \"fp32\" with the device step",
-                        e.name, e.moments
-                    ),
-                });
-            }
-        }
         let places_max = entries.iter().map(|e| e.places().len()).max().unwrap_or(0);
         let in_place = store.capacity_plan().host_buffers > places_max as u64;
         let longest = entries.iter().map(|e| e.len).max().unwrap_or(0);

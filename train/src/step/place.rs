@@ -181,6 +181,7 @@ impl StepLoop {
                     DeviceSlices {
                         len: e.len,
                         master,
+                        moments: state_type_of(e.moments, &e.name)?,
                         m,
                         v,
                         grads,

@@ -232,13 +232,24 @@ fn step_leaf(level: SimdLevel, c: &Consts, q: &Maps, j: CompactJob<'_>) {
         out,
         len: j.p.len(),
     };
+    #[cfg(target_arch = "x86_64")]
+    let vbmi = int8 && level >= SimdLevel::Avx512 && avx512::vbmi_supported();
     // SAFETY: `s` was built from the job's slices, checked by `step_moments` to have the
     // lengths of the CompactPtrs invariant and kept so by the split (at whole blocks);
     // they are exclusive `&mut` borrows (shared for the gradients) alive for this call.
-    // `level` passed `is_supported` when the optimizer was built.
+    // `level` passed `is_supported` when the optimizer was built, and the VBMI kernels
+    // run only where `vbmi_supported` found their extra features.
     unsafe {
         if int8 {
             match level {
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512Bf16 if vbmi => {
+                    dispatch_step!(avx512::step_q8_vbmi_bf16, gk, ok, c.l2, (c, q, &s))
+                }
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512 if vbmi => {
+                    dispatch_step!(avx512::step_q8_vbmi, gk, ok, c.l2, (c, q, &s))
+                }
                 #[cfg(target_arch = "x86_64")]
                 SimdLevel::Avx512Bf16 => {
                     dispatch_step!(avx512::step_q8_bf16, gk, ok, c.l2, (c, q, &s))
