@@ -137,7 +137,11 @@ impl ChunkStore {
             .host_list
             .iter()
             .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
-        let shadow: Vec<bool> = self.mover.slots.iter().map(|s| s.dev.is_some()).collect();
+        // Host copies of chunks current on the device (only the device pass reads them).
+        let shadow: Vec<bool> = match shadows_only {
+            Some(_) => self.mover.slots.iter().map(|s| s.dev.is_some()).collect(),
+            None => Vec::new(),
+        };
         if shadows_only.is_some() {
             evictable.retain(|c| shadow[c.dense()]);
             held.clear();
