@@ -12,6 +12,20 @@ use rayon::ThreadPool;
 use crate::slices::{Grads, ParamOut};
 
 /// A set of equally long arrays that can be cut at an element index.
+/// Splits an optional 16-bit output at `mid`, as the job it belongs to.
+pub(super) fn split_out(
+    out: Option<ParamOut<'_>>,
+    mid: usize,
+) -> (Option<ParamOut<'_>>, Option<ParamOut<'_>>) {
+    match out {
+        Some(o) => {
+            let (a, b) = o.split_at(mid);
+            (Some(a), Some(b))
+        }
+        None => (None, None),
+    }
+}
+
 pub(crate) trait Split: Sized + Send {
     /// Elements per array.
     fn len(&self) -> usize;
@@ -90,13 +104,7 @@ impl Split for StepJob<'_> {
         let (m0, m1) = self.m.split_at_mut(mid);
         let (v0, v1) = self.v.split_at_mut(mid);
         let (g0, g1) = self.g.split_at(mid);
-        let (o0, o1) = match self.out {
-            Some(o) => {
-                let (a, b) = o.split_at(mid);
-                (Some(a), Some(b))
-            }
-            None => (None, None),
-        };
+        let (o0, o1) = split_out(self.out, mid);
         (
             StepJob {
                 p: p0,

@@ -22,7 +22,7 @@ pub(crate) mod avx512;
 
 use half::bf16;
 
-use super::parallel::{run_blocks, Split};
+use super::parallel::{run_blocks, split_out, Split};
 use super::raw::{grad_raw, out_raw};
 use super::{AdamW, SimdLevel};
 use crate::error::{check_len, Result};
@@ -88,13 +88,7 @@ impl Split for CompactJob<'_> {
     fn split_at(self, mid: usize) -> (Self, Self) {
         let (p0, p1) = self.p.split_at_mut(mid);
         let (g0, g1) = self.g.split_at(mid);
-        let (o0, o1) = match self.out {
-            Some(o) => {
-                let (a, b) = o.split_at(mid);
-                (Some(a), Some(b))
-            }
-            None => (None, None),
-        };
+        let (o0, o1) = split_out(self.out, mid);
         let (mv0, mv1) = match self.mv {
             Compact::Bf16(m, v) => {
                 let (m0, m1) = m.split_at_mut(mid);
