@@ -1,9 +1,14 @@
 //! The pinned host tier: a fixed pool of chunk-sized buffers made once at start-up.
 //!
 //! Invariants:
-//! - the pool holds `budget / chunk bytes` buffers (chunk bytes rounded up to 4096) in
-//!   one contiguous mapping, allocated before the first iteration and never grown, so the
-//!   tier can never exceed its budget and nothing is allocated on the hot path;
+//! - the pool holds `budget / chunk bytes` buffers (the largest chunk's bytes rounded up
+//!   to 4096) in one contiguous mapping, allocated before the first iteration and never
+//!   grown, so the tier can never exceed its budget and nothing is allocated on the hot
+//!   path;
+//! - a chunk of at most half a buffer takes a part of one (see [`tidestore_io`]'s pool:
+//!   a buffer split into equal parts for chunks of one size), so chunks of smaller lists
+//!   (16-bit parameters, compact moments) hold the pool bytes they need, not a whole
+//!   largest-chunk buffer each, and the pool can never do worse than one buffer a chunk;
 //! - where the device is a GPU, the whole mapping is page-locked and registered with it
 //!   (asynchronous copies need that); a refusal is logged and the tier stays usable,
 //!   unpinned, with copies that are then staged by the driver;
@@ -78,21 +83,39 @@ impl HostTier {
         })
     }
 
-    /// Take a buffer for `chunk`, or [`TierError::HostPoolExhausted`] when all are taken.
-    pub fn try_take(&self, chunk: u64) -> Result<AlignedBuf> {
-        let buf = self.pool.try_take().ok_or_else(|| self.exhausted(chunk))?;
+    /// Take a buffer for `chunk` of `len_bytes`, or [`TierError::HostPoolExhausted`] when
+    /// none is free (or a chunk of this size is more than a buffer holds).
+    pub fn try_take(&self, chunk: u64, len_bytes: u64) -> Result<AlignedBuf> {
+        let buf = self
+            .pool
+            .try_take_bytes(len_bytes as usize)
+            .ok_or_else(|| self.exhausted(chunk))?;
         self.sample_peak();
         Ok(buf)
     }
 
-    /// Take a buffer for `chunk`, waiting up to `timeout` for one to come back.
-    pub fn take_timeout(&self, chunk: u64, timeout: Duration) -> Result<AlignedBuf> {
+    /// Take a buffer for `chunk` of `len_bytes`, waiting up to `timeout` for one to come
+    /// back.
+    pub fn take_timeout(
+        &self,
+        chunk: u64,
+        len_bytes: u64,
+        timeout: Duration,
+    ) -> Result<AlignedBuf> {
         let buf = self
             .pool
-            .take_timeout(timeout)
+            .take_bytes_timeout(len_bytes as usize, timeout)
             .ok_or_else(|| self.exhausted(chunk))?;
         self.sample_peak();
         Ok(buf)
+    }
+
+    /// Pool bytes a chunk of `len_bytes` holds while in the pool (a whole buffer, or a
+    /// part of one); `None` when it does not fit in a buffer.
+    pub fn held_bytes(&self, len_bytes: u64) -> Option<u64> {
+        self.pool
+            .take_bytes_for(len_bytes as usize)
+            .map(|b| b as u64)
     }
 
     /// Return a buffer (dropping it anywhere does the same).
@@ -116,7 +139,7 @@ impl HostTier {
             .fetch_max(self.used_bytes(), Ordering::Relaxed);
     }
 
-    /// Bytes of each buffer (the chunk size rounded up to 4096).
+    /// Bytes of each whole buffer (the largest chunk's size rounded up to 4096).
     pub fn buf_bytes(&self) -> usize {
         self.pool.buf_bytes()
     }
@@ -126,14 +149,21 @@ impl HostTier {
         self.pool.count()
     }
 
-    /// Buffers free now.
+    /// Whole buffers free now.
     pub fn available(&self) -> usize {
         self.pool.available()
     }
 
-    /// Bytes of buffers taken now.
+    /// Bytes of the pool taken now (buffers and parts handed out, and the unusable tail
+    /// of buffers split into parts that do not fill them exactly).
     pub fn used_bytes(&self) -> u64 {
-        ((self.pool.count() - self.pool.available()) * self.pool.buf_bytes()) as u64
+        self.capacity_bytes - self.pool.free_bytes() as u64
+    }
+
+    /// Bytes of the buffers and parts handed out now (without the unusable tails that
+    /// [`HostTier::used_bytes`] counts).
+    pub fn taken_bytes(&self) -> u64 {
+        self.pool.taken_bytes() as u64
     }
 
     /// Capacity, used and peak bytes as a [`Budget`].

@@ -35,7 +35,7 @@ fn cuda_round_trip_from_pinned_pool() {
 
     let mut ids = Vec::new();
     for chunk in 0..N {
-        let mut buf = host.try_take(chunk).unwrap();
+        let mut buf = host.try_take(chunk, CHUNK as u64).unwrap();
         for (i, b) in buf.iter_mut().enumerate() {
             *b = (i as u64 ^ chunk.wrapping_mul(131)) as u8;
         }
@@ -47,7 +47,7 @@ fn cuda_round_trip_from_pinned_pool() {
     for id in ids {
         let c = dev.wait_copy_id(id).unwrap();
         c.result.unwrap();
-        let out = host.try_take(c.chunk).unwrap();
+        let out = host.try_take(c.chunk, CHUNK as u64).unwrap();
         back.push(dev.copy_to_host(c.chunk, c.mem, out, CHUNK));
         host.give_back(c.host);
     }

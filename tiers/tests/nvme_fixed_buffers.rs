@@ -34,7 +34,7 @@ fn tiers(dir: &tempfile::TempDir, fixed_buffers: bool) -> (HostTier, NvmeTier) {
 /// and a heap buffer, and checks every byte.
 fn round_trip(host: &HostTier, nvme: &mut NvmeTier) {
     for chunk in 0..3u64 {
-        let mut buf = host.try_take(chunk).unwrap();
+        let mut buf = host.try_take(chunk, SLOT as u64).unwrap();
         buf[..SLOT].copy_from_slice(&pattern(chunk, SLOT));
         nvme.submit_write(chunk, buf, SLOT);
     }
@@ -42,7 +42,7 @@ fn round_trip(host: &HostTier, nvme: &mut NvmeTier) {
         c.result.unwrap();
     }
     for chunk in 0..2u64 {
-        let mut buf = host.try_take(chunk).unwrap();
+        let mut buf = host.try_take(chunk, SLOT as u64).unwrap();
         buf.fill(0);
         nvme.submit_read(chunk, buf);
     }

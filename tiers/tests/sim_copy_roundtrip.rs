@@ -203,7 +203,7 @@ fn host_tier_buffers_round_trip_through_the_device() {
     let mut dev = sim(4 << 20, 4, None);
     let host = HostTier::new(4 * CHUNK as u64 + 100, CHUNK, &dev).unwrap();
     assert!(!host.is_pinned(), "nothing to pin in the simulation");
-    let mut buf = host.try_take(1).unwrap();
+    let mut buf = host.try_take(1, CHUNK as u64).unwrap();
     buf[..CHUNK].copy_from_slice(&pattern(1, CHUNK));
     let mem = dev.alloc(1, CHUNK).unwrap();
     let id = dev.copy_to_device(1, buf, mem, CHUNK);

@@ -354,7 +354,7 @@ fn train_with(
 
 #[test]
 fn host_in_place_equals_in_memory_adamw() {
-    assert_eq!(train(StepPlace::Host, Overlap::Off, Grad::InParam16, 7), 0);
+    assert_eq!(train(StepPlace::Host, Overlap::Off, Grad::InParam16, 5), 0);
 }
 
 #[test]
@@ -365,7 +365,7 @@ fn host_copying_equals_in_memory_adamw() {
 
 #[test]
 fn device_step_on_the_simulation_equals_in_memory_adamw() {
-    train(StepPlace::Device, Overlap::Off, Grad::InParam16, 5);
+    train(StepPlace::Device, Overlap::Off, Grad::InParam16, 4);
 }
 
 #[test]
@@ -376,7 +376,7 @@ fn separate_fp32_gradients_equal_in_memory_adamw() {
 
 #[test]
 fn overlap_steps_during_backward_and_equals_off() {
-    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::InParam16, 7);
+    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::InParam16, 5);
     // The groups of the later chunks complete before backward ends.
     assert!(
         overlapped > 0,
@@ -512,17 +512,17 @@ fn a_non_finite_gradient_after_overlapped_steps_is_an_error() {
 fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
     for states in [MomentStates::Bf16, MomentStates::Int8] {
         assert_eq!(
-            train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 7, states),
+            train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 4, states),
             0
         );
-        train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 4, states);
-        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 8, states);
-        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 5, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 3, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 6, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 4, states);
         let overlapped = train_with(
             StepPlace::Host,
             Overlap::Backward,
             Grad::InParam16,
-            7,
+            4,
             states,
         );
         assert!(overlapped > 0, "{states}: nothing stepped during backward");
@@ -536,12 +536,12 @@ fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
 #[test]
 fn compact_moments_on_the_device_step_equal_in_memory_adamw() {
     for states in [MomentStates::Bf16, MomentStates::Int8] {
-        train_with(StepPlace::Device, Overlap::Off, Grad::InParam16, 4, states);
+        train_with(StepPlace::Device, Overlap::Off, Grad::InParam16, 3, states);
         train_with(
             StepPlace::Device,
             Overlap::Off,
             Grad::SeparateF32,
-            4,
+            3,
             states,
         );
     }

@@ -36,8 +36,9 @@ impl Mover {
         chunk: ChunkId,
         room: HostRoom<'_>,
     ) -> Result<AlignedBuf> {
+        let d = chunk.dense();
         loop {
-            if let Ok(buf) = self.host.try_take(chunk.dense() as u64) {
+            if let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) {
                 return Ok(buf);
             }
             if self.pending_writes > 0 {
@@ -50,7 +51,7 @@ impl Mover {
                 return Err(ChunkError::TierFull {
                     tier: TierKind::Host,
                     chunk,
-                    needed_bytes: self.host.buf_bytes() as u64,
+                    needed_bytes: self.host_bytes[d],
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
@@ -78,7 +79,7 @@ impl Mover {
                 return Err(ChunkError::TierFull {
                     tier: TierKind::Host,
                     chunk,
-                    needed_bytes: self.host.buf_bytes() as u64,
+                    needed_bytes: self.host_bytes[d],
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
@@ -131,6 +132,7 @@ impl Mover {
             self.slots[d].pending = Pending::NvmeWrite;
             self.pending_nvme += 1;
             self.pending_writes += 1;
+            *self.writing_held.entry(self.host_bytes[d]).or_default() += 1;
             self.note_nvme_in_flight(false);
             self.stats.async_writes += 1;
             self.stats.host_evictions += 1;

@@ -56,7 +56,7 @@ mod queue;
 mod verify;
 mod wait;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use tidestore_io::AlignedBuf;
@@ -142,6 +142,9 @@ pub(crate) struct Mover {
     pub(crate) len_bytes: Vec<u64>,
     /// Device bytes per dense id (length rounded up to 4096, as the budget counts).
     pub(crate) dev_bytes: Vec<u64>,
+    /// Host pool bytes per dense id: the buffer, or the part of one, its host copy
+    /// holds (see [`HostTier::held_bytes`]).
+    pub(crate) host_bytes: Vec<u64>,
     /// Chunks present on the device (not in flight).
     pub(crate) dev_list: Vec<ChunkId>,
     /// Chunks present in the host pool (not in flight).
@@ -155,11 +158,13 @@ pub(crate) struct Mover {
     pending_nvme: usize,
     /// NVMe writes in flight.
     pending_writes: usize,
+    /// NVMe writes in flight by the host bytes their buffers hold (`host_bytes`).
+    writing_held: BTreeMap<u64, usize>,
     /// Prefetch reads waiting for a buffer ([`Pending::NvmeReadQueued`]), in order of
-    /// need; each is owed one of the buffers the write-backs in flight give back, so
-    /// there are never more of them than `pending_writes` once settled (see
-    /// `settle_queue`). They start as those writes complete, so write-backs and the
-    /// reads that follow them are in flight together.
+    /// need; each is owed one of the buffers of its size that the write-backs in flight
+    /// give back, so there are never more of them of one size than write-backs of that
+    /// size once settled (see `settle_queue`). They start as those writes complete, so
+    /// write-backs and the reads that follow them are in flight together.
     read_queue: VecDeque<ChunkId>,
     /// While set, queued reads do not start: a demand load is waiting for a buffer and
     /// goes first (its chunk is needed now, theirs later).
@@ -239,6 +244,14 @@ impl Mover {
             .iter()
             .map(|&b| tidestore_io::align_up(b as usize) as u64)
             .collect();
+        // Every chunk fits a buffer: the pool's buffers are the largest chunk's size.
+        let host_bytes = len_bytes
+            .iter()
+            .map(|&b| match b {
+                0 => 0,
+                b => host.held_bytes(b).unwrap_or(host.buf_bytes() as u64),
+            })
+            .collect();
         Mover {
             device,
             host,
@@ -246,6 +259,7 @@ impl Mover {
             slots: (0..n).map(|_| Slot::new()).collect(),
             len_bytes,
             dev_bytes,
+            host_bytes,
             dev_list: Vec::new(),
             host_list: Vec::new(),
             dev_mark: vec![false; n],
@@ -253,6 +267,7 @@ impl Mover {
             pending_h2d: 0,
             pending_nvme: 0,
             pending_writes: 0,
+            writing_held: BTreeMap::new(),
             read_queue: VecDeque::new(),
             hold_queue: false,
             nvme_stash: VecDeque::new(),

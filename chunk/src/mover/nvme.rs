@@ -68,6 +68,7 @@ impl Mover {
             "NVMe write",
             chunk,
         ));
+        self.wrote_back(d);
         // After a failed write the file no longer stores the chunk.
         let still_stored = self.nvme.contains(c.chunk);
         let slot = &mut self.slots[d];

@@ -37,7 +37,7 @@ impl Mover {
                 // queue, and the copy to the reserved memory follows it.
                 let buf = match self.take_host_buffer(c, room) {
                     Ok(b) => Some(b),
-                    Err(e) if is_no_room(&e) && self.read_queue.len() < self.pending_writes => None,
+                    Err(e) if is_no_room(&e) && self.writes_owing(c) > 0 => None,
                     Err(e) if is_no_room(&e) => return Ok(false),
                     Err(e) => return Err(e),
                 };
@@ -89,8 +89,8 @@ impl Mover {
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
             return Ok(true);
         }
-        if self.read_queue.is_empty() {
-            if let Ok(buf) = self.host.try_take(d as u64) {
+        if !self.queued_same_size(c) {
+            if let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) {
                 self.nvme.submit_read(d as u64, buf);
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::NvmeRead;
@@ -103,7 +103,7 @@ impl Mover {
                 return Ok(true);
             }
         }
-        if self.read_queue.len() >= self.pending_writes {
+        if self.writes_owing(c) == 0 {
             return Ok(false);
         }
         self.read_queue.push_back(c);
@@ -122,12 +122,18 @@ impl Mover {
     /// Host-pool bytes held by write-backs in flight and not yet owed to a queued read:
     /// they come back to the pool when the writes complete.
     pub(crate) fn host_bytes_writing(&self) -> u64 {
-        debug_assert!(
-            self.read_queue.len() <= self.pending_writes,
-            "more queued reads than write-backs to give them buffers"
-        );
-        self.pending_writes.saturating_sub(self.read_queue.len()) as u64
-            * self.host.buf_bytes() as u64
+        let queued = self.queued_held();
+        self.writing_held
+            .iter()
+            .map(|(&held, &writing)| {
+                let owed = queued.get(&held).copied().unwrap_or(0);
+                debug_assert!(
+                    owed <= writing,
+                    "more queued reads than write-backs to serve them"
+                );
+                writing.saturating_sub(owed) as u64 * held
+            })
+            .sum()
     }
 
     /// Whether the host-tier prefetcher has nothing to load for `c`.

@@ -2,10 +2,13 @@
 //! buffer an asynchronous write-back in flight gives back, so that a row of write-backs
 //! and the reads that replace them are in flight together.
 //!
-//! Invariants: once settled, no more reads are queued than write-backs in flight
-//! (`pending_writes`), each owed one of their buffers; queued reads start in order as
-//! buffers come back; a demand load waiting for a buffer goes first (`hold_queue`), and
-//! a queued read that will not happen gives back the device memory reserved for it.
+//! Invariants: once settled, no more reads of one size (the host bytes their chunks
+//! hold, `host_bytes`) are queued than write-backs of that size in flight
+//! (`writing_held`), each owed one of their buffers — a write-back of a part of a buffer
+//! gives back a part of that size, which serves a read of that size; queued reads of
+//! one size start in order as buffers come back; a demand load waiting for a buffer
+//! goes first (`hold_queue`), and a queued read that will not happen gives back the
+//! device memory reserved for it.
 
 use super::{Mover, Pending};
 use crate::id::ChunkId;
@@ -26,17 +29,24 @@ impl Mover {
     }
 
     /// Starts the queued host prefetch reads that find a free buffer, in queue order
-    /// (not while a demand load waits for one, see `hold_queue`).
+    /// within each size (not while a demand load waits for one, see `hold_queue`).
     fn start_queued_reads(&mut self) {
-        while !self.hold_queue {
-            let Some(&c) = self.read_queue.front() else {
-                return;
-            };
+        let mut blocked: Vec<u64> = Vec::new();
+        let mut i = 0;
+        while !self.hold_queue && i < self.read_queue.len() {
+            let c = self.read_queue[i];
             let d = c.dense();
-            let Ok(buf) = self.host.try_take(d as u64) else {
-                return;
+            let held = self.host_bytes[d];
+            if blocked.contains(&held) {
+                i += 1;
+                continue;
+            }
+            let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) else {
+                blocked.push(held);
+                i += 1;
+                continue;
             };
-            self.read_queue.pop_front();
+            self.read_queue.remove(i);
             self.nvme.submit_read(d as u64, buf);
             self.slots[d].pending = Pending::NvmeRead;
             self.pending_nvme += 1;
@@ -44,12 +54,63 @@ impl Mover {
         }
     }
 
-    /// Drops queued reads from the back until no more are queued than buffers the
-    /// write-backs in flight will give back.
+    /// Drops queued reads from the back until no more of one size are queued than
+    /// buffers of that size the write-backs in flight will give back.
     fn trim_read_queue(&mut self) {
-        while self.read_queue.len() > self.pending_writes {
-            if let Some(c) = self.read_queue.pop_back() {
-                self.cancel_queued(c);
+        let mut queued = self.queued_held();
+        let mut cancel = Vec::new();
+        for &c in self.read_queue.iter().rev() {
+            let held = self.host_bytes[c.dense()];
+            let n = queued.entry(held).or_default();
+            if *n > self.writing_held.get(&held).copied().unwrap_or(0) {
+                *n -= 1;
+                cancel.push(c);
+            }
+        }
+        for c in cancel {
+            self.cancel_queued(c);
+        }
+    }
+
+    /// Queued reads by the host bytes their chunks hold.
+    pub(super) fn queued_held(&self) -> std::collections::BTreeMap<u64, usize> {
+        let mut queued = std::collections::BTreeMap::new();
+        for c in &self.read_queue {
+            *queued.entry(self.host_bytes[c.dense()]).or_default() += 1;
+        }
+        queued
+    }
+
+    /// Write-backs in flight whose buffers are the size `c`'s host copy holds and are
+    /// not yet owed to a queued read: a read of `c` may wait in the queue for one.
+    pub(super) fn writes_owing(&self, c: ChunkId) -> usize {
+        let held = self.host_bytes[c.dense()];
+        let writing = self.writing_held.get(&held).copied().unwrap_or(0);
+        let queued = self
+            .read_queue
+            .iter()
+            .filter(|q| self.host_bytes[q.dense()] == held)
+            .count();
+        writing.saturating_sub(queued)
+    }
+
+    /// Whether a read of `c` queued now would wait behind an earlier queued read of
+    /// its size (it must not take a buffer first).
+    pub(super) fn queued_same_size(&self, c: ChunkId) -> bool {
+        let held = self.host_bytes[c.dense()];
+        self.read_queue
+            .iter()
+            .any(|q| self.host_bytes[q.dense()] == held)
+    }
+
+    /// A write-back of chunk `d` finished (well or not): its buffer's size is owed no
+    /// more.
+    pub(super) fn wrote_back(&mut self, d: usize) {
+        let held = self.host_bytes[d];
+        if let Some(n) = self.writing_held.get_mut(&held) {
+            *n -= 1;
+            if *n == 0 {
+                self.writing_held.remove(&held);
             }
         }
     }

@@ -12,7 +12,9 @@ use crate::Result;
 #[derive(Debug, Default)]
 struct Tally {
     dev_bytes: u64,
-    host_buffers: u64,
+    host_bytes: u64,
+    /// Write-backs in flight by the host bytes their buffers hold.
+    writing_held: std::collections::BTreeMap<u64, usize>,
     h2d: usize,
     nvme: usize,
     writes: usize,
@@ -54,12 +56,23 @@ impl Mover {
                 self.pending_h2d, self.pending_nvme, self.pending_writes, t.h2d, t.nvme, t.writes
             ));
         }
-        if self.read_queue.len() != t.queued || self.read_queue.len() > self.pending_writes {
+        if self.writing_held != t.writing_held {
             return bad(format!(
-                "{} reads queued, {} slots queued, {} write-backs to give them buffers",
+                "write-backs in flight by buffer size counted {:?}, slots say {:?}",
+                self.writing_held, t.writing_held
+            ));
+        }
+        let queued = self.queued_held();
+        let owed_too_much = queued
+            .iter()
+            .find(|&(held, &n)| n > t.writing_held.get(held).copied().unwrap_or(0));
+        if self.read_queue.len() != t.queued || owed_too_much.is_some() {
+            return bad(format!(
+                "{} reads queued ({queued:?} by buffer size), {} slots queued, write-backs \
+                 to give them buffers {:?}",
                 self.read_queue.len(),
                 t.queued,
-                self.pending_writes
+                t.writing_held
             ));
         }
         Ok(())
@@ -82,13 +95,13 @@ impl Mover {
             ));
         }
         let host = self.host.budget();
-        let host_bytes = t.host_buffers * self.host.buf_bytes() as u64;
-        if host.used_bytes() != host_bytes || host.used_bytes() > host.capacity_bytes() {
+        if self.host.taken_bytes() != t.host_bytes || host.used_bytes() > host.capacity_bytes() {
             return bad(format!(
-                "host pool uses {} of {} bytes, the chunks hold {} buffers ({host_bytes} bytes)",
+                "host pool hands out {} bytes (uses {} of {}), the chunks hold {} bytes",
+                self.host.taken_bytes(),
                 host.used_bytes(),
                 host.capacity_bytes(),
-                t.host_buffers
+                t.host_bytes
             ));
         }
         let nvme = self.nvme.budget();
@@ -207,13 +220,13 @@ impl Mover {
             Pending::None => false,
             Pending::HostToDevice(_) => {
                 t.h2d += 1;
-                t.host_buffers += 1;
+                t.host_bytes += self.host_bytes[d];
                 t.dev_bytes += self.dev_bytes[d];
                 true
             }
             Pending::NvmeRead => {
                 t.nvme += 1;
-                t.host_buffers += 1;
+                t.host_bytes += self.host_bytes[d];
                 true
             }
             Pending::NvmeReadQueued => {
@@ -226,7 +239,8 @@ impl Mover {
             Pending::NvmeWrite => {
                 t.nvme += 1;
                 t.writes += 1;
-                t.host_buffers += 1;
+                *t.writing_held.entry(self.host_bytes[d]).or_default() += 1;
+                t.host_bytes += self.host_bytes[d];
                 if s.nvme_valid {
                     return bad("a write-back in flight over a current NVMe copy".into());
                 }
@@ -268,7 +282,7 @@ impl Mover {
             t.dev_bytes += self.dev_bytes[d];
         }
         if s.host.is_some() {
-            t.host_buffers += 1;
+            t.host_bytes += self.host_bytes[d];
         }
         Ok(())
     }

@@ -146,8 +146,6 @@ pub struct ChunkStore {
     planner: PrefetchPlanner,
     /// The host tier's prefetch planner (the same rule, over host accesses).
     host_planner: PrefetchPlanner,
-    /// Per dense id: the bytes a chunk takes in the host pool (one whole buffer).
-    host_chunk_bytes: Vec<u64>,
     plan: CapacityPlan,
     mode: Mode,
     follower: Follower,

@@ -115,12 +115,6 @@ impl ChunkStore {
         lookahead_bytes_max: u64,
         device_total_bytes: u64,
     ) -> ChunkStore {
-        let host_buf_bytes = mover.host.buf_bytes() as u64;
-        let host_chunk_bytes: Vec<u64> = mover
-            .len_bytes
-            .iter()
-            .map(|&b| if b > 0 { host_buf_bytes } else { 0 })
-            .collect();
         let lists = ListStates::for_layout(&layout);
         ChunkStore {
             id: NEXT_STORE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -132,7 +126,6 @@ impl ChunkStore {
             planner: PrefetchPlanner::new(settings.lookahead, Horizon::Cyclic)
                 .with_lookahead_bytes_max(lookahead_bytes_max),
             host_planner: PrefetchPlanner::new(settings.host_lookahead, Horizon::Cyclic),
-            host_chunk_bytes,
             plan,
             mode: Mode::Tracing(Tracer::new()),
             follower: Follower::new(settings.slack_bytes),

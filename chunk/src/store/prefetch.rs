@@ -154,7 +154,7 @@ impl ChunkStore {
             Residency {
                 resident: &resident,
                 evictable: &evictable,
-                chunk_bytes: &self.host_chunk_bytes,
+                chunk_bytes: &self.mover.host_bytes,
                 // Buffers of write-backs in flight count as free: they return soon, and
                 // evicting more instead would write (and later read) chunks for nothing.
                 free_bytes: budget

@@ -1,0 +1,94 @@
+//! Guards against the host pool holding a whole largest-chunk buffer for every chunk:
+//! 16-bit parameter chunks are half the size of the fp32 master chunks that size the
+//! pool's buffers, so a pool of five buffers holds all eight 16-bit chunks and one
+//! master chunk at once — after the traced iteration nothing is read from NVMe again.
+//! With one buffer per chunk the same pool held five and read the rest every iteration.
+
+mod common;
+
+use common::*;
+use tidestore_chunk::{ChunkStore, DType, ListKind, Place, TensorId, TensorState};
+
+const CHUNK_ELEMENTS: u64 = 16 * 1024;
+/// The largest chunk (fp32 master): the pool's buffer.
+const BUF_BYTES: u64 = CHUNK_ELEMENTS * 4;
+const TENSORS: u32 = 8;
+
+fn store(dir: &tempfile::TempDir) -> ChunkStore {
+    let layout = layout(
+        CHUNK_ELEMENTS,
+        &vec![(CHUNK_ELEMENTS, true); TENSORS as usize],
+        DType::BF16,
+    );
+    let cfg = config(
+        BUF_BYTES,
+        5 * BUF_BYTES,
+        nvme_dir(dir, 4 * TENSORS as u64 * BUF_BYTES),
+    )
+    .with_working_set_chunks(1);
+    ChunkStore::open(layout, cfg, sim_device(BUF_BYTES)).expect("store")
+}
+
+fn bytes_of(t: u32, list: ListKind) -> Vec<u8> {
+    let len = match list {
+        ListKind::Param16 => CHUNK_ELEMENTS * 2,
+        _ => CHUNK_ELEMENTS * 4,
+    };
+    pattern(u64::from(t) * 8 + list as u64, len as usize)
+}
+
+/// Every tensor's 16-bit parameters and tensor 0's master, on the host, checked.
+fn iteration(store: &mut ChunkStore) {
+    let master = (TensorId(0), ListKind::MasterF32);
+    let params = (0..TENSORS).map(|t| (TensorId(t), ListKind::Param16));
+    for (t, list) in std::iter::once(master).chain(params) {
+        let g = store.access(t, list, Place::Host).expect("access");
+        assert!(
+            store.bytes(&g).expect("bytes") == &bytes_of(t.0, list)[..],
+            "{t:?} {list} does not hold what was written"
+        );
+        store.release(g, TensorState::Hold).expect("release");
+    }
+    store.end_iteration().expect("end iteration");
+}
+
+#[test]
+fn half_size_chunks_share_buffers_and_stay_in_the_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = store(&dir);
+    let w = watch(&mut store);
+    store
+        .write(
+            TensorId(0),
+            ListKind::MasterF32,
+            &bytes_of(0, ListKind::MasterF32),
+        )
+        .expect("write master");
+    for t in 0..TENSORS {
+        store
+            .write(
+                TensorId(t),
+                ListKind::Param16,
+                &bytes_of(t, ListKind::Param16),
+            )
+            .expect("write params");
+    }
+    store.end_iteration().expect("end iteration");
+    iteration(&mut store);
+    let warm = store.stats();
+    for _ in 0..3 {
+        iteration(&mut store);
+    }
+    let after = store.stats();
+    assert_eq!(
+        after.nvme_reads, warm.nvme_reads,
+        "the pool of five buffers should hold eight half-size chunks and a whole one"
+    );
+    assert!(after.hits > warm.hits);
+    let host = store.stats().host;
+    assert!(
+        host.peak_bytes <= 5 * BUF_BYTES,
+        "host pool over its budget: {host:?}"
+    );
+    assert_eq!(w.lock().unwrap().violations, Vec::<String>::new());
+}
