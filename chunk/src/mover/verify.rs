@@ -281,7 +281,14 @@ impl Mover {
         if s.dev.is_some() {
             t.dev_bytes += self.dev_bytes[d];
         }
-        if s.host.is_some() {
+        if let Some(b) = &s.host {
+            if b.capacity() as u64 != self.host_bytes[d] {
+                return bad(format!(
+                    "a host buffer of {} bytes for a chunk that holds {}",
+                    b.capacity(),
+                    self.host_bytes[d]
+                ));
+            }
             t.host_bytes += self.host_bytes[d];
         }
         Ok(())
