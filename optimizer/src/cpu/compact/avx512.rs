@@ -540,33 +540,42 @@ pub(crate) fn vbmi_supported() -> bool {
 }
 
 /// AVX-512 compact memory probe (see [`cs::probe_from`]): 16 elements per iteration,
-/// their `16 * w` moment bytes loaded and stored back with one vector each.
+/// their `16 * w` moment bytes loaded, xored with `flip` and stored back with one vector
+/// each.
 ///
 /// # Safety
 /// The CPU supports AVX-512F, AVX2, FMA and F16C; the bounds of [`cs::probe_from`].
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize, zero: f32) {
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
+    s: &CompactPtrs,
+    w: usize,
+    zero: f32,
+    flip: u8,
+) {
     // SAFETY: features enabled here; `i + 16 <= s.len` for every vector access, and the
     // moments' `16 * w` bytes from byte `w * i` are in bounds.
     unsafe {
         let z = _mm512_set1_ps(zero);
+        let f = _mm256_set1_epi8(flip as i8);
         let n16 = s.len - s.len % 16;
         let nt = out_streamable::<OK>(s.out);
         let mut i = 0;
         while i < n16 {
+            // Every stream the step prefetches, and the gradient's too.
             prefetch(s.p, i);
-            if GK == G_F32 {
-                prefetch(s.g.cast(), i);
-            }
+            prefetch(s.m.cast(), w * i / 4);
+            prefetch(s.v.cast(), w * i / 4);
+            prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);
             let (m, v) = (s.m.add(w * i), s.v.add(w * i));
             if w == 2 {
-                _mm256_storeu_si256(m.cast(), _mm256_loadu_si256(m.cast()));
-                _mm256_storeu_si256(v.cast(), _mm256_loadu_si256(v.cast()));
+                _mm256_storeu_si256(m.cast(), _mm256_xor_si256(_mm256_loadu_si256(m.cast()), f));
+                _mm256_storeu_si256(v.cast(), _mm256_xor_si256(_mm256_loadu_si256(v.cast()), f));
             } else {
-                _mm_storeu_si128(m.cast(), _mm_loadu_si128(m.cast()));
-                _mm_storeu_si128(v.cast(), _mm_loadu_si128(v.cast()));
+                let f = _mm256_castsi256_si128(f);
+                _mm_storeu_si128(m.cast(), _mm_xor_si128(_mm_loadu_si128(m.cast()), f));
+                _mm_storeu_si128(v.cast(), _mm_xor_si128(_mm_loadu_si128(v.cast()), f));
             }
             store16_out::<OK, false>(s.out, i, p, nt);
             i += 16;
@@ -574,6 +583,6 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize
         if nt {
             _mm_sfence();
         }
-        cs::probe_from::<GK, OK>(s, w, zero, n16);
+        cs::probe_from::<GK, OK>(s, w, (zero, flip), n16);
     }
 }
