@@ -302,7 +302,7 @@ impl AdamW {
 /// What the memory probes fold into every value they move, so that no load and store
 /// back of a value can be dropped by the compiler as a no-op (a store of the value just
 /// loaded from the same address is one, and LLVM removes it): master `p` becomes
-/// `fma(g, zero, p)`, an fp32 moment `x * one`, an int8 absmax `fma(a, zero, a)`, and
+/// `fma(g, zero, p)`, an fp32 moment `x * one`, an int8 absmax `a * one`, and
 /// every byte of a compact moment `b ^ flip`. The benchmark's key ([`ProbeKey::identity`])
 /// is `1, 0, 0` hidden from the optimizer, which leaves every value as it was.
 #[derive(Debug, Clone, Copy)]

@@ -340,7 +340,9 @@ fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, key: ProbeKey) {
     };
     if let Some((ma, va)) = absmax {
         for a in ma.iter_mut().chain(va.iter_mut()) {
-            *a = a.mul_add(key.zero, *a);
+            // A multiplication: `mul_add` here, outside any target feature, would be a
+            // call to the software fma.
+            *a *= key.one;
         }
     }
     let s = CompactPtrs {
