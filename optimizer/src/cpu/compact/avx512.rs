@@ -11,7 +11,12 @@
 //! and writes 64 codes at a time with byte permutes and quantizes by one bucket lookup
 //! and one compare ([`vbmi`]). Measured on the 2-core Zen 5 VM (`adamw-bench --path
 //! m-int8`, 20M params, 1 thread, medians of 3 alternated rounds under load 4): 0.48 ->
-//! 1.06 G params/s; in cache (200K params) 0.61-0.76 -> 1.20-1.24. Scalar tails from
+//! 1.06 G params/s; in cache (200K params) 0.61-0.76 -> 1.20-1.24. With the quantizer's
+//! compare against `midpoints[code]` (see [`vbmi`]): 32K params (in L2), medians of 31,
+//! 1.30-1.32 -> 1.56-1.76 G params/s; 100M params, 1 thread, 97-104 -> 81-85 ms per step
+//! (load 2-3). The kernel is bound by its own work, not by memory: even in L2 it reaches
+//! about half of the parameter rate the memory probe allows out of cache, and about half
+//! of its time in cache is requantization (measured by leaving it out). Scalar tails from
 //! [`super::scalar`]; results bit-identical to it.
 
 use std::arch::x86_64::*;
