@@ -10,7 +10,18 @@
 //! Bytes per parameter, as counted (write-allocate traffic of the 16-bit output is not
 //! counted, for the step and the probe alike):
 //! - [`BenchPath::Fp32`]: master, M, V read and written (24) + fp32 grad read (4) = 28;
-//! - [`BenchPath::Bf16`]: 24 + bf16 grad read (2) + bf16 param written (2) = 28.
+//! - [`BenchPath::Bf16`]: 24 + bf16 grad read (2) + bf16 param written (2) = 28;
+//! - [`BenchPath::StatesBf16`]: master (8) + bf16 M, V read and written (8) + bf16 grad
+//!   (2) + bf16 param (2) = 20;
+//! - [`BenchPath::StatesInt8`]: master (8) + int8 codes of M, V read and written (4) +
+//!   grad (2) + param (2) = 16, plus both absmax arrays read and written (16 bytes per
+//!   block of 256): 16.0625 ([`BenchPath::bytes_moved`]).
+//!
+//! The probe folds a key the compiler cannot see into every value it moves (see
+//! `ProbeKey`): a plain load and store back of a value is a no-op that LLVM deletes,
+//! which once left the compact probe moving 12 bytes per parameter while 20 (bf16) or
+//! 16 (int8) were counted. A unit test runs the probe with a key that changes every
+//! value and checks that each counted byte came back changed.
 //!
 //! This module allocates (the arrays) and is meant for benchmarks only; it never prints.
 
@@ -18,7 +29,7 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::cpu::{AdamW, CpuConfig, SimdLevel, BLOCK_PARAMS_DEFAULT};
+use crate::cpu::{AdamW, CpuConfig, ProbeKey, SimdLevel, BLOCK_PARAMS_DEFAULT};
 use crate::error::{OptimError, Result};
 use crate::params::{HyperParams, StepState};
 use crate::slices::{Grads, ParamOut};
@@ -55,6 +66,16 @@ impl BenchPath {
             BenchPath::StatesInt8 => 16.0 + 16.0 / crate::quant::Q8_BLOCK as f64,
             p => p.bytes_per_param() as f64,
         }
+    }
+
+    /// Bytes a step (and the probe) of `n` parameters moves: `bytes_per_param` each, and
+    /// for int8 the two absmax arrays (`absmax_len(n)` fp32 each) read and written.
+    pub fn bytes_moved(self, n: usize) -> u64 {
+        let absmax = match self {
+            BenchPath::StatesInt8 => 2 * 2 * 4 * crate::quant::absmax_len(n),
+            _ => 0,
+        };
+        (self.bytes_per_param() * n + absmax) as u64
     }
 
     /// Short name for tables.
@@ -280,16 +301,22 @@ impl Arrays {
     }
 
     fn probe(&mut self, opt: &AdamW, path: BenchPath) -> Result<f64> {
+        self.probe_keyed(opt, path, ProbeKey::identity())
+    }
+
+    fn probe_keyed(&mut self, opt: &AdamW, path: BenchPath, key: ProbeKey) -> Result<f64> {
         let t = Instant::now();
         match path {
-            BenchPath::Fp32 => opt.probe_slice(
+            BenchPath::Fp32 => opt.probe_slice_keyed(
+                key,
                 self.master.as_mut_slice(),
                 self.m.as_mut_slice(),
                 self.v.as_mut_slice(),
                 Grads::F32(self.g32.as_slice()),
                 None,
             )?,
-            BenchPath::Bf16 => opt.probe_slice(
+            BenchPath::Bf16 => opt.probe_slice_keyed(
+                key,
                 self.master.as_mut_slice(),
                 self.m.as_mut_slice(),
                 self.v.as_mut_slice(),
@@ -302,7 +329,8 @@ impl Arrays {
                 let (goff, ooff) = (self.g16.off, self.out16.off);
                 let g16 = std::mem::take(&mut self.g16.buf);
                 let mut out = std::mem::take(&mut self.out16.buf);
-                let r = opt.probe_moments(
+                let r = opt.probe_moments_keyed(
+                    key,
                     &mut master[off..off + len],
                     self.moments(path),
                     Grads::Bf16(&g16[goff..goff + len]),
@@ -332,7 +360,7 @@ impl BenchRow {
     /// counted per parameter, the probe's GB/s over the same arrays, and the fraction.
     pub fn table_line(&self) -> String {
         format!(
-            "{:>11} {:>3} {:>6} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {}",
+            "{:>11} {:>3} {:>6} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {:.2}",
             self.params,
             self.threads,
             self.path.name(),
@@ -342,7 +370,7 @@ impl BenchRow {
             self.step_gb_per_s,
             self.probe_gb_per_s,
             self.fraction_of_probe,
-            self.bytes_per_param
+            self.path.bytes_moved(self.params) as f64 / self.params as f64
         )
     }
 }
@@ -404,7 +432,7 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                 let bpp = path.bytes_per_param();
                 let sm = median(&step_s);
                 let pm = median(&probe_s);
-                let bytes = path.bytes_per_param_exact() * n as f64;
+                let bytes = path.bytes_moved(n) as f64;
                 let row = BenchRow {
                     params: n,
                     threads: opt.threads(),
@@ -434,4 +462,139 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
         }
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The yardstick's honesty: the probe must read and write back every byte the
+    //! benchmark counts for the step. A load and store back of an unchanged value is a
+    //! no-op the compiler may delete (the compact probe's moment bytes once were, so it
+    //! moved 12 of the 20 or 16 bytes it claimed); with a key that changes every value,
+    //! each counted byte must come back changed as the key says.
+
+    use super::*;
+
+    /// Sets every array to values the test key changes visibly: master 0 (becomes the
+    /// gradient), gradients in 1..=7, fp32 moments 1 (doubled), compact moment bytes as
+    /// they are (each flipped), absmax as they are (doubled), output a NaN pattern no
+    /// finite master value rounds or truncates to.
+    fn known_values(a: &mut Arrays) {
+        for (i, g) in a.g32.as_mut_slice().iter_mut().enumerate() {
+            *g = (1 + i % 7) as f32;
+        }
+        for (i, g) in a.g16.as_mut_slice().iter_mut().enumerate() {
+            *g = bf16::from_f32((1 + i % 7) as f32);
+        }
+        a.master.as_mut_slice().fill(0.0);
+        a.m.as_mut_slice().fill(1.0);
+        a.v.as_mut_slice().fill(1.0);
+        a.out16.as_mut_slice().fill(bf16::from_bits(0xFFFF));
+    }
+
+    /// Counts the bytes the keyed probe (one 2, zero 1, flip 0xFF) provably read and wrote
+    /// back, comparing every array with its copy `b` from before.
+    fn bytes_seen(path: BenchPath, a: &Arrays, b: &Arrays) -> u64 {
+        let n = a.master.len;
+        let mut bytes = 0u64;
+        let grad = |i: usize| (1 + i % 7) as f32;
+        let master = a.master.as_slice();
+        let gb = if path == BenchPath::Fp32 { 4 } else { 2 };
+        bytes += (0..n).filter(|&i| master[i] == grad(i)).count() as u64 * (8 + gb);
+        let same = |x: &[u8], y: &[u8]| x.iter().zip(y).filter(|(p, q)| **p == !**q).count();
+        match path {
+            BenchPath::Fp32 | BenchPath::Bf16 => {
+                for x in [a.m.as_slice(), a.v.as_slice()] {
+                    bytes += x.iter().filter(|&&m| m == 2.0).count() as u64 * 8;
+                }
+            }
+            BenchPath::StatesBf16 => {
+                for (x, y) in [(&a.mb, &b.mb), (&a.vb, &b.vb)] {
+                    let bits = |s: &Aligned<bf16>| -> Vec<u8> {
+                        s.as_slice()
+                            .iter()
+                            .flat_map(|h| h.to_bits().to_le_bytes())
+                            .collect()
+                    };
+                    bytes += 2 * same(&bits(x), &bits(y)) as u64;
+                }
+            }
+            BenchPath::StatesInt8 => {
+                for (x, y) in [(&a.mc, &b.mc), (&a.vc, &b.vc)] {
+                    bytes += 2 * same(x.as_slice(), y.as_slice()) as u64;
+                }
+                for (x, y) in [(&a.ma, &b.ma), (&a.va, &b.va)] {
+                    let doubled = x.as_slice().iter().zip(y.as_slice());
+                    bytes += 8 * doubled.filter(|(p, q)| **p == 2.0 * **q).count() as u64;
+                }
+            }
+        }
+        if path != BenchPath::Fp32 {
+            let written = a.out16.as_slice().iter().zip(master).filter(|(o, p)| {
+                let o = o.to_bits();
+                o == (p.to_bits() >> 16) as u16 || o == bf16::from_f32(**p).to_bits()
+            });
+            bytes += 2 * written.count() as u64;
+        }
+        bytes
+    }
+
+    fn copy(a: &Arrays) -> Arrays {
+        let n = a.master.len;
+        let mut b = Arrays::new(n).unwrap();
+        b.mb.as_mut_slice().copy_from_slice(a.mb.as_slice());
+        b.vb.as_mut_slice().copy_from_slice(a.vb.as_slice());
+        b.mc.as_mut_slice().copy_from_slice(a.mc.as_slice());
+        b.vc.as_mut_slice().copy_from_slice(a.vc.as_slice());
+        b.ma.as_mut_slice().copy_from_slice(a.ma.as_slice());
+        b.va.as_mut_slice().copy_from_slice(a.va.as_slice());
+        b
+    }
+
+    #[test]
+    fn the_probe_reads_and_writes_back_every_byte_it_counts() {
+        let key = ProbeKey {
+            one: 2.0,
+            zero: 1.0,
+            flip: 0xFF,
+        };
+        let paths = [
+            BenchPath::Fp32,
+            BenchPath::Bf16,
+            BenchPath::StatesBf16,
+            BenchPath::StatesInt8,
+        ];
+        // Whole blocks, a vector tail and a scalar tail; one and two threads, parallel
+        // blocks small enough to split.
+        for n in [4096, 3 * 256 + 16 + 5] {
+            for level in SimdLevel::supported() {
+                for threads in [1, 2] {
+                    let opt = AdamW::new(CpuConfig {
+                        threads,
+                        block_params: 512,
+                        simd: Some(level),
+                    })
+                    .unwrap();
+                    for path in paths {
+                        let mut a = Arrays::new(n).unwrap();
+                        known_values(&mut a);
+                        let before = copy(&a);
+                        a.probe_keyed(&opt, path, key).unwrap();
+                        assert_eq!(
+                            bytes_seen(path, &a, &before),
+                            path.bytes_moved(n),
+                            "{path:?} at {level:?}, {threads} threads, n = {n}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_moved_counts_the_absmax_of_a_partial_block() {
+        assert_eq!(BenchPath::StatesInt8.bytes_moved(256), 256 * 16 + 16);
+        assert_eq!(BenchPath::StatesInt8.bytes_moved(257), 257 * 16 + 32);
+        assert_eq!(BenchPath::StatesBf16.bytes_moved(10), 200);
+        assert_eq!(BenchPath::Fp32.bytes_moved(10), 280);
+    }
 }

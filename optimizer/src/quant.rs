@@ -118,6 +118,11 @@ pub struct DynamicMap {
     /// `values` split into byte planes (`value_planes.0[b][k]` = byte `b` of `values[k]`,
     /// little-endian) for byte-permute lookups.
     pub value_planes: Planes<256>,
+    /// `midpoints` in byte planes: the bucket quantizer's compare reads
+    /// `midpoints[code[b]]`, which is `mid[b]` where bucket `b` holds a midpoint and
+    /// otherwise a midpoint of a higher bucket (or the `+inf` padding), above every value
+    /// of `b`, so the compare is false as with `mid[b] = +inf`.
+    pub midpoint_planes: Planes<256>,
 }
 
 /// Four byte planes of a table of `N` f32 (plane `b` holds byte `b` of each value),
@@ -182,8 +187,6 @@ pub struct BucketTables {
     pub code: Bytes<BUCKETS_MAX>,
     /// The midpoint inside each bucket, `+inf` where none.
     pub mid: [f32; BUCKETS_MAX],
-    /// `mid` in byte planes.
-    pub mid_planes: Planes<BUCKETS_MAX>,
 }
 
 impl BucketTables {
@@ -253,7 +256,6 @@ impl BucketTables {
             len,
             code: Bytes([u8::MAX; BUCKETS_MAX]),
             mid: [f32::INFINITY; BUCKETS_MAX],
-            mid_planes: Planes([[0; BUCKETS_MAX]; 4]),
         };
         let mut below = 0usize;
         let mut m = midpoints.iter().peekable();
@@ -272,7 +274,6 @@ impl BucketTables {
             );
         }
         assert!(m.peek().is_none(), "a midpoint beyond the last bucket");
-        t.mid_planes = Planes::of(&t.mid);
         t
     }
 }
@@ -323,6 +324,7 @@ impl DynamicMap {
             levels,
             buckets: BucketTables::build(&midpoints[..255], signed),
             value_planes: Planes::of(&values),
+            midpoint_planes: Planes::of(&midpoints),
         }
     }
 
@@ -487,6 +489,23 @@ mod tests {
             }
             for &v in &map.values {
                 agree(map, v);
+            }
+        }
+    }
+
+    /// The VBMI quantizer compares with `midpoints[code[b]]` instead of `mid[b]`: equal
+    /// where `b` holds a midpoint, else above every value of `b`.
+    #[test]
+    fn the_midpoint_after_a_bucket_code_decides_like_its_own() {
+        for map in [&maps().signed, &maps().unsigned] {
+            let t = &map.buckets;
+            for b in 0..t.len {
+                let next = map.midpoints[usize::from(t.code.0[b])];
+                if t.mid[b].is_finite() {
+                    assert_eq!(next.to_bits(), t.mid[b].to_bits(), "bucket {b}");
+                } else {
+                    assert!(next.is_infinite() || t.bucket(next) > b, "bucket {b}");
+                }
             }
         }
     }

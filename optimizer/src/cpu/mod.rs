@@ -260,6 +260,20 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
+        self.probe_slice_keyed(ProbeKey::identity(), master, m, v, grads, out)
+    }
+
+    /// [`AdamW::probe_slice`] folding `key` into the values it moves (tests pass a key
+    /// that changes every value, to see each counted byte read and written back).
+    pub(crate) fn probe_slice_keyed(
+        &self,
+        key: ProbeKey,
+        master: &mut [f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        grads: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+    ) -> Result<()> {
         let n = master.len();
         check_len("m", m.len(), "master", n)?;
         check_len("v", v.len(), "master", n)?;
@@ -267,8 +281,6 @@ impl AdamW {
         if let Some(o) = &out {
             check_len("out", o.len(), "master", n)?;
         }
-        let one = std::hint::black_box(1.0f32);
-        let zero = std::hint::black_box(0.0f32);
         let level = self.level;
         run_blocks(
             self.pool(),
@@ -280,10 +292,34 @@ impl AdamW {
                 g: grads,
                 out,
             },
-            &|j: StepJob<'_>| probe_leaf(level, j, one, zero),
+            &|j: StepJob<'_>| probe_leaf(level, j, key.one, key.zero),
             &|(), ()| (),
         );
         Ok(())
+    }
+}
+
+/// What the memory probes fold into every value they move, so that no load and store
+/// back of a value can be dropped by the compiler as a no-op (a store of the value just
+/// loaded from the same address is one, and LLVM removes it): master `p` becomes
+/// `fma(g, zero, p)`, an fp32 moment `x * one`, an int8 absmax `a * one`, and
+/// every byte of a compact moment `b ^ flip`. The benchmark's key ([`ProbeKey::identity`])
+/// is `1, 0, 0` hidden from the optimizer, which leaves every value as it was.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProbeKey {
+    pub one: f32,
+    pub zero: f32,
+    pub flip: u8,
+}
+
+impl ProbeKey {
+    /// The key that changes nothing, opaque to the compiler.
+    pub(crate) fn identity() -> ProbeKey {
+        ProbeKey {
+            one: std::hint::black_box(1.0),
+            zero: std::hint::black_box(0.0),
+            flip: std::hint::black_box(0),
+        }
     }
 }
 

@@ -11,7 +11,12 @@
 //! and writes 64 codes at a time with byte permutes and quantizes by one bucket lookup
 //! and one compare ([`vbmi`]). Measured on the 2-core Zen 5 VM (`adamw-bench --path
 //! m-int8`, 20M params, 1 thread, medians of 3 alternated rounds under load 4): 0.48 ->
-//! 1.06 G params/s; in cache (200K params) 0.61-0.76 -> 1.20-1.24. Scalar tails from
+//! 1.06 G params/s; in cache (200K params) 0.61-0.76 -> 1.20-1.24. With the quantizer's
+//! compare against `midpoints[code]` (see [`vbmi`]): 32K params (in L2), medians of 31,
+//! 1.30-1.32 -> 1.56-1.76 G params/s; 100M params, 1 thread, 97-104 -> 81-85 ms per step
+//! (load 2-3). The kernel is bound by its own work, not by memory: even in L2 it reaches
+//! about half of the parameter rate the memory probe allows out of cache, and about half
+//! of its time in cache is requantization (measured by leaving it out). Scalar tails from
 //! [`super::scalar`]; results bit-identical to it.
 
 use std::arch::x86_64::*;
@@ -540,33 +545,42 @@ pub(crate) fn vbmi_supported() -> bool {
 }
 
 /// AVX-512 compact memory probe (see [`cs::probe_from`]): 16 elements per iteration,
-/// their `16 * w` moment bytes loaded and stored back with one vector each.
+/// their `16 * w` moment bytes loaded, xored with `flip` and stored back with one vector
+/// each.
 ///
 /// # Safety
 /// The CPU supports AVX-512F, AVX2, FMA and F16C; the bounds of [`cs::probe_from`].
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize, zero: f32) {
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
+    s: &CompactPtrs,
+    w: usize,
+    zero: f32,
+    flip: u8,
+) {
     // SAFETY: features enabled here; `i + 16 <= s.len` for every vector access, and the
     // moments' `16 * w` bytes from byte `w * i` are in bounds.
     unsafe {
         let z = _mm512_set1_ps(zero);
+        let f = _mm256_set1_epi8(flip as i8);
         let n16 = s.len - s.len % 16;
         let nt = out_streamable::<OK>(s.out);
         let mut i = 0;
         while i < n16 {
+            // Every stream the step prefetches, and the gradient's too.
             prefetch(s.p, i);
-            if GK == G_F32 {
-                prefetch(s.g.cast(), i);
-            }
+            prefetch(s.m.cast(), w * i / 4);
+            prefetch(s.v.cast(), w * i / 4);
+            prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);
             let (m, v) = (s.m.add(w * i), s.v.add(w * i));
             if w == 2 {
-                _mm256_storeu_si256(m.cast(), _mm256_loadu_si256(m.cast()));
-                _mm256_storeu_si256(v.cast(), _mm256_loadu_si256(v.cast()));
+                _mm256_storeu_si256(m.cast(), _mm256_xor_si256(_mm256_loadu_si256(m.cast()), f));
+                _mm256_storeu_si256(v.cast(), _mm256_xor_si256(_mm256_loadu_si256(v.cast()), f));
             } else {
-                _mm_storeu_si128(m.cast(), _mm_loadu_si128(m.cast()));
-                _mm_storeu_si128(v.cast(), _mm_loadu_si128(v.cast()));
+                let f = _mm256_castsi256_si128(f);
+                _mm_storeu_si128(m.cast(), _mm_xor_si128(_mm_loadu_si128(m.cast()), f));
+                _mm_storeu_si128(v.cast(), _mm_xor_si128(_mm_loadu_si128(v.cast()), f));
             }
             store16_out::<OK, false>(s.out, i, p, nt);
             i += 16;
@@ -574,6 +588,112 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize
         if nt {
             _mm_sfence();
         }
-        cs::probe_from::<GK, OK>(s, w, zero, n16);
+        cs::probe_from::<GK, OK>(s, w, (zero, flip), n16);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Where the CPU has AVX512_VBMI, the step always takes the VBMI kernels, so the
+    //! kernels' proptests never run the plain AVX-512 int8 kernel (which CPUs without
+    //! VBMI run); this runs it against the scalar kernel directly.
+
+    use super::*;
+    use crate::params::{HyperParams, StepState};
+    use crate::quant::{absmax_len, maps};
+
+    /// splitmix64.
+    fn next(s: &mut u64) -> u64 {
+        *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    struct Span {
+        p: Vec<f32>,
+        m: Vec<u8>,
+        v: Vec<u8>,
+        ma: Vec<f32>,
+        va: Vec<f32>,
+        g: Vec<u16>,
+        out: Vec<u16>,
+    }
+
+    impl Span {
+        fn new(n: usize, seed: u64) -> Span {
+            let mut s = seed;
+            let mut unit = || (next(&mut s) >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            let nb = absmax_len(n);
+            Span {
+                p: (0..n).map(|_| unit()).collect(),
+                m: (0..n).map(|i| (i * 37 % 256) as u8).collect(),
+                v: (0..n).map(|i| (i * 91 % 256) as u8).collect(),
+                ma: (0..nb).map(|k| 1e-3 * (1.0 + k as f32)).collect(),
+                va: (0..nb).map(|k| 1e-6 * (1.0 + k as f32)).collect(),
+                g: (0..n)
+                    .map(|_| half::bf16::from_f32(1e-2 * unit()).to_bits())
+                    .collect(),
+                out: vec![0; n],
+            }
+        }
+
+        fn ptrs(&mut self) -> CompactPtrs {
+            CompactPtrs {
+                p: self.p.as_mut_ptr(),
+                m: self.m.as_mut_ptr(),
+                v: self.v.as_mut_ptr(),
+                ma: self.ma.as_mut_ptr(),
+                va: self.va.as_mut_ptr(),
+                g: self.g.as_ptr().cast(),
+                out: self.out.as_mut_ptr(),
+                len: self.p.len(),
+            }
+        }
+    }
+
+    #[test]
+    fn the_plain_avx512_int8_kernels_equal_the_scalar_one() {
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("skipped: this CPU lacks AVX-512F");
+            return;
+        }
+        let bf16_hw = is_x86_feature_detected!("avx512bf16");
+        let c = Consts::new(StepState::new(7), &HyperParams::default()).unwrap();
+        let q = maps();
+        // Whole blocks, a block with a 64-, 16- and scalar tail, one short block.
+        for (n, seed) in [(1024, 1), (3 * 256 + 64 + 16 + 7, 2), (41, 3)] {
+            let mut want = Span::new(n, seed);
+            // SAFETY: every pointer covers `n` elements (absmax_len(n) for the absmax),
+            // exclusively; the features were checked above.
+            unsafe { cs::step_q8::<G_BF16, O_BF16, false>(&c, q, &want.ptrs()) };
+            for hw in [false, true] {
+                if hw && !bf16_hw {
+                    continue;
+                }
+                let mut got = Span::new(n, seed);
+                // SAFETY: as above; AVX512_BF16 checked for the `hw` kernel.
+                unsafe {
+                    if hw {
+                        step_q8_bf16::<G_BF16, O_BF16, false>(&c, q, &got.ptrs());
+                    } else {
+                        step_q8::<G_BF16, O_BF16, false>(&c, q, &got.ptrs());
+                    }
+                }
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                let label = format!("n = {n}, hw = {hw}");
+                assert_eq!(bits(&got.p), bits(&want.p), "master, {label}");
+                assert_eq!(got.m, want.m, "m codes, {label}");
+                assert_eq!(got.v, want.v, "v codes, {label}");
+                assert_eq!(bits(&got.ma), bits(&want.ma), "m absmax, {label}");
+                assert_eq!(bits(&got.va), bits(&want.va), "v absmax, {label}");
+                assert_eq!(got.out, want.out, "output, {label}");
+            }
+        }
     }
 }

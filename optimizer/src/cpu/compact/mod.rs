@@ -24,7 +24,7 @@ use half::bf16;
 
 use super::parallel::{run_blocks, split_out, Split};
 use super::raw::{grad_raw, out_raw};
-use super::{AdamW, SimdLevel};
+use super::{AdamW, ProbeKey, SimdLevel};
 use crate::error::{check_len, Result};
 use crate::moments::{Moments, Q8Mut};
 use crate::params::{Consts, HyperParams, StepState};
@@ -283,13 +283,25 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
+        self.probe_moments_keyed(ProbeKey::identity(), master, moments, grads, out)
+    }
+
+    /// [`AdamW::probe_moments`] folding `key` into every value it moves (see
+    /// [`ProbeKey`]).
+    pub(crate) fn probe_moments_keyed(
+        &self,
+        key: ProbeKey,
+        master: &mut [f32],
+        moments: Moments<'_>,
+        grads: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+    ) -> Result<()> {
         let n = master.len();
         let mv = match compact_of(moments, n)? {
-            Err((m, v)) => return self.probe_slice(master, m, v, grads, out),
+            Err((m, v)) => return self.probe_slice_keyed(key, master, m, v, grads, out),
             Ok(mv) => mv,
         };
         check_rest(n, &grads, &out)?;
-        let zero = std::hint::black_box(0.0f32);
         let level = self.level;
         let block = self.block_params.div_ceil(Q8_BLOCK) * Q8_BLOCK;
         run_blocks(
@@ -301,14 +313,14 @@ impl AdamW {
                 g: grads,
                 out,
             },
-            &|j: CompactJob<'_>| probe_leaf(level, j, zero),
+            &|j: CompactJob<'_>| probe_leaf(level, j, key),
             &|(), ()| (),
         );
         Ok(())
     }
 }
 
-fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, zero: f32) {
+fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, key: ProbeKey) {
     let (gk, g) = grad_raw(j.g);
     let (ok, out) = out_raw(j.out);
     let n = j.p.len();
@@ -328,7 +340,9 @@ fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, zero: f32) {
     };
     if let Some((ma, va)) = absmax {
         for a in ma.iter_mut().chain(va.iter_mut()) {
-            *a = a.mul_add(zero, *a);
+            // A multiplication: `mul_add` here, outside any target feature, would be a
+            // call to the software fma.
+            *a *= key.one;
         }
     }
     let s = CompactPtrs {
@@ -341,15 +355,16 @@ fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, zero: f32) {
         out,
         len: n,
     };
+    let (zero, flip) = (key.zero, key.flip);
     // SAFETY: `s` covers the job's slices (`w` bytes per moment element, checked lengths
     // kept by the split), exclusive for the call; `level` is supported by this CPU.
     unsafe {
         match level {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
-                dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero))
+                dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero, flip))
             }
-            _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, w, zero)),
+            _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, w, zero, flip)),
         }
     }
 }

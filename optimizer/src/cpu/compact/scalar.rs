@@ -195,7 +195,9 @@ pub(crate) unsafe fn step_q8<const GK: u8, const OK: u8, const L2: bool>(
 
 /// The compact memory probe for elements `from..s.len`: master and `w` bytes of each
 /// moment per element read and written back, the gradient read, the output written
-/// (the bf16 truncation of the master value), no arithmetic beyond `fma(g, zero, p)`.
+/// (the bf16 truncation of the master value), no arithmetic beyond `fma(g, zero, p)` and
+/// `b ^ flip` per moment byte (see [`super::super::ProbeKey`]: with a key the compiler
+/// cannot see, no load and store back can be dropped).
 ///
 /// # Safety
 /// `s` covers `s.len` elements of master, gradient and output and `w * s.len` bytes of
@@ -204,7 +206,7 @@ pub(crate) unsafe fn step_q8<const GK: u8, const OK: u8, const L2: bool>(
 pub(crate) unsafe fn probe_from<const GK: u8, const OK: u8>(
     s: &CompactPtrs,
     w: usize,
-    zero: f32,
+    (zero, flip): (f32, u8),
     from: usize,
 ) {
     for i in from..s.len {
@@ -213,9 +215,8 @@ pub(crate) unsafe fn probe_from<const GK: u8, const OK: u8>(
             let p = load_grad::<GK>(s.g, i).mul_add(zero, *s.p.add(i));
             *s.p.add(i) = p;
             for k in w * i..w * (i + 1) {
-                let (m, v) = (s.m.add(k), s.v.add(k));
-                m.write_volatile(m.read_volatile());
-                v.write_volatile(v.read_volatile());
+                *s.m.add(k) ^= flip;
+                *s.v.add(k) ^= flip;
             }
             if OK != O_NONE {
                 *s.out.add(i) = (p.to_bits() >> 16) as u16;
@@ -228,7 +229,12 @@ pub(crate) unsafe fn probe_from<const GK: u8, const OK: u8>(
 ///
 /// # Safety
 /// As [`probe_from`].
-pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &CompactPtrs, w: usize, zero: f32) {
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
+    s: &CompactPtrs,
+    w: usize,
+    zero: f32,
+    flip: u8,
+) {
     // SAFETY: forwarded caller contract.
-    unsafe { probe_from::<GK, OK>(s, w, zero, 0) }
+    unsafe { probe_from::<GK, OK>(s, w, (zero, flip), 0) }
 }

@@ -8,12 +8,13 @@
 //! first arranged in [`P_ORDER`], which makes the four results come out as elements
 //! 0..16, 16..32, 32..48, 48..64. The quantizer is [`crate::quant::BucketTables`]'s
 //! lookup: the bucket of each value from its top 16 bits (16-bit lanes), then the
-//! bucket's code and midpoint, one compare, one masked add. Results are bit-identical
+//! bucket's code `c` and the midpoint `midpoints[c]` (a 256-entry table, not one per
+//! bucket), one compare, one masked add. Results are bit-identical
 //! to the binary search (tests below, and the kernels' proptests at every level).
 
 use std::arch::x86_64::*;
 
-use crate::quant::{DynamicMap, BUCKET_KEY_MAX, BUCKET_KEY_MIN};
+use crate::quant::{DynamicMap, Planes, BUCKET_KEY_MAX, BUCKET_KEY_MIN};
 
 /// The byte index of element `n = 16t + 4l + u` (vector `t`, 128-bit lane `l`, dword
 /// `u`) among the 16-bit lanes of two packed vectors `(w01, w23)` (`w01` holds vectors 0
@@ -37,8 +38,6 @@ enum Kind {
     POrder,
     LoElem,
     HiElem,
-    LoP,
-    HiP,
 }
 
 const fn table(kind: Kind) -> Idx {
@@ -49,8 +48,6 @@ const fn table(kind: Kind) -> Idx {
             Kind::POrder => p_element(i) as u8,
             Kind::LoElem => packed_byte(i),
             Kind::HiElem => packed_byte(i) + 1,
-            Kind::LoP => packed_byte(p_element(i)),
-            Kind::HiP => packed_byte(p_element(i)) + 1,
         };
         i += 1;
     }
@@ -66,9 +63,6 @@ static P_ORDER: Idx = table(Kind::POrder);
 /// Low / high bytes of the packed bucket words, in element order.
 static LO_ELEM: Idx = table(Kind::LoElem);
 static HI_ELEM: Idx = table(Kind::HiElem);
-/// Low / high bytes of the packed bucket words, in reassembly order.
-static LO_P: Idx = table(Kind::LoP);
-static HI_P: Idx = table(Kind::HiP);
 
 /// # Safety
 /// AVX-512F; `p` points to 64 readable bytes.
@@ -129,18 +123,18 @@ unsafe fn assemble(b: [__m512i; 4]) -> [__m512; 4] {
     }
 }
 
-/// The map values of the 64 codes at `codes` (not scaled by the absmax), as four
-/// vectors in element order.
+/// The entries of the 256-entry f32 table `planes` at the 64 byte indices `c` (element
+/// order), as four vectors in element order.
 ///
 /// # Safety
-/// AVX-512F, AVX512BW, AVX512_VBMI; `codes` points to 64 readable bytes.
+/// AVX-512F, AVX512BW, AVX512_VBMI.
 #[inline(always)]
-pub(super) unsafe fn values64(map: &DynamicMap, codes: *const u8) -> [__m512; 4] {
-    // SAFETY: 64 code bytes by the caller; each plane has 256 bytes.
+unsafe fn lookup64(planes: &Planes<256>, c: __m512i) -> [__m512; 4] {
+    // SAFETY: each plane has 256 bytes; the index vector 64.
     unsafe {
-        let c = _mm512_permutexvar_epi8(ld(P_ORDER.0.as_ptr()), ld(codes));
+        let c = _mm512_permutexvar_epi8(ld(P_ORDER.0.as_ptr()), c);
         let b7 = _mm512_movepi8_mask(c);
-        let p = &map.value_planes.0;
+        let p = &planes.0;
         assemble([
             plane256(p[0].as_ptr(), c, b7),
             plane256(p[1].as_ptr(), c, b7),
@@ -148,6 +142,17 @@ pub(super) unsafe fn values64(map: &DynamicMap, codes: *const u8) -> [__m512; 4]
             plane256(p[3].as_ptr(), c, b7),
         ])
     }
+}
+
+/// The map values of the 64 codes at `codes` (not scaled by the absmax), as four
+/// vectors in element order.
+///
+/// # Safety
+/// AVX-512F, AVX512BW, AVX512_VBMI; `codes` points to 64 readable bytes.
+#[inline(always)]
+pub(super) unsafe fn values64(map: &DynamicMap, codes: *const u8) -> [__m512; 4] {
+    // SAFETY: 64 code bytes by the caller.
+    unsafe { lookup64(&map.value_planes, ld(codes)) }
 }
 
 /// The buckets of 32 values given as their top 16 bits `w` (16-bit lanes), as
@@ -187,33 +192,29 @@ unsafe fn buckets32(map: &DynamicMap, w: __m512i) -> __m512i {
 }
 
 /// The codes of 64 values `x` (already divided by the absmax, none NaN), in element
-/// order: `code[b] + (x > mid[b])` for each value's bucket `b`.
+/// order: `c + (x > midpoints[c])` with `c = code[b]` for each value's bucket `b` (see
+/// [`DynamicMap::midpoint_planes`] for why `midpoints[c]` decides as `mid[b]` does).
 ///
 /// # Safety
 /// AVX-512F, AVX512BW, AVX512_VBMI.
 #[inline(always)]
 unsafe fn codes64(map: &DynamicMap, x: [__m512; 4]) -> __m512i {
     let t = &map.buckets;
-    // SAFETY: table loads inside the 512-entry planes and the 64-byte index vectors.
+    // SAFETY: table loads inside the 512-entry code plane, the 256-entry midpoint planes
+    // and the 64-byte index vectors.
     unsafe {
         let top = |v: __m512| _mm512_srai_epi32::<16>(_mm512_castps_si512(v));
         // Exact: every dword is in i16 range after the arithmetic shift.
         let w01 = buckets32(map, _mm512_packs_epi32(top(x[0]), top(x[1])));
         let w23 = buckets32(map, _mm512_packs_epi32(top(x[2]), top(x[3])));
         let pick = |i: &Idx| _mm512_permutex2var_epi8(w01, ld(i.0.as_ptr()), w23);
-        let one = _mm512_set1_epi8(1);
         let (lo, hi) = (pick(&LO_ELEM), pick(&HI_ELEM));
-        let (b7, b8) = (_mm512_movepi8_mask(lo), _mm512_test_epi8_mask(hi, one));
-        let (lo_p, hi_p) = (pick(&LO_P), pick(&HI_P));
-        let (b7p, b8p) = (_mm512_movepi8_mask(lo_p), _mm512_test_epi8_mask(hi_p, one));
+        let (b7, b8) = (
+            _mm512_movepi8_mask(lo),
+            _mm512_test_epi8_mask(hi, _mm512_set1_epi8(1)),
+        );
         let base = plane512(t.code.0.as_ptr(), lo, b7, b8);
-        let p = &t.mid_planes.0;
-        let mid = assemble([
-            plane512(p[0].as_ptr(), lo_p, b7p, b8p),
-            plane512(p[1].as_ptr(), lo_p, b7p, b8p),
-            plane512(p[2].as_ptr(), lo_p, b7p, b8p),
-            plane512(p[3].as_ptr(), lo_p, b7p, b8p),
-        ]);
+        let mid = lookup64(&map.midpoint_planes, base);
         let gt = |k: usize| u64::from(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x[k], mid[k]));
         let above = gt(0) | gt(1) << 16 | gt(2) << 32 | gt(3) << 48;
         _mm512_mask_sub_epi8(base, above, base, _mm512_set1_epi8(-1))
