@@ -156,9 +156,25 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
     ] {
         assert!(v["bound"][f].is_number(), "bound.{f}");
     }
-    for f in ["read_bytes_per_s", "write_bytes_per_s", "mixed_bytes_per_s"] {
+    for f in [
+        "read_bytes_per_s",
+        "fresh_read_bytes_per_s",
+        "write_bytes_per_s",
+        "mixed_bytes_per_s",
+    ] {
         let rate = v["bound"]["disk"][f].as_f64().expect("disk rate");
         assert!(rate > 0.0, "bound.disk.{f} = {rate}");
+    }
+    // The bound reads at the slower of the fresh file and the swap file's chunks; this
+    // model's chunks are all in memory after it is written (nothing stored: 0).
+    let d = &v["bound"]["disk"];
+    let fresh = d["fresh_read_bytes_per_s"].as_f64().unwrap();
+    let swap = d["swap_read_bytes_per_s"].as_f64().expect("swap read rate");
+    let read = d["read_bytes_per_s"].as_f64().unwrap();
+    if swap > 0.0 {
+        assert_eq!(read, fresh.min(swap));
+    } else {
+        assert_eq!(read, fresh);
     }
     // NVMe traffic, so the NVMe bound is positive and the bound is the largest part.
     let b = &v["bound"];
@@ -213,4 +229,34 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
     ] {
         assert!(texts.contains(&series), "series `{series}` in {texts:?}");
     }
+}
+
+/// With a host pool too small for the model written at start-up, chunks are in the swap
+/// file before the first iteration: the bench reads some back for the bound's read rate,
+/// which is then the slower of the fresh file's and theirs.
+#[test]
+fn the_bound_reads_at_the_slower_of_a_fresh_file_and_the_swap_files_chunks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("tidestore.toml");
+    let small_host = TINY.replace("budget = \"2MiB\"", "budget = \"1200KiB\"");
+    assert_ne!(small_host, TINY);
+    std::fs::write(&config, small_host).expect("write config");
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&config)
+        .args(["bench", "--json", "--iterations", "1"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the binary");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    let d = &v["bound"]["disk"];
+    let fresh = d["fresh_read_bytes_per_s"].as_f64().unwrap();
+    let swap = d["swap_read_bytes_per_s"].as_f64().unwrap();
+    assert!(swap > 0.0, "the swap file's chunks were not read: {d}");
+    assert_eq!(d["read_bytes_per_s"].as_f64().unwrap(), fresh.min(swap));
 }

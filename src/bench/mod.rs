@@ -74,6 +74,8 @@ pub use report::{
 
 /// Bytes per pass of the disk probe made before the first iteration.
 const DISK_PROBE_BYTES: u64 = 256 << 20;
+/// Bytes of the swap file's chunks read before the first iteration (see `disk`).
+const SWAP_PROBE_BYTES: u64 = 512 << 20;
 
 /// Usage samples for the plot, and the peaks of the current phase.
 #[derive(Debug, Default)]
@@ -688,6 +690,18 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     r.init()?;
     r.s.store.sync()?;
     let init_seconds = started.elapsed().as_secs_f64();
+    let (swap_path, regions) = r.s.store.nvme().with_swap_file(|f| {
+        let regions: Vec<(u64, u64)> = f
+            .chunks()
+            .filter_map(|(id, slot)| {
+                // Whole pages: the slot holds the chunk's last page whole.
+                let len = tidestore_io::align_up(f.stored_bytes_of(id)?).min(f.slot_bytes());
+                Some((f.slot_offset_bytes(slot), len as u64))
+            })
+            .collect();
+        (f.path().to_path_buf(), regions)
+    });
+    let disk = disk.with_swap_reads(&swap_path, &cfg.io_config()?, &regions, SWAP_PROBE_BYTES)?;
     let iterations = cfg.workload.iterations;
     let mut m = iterate(&mut r, iterations)?;
     r.s.store.sync()?;

@@ -338,9 +338,11 @@ fn print_table(r: &BenchReport) {
         b.efficiency
     );
     out!(
-        "disk (measured before the first iteration): read {:.2} GB/s, write {:.2} GB/s, \
-         mixed {:.2} GB/s",
+        "disk (measured before the first iteration): read {:.2} GB/s (fresh file {:.2}, \
+         swap file's chunks {:.2}), write {:.2} GB/s, mixed {:.2} GB/s",
         b.disk.read_bytes_per_s / 1e9,
+        b.disk.fresh_read_bytes_per_s / 1e9,
+        b.disk.swap_read_bytes_per_s / 1e9,
         b.disk.write_bytes_per_s / 1e9,
         b.disk.mixed_bytes_per_s / 1e9
     );
