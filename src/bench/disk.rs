@@ -225,7 +225,7 @@ mod tests {
         assert_eq!(starts, vec![0, 0, 0, 5, 5, 5]);
         for &(off, len) in &reqs {
             assert_eq!(off % ALIGN_BYTES as u64, 0);
-            assert!(len as u64 % ALIGN_BYTES as u64 == 0 && len <= REQUEST_BYTES);
+            assert!(len.is_multiple_of(ALIGN_BYTES) && len <= REQUEST_BYTES);
             let chunk = off / (32 * mb) * 32 * mb;
             assert!(off + len as u64 <= chunk + 20 * mb);
         }
