@@ -58,7 +58,7 @@ impl Default for IoConfig {
     fn default() -> Self {
         IoConfig {
             engine: EngineChoice::Auto,
-            block_bytes: 4 << 20,
+            block_bytes: 16 << 20,
             queue_depth: 32,
             direct: true,
             fixed_buffers: true,
