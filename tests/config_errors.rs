@@ -297,7 +297,7 @@ fn a_good_config_converts_to_the_io_crate() {
     let cfg = Config::load(&c.path).expect("valid config");
     let io = cfg.io_config().expect("io config");
     assert_eq!(io.engine, tidestore::io::EngineChoice::ThreadPool);
-    assert_eq!(io.block_bytes, 16 << 20);
+    assert_eq!(io.block_bytes, 4 << 20);
     assert_eq!(io.queue_depth, 8);
     assert_eq!(cfg.chunk.size.fixed().map(|s| s.bytes()), Some(32 << 20));
     io.validate().expect("io crate accepts it");
