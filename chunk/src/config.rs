@@ -53,7 +53,7 @@ pub enum NvmeSource {
 /// Moments the device prefetcher looks ahead by default (the benchmarked value).
 pub const DEFAULT_PREFETCH_LOOKAHEAD: u32 = 8;
 /// Moments the host-tier prefetcher looks ahead by default (the benchmarked value).
-pub const DEFAULT_HOST_PREFETCH_LOOKAHEAD: u32 = 64;
+pub const DEFAULT_HOST_PREFETCH_LOOKAHEAD: u32 = 512;
 
 /// Everything [`crate::ChunkStore::open`] needs besides the layout and the device.
 #[derive(Debug)]

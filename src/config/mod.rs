@@ -251,7 +251,7 @@ impl Default for PolicySection {
         PolicySection {
             eviction: EvictionName::Lifetime,
             prefetch_lookahead: 8,
-            host_prefetch_lookahead: 64,
+            host_prefetch_lookahead: tidestore_chunk::config::DEFAULT_HOST_PREFETCH_LOOKAHEAD,
         }
     }
 }
