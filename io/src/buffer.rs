@@ -128,12 +128,7 @@ impl PoolInner {
             st.taken_bytes -= part_bytes;
             return None;
         };
-        let all = if per == 64 {
-            u64::MAX
-        } else {
-            (1u64 << per) - 1
-        };
-        let free_mask = all & !1;
+        let free_mask = all_parts(per) & !1;
         st.splits.insert(index, Split { per, free_mask });
         if free_mask != 0 {
             st.partial.entry(per).or_default().insert(index);
@@ -157,12 +152,7 @@ impl PoolInner {
                 };
                 let per = split.per;
                 split.free_mask |= 1u64 << part;
-                let all = if per == 64 {
-                    u64::MAX
-                } else {
-                    (1u64 << per) - 1
-                };
-                let whole_again = split.free_mask == all;
+                let whole_again = split.free_mask == all_parts(per);
                 let part_bytes = self.part_bytes(per);
                 st.taken_bytes -= part_bytes;
                 if whole_again {
@@ -179,6 +169,12 @@ impl PoolInner {
         drop(st);
         self.returned.notify_all();
     }
+}
+
+/// The free mask of a buffer split `per` ways with every part free.
+fn all_parts(per: u32) -> u64 {
+    debug_assert!((2..=PARTS_MAX as u32).contains(&per));
+    u64::MAX >> (64 - per)
 }
 
 fn remove_partial(st: &mut FreeState, per: u32, index: u32) {
