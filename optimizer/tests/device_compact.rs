@@ -366,42 +366,15 @@ fn int8_view_without_room_for_its_absmax_is_refused() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use tidestore_io::AlignedBuf;
-
-    fn upload(dev: &mut Device, chunk: u64, img: &[u8]) -> DeviceMem {
-        let mem = dev.alloc(chunk, img.len()).unwrap();
-        let mut buf = AlignedBuf::new_zeroed(img.len()).unwrap();
-        buf[..img.len()].copy_from_slice(img);
-        let id = dev.copy_to_device(chunk, buf, mem, img.len());
-        let done = dev.wait_copy_id(id).expect("the copy completes");
-        done.result.unwrap();
-        done.mem
-    }
-
-    fn download(dev: &mut Device, mem: DeviceMem) -> Vec<u8> {
-        let len = mem.bytes();
-        let buf = AlignedBuf::new_zeroed(len).unwrap();
-        let id = dev.copy_to_host(mem.chunk(), mem, buf, len);
-        let done = dev.wait_copy_id(id).expect("the copy completes");
-        done.result.unwrap();
-        done.host[..len].to_vec()
-    }
+    use crate::common::gpu::{cuda_or_skip, download, upload};
 
     /// The compact GPU kernels against the CPU kernel, bit for bit, every byte of the
     /// chunks compared (nothing outside the tensor touched).
     #[test]
     fn cuda_compact_moments_give_the_cpu_bits() {
         let hybrid = hybrid();
-        if let Err(e) = hybrid.gpu_status() {
-            println!("skipped: no GPU kernel: {e}");
+        let Some(mut dev) = cuda_or_skip(&hybrid) else {
             return;
-        }
-        let mut dev = match Device::cuda(&DeviceConfig::new(1 << 28)) {
-            Ok(d) => d,
-            Err(e) => {
-                println!("skipped: no CUDA device tier: {e}");
-                return;
-            }
         };
         for form in [StateType::Bf16, StateType::Int8] {
             for case in [Case::InPlace, Case::Separate] {
@@ -421,7 +394,7 @@ mod gpu {
                         .unwrap_or_else(|e| panic!("{label}: {e}"));
                     assert!(!done.simulated, "{label}");
                     for (k, (mem, w)) in mems.into_iter().zip(want.all()).enumerate() {
-                        let got = download(&mut dev, mem);
+                        let (_, got) = download(&mut dev, mem);
                         assert_bytes_eq(&format!("{label} chunk {k}"), &got, w);
                     }
                 }

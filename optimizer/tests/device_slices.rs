@@ -777,26 +777,7 @@ fn cuda_views_that_are_wrong_are_refused_before_any_launch() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use tidestore_io::AlignedBuf;
-
-    fn upload(dev: &mut Device, chunk: u64, img: &[u8]) -> DeviceMem {
-        let mem = dev.alloc(chunk, img.len()).unwrap();
-        let mut buf = AlignedBuf::new_zeroed(img.len()).unwrap();
-        buf[..img.len()].copy_from_slice(img);
-        let id = dev.copy_to_device(chunk, buf, mem, img.len());
-        let done = dev.wait_copy_id(id).expect("the copy completes");
-        done.result.unwrap();
-        done.mem
-    }
-
-    fn download(dev: &mut Device, mem: DeviceMem) -> (DeviceMem, Vec<u8>) {
-        let len = mem.bytes();
-        let buf = AlignedBuf::new_zeroed(len).unwrap();
-        let id = dev.copy_to_host(mem.chunk(), mem, buf, len);
-        let done = dev.wait_copy_id(id).expect("the copy completes");
-        done.result.unwrap();
-        (done.mem, done.host[..len].to_vec())
-    }
+    use crate::common::gpu::{cuda_or_skip, download, upload};
 
     /// The view of `mem`'s bytes `[at, at + len)`, a tensor inside its chunk.
     fn view(mem: &mut DeviceMem, at: usize, len: usize, is_gpu: bool) -> DeviceViewMut<'_> {
@@ -818,16 +799,8 @@ mod gpu {
     #[test]
     fn cuda_slices_give_the_cpu_bits() {
         let hybrid = hybrid1();
-        if let Err(e) = hybrid.gpu_status() {
-            println!("skipped: no GPU kernel: {e}");
+        let Some(mut dev) = cuda_or_skip(&hybrid) else {
             return;
-        }
-        let mut dev = match Device::cuda(&DeviceConfig::new(1 << 28)) {
-            Ok(d) => d,
-            Err(e) => {
-                println!("skipped: no CUDA device tier: {e}");
-                return;
-            }
         };
         let (n, off) = (300_007, 3);
         let chunk = off + n + 37;

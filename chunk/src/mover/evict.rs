@@ -41,7 +41,7 @@ impl Mover {
             if let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) {
                 return Ok(buf);
             }
-            if self.pending_writes > 0 {
+            if self.pending_writes() > 0 {
                 // A write-back in flight gives a buffer back: wait for it rather than
                 // evicting more (the prefetcher never waits). Queued prefetch reads do
                 // not take it first: this chunk is needed sooner.
@@ -131,8 +131,7 @@ impl Mover {
             self.nvme.submit_write(d as u64, buf, len);
             self.slots[d].pending = Pending::NvmeWrite;
             self.pending_nvme += 1;
-            self.pending_writes += 1;
-            *self.writing_held.entry(self.host_bytes[d]).or_default() += 1;
+            self.writing_back(d);
             self.note_nvme_in_flight(false);
             self.stats.async_writes += 1;
             self.stats.host_evictions += 1;

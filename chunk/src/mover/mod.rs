@@ -156,8 +156,6 @@ pub(crate) struct Mover {
     pending_h2d: usize,
     /// NVMe requests in flight (reads and writes).
     pending_nvme: usize,
-    /// NVMe writes in flight.
-    pending_writes: usize,
     /// NVMe writes in flight by the host bytes their buffers hold (`host_bytes`).
     writing_held: BTreeMap<u64, usize>,
     /// Prefetch reads waiting for a buffer ([`Pending::NvmeReadQueued`]), in order of
@@ -266,7 +264,6 @@ impl Mover {
             dev_cap,
             pending_h2d: 0,
             pending_nvme: 0,
-            pending_writes: 0,
             writing_held: BTreeMap::new(),
             read_queue: VecDeque::new(),
             hold_queue: false,

@@ -63,12 +63,8 @@ impl Mover {
     fn route_nvme_write(&mut self, c: NvmeCompletion) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
-        let counted = count_down(&mut self.pending_nvme, "NVMe request", chunk).and(count_down(
-            &mut self.pending_writes,
-            "NVMe write",
-            chunk,
-        ));
-        self.wrote_back(d);
+        let counted =
+            count_down(&mut self.pending_nvme, "NVMe request", chunk).and(self.wrote_back(d));
         // After a failed write the file no longer stores the chunk.
         let still_stored = self.nvme.contains(c.chunk);
         let slot = &mut self.slots[d];

@@ -10,7 +10,9 @@
 //! goes first (`hold_queue`), and a queued read that will not happen gives back the
 //! device memory reserved for it.
 
-use super::{Mover, Pending};
+use std::collections::BTreeMap;
+
+use super::{count_down, Mover, Pending};
 use crate::id::ChunkId;
 use crate::Result;
 
@@ -73,8 +75,8 @@ impl Mover {
     }
 
     /// Queued reads by the host bytes their chunks hold.
-    pub(super) fn queued_held(&self) -> std::collections::BTreeMap<u64, usize> {
-        let mut queued = std::collections::BTreeMap::new();
+    pub(super) fn queued_held(&self) -> BTreeMap<u64, usize> {
+        let mut queued = BTreeMap::new();
         for c in &self.read_queue {
             *queued.entry(self.host_bytes[c.dense()]).or_default() += 1;
         }
@@ -103,16 +105,28 @@ impl Mover {
             .any(|q| self.host_bytes[q.dense()] == held)
     }
 
+    /// NVMe write-backs in flight.
+    pub(super) fn pending_writes(&self) -> usize {
+        self.writing_held.values().sum()
+    }
+
+    /// A write-back of chunk `d` started: its buffer comes back when it completes.
+    pub(super) fn writing_back(&mut self, d: usize) {
+        *self.writing_held.entry(self.host_bytes[d]).or_default() += 1;
+    }
+
     /// A write-back of chunk `d` finished (well or not): its buffer's size is owed no
-    /// more.
-    pub(super) fn wrote_back(&mut self, d: usize) {
+    /// more. A write nobody counted is a broken invariant.
+    pub(super) fn wrote_back(&mut self, d: usize) -> Result<()> {
         let held = self.host_bytes[d];
-        if let Some(n) = self.writing_held.get_mut(&held) {
-            *n -= 1;
-            if *n == 0 {
-                self.writing_held.remove(&held);
-            }
+        let mut n = self.writing_held.get(&held).copied().unwrap_or(0);
+        count_down(&mut n, "NVMe write", ChunkId::from_dense(d))?;
+        if n == 0 {
+            self.writing_held.remove(&held);
+        } else {
+            self.writing_held.insert(held, n);
         }
+        Ok(())
     }
 
     /// `c`'s queued read will not happen: nothing is pending for it any more (device

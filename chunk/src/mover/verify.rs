@@ -3,6 +3,8 @@
 //! repaired; the first broken one is [`ChunkError::Invariant`] naming the chunk and what
 //! disagrees. Changes nothing.
 
+use std::collections::BTreeMap;
+
 use super::{Mover, Pending, Slot};
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -14,10 +16,9 @@ struct Tally {
     dev_bytes: u64,
     host_bytes: u64,
     /// Write-backs in flight by the host bytes their buffers hold.
-    writing_held: std::collections::BTreeMap<u64, usize>,
+    writing_held: BTreeMap<u64, usize>,
     h2d: usize,
     nvme: usize,
-    writes: usize,
     queued: usize,
 }
 
@@ -49,11 +50,10 @@ impl Mover {
         if self.hold_queue {
             return bad("the read queue is held outside a demand load".into());
         }
-        if (self.pending_h2d, self.pending_nvme, self.pending_writes) != (t.h2d, t.nvme, t.writes) {
+        if (self.pending_h2d, self.pending_nvme) != (t.h2d, t.nvme) {
             return bad(format!(
-                "in flight counted (h2d {}, nvme {}, writes {}) but slots say (h2d {}, nvme \
-                 {}, writes {})",
-                self.pending_h2d, self.pending_nvme, self.pending_writes, t.h2d, t.nvme, t.writes
+                "in flight counted (h2d {}, nvme {}) but slots say (h2d {}, nvme {})",
+                self.pending_h2d, self.pending_nvme, t.h2d, t.nvme
             ));
         }
         if self.writing_held != t.writing_held {
@@ -238,7 +238,6 @@ impl Mover {
             }
             Pending::NvmeWrite => {
                 t.nvme += 1;
-                t.writes += 1;
                 *t.writing_held.entry(self.host_bytes[d]).or_default() += 1;
                 t.host_bytes += self.host_bytes[d];
                 if s.nvme_valid {

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
