@@ -56,7 +56,8 @@ pub use layout::{
 pub use moments::MomentStates;
 pub use mover::IoPump;
 pub use policy::{
-    EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PrefetchPlanner, PrefetchStep, Residency,
+    EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PoolRoom, PrefetchPlanner, PrefetchStep,
+    Residency,
 };
 pub use search::{
     search_chunk_size, search_chunk_size_exhaustive, Candidate, SearchConfig, SearchReport,

@@ -24,13 +24,16 @@
 //! yet candidates, so it can move more bytes than demand loading with Belady's rule;
 //! it trades bytes for fewer stalls. [`PrefetchPlanner::plan_split`] (the host tier's)
 //! also takes the chunks in use and waits rather than evict a chunk that Belady's rule,
-//! at the moment the load is needed, would keep over one of them.
+//! at the moment the load is needed, would keep over one of them. A tier whose room is
+//! a pool of equal buffers split into parts by size (the host pool) is planned by
+//! [`PoolRoom`]: a chunk fits a whole free buffer or a free part of its own size, and a
+//! victim makes room only for a chunk its buffer (or part) can hold.
 //!
 //! Costs: `choose_victim` is O(candidates) for `Lru`/`Fifo` and O(candidates x log
 //! uses) for `Lifetime`; notifications are O(1) (amortised: per-chunk arrays grow on
 //! demand).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -280,6 +283,144 @@ pub struct Residency<'a> {
     pub chunk_bytes: &'a [u64],
     /// Bytes free in the tier now.
     pub free_bytes: u64,
+    /// The tier's room as buffers and parts by size (a pool that serves sizes, not
+    /// bytes: see [`PoolRoom`]); when given, it decides what fits instead of
+    /// `free_bytes`, and `chunk_bytes` are the bytes each chunk holds in it.
+    pub pool: Option<&'a PoolRoom>,
+}
+
+/// The room in a pool of equal buffers where a chunk of less than half a buffer takes a
+/// part of a buffer split for its size (`tidestore_io::BufferPool`): what is free now,
+/// by size, and which buffer each resident chunk sits in. A chunk fits when a whole
+/// buffer is free, or a free part of its own size — free parts of other sizes do not
+/// count, however many bytes they add up to (a byte count would plan a load the pool
+/// then refuses, and stop the prefetch there). Evicting a chunk frees its part; the
+/// last taken part of a split buffer frees the whole buffer.
+///
+/// The parts of buffers split by the plan itself, and of write-backs in flight (counted
+/// free: they return soon), are not tracked by buffer: they never merge into a whole
+/// buffer in the plan, which can only make it evict more than the pool needs, never
+/// plan a load the pool refuses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolRoom {
+    /// Bytes of a whole buffer (a chunk of at least this many takes a whole buffer).
+    pub buf_bytes: u64,
+    /// Whole buffers free.
+    pub whole: u64,
+    /// By the bytes of a part (a chunk's held bytes): `(parts per buffer, free parts
+    /// not in `splits`)` — the parts of write-backs in flight. A part size without an
+    /// entry is served by whole buffers only, and its victims free nothing.
+    pub parts: BTreeMap<u64, (u64, u64)>,
+    /// Split buffers by index: `(part bytes, parts per buffer, parts taken)`. The pool
+    /// hands out the free part of the lowest index first, and so does the plan.
+    pub splits: BTreeMap<u32, (u64, u64, u64)>,
+    /// The buffer each resident chunk's part sits in (chunks of whole buffers need
+    /// none).
+    pub buffer_of: HashMap<ChunkId, u32>,
+}
+
+impl PoolRoom {
+    fn is_whole(&self, bytes: u64) -> bool {
+        bytes >= self.buf_bytes
+    }
+
+    /// The split buffer of part size `bytes` with a free part and the lowest index.
+    fn split_with_room(&self, bytes: u64) -> Option<u32> {
+        self.splits
+            .iter()
+            .find(|(_, &(held, per, taken))| held == bytes && taken < per)
+            .map(|(&index, _)| index)
+    }
+
+    fn fits(&self, bytes: u64) -> bool {
+        self.whole > 0
+            || (!self.is_whole(bytes)
+                && (self.parts.get(&bytes).is_some_and(|&(_, free)| free > 0)
+                    || self.split_with_room(bytes).is_some()))
+    }
+
+    /// Takes room for a chunk that [`PoolRoom::fits`].
+    fn take(&mut self, bytes: u64) {
+        if !self.is_whole(bytes) {
+            if let Some(index) = self.split_with_room(bytes) {
+                self.splits.get_mut(&index).expect("a split").2 += 1;
+                return;
+            }
+            if let Some((per, free)) = self.parts.get_mut(&bytes) {
+                if *free > 0 {
+                    *free -= 1;
+                    return;
+                }
+                // A buffer split by the plan: its other parts are free, untracked.
+                *free += *per - 1;
+            }
+        }
+        self.whole -= 1;
+    }
+
+    /// Gives back the room of `chunk`, holding `bytes`. Returns whether a whole buffer
+    /// came free.
+    fn give(&mut self, chunk: ChunkId, bytes: u64) -> bool {
+        if self.is_whole(bytes) {
+            self.whole += 1;
+            return true;
+        }
+        let split = self.buffer_of.get(&chunk).copied();
+        match split.and_then(|b| self.splits.get_mut(&b).map(|s| (b, s))) {
+            Some((b, (_, _, taken))) if *taken <= 1 => {
+                // The last part taken: the buffer is whole again.
+                self.splits.remove(&b);
+                self.whole += 1;
+                true
+            }
+            Some((_, (_, _, taken))) => {
+                *taken -= 1;
+                false
+            }
+            None => {
+                if let Some((_, free)) = self.parts.get_mut(&bytes) {
+                    *free += 1;
+                }
+                false
+            }
+        }
+    }
+}
+
+/// The room the planner counts down: bytes, or a pool's buffers and parts.
+#[derive(Debug, Clone)]
+enum Room {
+    Bytes(u64),
+    Pool(PoolRoom),
+}
+
+impl Room {
+    fn fits(&self, bytes: u64) -> bool {
+        match self {
+            Room::Bytes(free) => *free >= bytes,
+            Room::Pool(p) => p.fits(bytes),
+        }
+    }
+
+    fn take(&mut self, bytes: u64) {
+        match self {
+            Room::Bytes(free) => *free -= bytes,
+            Room::Pool(p) => p.take(bytes),
+        }
+    }
+
+    /// Gives back `victim`'s room; returns whether that alone can make room for a chunk
+    /// of `bytes` (a byte count always; in a pool, a whole buffer freed or a part of
+    /// that size).
+    fn give(&mut self, victim: ChunkId, victim_bytes: u64, bytes: u64) -> bool {
+        match self {
+            Room::Bytes(free) => {
+                *free = free.saturating_add(victim_bytes);
+                true
+            }
+            Room::Pool(p) => p.give(victim, victim_bytes) || victim_bytes == bytes,
+        }
+    }
 }
 
 /// Plans loads for the next moments.
@@ -428,8 +569,11 @@ impl PrefetchPlanner {
         blockers.extend(held.unwrap_or(&[]).iter().copied());
         victims.retain(|&(next, _)| next > window_end);
         victims.sort_by_key(|&(next, c)| (std::cmp::Reverse(next), c.dense()));
-        let mut free = tier.free_bytes;
-        let mut taken = 0usize;
+        let mut room = match tier.pool {
+            Some(p) => Room::Pool(p.clone()),
+            None => Room::Bytes(tier.free_bytes),
+        };
+        let mut taken = vec![false; victims.len()];
         let mut plan = Vec::new();
         for (chunk, needed_at) in needed {
             let bytes = size(chunk)?;
@@ -440,28 +584,69 @@ impl PrefetchPlanner {
                 .map(|&b| next_use(b, needed_at))
                 .max()
                 .unwrap_or(0);
-            let (mut trial_free, mut trial_taken) = (free, taken);
-            while trial_free < bytes
-                && trial_taken < victims.len()
-                && victims[trial_taken].0 > needed_at
-                && (held.is_none() || next_use(victims[trial_taken].1, needed_at) >= wall)
-            {
-                trial_free += size(victims[trial_taken].1)?;
-                trial_taken += 1;
+            // Victims in Belady's order until the chunk fits. In a pool, a victim that
+            // frees neither a whole buffer (alone, or as the last part of its buffer)
+            // nor a part of this size makes no room for it; unless a later victim
+            // completes its buffer it stays, for a later load it does make room for.
+            let mut trial = room.clone();
+            let mut given: Vec<(usize, bool)> = Vec::new();
+            for (i, &(next, v)) in victims.iter().enumerate() {
+                if trial.fits(bytes) {
+                    break;
+                }
+                if taken[i] {
+                    continue;
+                }
+                if next <= needed_at || (held.is_some() && next_use(v, needed_at) < wall) {
+                    break;
+                }
+                let helps = trial.give(v, size(v)?, bytes);
+                given.push((i, helps));
             }
-            if trial_free < bytes {
+            if !trial.fits(bytes) {
                 break;
+            }
+            let evict: Vec<usize> = match &room {
+                Room::Bytes(_) => given.iter().map(|&(i, _)| i).collect(),
+                Room::Pool(_) => {
+                    // Keep the victims that made room: those that helped alone, and the
+                    // parts of buffers a later victim freed whole.
+                    let freed = |i: usize| match (&room, &trial) {
+                        (Room::Pool(before), Room::Pool(after)) => {
+                            before.buffer_of.get(&victims[i].1).is_some_and(|b| {
+                                before.splits.contains_key(b) && !after.splits.contains_key(b)
+                            })
+                        }
+                        _ => true,
+                    };
+                    let keep: Vec<usize> = given
+                        .iter()
+                        .filter(|&&(i, helps)| helps || freed(i))
+                        .map(|&(i, _)| i)
+                        .collect();
+                    let mut pruned = room.clone();
+                    for &i in &keep {
+                        let v = victims[i].1;
+                        pruned.give(v, size(v)?, bytes);
+                    }
+                    if pruned.fits(bytes) {
+                        trial = pruned;
+                        keep
+                    } else {
+                        given.iter().map(|&(i, _)| i).collect()
+                    }
+                }
+            };
+            trial.take(bytes);
+            room = trial;
+            for &i in &evict {
+                taken[i] = true;
             }
             plan.push(PrefetchStep {
                 chunk,
                 needed_at,
-                evict: victims[taken..trial_taken]
-                    .iter()
-                    .map(|&(_, c)| c)
-                    .collect(),
+                evict: evict.iter().map(|&i| victims[i].1).collect(),
             });
-            free = trial_free - bytes;
-            taken = trial_taken;
         }
         Ok(plan)
     }
@@ -542,6 +727,7 @@ mod tests {
                     evictable: &[c(3)],
                     chunk_bytes: &sizes,
                     free_bytes: 10,
+                    pool: None,
                 },
             )
             .unwrap();
@@ -568,6 +754,7 @@ mod tests {
             evictable: &e,
             chunk_bytes: &sizes,
             free_bytes: 0,
+            pool: None,
         };
         let plan = short.plan(&s, 0, at0).unwrap();
         assert_eq!(
@@ -590,6 +777,7 @@ mod tests {
                     evictable: &e,
                     chunk_bytes: &sizes,
                     free_bytes: 0,
+                    pool: None,
                 },
             )
             .unwrap();
@@ -619,6 +807,7 @@ mod tests {
             evictable: &[c(0)],
             chunk_bytes: &sizes,
             free_bytes: 0,
+            pool: None,
         };
         // Without held chunks: 0 (next use 3) makes room for 3 (needed at 1).
         let plan = planner.plan_split(&s, &s, 0, tier, &[], None).unwrap();
@@ -631,5 +820,95 @@ mod tests {
             .is_empty());
         // The plain planner is unchanged.
         assert_eq!(planner.plan(&s, 0, tier).unwrap(), plan);
+    }
+
+    #[test]
+    fn a_pool_plans_by_buffers_and_parts_not_bytes() {
+        // Buffers of 100 bytes; chunks of 50 take half a buffer. Moment 0 uses 0, then
+        // 1 (whole), 2 and 3 (halves) are needed; 4 (whole) and 5 (half) are the
+        // victims, 5 the farthest. Buffer 8 holds 0 and a free half; buffer 7 holds 5
+        // and 6 (resident, not evictable).
+        let g: Vec<Vec<ChunkId>> = (0..6).map(|i| vec![c(i)]).collect();
+        let s = Schedule::from_groups(&g, &[]);
+        let planner = PrefetchPlanner::new(3, Horizon::Once);
+        let mut sizes = vec![100u64; 64];
+        for i in [0, 2, 3, 5, 6] {
+            sizes[c(i).dense()] = 50;
+        }
+        let mut resident = vec![false; 64];
+        for i in [0, 4, 5, 6] {
+            resident[c(i).dense()] = true;
+        }
+        let evictable = [c(4), c(5)];
+        let steps = |plan: Vec<PrefetchStep>| -> Vec<(ChunkId, Vec<ChunkId>)> {
+            plan.into_iter().map(|p| (p.chunk, p.evict)).collect()
+        };
+        // One half of a buffer free: 50 bytes.
+        let by_bytes = planner
+            .plan(
+                &s,
+                0,
+                Residency {
+                    resident: &resident,
+                    evictable: &evictable,
+                    chunk_bytes: &sizes,
+                    free_bytes: 50,
+                    pool: None,
+                },
+            )
+            .unwrap();
+        // By bytes, evicting the half-size 5 "frees" 100 bytes for the whole chunk 1:
+        // a plan the pool cannot serve (buffer 7 still holds 6, buffer 8 holds 0).
+        assert_eq!(steps(by_bytes)[0], (c(1), vec![c(5)]));
+        let room = PoolRoom {
+            buf_bytes: 100,
+            whole: 0,
+            parts: [(50, (2, 0))].into_iter().collect(),
+            splits: [(7, (50, 2, 2)), (8, (50, 2, 1))].into_iter().collect(),
+            buffer_of: [(c(0), 8), (c(5), 7), (c(6), 7)].into_iter().collect(),
+        };
+        let by_pool = planner
+            .plan(
+                &s,
+                0,
+                Residency {
+                    resident: &resident,
+                    evictable: &evictable,
+                    chunk_bytes: &sizes,
+                    free_bytes: 0,
+                    pool: Some(&room),
+                },
+            )
+            .unwrap();
+        // 1 takes the buffer 4 frees (evicting 5 would free half a buffer only); 2
+        // the free half of buffer 8; 3 the half 5 frees.
+        assert_eq!(
+            steps(by_pool),
+            vec![(c(1), vec![c(4)]), (c(2), vec![]), (c(3), vec![c(5)])]
+        );
+        // A half-size chunk splits a whole buffer and leaves its other half free for
+        // the next one; the whole chunk after them then finds no room.
+        let room = PoolRoom {
+            buf_bytes: 100,
+            whole: 1,
+            parts: [(50, (2, 0))].into_iter().collect(),
+            ..PoolRoom::default()
+        };
+        let g: Vec<Vec<ChunkId>> = [0u32, 2, 3, 1].iter().map(|&i| vec![c(i)]).collect();
+        let s = Schedule::from_groups(&g, &[]);
+        let plan = planner
+            .plan(
+                &s,
+                0,
+                Residency {
+                    resident: &resident,
+                    evictable: &[],
+                    chunk_bytes: &sizes,
+                    free_bytes: 0,
+                    pool: Some(&room),
+                },
+            )
+            .unwrap();
+        assert_eq!(steps(plan), vec![(c(2), vec![]), (c(3), vec![])]);
     }
 }

@@ -241,6 +241,7 @@ pub fn simulate(
                     evictable: &evictable,
                     chunk_bytes: &trace.chunk_bytes,
                     free_bytes: tier.capacity - tier.used,
+                    pool: None,
                 },
             )?;
             for step in plan {

@@ -14,7 +14,10 @@
 //!   free bytes it creates, and never evicts a chunk whose next use is not strictly
 //!   later than that of the chunk it brings, nor one needed within its look-ahead
 //!   window (moments, cut short by the byte bound; checked against a naive scan);
-//! - a simulated tier never holds more than its capacity, with or without prefetch.
+//! - a simulated tier never holds more than its capacity, with or without prefetch;
+//! - planned against a real host buffer pool (buffers split into parts by size, taken
+//!   and returned at random until fragmented), every load of the plan is served by the
+//!   pool once its victims are gone, and only evictable chunks are evicted.
 
 use std::sync::Arc;
 
@@ -22,7 +25,7 @@ use proptest::prelude::*;
 use tidestore_chunk::policy::Residency;
 use tidestore_chunk::{
     offline_belady, simulate, AccessTrace, ChunkId, EvictionPolicy, Fifo, Horizon, Lifetime,
-    ListKind, Lru, Prefetch, PrefetchPlanner, Schedule, SimReport,
+    ListKind, Lru, PoolRoom, Prefetch, PrefetchPlanner, Schedule, SimReport,
 };
 
 fn chunk(i: usize) -> ChunkId {
@@ -157,6 +160,7 @@ proptest! {
             evictable: &evictable,
             chunk_bytes: &trace.chunk_bytes,
             free_bytes: free,
+            pool: None,
         }).unwrap();
 
         // Naive next use at or after `from`.
@@ -211,6 +215,89 @@ proptest! {
             for &c in trace.steps[(m % len) as usize].iter() {
                 prop_assert!(resident[c.dense()] || loaded.contains(&c));
             }
+        }
+    }
+
+    #[test]
+    fn a_pool_plan_is_served_by_the_pool(
+        (steps, n) in steps_strategy(16, 40),
+        kinds in prop::collection::vec(0usize..5, 16),
+        buffers in 2usize..7,
+        order in prop::collection::vec(0usize..16, 0..40),
+        returned in prop::collection::vec(any::<bool>(), 40),
+        evictable_mask in prop::collection::vec(any::<bool>(), 16),
+        lookahead in 1u32..40,
+    ) {
+        const BUF: u64 = 64 * 1024;
+        // Whole buffers, halves, thirds, quarters and small parts.
+        let lens: Vec<u64> = kinds[..n]
+            .iter()
+            .map(|&k| [BUF, BUF / 2, BUF / 3 - 5000, BUF / 4, 5000][k])
+            .collect();
+        let pool = tidestore_io::BufferPool::new(BUF as usize, buffers).unwrap();
+        let class = |len: u64| pool.take_class_for(len as usize).unwrap();
+        // Fragment the pool: take for chunks in a random order, give some back.
+        let mut held: std::collections::HashMap<usize, tidestore_io::AlignedBuf> =
+            Default::default();
+        for (k, &i) in order.iter().enumerate() {
+            let i = i % n;
+            if held.contains_key(&i) {
+                continue;
+            }
+            if let Some(buf) = pool.try_take_bytes(lens[i] as usize) {
+                held.insert(i, buf);
+            }
+            if returned[k] {
+                let back = order[(k * 7) % order.len()] % n;
+                held.remove(&back);
+            }
+        }
+        let trace = make_trace(&steps, &lens.iter().map(|&l| class(l).1 as u64).collect::<Vec<_>>());
+        let schedule = trace.schedule();
+        let mut resident = vec![false; trace.chunk_bytes.len()];
+        let mut evictable = Vec::new();
+        let mut room = PoolRoom {
+            buf_bytes: BUF,
+            whole: pool.available() as u64,
+            ..PoolRoom::default()
+        };
+        for &len in &lens {
+            let (per, held_bytes) = class(len);
+            if per > 1 {
+                room.parts.insert(held_bytes as u64, (u64::from(per), 0));
+            }
+        }
+        for (index, per, part, free) in pool.splits() {
+            room.splits.insert(index, (part as u64, u64::from(per), u64::from(per) - free as u64));
+        }
+        for (&i, buf) in &held {
+            resident[chunk(i).dense()] = true;
+            if evictable_mask[i] {
+                evictable.push(chunk(i));
+            }
+            if class(lens[i]).0 > 1 {
+                room.buffer_of.insert(chunk(i), buf.fixed_index().unwrap().1);
+            }
+        }
+        let plan = PrefetchPlanner::new(lookahead, Horizon::Once)
+            .plan(&schedule, 0, Residency {
+                resident: &resident,
+                evictable: &evictable,
+                chunk_bytes: &trace.chunk_bytes,
+                free_bytes: 0,
+                pool: Some(&room),
+            })
+            .unwrap();
+        let index = |c: ChunkId| (0..n).find(|&i| chunk(i) == c).unwrap();
+        for step in &plan {
+            for &v in &step.evict {
+                prop_assert!(evictable.contains(&v));
+                prop_assert!(held.remove(&index(v)).is_some(), "{} evicted twice", v);
+            }
+            let i = index(step.chunk);
+            let buf = pool.try_take_bytes(lens[i] as usize);
+            prop_assert!(buf.is_some(), "the pool refuses {} ({} bytes), planned after {:?}", step.chunk, lens[i], step.evict);
+            held.insert(i, buf.unwrap());
         }
     }
 

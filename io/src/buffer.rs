@@ -281,6 +281,31 @@ impl BufferPool {
         self.inner.class_of(bytes).map(|(_, cap)| cap)
     }
 
+    /// How a take of `bytes` is served: `(per, capacity)`, `per == 1` a whole buffer,
+    /// else a part of a buffer split `per` ways; `None` when `bytes` is more than a
+    /// buffer holds.
+    pub fn take_class_for(&self, bytes: usize) -> Option<(u32, usize)> {
+        self.inner.class_of(bytes)
+    }
+
+    /// The buffers split into parts now: `(buffer index, per, part bytes, parts
+    /// free)`, by index. A free part serves only takes of its own `per` (see the module
+    /// doc), so its bytes are free for those sizes only.
+    pub fn splits(&self) -> Vec<(u32, u32, usize, usize)> {
+        let st = self.inner.lock();
+        st.splits
+            .iter()
+            .map(|(&index, split)| {
+                (
+                    index,
+                    split.per,
+                    self.inner.part_bytes(split.per),
+                    split.free_mask.count_ones() as usize,
+                )
+            })
+            .collect()
+    }
+
     /// A process-unique id; buffers remember the pool they came from by it.
     pub fn id(&self) -> u32 {
         self.inner.id

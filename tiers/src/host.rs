@@ -113,9 +113,27 @@ impl HostTier {
     /// Pool bytes a chunk of `len_bytes` holds while in the pool (a whole buffer, or a
     /// part of one); `None` when it does not fit in a buffer.
     pub fn held_bytes(&self, len_bytes: u64) -> Option<u64> {
+        self.take_class(len_bytes).map(|(_, held)| held)
+    }
+
+    /// How the pool serves a chunk of `len_bytes`: `(per, held bytes)`, `per == 1` a
+    /// whole buffer, else a part of a buffer split `per` ways; `None` when it does not
+    /// fit in a buffer.
+    pub fn take_class(&self, len_bytes: u64) -> Option<(u32, u64)> {
         self.pool
-            .take_bytes_for(len_bytes as usize)
-            .map(|b| b as u64)
+            .take_class_for(len_bytes as usize)
+            .map(|(per, b)| (per, b as u64))
+    }
+
+    /// The buffers split into parts now: `(buffer index, per, part bytes, parts
+    /// free)`. Free parts serve chunks of their own size class only (see
+    /// [`HostTier::take_class`]).
+    pub fn splits(&self) -> Vec<(u32, u32, u64, u64)> {
+        self.pool
+            .splits()
+            .into_iter()
+            .map(|(index, per, bytes, free)| (index, per, bytes as u64, free as u64))
+            .collect()
     }
 
     /// Return a buffer (dropping it anywhere does the same).

@@ -145,6 +145,8 @@ pub(crate) struct Mover {
     /// Host pool bytes per dense id: the buffer, or the part of one, its host copy
     /// holds (see [`HostTier::held_bytes`]).
     pub(crate) host_bytes: Vec<u64>,
+    /// The pool's part sizes the chunks use: held bytes -> parts per buffer.
+    host_part_sizes: BTreeMap<u64, u64>,
     /// Chunks present on the device (not in flight).
     pub(crate) dev_list: Vec<ChunkId>,
     /// Chunks present in the host pool (not in flight).
@@ -243,12 +245,19 @@ impl Mover {
             .map(|&b| tidestore_io::align_up(b as usize) as u64)
             .collect();
         // Every chunk fits a buffer: the pool's buffers are the largest chunk's size.
-        let host_bytes = len_bytes
+        let host_bytes: Vec<u64> = len_bytes
             .iter()
             .map(|&b| match b {
                 0 => 0,
                 b => host.held_bytes(b).unwrap_or(host.buf_bytes() as u64),
             })
+            .collect();
+        let host_part_sizes = len_bytes
+            .iter()
+            .filter(|&&b| b > 0)
+            .filter_map(|&b| host.take_class(b))
+            .filter(|&(per, _)| per > 1)
+            .map(|(per, held)| (held, u64::from(per)))
             .collect();
         Mover {
             device,
@@ -258,6 +267,7 @@ impl Mover {
             len_bytes,
             dev_bytes,
             host_bytes,
+            host_part_sizes,
             dev_list: Vec::new(),
             host_list: Vec::new(),
             dev_mark: vec![false; n],

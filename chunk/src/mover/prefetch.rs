@@ -9,6 +9,7 @@
 use super::evict::HostRoom;
 use super::{is_no_room, Mover, Pending};
 use crate::id::ChunkId;
+use crate::policy::PoolRoom;
 use crate::Result;
 
 impl Mover {
@@ -119,21 +120,49 @@ impl Mover {
         Ok(true)
     }
 
-    /// Host-pool bytes held by write-backs in flight and not yet owed to a queued read:
-    /// they come back to the pool when the writes complete.
-    pub(crate) fn host_bytes_writing(&self) -> u64 {
+    /// The host pool's room by size for the planner: whole buffers and parts free now,
+    /// and those the write-backs in flight give back that no queued read is owed.
+    pub(crate) fn host_room(&self) -> PoolRoom {
+        let buf_bytes = self.host.buf_bytes() as u64;
+        let mut room = PoolRoom {
+            buf_bytes,
+            whole: self.host.available() as u64,
+            parts: self
+                .host_part_sizes
+                .iter()
+                .map(|(&held, &per)| (held, (per, 0)))
+                .collect(),
+            ..PoolRoom::default()
+        };
+        for (index, per, held, free) in self.host.splits() {
+            let per = u64::from(per);
+            room.parts.entry(held).or_insert((per, 0));
+            room.splits.insert(index, (held, per, per - free));
+        }
+        for &c in &self.host_list {
+            let d = c.dense();
+            if self.host_bytes[d] < buf_bytes {
+                let index = self.slots[d].host.as_ref().and_then(|b| b.fixed_index());
+                if let Some((_, index)) = index {
+                    room.buffer_of.insert(c, index);
+                }
+            }
+        }
         let queued = self.queued_held();
-        self.writing_held
-            .iter()
-            .map(|(&held, &writing)| {
-                let owed = queued.get(&held).copied().unwrap_or(0);
-                debug_assert!(
-                    owed <= writing,
-                    "more queued reads than write-backs to serve them"
-                );
-                writing.saturating_sub(owed) as u64 * held
-            })
-            .sum()
+        for (&held, &writing) in &self.writing_held {
+            let owed = queued.get(&held).copied().unwrap_or(0);
+            debug_assert!(
+                owed <= writing,
+                "more queued reads than write-backs to serve them"
+            );
+            let returning = writing.saturating_sub(owed) as u64;
+            if held >= buf_bytes {
+                room.whole += returning;
+            } else if let Some((_, free)) = room.parts.get_mut(&held) {
+                *free += returning;
+            }
+        }
+        room
     }
 
     /// Whether the host-tier prefetcher has nothing to load for `c`.

@@ -53,6 +53,7 @@ impl ChunkStore {
                 evictable: &evictable,
                 chunk_bytes: &self.mover.dev_bytes,
                 free_bytes: self.mover.device_free(),
+                pool: None,
             },
         )?;
         for step in plan {
@@ -146,7 +147,7 @@ impl ChunkStore {
             evictable.retain(|c| shadow[c.dense()]);
             held.clear();
         }
-        let budget = self.mover.host.budget();
+        let room = self.mover.host_room();
         let plan = self.host_planner.plan_split(
             needs,
             s,
@@ -155,12 +156,12 @@ impl ChunkStore {
                 resident: &resident,
                 evictable: &evictable,
                 chunk_bytes: &self.mover.host_bytes,
-                // Buffers of write-backs in flight count as free: they return soon, and
-                // evicting more instead would write (and later read) chunks for nothing.
-                free_bytes: budget
-                    .capacity_bytes()
-                    .saturating_sub(budget.used_bytes())
-                    .saturating_add(self.mover.host_bytes_writing()),
+                // The pool serves sizes: whole buffers, or parts split for one size
+                // (`PoolRoom`). Buffers of write-backs in flight count as free: they
+                // return soon, and evicting more instead would write (and later read)
+                // chunks for nothing.
+                free_bytes: 0,
+                pool: Some(&room),
             },
             &held,
             shadows_only.map(|hs| (&shadow[..], hs)),
