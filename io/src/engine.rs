@@ -14,6 +14,12 @@
 //! So the checksum of a read costs no time after its last byte arrives beyond that of its
 //! last piece, and a write starts without waiting for its checksum.
 //!
+//! Pieces waiting for the queue start in the order of their request's *order key*
+//! ([`Engine::submit_checksummed_ordered`]; plain submits have key 0), equal keys in
+//! submission order: a caller that keys reads by the moment they are needed lets a read
+//! needed sooner overtake the waiting pieces of reads needed later (pieces in flight
+//! are not recalled). A request's own pieces always start in order.
+//!
 //! Invariants:
 //! - a buffer handed to the backend is owned by the engine until every piece of its
 //!   request has completed; dropping the engine waits for in-flight pieces first;
@@ -90,6 +96,8 @@ struct Piece {
     start_bytes: usize,
     len_bytes: usize,
     retries: u8,
+    /// The request's order key: waiting pieces start smallest key first.
+    order: u64,
 }
 
 /// Chunk-level I/O over one file (or its in-memory stand-in).
@@ -236,7 +244,7 @@ impl Engine {
     /// Queue a request. It starts at the next [`Engine::flush`], [`Engine::wait`] or
     /// [`Engine::poll`]; a malformed request completes at once with the error.
     pub fn submit(&mut self, req: IoRequest) {
-        self.submit_inner(req, None);
+        self.submit_inner(req, None, 0);
     }
 
     /// As [`Engine::submit`], and the completion carries the crc32c of the request's
@@ -244,10 +252,17 @@ impl Engine {
     /// (see the module doc). A `crc_len_bytes` beyond the request is an
     /// [`IoError::InvalidRequest`].
     pub fn submit_checksummed(&mut self, req: IoRequest, crc_len_bytes: usize) {
-        self.submit_inner(req, Some(crc_len_bytes));
+        self.submit_inner(req, Some(crc_len_bytes), 0);
     }
 
-    fn submit_inner(&mut self, req: IoRequest, crc_len_bytes: Option<usize>) {
+    /// As [`Engine::submit_checksummed`], with the order key `order`: its pieces start
+    /// after every waiting piece of a key at most `order` and before those of larger
+    /// keys (see the module doc).
+    pub fn submit_checksummed_ordered(&mut self, req: IoRequest, crc_len_bytes: usize, order: u64) {
+        self.submit_inner(req, Some(crc_len_bytes), order);
+    }
+
+    fn submit_inner(&mut self, req: IoRequest, crc_len_bytes: Option<usize>, order: u64) {
         if let Err(e) = self.check(&req) {
             self.done.push_back(finish(req, Err(e), None));
             return;
@@ -283,15 +298,27 @@ impl Engine {
                 value: 0,
             }),
         });
+        // After the last waiting piece of a key at most `order` (retried pieces, put
+        // back at the front, may break the order there; they go first anyway).
+        let mut at = self
+            .pending
+            .iter()
+            .rposition(|p| p.order <= order)
+            .map_or(0, |i| i + 1);
         let mut start_bytes = 0;
         while start_bytes < len_bytes {
             let piece_bytes = self.block_bytes.min(len_bytes - start_bytes);
-            self.pending.push_back(Piece {
-                slot,
-                start_bytes,
-                len_bytes: piece_bytes,
-                retries: 0,
-            });
+            self.pending.insert(
+                at,
+                Piece {
+                    slot,
+                    start_bytes,
+                    len_bytes: piece_bytes,
+                    retries: 0,
+                    order,
+                },
+            );
+            at += 1;
             start_bytes += piece_bytes;
         }
     }

@@ -447,6 +447,12 @@ impl NvmeTier {
         self.submit(|f| f.submit_read(chunk, buf));
     }
 
+    /// As [`NvmeTier::submit_read`], ordered by `order` among the waiting requests
+    /// (see [`SwapFile::submit_read_ordered`]): the moment the chunk is needed.
+    pub fn submit_read_ordered(&mut self, chunk: u64, buf: AlignedBuf, order: u64) {
+        self.submit(|f| f.submit_read_ordered(chunk, buf, order));
+    }
+
     /// A finished request if there is one, without waiting.
     pub fn poll(&mut self) -> Option<NvmeCompletion> {
         let c = {

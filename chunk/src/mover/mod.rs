@@ -112,6 +112,9 @@ pub(crate) struct Slot {
     /// The moment a prefetch started (or queued) the NVMe read of the host copy now
     /// on its way or landed, until an access uses it (for the read-ahead counters).
     pub(crate) read_started_at: Option<u64>,
+    /// The moment a prefetch read is needed at: its order among the NVMe requests
+    /// waiting to start (`NvmeTier::submit_read_ordered`).
+    pub(crate) read_needed_at: u64,
 }
 
 impl Slot {
@@ -128,6 +131,7 @@ impl Slot {
             dev_pins: 0,
             host_pins: 0,
             read_started_at: None,
+            read_needed_at: 0,
         }
     }
 }

@@ -46,12 +46,13 @@ impl Mover {
                 slot.reserved_dev = Some(mem);
                 slot.prefetched = true;
                 slot.read_started_at = Some(self.moment);
+                slot.read_needed_at = needed_at;
                 self.dev_mark[d] = true;
                 self.stats.prefetch_loads += 1;
                 self.dev_policy.on_insert(c, self.moment);
                 match buf {
                     Some(buf) => {
-                        self.nvme.submit_read(d as u64, buf);
+                        self.nvme.submit_read_ordered(d as u64, buf, needed_at);
                         self.slots[d].pending = Pending::NvmeRead;
                         self.pending_nvme += 1;
                         self.note_nvme_in_flight(false);
@@ -84,7 +85,7 @@ impl Mover {
     /// asynchronous write-backs; it never evicts here). Returns false when no buffer is
     /// free or owed. Chunks with nothing to read (a host or device copy, a transfer in
     /// flight or queued, never written) are done.
-    pub(crate) fn prefetch_host(&mut self, c: ChunkId) -> Result<bool> {
+    pub(crate) fn prefetch_host(&mut self, c: ChunkId, needed_at: u64) -> Result<bool> {
         let d = c.dense();
         let s = &self.slots[d];
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
@@ -92,7 +93,7 @@ impl Mover {
         }
         if !self.queued_same_size(c) {
             if let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) {
-                self.nvme.submit_read(d as u64, buf);
+                self.nvme.submit_read_ordered(d as u64, buf, needed_at);
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::NvmeRead;
                 slot.host_prefetched = true;
@@ -112,6 +113,7 @@ impl Mover {
         slot.pending = Pending::NvmeReadQueued;
         slot.host_prefetched = true;
         slot.read_started_at = Some(self.moment);
+        slot.read_needed_at = needed_at;
         self.stats.prefetch_loads += 1;
         self.stats.host_prefetch_loads += 1;
         self.stats.queued_reads += 1;

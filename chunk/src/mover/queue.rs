@@ -49,7 +49,8 @@ impl Mover {
                 continue;
             };
             self.read_queue.remove(i);
-            self.nvme.submit_read(d as u64, buf);
+            let needed_at = self.slots[d].read_needed_at;
+            self.nvme.submit_read_ordered(d as u64, buf, needed_at);
             self.slots[d].pending = Pending::NvmeRead;
             self.pending_nvme += 1;
             self.note_nvme_in_flight(false);

@@ -181,7 +181,7 @@ impl ChunkStore {
                 }
             }
             self.mover.reason = prefetch_reason(&step, None);
-            if !self.mover.prefetch_host(step.chunk)? {
+            if !self.mover.prefetch_host(step.chunk, step.needed_at)? {
                 break;
             }
             started = true;

@@ -36,7 +36,7 @@ impl SwapFile {
     /// Read `chunk` into `buf` (at least its length rounded up to 4096), verify its
     /// checksum, and return its length.
     pub fn read_chunk(&mut self, chunk: u64, buf: AlignedBuf) -> (Result<usize>, AlignedBuf) {
-        let token = self.submit_read_token(chunk, buf);
+        let token = self.submit_read_token(chunk, buf, 0);
         let c = self.wait_for(token);
         (c.result.map(|()| c.len_bytes), c.buf)
     }
@@ -54,7 +54,15 @@ impl SwapFile {
     /// Start reading `chunk` into `buf`; it is verified (and decompressed) when its
     /// completion is taken by [`SwapFile::wait`] or [`SwapFile::poll`].
     pub fn submit_read(&mut self, chunk: u64, buf: AlignedBuf) {
-        self.submit_read_token(chunk, buf);
+        self.submit_read_token(chunk, buf, 0);
+    }
+
+    /// As [`SwapFile::submit_read`], with an order key: its pieces start before the
+    /// waiting pieces of requests with larger keys (writes and plain reads have key 0;
+    /// see [`crate::Engine::submit_checksummed_ordered`]). A prefetch keys its reads by
+    /// the moment they are needed, so a read needed sooner is not queued behind them.
+    pub fn submit_read_ordered(&mut self, chunk: u64, buf: AlignedBuf, order: u64) {
+        self.submit_read_token(chunk, buf, order);
     }
 
     /// The next finished request, waiting for one; `None` when nothing is outstanding.
@@ -257,7 +265,7 @@ impl SwapFile {
         token
     }
 
-    fn submit_read_token(&mut self, chunk: u64, buf: AlignedBuf) -> u64 {
+    fn submit_read_token(&mut self, chunk: u64, buf: AlignedBuf, order: u64) -> u64 {
         let Some((slot, entry)) = self.entry(chunk).map(|(s, e)| (s, *e)) else {
             let busy = self
                 .map
@@ -296,7 +304,7 @@ impl SwapFile {
             compressed: entry.compressed,
             held: None,
         });
-        self.engine.submit_checksummed(
+        self.engine.submit_checksummed_ordered(
             IoRequest {
                 op: Op::Read,
                 offset_bytes: self.layout.slot_offset(slot),
@@ -305,6 +313,7 @@ impl SwapFile {
                 user_data: token,
             },
             stored_bytes,
+            order,
         );
         self.engine.flush();
         token
