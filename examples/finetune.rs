@@ -379,6 +379,11 @@ fn run_tidestore(
         };
         PathBuf::from(format!("target/finetune/{name}{form}.safetensors"))
     });
+    // The checkpoint's directory (target/finetune on a fresh clone) may not exist yet.
+    if let Some(dir) = ckpt.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("checkpoint directory {}: {e}", dir.display()))?;
+    }
 
     let mut p = TideParams::open(params, &cfg, device)?;
     let layout = p.store().layout();
