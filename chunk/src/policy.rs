@@ -358,6 +358,14 @@ impl PoolRoom {
         self.whole -= 1;
     }
 
+    /// Whether `chunk`'s split buffer (tracked here) is whole again in `after`, a copy
+    /// of this room that victims were given back to.
+    fn freed_in(&self, after: &PoolRoom, chunk: ChunkId) -> bool {
+        self.buffer_of
+            .get(&chunk)
+            .is_some_and(|b| self.splits.contains_key(b) && !after.splits.contains_key(b))
+    }
+
     /// Gives back the room of `chunk`, holding `bytes`. Returns whether a whole buffer
     /// came free.
     fn give(&mut self, chunk: ChunkId, bytes: u64) -> bool {
@@ -606,22 +614,14 @@ impl PrefetchPlanner {
             if !trial.fits(bytes) {
                 break;
             }
-            let evict: Vec<usize> = match &room {
-                Room::Bytes(_) => given.iter().map(|&(i, _)| i).collect(),
-                Room::Pool(_) => {
+            let evict: Vec<usize> = match (&room, &trial) {
+                (Room::Pool(before), Room::Pool(after)) => {
                     // Keep the victims that made room: those that helped alone, and the
-                    // parts of buffers a later victim freed whole.
-                    let freed = |i: usize| match (&room, &trial) {
-                        (Room::Pool(before), Room::Pool(after)) => {
-                            before.buffer_of.get(&victims[i].1).is_some_and(|b| {
-                                before.splits.contains_key(b) && !after.splits.contains_key(b)
-                            })
-                        }
-                        _ => true,
-                    };
+                    // parts of buffers a later victim freed whole. What made the trial
+                    // fit is among them, so the room they leave fits too.
                     let keep: Vec<usize> = given
                         .iter()
-                        .filter(|&&(i, helps)| helps || freed(i))
+                        .filter(|&&(i, helps)| helps || before.freed_in(after, victims[i].1))
                         .map(|&(i, _)| i)
                         .collect();
                     let mut pruned = room.clone();
@@ -629,13 +629,11 @@ impl PrefetchPlanner {
                         let v = victims[i].1;
                         pruned.give(v, size(v)?, bytes);
                     }
-                    if pruned.fits(bytes) {
-                        trial = pruned;
-                        keep
-                    } else {
-                        given.iter().map(|&(i, _)| i).collect()
-                    }
+                    debug_assert!(pruned.fits(bytes), "pruning left no room for {chunk}");
+                    trial = pruned;
+                    keep
                 }
+                _ => given.iter().map(|&(i, _)| i).collect(),
             };
             trial.take(bytes);
             room = trial;
@@ -840,26 +838,27 @@ mod tests {
             resident[c(i).dense()] = true;
         }
         let evictable = [c(4), c(5)];
-        let steps = |plan: Vec<PrefetchStep>| -> Vec<(ChunkId, Vec<ChunkId>)> {
+        // The plan from moment 0 as (chunk, victims) pairs.
+        let steps = |s: &Schedule,
+                     evictable: &[ChunkId],
+                     free_bytes: u64,
+                     pool: Option<&PoolRoom>|
+         -> Vec<(ChunkId, Vec<ChunkId>)> {
+            let tier = Residency {
+                resident: &resident,
+                evictable,
+                chunk_bytes: &sizes,
+                free_bytes,
+                pool,
+            };
+            let plan = planner.plan(s, 0, tier).unwrap();
             plan.into_iter().map(|p| (p.chunk, p.evict)).collect()
         };
         // One half of a buffer free: 50 bytes.
-        let by_bytes = planner
-            .plan(
-                &s,
-                0,
-                Residency {
-                    resident: &resident,
-                    evictable: &evictable,
-                    chunk_bytes: &sizes,
-                    free_bytes: 50,
-                    pool: None,
-                },
-            )
-            .unwrap();
+        let by_bytes = steps(&s, &evictable, 50, None);
         // By bytes, evicting the half-size 5 "frees" 100 bytes for the whole chunk 1:
         // a plan the pool cannot serve (buffer 7 still holds 6, buffer 8 holds 0).
-        assert_eq!(steps(by_bytes)[0], (c(1), vec![c(5)]));
+        assert_eq!(by_bytes[0], (c(1), vec![c(5)]));
         let room = PoolRoom {
             buf_bytes: 100,
             whole: 0,
@@ -867,23 +866,11 @@ mod tests {
             splits: [(7, (50, 2, 2)), (8, (50, 2, 1))].into_iter().collect(),
             buffer_of: [(c(0), 8), (c(5), 7), (c(6), 7)].into_iter().collect(),
         };
-        let by_pool = planner
-            .plan(
-                &s,
-                0,
-                Residency {
-                    resident: &resident,
-                    evictable: &evictable,
-                    chunk_bytes: &sizes,
-                    free_bytes: 0,
-                    pool: Some(&room),
-                },
-            )
-            .unwrap();
+        let by_pool = steps(&s, &evictable, 0, Some(&room));
         // 1 takes the buffer 4 frees (evicting 5 would free half a buffer only); 2
         // the free half of buffer 8; 3 the half 5 frees.
         assert_eq!(
-            steps(by_pool),
+            by_pool,
             vec![(c(1), vec![c(4)]), (c(2), vec![]), (c(3), vec![c(5)])]
         );
         // A half-size chunk splits a whole buffer and leaves its other half free for
@@ -896,19 +883,9 @@ mod tests {
         };
         let g: Vec<Vec<ChunkId>> = [0u32, 2, 3, 1].iter().map(|&i| vec![c(i)]).collect();
         let s = Schedule::from_groups(&g, &[]);
-        let plan = planner
-            .plan(
-                &s,
-                0,
-                Residency {
-                    resident: &resident,
-                    evictable: &[],
-                    chunk_bytes: &sizes,
-                    free_bytes: 0,
-                    pool: Some(&room),
-                },
-            )
-            .unwrap();
-        assert_eq!(steps(plan), vec![(c(2), vec![]), (c(3), vec![])]);
+        assert_eq!(
+            steps(&s, &[], 0, Some(&room)),
+            vec![(c(2), vec![]), (c(3), vec![])]
+        );
     }
 }

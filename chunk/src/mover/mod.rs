@@ -147,7 +147,7 @@ pub(crate) struct Mover {
     /// Device bytes per dense id (length rounded up to 4096, as the budget counts).
     pub(crate) dev_bytes: Vec<u64>,
     /// Host pool bytes per dense id: the buffer, or the part of one, its host copy
-    /// holds (see [`HostTier::held_bytes`]).
+    /// holds (see [`HostTier::take_class`]).
     pub(crate) host_bytes: Vec<u64>,
     /// The pool's part sizes the chunks use: held bytes -> parts per buffer.
     host_part_sizes: BTreeMap<u64, u64>,
@@ -249,19 +249,19 @@ impl Mover {
             .map(|&b| tidestore_io::align_up(b as usize) as u64)
             .collect();
         // Every chunk fits a buffer: the pool's buffers are the largest chunk's size.
-        let host_bytes: Vec<u64> = len_bytes
+        let whole = (1, host.buf_bytes() as u64);
+        let classes: Vec<(u32, u64)> = len_bytes
             .iter()
             .map(|&b| match b {
-                0 => 0,
-                b => host.held_bytes(b).unwrap_or(host.buf_bytes() as u64),
+                0 => (1, 0),
+                b => host.take_class(b).unwrap_or(whole),
             })
             .collect();
-        let host_part_sizes = len_bytes
+        let host_bytes = classes.iter().map(|&(_, held)| held).collect();
+        let host_part_sizes = classes
             .iter()
-            .filter(|&&b| b > 0)
-            .filter_map(|&b| host.take_class(b))
-            .filter(|&(per, _)| per > 1)
-            .map(|(per, held)| (held, u64::from(per)))
+            .filter(|&&(per, _)| per > 1)
+            .map(|&(per, held)| (held, u64::from(per)))
             .collect();
         Mover {
             device,
