@@ -388,7 +388,13 @@ proptest! {
                 scale_v[i] = b2 * f64::from(v0[i]) + (1.0 - b2) * g * g;
                 let upd = f64::from(h.lr) / bc1 * m / ((v / bc2).sqrt() + f64::from(h.eps));
                 let p1 = if h.mode == Mode::AdamW { p - f64::from(h.lr) * f64::from(h.weight_decay) * p - upd } else { p - upd };
-                let tol = 1e-5 * (p.abs() + upd.abs()) + 1e-30;
+                // The f32 kernel's M is exact only to a few ulps of the terms it sums
+                // (the gradient's own terms too, under L2): when they cancel, the update
+                // carries that error relative to the small M.
+                let g_terms = f64::from(g32).abs() * f64::from(c.state.grad_scale)
+                    + if h.mode == Mode::AdamL2 { f64::from(h.weight_decay) * p.abs() } else { 0.0 };
+                let m_err = 4.0 * f64::from(f32::EPSILON) * (b1 * f64::from(m0[i]).abs() + (1.0 - b1) * g_terms);
+                let tol = 1e-5 * (p.abs() + upd.abs()) + upd.abs() * m_err / m.abs().max(m_err) + 1e-30;
                 prop_assert!((f64::from(a.p[i]) - p1).abs() <= tol, "int8={} p[{}]: {} vs {}", int8, i, a.p[i], p1);
             }
             for i in 0..n {
