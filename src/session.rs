@@ -200,28 +200,7 @@ pub fn prepare(cfg: &Config) -> Result<Prepared> {
 /// The chunk crate's capacity errors as config errors naming the key to change.
 fn capacity_error(e: ChunkError, workload: &Workload, cfg: &Config) -> Error {
     match e {
-        ChunkError::BudgetTooSmall {
-            tier,
-            what,
-            needed_bytes,
-            available_bytes,
-            short_bytes,
-        } => {
-            let key = match tier {
-                TierKind::Device => "device.budget",
-                TierKind::Host => "host.budget",
-                _ => "nvme.size",
-            };
-            Error::config(
-                key,
-                format!(
-                    "too small: {what} needs {}, the budget gives {} ({} short)",
-                    human(needed_bytes),
-                    human(available_bytes),
-                    human(short_bytes)
-                ),
-            )
-        }
+        e @ ChunkError::BudgetTooSmall { .. } => budget_error(e, cfg),
         ChunkError::ModelTooLarge {
             chunks,
             slot_bytes,
@@ -248,6 +227,45 @@ fn capacity_error(e: ChunkError, workload: &Workload, cfg: &Config) -> Error {
         ),
         other => Error::Store(other),
     }
+}
+
+/// A [`ChunkError::BudgetTooSmall`] as a config error naming the budget's key; when the
+/// chunk size was chosen by the search, it says that chunks are whole multiples of
+/// `io.block_size`, the usual reason a small budget cannot hold a small model's chunks.
+/// Any other error is returned as the store's.
+pub(crate) fn budget_error(e: ChunkError, cfg: &Config) -> Error {
+    let ChunkError::BudgetTooSmall {
+        tier,
+        what,
+        needed_bytes,
+        available_bytes,
+        short_bytes,
+    } = e
+    else {
+        return Error::Store(e);
+    };
+    let key = match tier {
+        TierKind::Device => "device.budget",
+        TierKind::Host => "host.budget",
+        _ => "nvme.size",
+    };
+    let hint = match cfg.chunk.size {
+        AutoSize::Auto => format!(
+            "; chunk sizes are whole multiples of io.block_size ({}), so a smaller \
+             io.block_size (or a fixed chunk.size) gives smaller chunks",
+            human(cfg.io.block_size.bytes())
+        ),
+        AutoSize::Fixed(_) => String::new(),
+    };
+    Error::config(
+        key,
+        format!(
+            "too small: {what} needs {}, the budget gives {} ({} short){hint}",
+            human(needed_bytes),
+            human(available_bytes),
+            human(short_bytes)
+        ),
+    )
 }
 
 /// Opens the device, the host pool and the swap file for a prepared workload.

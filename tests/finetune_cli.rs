@@ -3,7 +3,8 @@
 //! shipped text through the store; the loss falls; a run stopped at a checkpoint and
 //! resumed gives the very losses (bit for bit) of one never stopped; the export is a
 //! Hugging Face directory (with LoRA, a PEFT adapter); bad input is refused naming the
-//! key or file, exit code 2 for configuration.
+//! key or file (a budget too small for the chunks also says why they are that large),
+//! exit code 2 for configuration.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -205,6 +206,19 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         String::from_utf8_lossy(&out.stderr).contains("empty.txt"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // A device budget below the working set: the key, and why chunks are that large.
+    std::fs::write(
+        d.path().join("tidestore.toml"),
+        config("").replace("budget = \"16MiB\"\n[host]", "budget = \"64KiB\"\n[host]"),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("device.budget") && err.contains("io.block_size"),
+        "{err}"
     );
     // A model directory without its weights.
     std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();

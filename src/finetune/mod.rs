@@ -22,7 +22,7 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, Precision, TideConfig, TideParams};
-use tidestore_chunk::StoreStats;
+use tidestore_chunk::{ChunkError, StoreStats};
 use tidestore_optimizer::StepDecision;
 use tidestore_train::CheckpointDir;
 
@@ -153,7 +153,13 @@ pub fn run(
     let loaded = model::open(t)?;
     let samples = model::samples(t, &loaded)?;
     let mut params =
-        TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu)?;
+        match TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu) {
+            Ok(p) => p,
+            Err(tidestore_candle::Error::Chunk(e @ ChunkError::BudgetTooSmall { .. })) => {
+                return Err(crate::session::budget_error(e, cfg))
+            }
+            Err(e) => return Err(e.into()),
+        };
     model::import(t, &loaded, &mut params)?;
     let ckpt_dir = t
         .checkpoint_dir
