@@ -1,5 +1,6 @@
 //! Guards against the binary's optimizer bench mode breaking: a small run prints one
-//! table row per (size, threads, path; compact-moment paths included) with a positive rate and a probe fraction, and
+//! table row per (size, threads, path; compact-moment paths included) with a positive
+//! rate, a probe fraction, a positive in-cache rate and what limits the step, and
 //! impossible flags exit 2 naming the flag.
 
 use std::process::Command;
@@ -29,7 +30,11 @@ fn a_small_run_prints_a_row_per_setting() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let mut lines = stdout.lines();
-    assert!(lines.next().unwrap_or_default().contains("Gparams/s"));
+    let header = lines.next().unwrap_or_default();
+    assert!(
+        header.contains("Gparams/s") && header.contains("cacheGp/s"),
+        "{header}"
+    );
     let rows: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
     assert_eq!(
         rows.len(),
@@ -39,7 +44,9 @@ fn a_small_run_prints_a_row_per_setting() {
     for row in rows {
         let rate: f64 = row[5].parse().expect("Gparams/s is a number");
         let fraction: f64 = row[8].parse().expect("fraction is a number");
-        assert!(rate > 0.0 && fraction > 0.0, "{row:?}");
+        let cache: f64 = row[9].parse().expect("cacheGp/s is a number");
+        assert!(rate > 0.0 && fraction > 0.0 && cache > 0.0, "{row:?}");
+        assert!(["compute", "memory"].contains(&row[10]), "{row:?}");
     }
 }
 

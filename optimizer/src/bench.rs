@@ -23,6 +23,12 @@
 //! 16 (int8) were counted. A unit test runs the probe with a key that changes every
 //! value and checks that each counted byte came back changed.
 //!
+//! Each row also times the same step over spans small enough to stay in the cores'
+//! caches ([`CACHE_PARAMS_PER_THREAD`] per thread, as many threads): the kernel's own
+//! ceiling on this CPU, with memory out of the way. Next to the probe's rate in
+//! parameters/s, it says what limits the step at that size ([`Limit`]): a kernel whose
+//! in-cache rate is below what memory allows cannot reach the probe however it streams.
+//!
 //! This module allocates (the arrays) and is meant for benchmarks only; it never prints.
 
 use std::time::Instant;
@@ -125,6 +131,35 @@ impl Default for BenchConfig {
     }
 }
 
+/// Parameters per thread of the in-cache span: at most 28 bytes each, 448 KiB per thread,
+/// inside the L2 of the cores this is meant for (512 KiB to 2 MiB), and a multiple of the
+/// int8 block.
+pub const CACHE_PARAMS_PER_THREAD: usize = 16 * 1024;
+
+/// Parameters each thread steps in one timed sample of the in-cache step (its span again
+/// and again), so that a sample lasts milliseconds, not the microseconds of one call.
+const CACHE_SAMPLE_PARAMS: usize = 1 << 23;
+
+/// What bounds a row's step: the kernel's own work (its in-cache rate is below what the
+/// probe's bandwidth allows) or memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    /// In cache the step runs slower than memory could feed it.
+    Compute,
+    /// Memory feeds the step no faster than the step runs in cache.
+    Memory,
+}
+
+impl Limit {
+    /// `"compute"` or `"memory"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Limit::Compute => "compute",
+            Limit::Memory => "memory",
+        }
+    }
+}
+
 /// One measured configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchRow {
@@ -150,6 +185,10 @@ pub struct BenchRow {
     pub probe_gb_per_s: f64,
     /// `step_gb_per_s / probe_gb_per_s`.
     pub fraction_of_probe: f64,
+    /// Parameters of the in-cache span ([`CACHE_PARAMS_PER_THREAD`] per thread).
+    pub cache_params: usize,
+    /// Parameters per second of the median in-cache step.
+    pub cache_params_per_s: f64,
     /// Every timed step, seconds, in order.
     pub step_s: Vec<f64>,
     /// Every timed probe, seconds, in order.
@@ -346,21 +385,46 @@ impl Arrays {
     }
 }
 
-/// Median of a non-empty list (mean of the middle two for even lengths).
 /// Column titles matching [`BenchRow::table_line`].
 pub fn table_header() -> String {
     format!(
-        "{:>11} {:>3} {:>6} {:>10} {:>9} {:>10} {:>8} {:>9} {:>6}  bytes/param",
-        "params", "thr", "path", "simd", "ms/step", "Gparams/s", "GB/s", "probeGB/s", "frac"
+        "{:>11} {:>3} {:>6} {:>10} {:>9} {:>10} {:>8} {:>9} {:>6} {:>10} {:>8}  bytes/param",
+        "params",
+        "thr",
+        "path",
+        "simd",
+        "ms/step",
+        "Gparams/s",
+        "GB/s",
+        "probeGB/s",
+        "frac",
+        "cacheGp/s",
+        "limit"
     )
 }
 
 impl BenchRow {
+    /// Parameters per second the probe's bandwidth allows at this path's bytes per
+    /// parameter: the rate of a step that moved its bytes as fast as the probe.
+    pub fn memory_params_per_s(&self) -> f64 {
+        self.params as f64 / self.probe_s_median
+    }
+
+    /// What bounds the step (see [`Limit`]).
+    pub fn limit(&self) -> Limit {
+        if self.cache_params_per_s < self.memory_params_per_s() {
+            Limit::Compute
+        } else {
+            Limit::Memory
+        }
+    }
+
     /// One line of the results table: median step time, params/s, GB/s at the bytes
-    /// counted per parameter, the probe's GB/s over the same arrays, and the fraction.
+    /// counted per parameter, the probe's GB/s over the same arrays, the fraction, the
+    /// in-cache params/s and what limits the step.
     pub fn table_line(&self) -> String {
         format!(
-            "{:>11} {:>3} {:>6} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3}  {:.2}",
+            "{:>11} {:>3} {:>6} {:>10} {:>9.2} {:>10.3} {:>8.2} {:>9.2} {:>6.3} {:>10.3} {:>8}  {:.2}",
             self.params,
             self.threads,
             self.path.name(),
@@ -370,11 +434,14 @@ impl BenchRow {
             self.step_gb_per_s,
             self.probe_gb_per_s,
             self.fraction_of_probe,
+            self.cache_params_per_s / 1e9,
+            self.limit().name(),
             self.path.bytes_moved(self.params) as f64 / self.params as f64
         )
     }
 }
 
+/// Median of a non-empty list (mean of the middle two for even lengths).
 pub fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -403,6 +470,7 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
     }
     let mut rows = Vec::new();
     let mut step_no = 0u64;
+    let mut cache = std::collections::HashMap::new();
     for &n in &cfg.sizes {
         let mut a = Arrays::new(n)?;
         for &threads in &cfg.threads {
@@ -429,6 +497,14 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                         step_s.push(a.step(&opt, path, step_no)?);
                     }
                 }
+                let (cache_params, cache_s) = match cache.get(&(threads, path)) {
+                    Some(&c) => c,
+                    None => {
+                        let c = cache_step(cfg, threads, path, &mut step_no)?;
+                        cache.insert((threads, path), c);
+                        c
+                    }
+                };
                 let bpp = path.bytes_per_param();
                 let sm = median(&step_s);
                 let pm = median(&probe_s);
@@ -445,6 +521,8 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                     step_gb_per_s: bytes / sm / 1e9,
                     probe_gb_per_s: bytes / pm / 1e9,
                     fraction_of_probe: pm / sm,
+                    cache_params,
+                    cache_params_per_s: cache_params as f64 / cache_s,
                     step_s,
                     probe_s,
                 };
@@ -454,6 +532,8 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                     path = path.name(),
                     params_per_s = row.params_per_s,
                     fraction = row.fraction_of_probe,
+                    cache_params_per_s = row.cache_params_per_s,
+                    limit = row.limit().name(),
                     "adamw bench row"
                 );
                 on_row(&row);
@@ -462,6 +542,70 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
         }
     }
     Ok(rows)
+}
+
+/// The median seconds of one step over the in-cache span of `threads` threads on `path`
+/// (measured once per thread count and path, then shared by the sizes' rows), with the
+/// span's length. Each of the `threads` threads steps its own arrays of
+/// [`CACHE_PARAMS_PER_THREAD`] with its own one-thread optimizer, all at once from a
+/// common start: a pool splitting so small a span would time its dispatch, not the
+/// kernel. A sample is the time from the first thread's start to the last one's end,
+/// per call.
+fn cache_step(
+    cfg: &BenchConfig,
+    threads: usize,
+    path: BenchPath,
+    step_no: &mut u64,
+) -> Result<(usize, f64)> {
+    let threads = threads.max(1);
+    let mut lanes = Vec::with_capacity(threads);
+    for _ in 0..threads {
+        let opt = AdamW::new(CpuConfig {
+            threads: 1,
+            block_params: CACHE_PARAMS_PER_THREAD,
+            simd: cfg.simd,
+        })?;
+        lanes.push((opt, Arrays::new(CACHE_PARAMS_PER_THREAD)?));
+    }
+    let calls = CACHE_SAMPLE_PARAMS.div_ceil(CACHE_PARAMS_PER_THREAD);
+    let mut sample = |first: u64| -> Result<f64> {
+        let start = std::sync::Barrier::new(threads);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = lanes
+                .iter_mut()
+                .map(|(opt, a)| {
+                    let start = &start;
+                    scope.spawn(move || -> Result<(Instant, Instant)> {
+                        start.wait();
+                        let t0 = Instant::now();
+                        for c in 0..calls {
+                            a.step(opt, path, first + c as u64)?;
+                        }
+                        Ok((t0, Instant::now()))
+                    })
+                })
+                .collect();
+            // From the first thread's start to the last one's end, each read by the
+            // worker itself: the spawning thread may not get a core until one is done.
+            let mut span: Option<(Instant, Instant)> = None;
+            for w in workers {
+                let (t0, t1) = w.join().map_err(|_| OptimError::Bench {
+                    reason: "an in-cache benchmark thread panicked".into(),
+                })??;
+                span = Some(span.map_or((t0, t1), |(a, b)| (a.min(t0), b.max(t1))));
+            }
+            let (t0, t1) = span.expect("at least one thread");
+            Ok((t1 - t0).as_secs_f64() / calls as f64)
+        })
+    };
+    *step_no += calls as u64;
+    sample(*step_no)?; // warm-up: caches, frequency
+    let mut times = Vec::with_capacity(cfg.repeats);
+    for _ in 0..cfg.repeats {
+        *step_no += calls as u64;
+        times.push(sample(*step_no)?);
+    }
+    Ok((CACHE_PARAMS_PER_THREAD * threads, median(&times)))
 }
 
 #[cfg(test)]
@@ -588,6 +732,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_limit_is_the_slower_of_the_cache_rate_and_the_memory_rate() {
+        let row = |cache_params_per_s: f64| BenchRow {
+            params: 1000,
+            threads: 1,
+            path: BenchPath::StatesInt8,
+            simd: SimdLevel::Scalar,
+            bytes_per_param: 16,
+            step_s_median: 2e-6,
+            probe_s_median: 1e-6,
+            params_per_s: 5e8,
+            step_gb_per_s: 8.0,
+            probe_gb_per_s: 16.0,
+            fraction_of_probe: 0.5,
+            cache_params: 16384,
+            cache_params_per_s,
+            step_s: vec![2e-6],
+            probe_s: vec![1e-6],
+        };
+        // Memory allows 1000 params per microsecond: 1e9 params/s.
+        assert_eq!(row(1e9).memory_params_per_s(), 1e9);
+        assert_eq!(row(0.6e9).limit(), Limit::Compute);
+        assert_eq!(row(2e9).limit(), Limit::Memory);
+        let line = row(0.6e9).table_line();
+        assert!(line.contains(" compute "), "{line}");
+        assert_eq!(
+            line.split_whitespace().count(),
+            table_header().split_whitespace().count(),
+            "{line}"
+        );
     }
 
     #[test]
