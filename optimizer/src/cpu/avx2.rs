@@ -260,7 +260,12 @@ pub(crate) unsafe fn cast<const OK: u8>(src: *const f32, out: *mut u16, len: usi
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `s` satisfies the [`StepPtrs`] invariant.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &StepPtrs, one: f32, zero: f32) {
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
+    s: &StepPtrs,
+    one: f32,
+    zero: f32,
+    pf: bool,
+) {
     // SAFETY: features enabled here; `i + 8 <= s.len` for every vector access.
     unsafe {
         let k = _mm256_set1_ps(one);
@@ -268,7 +273,7 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &StepPtrs, one: f32, z
         let n8 = s.len - s.len % 8;
         let mut i = 0;
         while i < n8 {
-            if i % 16 == 0 {
+            if pf && i % 16 == 0 {
                 prefetch(s.p, i);
                 prefetch(s.m, i);
                 prefetch(s.v, i);

@@ -348,7 +348,12 @@ pub(crate) unsafe fn cast_bf16<const OK: u8>(src: *const f32, out: *mut u16, len
 /// The CPU supports AVX-512F, AVX2, FMA and F16C; `s` satisfies the [`StepPtrs`]
 /// invariant.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &StepPtrs, one: f32, zero: f32) {
+pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
+    s: &StepPtrs,
+    one: f32,
+    zero: f32,
+    pf: bool,
+) {
     // SAFETY: features enabled here; `i + 16 <= s.len` for every vector access.
     unsafe {
         let k = _mm512_set1_ps(one);
@@ -357,11 +362,13 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(s: &StepPtrs, one: f32, z
         let nt = out_streamable::<OK>(s.out);
         let mut i = 0;
         while i < n16 {
-            prefetch(s.p, i);
-            prefetch(s.m, i);
-            prefetch(s.v, i);
-            if GK == G_F32 {
-                prefetch(s.g.cast(), i);
+            if pf {
+                prefetch(s.p, i);
+                prefetch(s.m, i);
+                prefetch(s.v, i);
+                if GK == G_F32 {
+                    prefetch(s.g.cast(), i);
+                }
             }
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);

@@ -292,7 +292,7 @@ impl AdamW {
                 g: grads,
                 out,
             },
-            &|j: StepJob<'_>| probe_leaf(level, j, key.one, key.zero),
+            &|j: StepJob<'_>| probe_leaf(level, j, key),
             &|(), ()| (),
         );
         Ok(())
@@ -305,11 +305,18 @@ impl AdamW {
 /// `fma(g, zero, p)`, an fp32 moment `x * one`, an int8 absmax `a * one`, and
 /// every byte of a compact moment `b ^ flip`. The benchmark's key ([`ProbeKey::identity`])
 /// is `1, 0, 0` hidden from the optimizer, which leaves every value as it was.
+///
+/// `prefetch`: whether the SIMD probes prefetch their streams as the steps do
+/// (`PREFETCH_BYTES` ahead). Which form is faster depends on the CPU (the step's
+/// software prefetch was chosen on an Intel Xeon; on the AMD EPYC development VM the
+/// plain form is faster), so the benchmark times both and takes the faster as the
+/// roofline.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ProbeKey {
     pub one: f32,
     pub zero: f32,
     pub flip: u8,
+    pub prefetch: bool,
 }
 
 impl ProbeKey {
@@ -319,7 +326,13 @@ impl ProbeKey {
             one: std::hint::black_box(1.0),
             zero: std::hint::black_box(0.0),
             flip: std::hint::black_box(0),
+            prefetch: true,
         }
+    }
+
+    /// This key with the probes' prefetch on or off.
+    pub(crate) fn with_prefetch(self, prefetch: bool) -> ProbeKey {
+        ProbeKey { prefetch, ..self }
     }
 }
 
@@ -357,17 +370,18 @@ fn step_leaf(level: SimdLevel, c: &Consts, j: StepJob<'_>) {
     }
 }
 
-fn probe_leaf(level: SimdLevel, j: StepJob<'_>, one: f32, zero: f32) {
+fn probe_leaf(level: SimdLevel, j: StepJob<'_>, key: ProbeKey) {
     let (gk, ok, s) = step_ptrs(j);
+    let (one, zero, pf) = (key.one, key.zero, key.prefetch);
     // SAFETY: as in `step_leaf`: equal-length exclusive slices, supported level.
     unsafe {
         match level {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
-                dispatch_grad_out!(avx512::probe, gk, ok, (&s, one, zero))
+                dispatch_grad_out!(avx512::probe, gk, ok, (&s, one, zero, pf))
             }
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx2 => dispatch_grad_out!(avx2::probe, gk, ok, (&s, one, zero)),
+            SimdLevel::Avx2 => dispatch_grad_out!(avx2::probe, gk, ok, (&s, one, zero, pf)),
             _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, one, zero)),
         }
     }

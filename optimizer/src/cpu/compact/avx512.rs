@@ -556,6 +556,7 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
     w: usize,
     zero: f32,
     flip: u8,
+    pf: bool,
 ) {
     // SAFETY: features enabled here; `i + 16 <= s.len` for every vector access, and the
     // moments' `16 * w` bytes from byte `w * i` are in bounds.
@@ -567,10 +568,12 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         let mut i = 0;
         while i < n16 {
             // Every stream the step prefetches, and the gradient's too.
-            prefetch(s.p, i);
-            prefetch(s.m.cast(), w * i / 4);
-            prefetch(s.v.cast(), w * i / 4);
-            prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
+            if pf {
+                prefetch(s.p, i);
+                prefetch(s.m.cast(), w * i / 4);
+                prefetch(s.v.cast(), w * i / 4);
+                prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
+            }
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);
             let (m, v) = (s.m.add(w * i), s.v.add(w * i));

@@ -355,14 +355,14 @@ fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, key: ProbeKey) {
         out,
         len: n,
     };
-    let (zero, flip) = (key.zero, key.flip);
+    let (zero, flip, pf) = (key.zero, key.flip, key.prefetch);
     // SAFETY: `s` covers the job's slices (`w` bytes per moment element, checked lengths
     // kept by the split), exclusive for the call; `level` is supported by this CPU.
     unsafe {
         match level {
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
-                dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero, flip))
+                dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero, flip, pf))
             }
             _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, w, zero, flip)),
         }
