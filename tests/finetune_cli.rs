@@ -2,9 +2,10 @@
 //! them: a random-weight LLaMA written as a Hugging Face directory, fine-tuned on the
 //! shipped text through the store; the loss falls; a run stopped at a checkpoint and
 //! resumed gives the very losses (bit for bit) of one never stopped; the export is a
-//! Hugging Face directory (with LoRA, a PEFT adapter); bad input is refused naming the
-//! key or file (a budget too small for the chunks also says why they are that large),
-//! exit code 2 for configuration.
+//! Hugging Face directory (with LoRA, a PEFT adapter); the README's example runs on the
+//! shipped `examples/finetune.toml`; bad input is refused naming the key or file (a
+//! budget too small for the chunks also says why they are that large), exit code 2 for
+//! configuration.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -181,26 +182,22 @@ fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
     assert!(!d2.path().join("x.svg").exists(), "refused before the run");
 }
 
+/// `finetune` run in `dir` with `config` as its tidestore.toml.
+fn finetune_with(dir: &Path, config: &str) -> Output {
+    std::fs::write(dir.join("tidestore.toml"), config).unwrap();
+    run(dir, &["finetune"])
+}
+
 #[test]
 fn bad_input_is_refused_naming_the_key_or_file() {
     let d = setup("");
     // No model.
-    std::fs::write(
-        d.path().join("tidestore.toml"),
-        config("").replace("model_dir = \"model\"\n", ""),
-    )
-    .unwrap();
-    let out = run(d.path(), &["finetune"]);
+    let out = finetune_with(d.path(), &config("").replace("model_dir = \"model\"\n", ""));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("train.model_dir"));
     // An empty text file.
     std::fs::write(d.path().join("empty.txt"), "").unwrap();
-    std::fs::write(
-        d.path().join("tidestore.toml"),
-        config("").replace(TEXT, "empty.txt"),
-    )
-    .unwrap();
-    let out = run(d.path(), &["finetune"]);
+    let out = finetune_with(d.path(), &config("").replace(TEXT, "empty.txt"));
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("empty.txt"),
@@ -208,12 +205,10 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         String::from_utf8_lossy(&out.stderr)
     );
     // A device budget below the working set: the key, and why chunks are that large.
-    std::fs::write(
-        d.path().join("tidestore.toml"),
-        config("").replace("budget = \"16MiB\"\n[host]", "budget = \"64KiB\"\n[host]"),
-    )
-    .unwrap();
-    let out = run(d.path(), &["finetune"]);
+    let out = finetune_with(
+        d.path(),
+        &config("").replace("budget = \"16MiB\"\n[host]", "budget = \"64KiB\"\n[host]"),
+    );
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -221,7 +216,6 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         "{err}"
     );
     // A model directory without its weights.
-    std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();
     for f in std::fs::read_dir(d.path().join("model")).unwrap() {
         let p = f.unwrap().path();
         if p.extension().is_some_and(|e| e == "safetensors") {
@@ -229,11 +223,85 @@ fn bad_input_is_refused_naming_the_key_or_file() {
             break;
         }
     }
-    let out = run(d.path(), &["finetune"]);
+    let out = finetune_with(d.path(), &config(""));
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains(".safetensors"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The README's complete example, run as a new user runs it: the random-weight tiny
+/// LLaMA written by `init-model` with the README's arguments, then the shipped
+/// `examples/finetune.toml` (its paths relative to itself) for two steps. The shipped
+/// config once stopped working when the default `io.block_size` grew (its chunks
+/// outgrew its small device budget) and nothing noticed; this test would.
+#[test]
+fn the_shipped_finetune_example_runs_as_the_readme_says() {
+    // A copy of the checkout's layout: examples/ (config and text) beside models/.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("examples/data")).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/finetune.toml"),
+        root.join("examples/finetune.toml"),
+    )
+    .unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/genesis-kjv.txt"),
+        root.join("examples/data/genesis-kjv.txt"),
+    )
+    .unwrap();
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+    let init = [
+        "init-model",
+        "--out",
+        "models/tiny-llama",
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--intermediate",
+        "704",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--vocab",
+        "512",
+    ];
+    assert!(
+        readme.contains(
+            "init-model --out models/tiny-llama --layers 4 --hidden 256 \\\n    \
+             --intermediate 704 --heads 8 --kv-heads 4 --vocab 512"
+        ),
+        "the README's init-model command changed; update this test with it"
+    );
+    ok(root, &init);
+    let json = ok(
+        root,
+        &[
+            "--config",
+            "examples/finetune.toml",
+            "finetune",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&json).expect("JSON report");
+    let steps = v["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 2, "{json}");
+    for s in steps {
+        let loss = s["loss"].as_f64().expect("a loss");
+        assert!(loss.is_finite() && loss > 0.0, "{s}");
+    }
+    // The budgets are small on purpose: the chunks really use all three tiers.
+    let peak = v["peak_tier_bytes"].as_array().expect("peak per tier");
+    assert!(
+        peak.iter().all(|b| b.as_u64().unwrap_or(0) > 0),
+        "device, host and NVMe all used: {peak:?}"
     );
 }

@@ -182,8 +182,6 @@ pub struct BenchRow {
     pub step_s_median: f64,
     /// Median seconds per probe pass, of the faster form.
     pub probe_s_median: f64,
-    /// Whether the faster probe form is the one with the step's software prefetch.
-    pub probe_prefetch: bool,
     /// Parameters per second of the median step.
     pub params_per_s: f64,
     /// Bytes per second of the median step, in GB/s (1e9).
@@ -419,6 +417,11 @@ impl BenchRow {
         self.params as f64 / self.probe_s_median
     }
 
+    /// Whether the faster probe form is the one with the step's software prefetch.
+    pub fn probe_prefetch(&self) -> bool {
+        median(&self.probe_s) <= median(&self.probe_plain_s)
+    }
+
     /// What bounds the step (see [`Limit`]).
     pub fn limit(&self) -> Limit {
         if self.cache_params_per_s < self.memory_params_per_s() {
@@ -510,19 +513,18 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                         step_s.push(a.step(&opt, path, step_no)?);
                     }
                 }
-                let (cache_params, cache_s) = match cache.get(&(threads, path)) {
+                let key = (opt.threads(), path);
+                let (cache_params, cache_s) = match cache.get(&key) {
                     Some(&c) => c,
                     None => {
-                        let c = cache_step(cfg, threads, path, &mut step_no)?;
-                        cache.insert((threads, path), c);
+                        let c = cache_step(cfg, opt.threads(), path, &mut step_no)?;
+                        cache.insert(key, c);
                         c
                     }
                 };
                 let bpp = path.bytes_per_param();
                 let sm = median(&step_s);
-                let (pm_pf, pm_plain) = (median(&probe_s), median(&probe_plain_s));
-                let probe_prefetch = pm_pf <= pm_plain;
-                let pm = pm_pf.min(pm_plain);
+                let pm = median(&probe_s).min(median(&probe_plain_s));
                 let bytes = path.bytes_moved(n) as f64;
                 let row = BenchRow {
                     params: n,
@@ -532,7 +534,6 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                     bytes_per_param: bpp,
                     step_s_median: sm,
                     probe_s_median: pm,
-                    probe_prefetch,
                     params_per_s: n as f64 / sm,
                     step_gb_per_s: bytes / sm / 1e9,
                     probe_gb_per_s: bytes / pm / 1e9,
@@ -549,7 +550,7 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                     path = path.name(),
                     params_per_s = row.params_per_s,
                     fraction = row.fraction_of_probe,
-                    probe_prefetch,
+                    probe_prefetch = row.probe_prefetch(),
                     cache_params_per_s = row.cache_params_per_s,
                     limit = row.limit().name(),
                     "adamw bench row"
@@ -562,9 +563,9 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
     Ok(rows)
 }
 
-/// The median seconds of one step over the in-cache span of `threads` threads on `path`
-/// (measured once per thread count and path, then shared by the sizes' rows), with the
-/// span's length. Each of the `threads` threads steps its own arrays of
+/// The median seconds of one step over the in-cache span of `threads` threads (as the
+/// row's optimizer resolved them: at least 1) on `path` (measured once per thread count
+/// and path, then shared by the sizes' rows), with the span's length. Each of the `threads` threads steps its own arrays of
 /// [`CACHE_PARAMS_PER_THREAD`] with its own one-thread optimizer, all at once from a
 /// common start: a pool splitting so small a span would time its dispatch, not the
 /// kernel. A sample is the time from the first thread's start to the last one's end,
@@ -575,7 +576,6 @@ fn cache_step(
     path: BenchPath,
     step_no: &mut u64,
 ) -> Result<(usize, f64)> {
-    let threads = threads.max(1);
     let mut lanes = Vec::with_capacity(threads);
     for _ in 0..threads {
         let opt = AdamW::new(CpuConfig {
@@ -765,7 +765,6 @@ mod tests {
             bytes_per_param: 16,
             step_s_median: 2e-6,
             probe_s_median: 1e-6,
-            probe_prefetch: true,
             params_per_s: 5e8,
             step_gb_per_s: 8.0,
             probe_gb_per_s: 16.0,
@@ -802,7 +801,7 @@ mod tests {
             assert_eq!(row.probe_s.len(), 3);
             assert_eq!(row.probe_plain_s.len(), 3);
             assert_eq!(row.probe_s_median, pf.min(plain), "{:?}", row.path);
-            assert_eq!(row.probe_prefetch, pf <= plain, "{:?}", row.path);
+            assert_eq!(row.probe_prefetch(), pf <= plain, "{:?}", row.path);
             assert_eq!(
                 row.fraction_of_probe,
                 row.probe_s_median / row.step_s_median
