@@ -27,11 +27,11 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tidestore::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use tidestore_candle::{
-    checkpoint, Batches, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision, TideConfig,
-    TideParams,
+    checkpoint, Batches, Budget, Gpt, GptConfig, InMemory, LoraConfig, ParamSource, Precision,
+    TideConfig, TideParams,
 };
-use tidestore_chunk::{ListKind, MomentStates};
-use tidestore_optimizer::{HyperParams, Mode};
+use tidestore_train::{HyperParams, Mode};
+use tidestore_train::{ListKind, MomentStates};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Opt {
@@ -361,8 +361,8 @@ fn run_tidestore(
         Prec::F32 => Precision::F32,
         Prec::Bf16 => Precision::Bf16,
     };
-    cfg.host_chunks = args.host_chunks;
-    cfg.device_chunks = args.device_chunks;
+    cfg.host_budget = Budget::Chunks(args.host_chunks);
+    cfg.device_budget = Budget::Chunks(args.device_chunks);
     cfg.chunk_elements = args.chunk_elements;
     cfg.moments = match states {
         States::Fp32 => MomentStates::F32,
@@ -386,7 +386,7 @@ fn run_tidestore(
     }
 
     let mut p = TideParams::open(params, &cfg, device)?;
-    let layout = p.store().layout();
+    let layout = p.trainer().store().layout();
     println!(
         "tidestore: {} chunks of up to {} KiB; host pool {} chunks, device {} chunks; swap file in {}",
         layout.lists().iter().map(|&l| layout.list_chunk_count(l)).sum::<u64>(),

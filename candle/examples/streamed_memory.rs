@@ -24,9 +24,9 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use clap::Parser;
-use tidestore_candle::{train_step, Llama, LlamaConfig, Precision, TideConfig, TideParams};
-use tidestore_io::IoConfig;
-use tidestore_optimizer::{HyperParams, Mode};
+use tidestore_candle::{train_step, Budget, Llama, LlamaConfig, Precision, TideConfig, TideParams};
+use tidestore_train::IoConfig;
+use tidestore_train::{HyperParams, Mode};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -131,7 +131,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut cfg = TideConfig::new(hp, &a.swap_dir);
     cfg.precision = Precision::Bf16;
-    cfg.budget_bytes = Some((device, host));
+    cfg.device_budget = Budget::Bytes(device);
+    cfg.host_budget = Budget::Bytes(host);
     cfg.optimizer_threads = a.threads;
     cfg.chunk_elements = a.chunk_elements;
     cfg.io = IoConfig::default();

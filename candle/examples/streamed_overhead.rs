@@ -17,10 +17,10 @@ use candle_nn::{Optimizer, ParamsAdamW};
 use clap::Parser;
 use tidestore_candle::streamed::InMemoryTraining;
 use tidestore_candle::{
-    train_step, InMemory, Llama, LlamaConfig, Precision, TideConfig, TideParams,
+    train_step, Budget, InMemory, Llama, LlamaConfig, Precision, TideConfig, TideParams,
 };
-use tidestore_io::IoConfig;
-use tidestore_optimizer::{HyperParams, Mode};
+use tidestore_train::IoConfig;
+use tidestore_train::{HyperParams, Mode};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -96,7 +96,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut cfg = TideConfig::new(hp, &a.swap_dir);
     cfg.precision = Precision::Bf16;
-    cfg.budget_bytes = Some((4 << 30, 4 << 30));
+    cfg.device_budget = Budget::Bytes(4 << 30);
+    cfg.host_budget = Budget::Bytes(4 << 30);
     cfg.io = IoConfig::default();
     let mut store = TideParams::open(&init, &cfg, &Device::Cpu)?;
     let mut recompute = InMemoryTraining::new(InMemory::new(&init, &Device::Cpu)?, adam.clone())?;

@@ -1,8 +1,6 @@
-//! The one error type of the crate: a candle, chunk-store, optimizer or checkpoint
-//! failure, or a parameter the glue does not know.
-
-use tidestore_chunk::ChunkError;
-use tidestore_optimizer::OptimError;
+//! The one error type of the crate: a candle failure, a trainer failure (the store,
+//! the optimizer, the step loop, a checkpoint file), or a parameter the glue does not
+//! know.
 
 /// Everything that can go wrong between candle and tidestore.
 #[derive(Debug, thiserror::Error)]
@@ -11,14 +9,8 @@ pub enum Error {
     /// A candle operation failed (forward, backward, a tensor copy).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
-    /// The chunk store refused or failed (budgets, I/O, illegal state transition).
-    #[error("chunk store: {0}")]
-    Chunk(#[from] ChunkError),
-    /// The optimizer refused or failed.
-    #[error("optimizer: {0}")]
-    Optim(#[from] OptimError),
-
-    /// The step loop refused or failed.
+    /// The trainer refused or failed: the store (budgets, I/O), the optimizer, the step
+    /// loop, a checkpoint file.
     #[error(transparent)]
     Train(#[from] tidestore_train::TrainError),
     /// A parameter name that was never registered.

@@ -13,32 +13,7 @@ use candle_core::{Device, Tensor, Var};
 
 use crate::error::{Error, Result};
 
-/// A model parameter as the model declares it, in forward order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParamSpec {
-    /// A unique name (`h.0.attn.qkv.weight`).
-    pub name: String,
-    /// Its shape.
-    pub shape: Vec<usize>,
-    /// Whether the optimizer updates it (a LoRA base weight is frozen).
-    pub trainable: bool,
-}
-
-impl ParamSpec {
-    /// A parameter spec.
-    pub fn new(name: impl Into<String>, shape: &[usize], trainable: bool) -> Self {
-        ParamSpec {
-            name: name.into(),
-            shape: shape.to_vec(),
-            trainable,
-        }
-    }
-
-    /// Its element count.
-    pub fn elements(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
+pub use tidestore_train::ParamSpec;
 
 /// Hands a layer its parameters as candle tensors.
 pub trait ParamSource {

@@ -20,7 +20,7 @@ mod common;
 
 use common::*;
 use tidestore_candle::Precision;
-use tidestore_chunk::ListKind;
+use tidestore_train::ListKind;
 
 #[test]
 fn fp32_losses_match_candle_adamw_with_m_and_v_on_nvme() {
@@ -67,7 +67,7 @@ fn lora_losses_match_candle_adamw() {
     assert!(want[19] < want[0], "the adapters learn");
     // The base is frozen: unchanged, and without master/M/V places.
     assert_eq!(p.values("h.0.attn.qkv.weight").unwrap(), base);
-    let layout = p.store().layout();
+    let layout = p.trainer().store().layout();
     let id = layout.tensor_id("h.0.attn.qkv.weight").unwrap();
     assert!(layout.location(id, ListKind::MomentumF32).is_none());
     assert!(layout.location(id, ListKind::MasterF32).is_none());

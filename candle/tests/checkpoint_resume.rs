@@ -12,7 +12,7 @@
 mod common;
 
 use std::path::Path;
-use tidestore_chunk::MomentStates;
+use tidestore_train::MomentStates;
 
 use common::*;
 use tidestore_candle::{checkpoint, Error, Gpt, Precision, TideParams};
@@ -222,9 +222,13 @@ fn a_checkpoint_of_the_other_precision_is_refused() {
     let mut q = open_tide(&model, 5, d2.path(), Precision::Bf16);
     let before = snapshot(&mut q);
     match checkpoint::load(&mut q, &ckpt) {
-        Err(Error::Checkpoint { path, reason }) => {
+        Err(Error::Train(TrainError::CheckpointPrecision {
+            path,
+            found,
+            expected,
+        })) => {
             assert_eq!(path, ckpt);
-            assert!(reason.contains("precision"), "{reason}");
+            assert_eq!((found.as_str(), expected), ("f32", "bf16"));
         }
         other => panic!("expected a refusal, got {other:?}"),
     }

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use tidestore_io::{BufferPool, Engine, IoConfig, IoError, IoRequest, Op, ALIGN_BYTES};
+use tidestore_train::aio::{BufferPool, Engine, IoConfig, IoError, IoRequest, Op, ALIGN_BYTES};
 
 use crate::error::{Error, Result};
 

@@ -11,7 +11,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use tidestore_chunk::DType;
+use tidestore_train::DType;
 
 use crate::error::{Error, Result};
 

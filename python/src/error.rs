@@ -14,9 +14,9 @@ use std::error::Error as StdError;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::PyErr;
-use tidestore_chunk::ChunkError;
-use tidestore_io::IoError;
-use tidestore_optimizer::OptimError;
+use tidestore_train::aio::IoError;
+use tidestore_train::ChunkError;
+use tidestore_train::OptimError;
 use tidestore_train::TrainError;
 
 pyo3::create_exception!(
@@ -48,9 +48,6 @@ pub enum Error {
     /// From the step loop and checkpoints.
     #[error(transparent)]
     Train(#[from] TrainError),
-    /// From the chunk store.
-    #[error(transparent)]
-    Store(#[from] ChunkError),
     /// From the optimizer (hyper-parameters).
     #[error(transparent)]
     Optim(#[from] OptimError),
@@ -92,7 +89,6 @@ fn classify(err: &Error) -> Class {
         Error::BadInput { .. } => Some(Class::Config),
         Error::Protocol(_) => Some(Class::Other),
         Error::Optim(o) => optim_class(o),
-        Error::Store(c) => chunk_class(c),
         Error::Train(t) => train_class(t),
         Error::Io { source, .. } => Some(io_class(source)),
     };

@@ -15,7 +15,6 @@ pub mod adamw;
 pub mod aio;
 pub mod buffer;
 pub mod error;
-pub mod moments;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -23,7 +22,7 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tidestore_io::{EngineChoice, IoConfig, Op};
+use tidestore_train::aio::{EngineChoice, IoConfig, Op};
 
 use crate::adamw::{hyper_params, parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};

@@ -21,10 +21,10 @@ use std::time::Instant;
 
 use candle_core::Device;
 use serde::Serialize;
-use tidestore_candle::{checkpoint, train_step, Precision, TideConfig, TideParams};
+use tidestore_candle::{checkpoint, train_step, Budget, Precision, TideConfig, TideParams};
 use tidestore_chunk::{ChunkError, StoreStats};
 use tidestore_optimizer::StepDecision;
-use tidestore_train::CheckpointDir;
+use tidestore_train::{CheckpointDir, TrainError};
 
 use crate::bench::hyper_params;
 use crate::config::{AutoSize, Config};
@@ -127,7 +127,8 @@ fn tide_config(cfg: &Config) -> Result<TideConfig> {
         AutoSize::Auto => None,
         AutoSize::Fixed(s) => Some(s.bytes() / 4),
     };
-    tc.budget_bytes = Some((cfg.device.budget.bytes(), cfg.host.budget.bytes()));
+    tc.device_budget = Budget::Bytes(cfg.device.budget.bytes());
+    tc.host_budget = Budget::Bytes(cfg.host.budget.bytes());
     tc.moments = cfg.optimizer.states.moments();
     tc.io = cfg.io_config()?;
     tc.optimizer_threads = cfg.optimizer.threads as usize;
@@ -155,9 +156,9 @@ pub fn run(
     let mut params =
         match TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu) {
             Ok(p) => p,
-            Err(tidestore_candle::Error::Chunk(e @ ChunkError::BudgetTooSmall { .. })) => {
-                return Err(crate::session::budget_error(e, cfg))
-            }
+            Err(tidestore_candle::Error::Train(TrainError::Store(
+                e @ ChunkError::BudgetTooSmall { .. },
+            ))) => return Err(crate::session::budget_error(e, cfg)),
             Err(e) => return Err(e.into()),
         };
     model::import(t, &loaded, &mut params)?;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use tidestore_candle::{Llama, LlamaConfig, LlamaLora, TideParams};
 use tidestore_train::hf;
 
-use tidestore_chunk::DType;
+use tidestore_train::DType;
 
 use super::data::Samples;
 use super::section::{ExportDtype, TrainSection};
@@ -180,7 +180,9 @@ pub fn export(
     match lora_spec(loaded)? {
         Some(lora) => {
             let base = loaded.dir.display().to_string();
-            hf::export_adapter(params.store_mut(), &loaded.hf, &lora, out, dtype, &base)?;
+            params
+                .trainer_mut()
+                .export_adapter(&loaded.hf, &lora, out, dtype, &base)?;
         }
         None => {
             let opts = hf::ExportOptions {
@@ -188,7 +190,9 @@ pub fn export(
                 copy_from: Some(loaded.dir.clone()),
                 ..hf::ExportOptions::default()
             };
-            hf::export_model(params.store_mut(), &loaded.hf, None, out, &opts)?;
+            params
+                .trainer_mut()
+                .export_model(&loaded.hf, None, out, &opts)?;
         }
     }
     Ok(())

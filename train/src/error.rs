@@ -125,6 +125,21 @@ pub enum TrainError {
         latest: u64,
     },
 
+    /// A checkpoint saved in another precision than the run trains in: its 16-bit
+    /// copies (never written in `f32`) would be read as the weights.
+    #[error(
+        "checkpoint `{path}` was saved in precision {found} (metadata `user.trainer.precision`); \
+         this run trains in \"{expected}\""
+    )]
+    CheckpointPrecision {
+        /// The file.
+        path: PathBuf,
+        /// The precision the file records (`none` where it records none).
+        found: String,
+        /// The run's precision.
+        expected: &'static str,
+    },
+
     /// A tensor's step failed part way through an optimizer step: some tensors hold the
     /// new step and others the old one, so the loop refuses to go on until a checkpoint
     /// is loaded into the store and [`crate::StepLoop::restore`] is called.

@@ -5,11 +5,11 @@
 use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use tidestore_candle::{
-    Batches, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
+    Batches, Budget, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
 };
-use tidestore_chunk::MomentStates;
-use tidestore_io::IoConfig;
-use tidestore_optimizer::{HyperParams, Mode};
+use tidestore_train::IoConfig;
+use tidestore_train::MomentStates;
+use tidestore_train::{HyperParams, Mode};
 
 pub const TEXT: &[u8] = include_bytes!("../../../examples/data/genesis-kjv.txt");
 
@@ -77,8 +77,8 @@ pub fn tide_config(dir: &std::path::Path, precision: Precision) -> TideConfig {
     // 16 Ki slots: 32 KiB Param16 chunks, 64 KiB fp32 chunks; the model needs ~14
     // chunks and the host pool holds 5, so M and V live on NVMe between steps.
     cfg.chunk_elements = Some(16 * 1024);
-    cfg.host_chunks = 5;
-    cfg.device_chunks = 4;
+    cfg.host_budget = Budget::Chunks(5);
+    cfg.device_budget = Budget::Chunks(4);
     cfg.io = IoConfig {
         block_bytes: 16 * 1024,
         queue_depth: 8,

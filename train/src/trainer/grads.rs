@@ -1,0 +1,223 @@
+//! Gradients into the step loop, and the step. [`Trainer::grad_written`] is the only
+//! way a gradient enters the step loop: [`Trainer::put_grad`] writes the values into
+//! the gradient's place, takes their squared norm and calls it; a front end that writes
+//! its gradients into the store itself (the bench, on the device) calls it with the
+//! norm it took.
+
+use std::time::Instant;
+
+use tidestore_chunk::{typed, DType, ListKind, Place, TensorId, TensorState};
+use tidestore_optimizer::Grads;
+
+use super::values::f32_view_mut;
+use super::Trainer;
+use crate::error::{Result, TrainError};
+use crate::step::{Observer, StepOutcome};
+
+/// A gradient as a front end has it.
+#[derive(Debug, Clone, Copy)]
+pub enum Grad<'a> {
+    /// fp32 values.
+    F32(&'a [f32]),
+    /// Little-endian elements of a 16-bit (`BF16`, `F16`) or fp32 dtype: a framework
+    /// tensor's memory as it is.
+    Bytes {
+        /// The elements.
+        bytes: &'a [u8],
+        /// Their dtype.
+        dtype: DType,
+    },
+}
+
+impl Grad<'_> {
+    fn elements(&self) -> Result<usize> {
+        match *self {
+            Grad::F32(v) => Ok(v.len()),
+            Grad::Bytes { bytes, dtype } => match dtype {
+                DType::F32 | DType::BF16 | DType::F16 => {
+                    Ok(bytes.len() / dtype.size_bytes() as usize)
+                }
+                other => Err(TrainError::Protocol(format!(
+                    "a gradient of dtype {other}: only F32, BF16 and F16 are taken"
+                ))),
+            },
+        }
+    }
+
+    /// The values widened into `dst` (f32, as long as the gradient).
+    fn widen_into(&self, dst: &mut [f32]) {
+        match *self {
+            Grad::F32(v) => dst.copy_from_slice(v),
+            Grad::Bytes { bytes, dtype } => typed::decode_f32(bytes, dtype, dst),
+        }
+    }
+}
+
+impl Trainer {
+    /// Where trainable parameter `i`'s gradient lives: its fp32 companion (`F32`) or its
+    /// own 16-bit place (`Bf16`); both in the `Param16` list.
+    fn grad_tensor(&self, i: usize) -> TensorId {
+        let e = &self.entries[i];
+        e.grad_id.unwrap_or(e.id)
+    }
+
+    /// Writes one micro-batch's part of trainable parameter `i`'s gradient: the `first`
+    /// part replaces what is there, later ones are added to it (`F32` only: in `Bf16` the
+    /// gradient lies over the 16-bit parameters the next micro-batch reads). After the
+    /// `last` part the gradient's squared norm is reported ([`Trainer::grad_written`]).
+    /// A traced access of the gradient's place in the host pool, released
+    /// `HoldAfterBwd`.
+    pub fn put_grad(&mut self, i: usize, grad: Grad<'_>, first: bool, last: bool) -> Result<()> {
+        let e = self.entry(i)?;
+        let n = grad.elements()?;
+        if !e.spec.trainable || n != e.spec.elements() {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: format!(
+                    "a gradient of {n} values for a {} parameter of {} elements",
+                    if e.spec.trainable {
+                        "trainable"
+                    } else {
+                        "frozen"
+                    },
+                    e.spec.elements()
+                ),
+            });
+        }
+        if !first && e.grad_id.is_none() {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: "gradients are accumulated only in f32 precision".into(),
+            });
+        }
+        if e.reported {
+            return Err(TrainError::Protocol(format!(
+                "a gradient of `{}` after its last part in this iteration",
+                e.spec.name
+            )));
+        }
+        let sq = self.write_grad(i, grad, first)?;
+        if last {
+            self.grad_written(i, sq)?;
+        }
+        Ok(())
+    }
+
+    /// Writes (`first`) or adds the gradient into its place; the squared norm of what
+    /// the place holds afterwards, taken from the f32 values before any rounding to the
+    /// place's dtype.
+    fn write_grad(&mut self, i: usize, grad: Grad<'_>, first: bool) -> Result<f64> {
+        let tensor = self.grad_tensor(i);
+        let n = grad.elements()?;
+        let cpu = self.step.optimizer().cpu();
+        let g = self.store.access(tensor, ListKind::Param16, Place::Host)?;
+        let written: Result<f64> = if first && g.dtype() == DType::F32 {
+            // Widened straight into the fp32 place: no copy of the gradient.
+            self.store
+                .bytes_mut(&g)
+                .map_err(TrainError::from)
+                .and_then(|b| {
+                    let dst = f32_view_mut(b)?;
+                    grad.widen_into(dst);
+                    Ok(cpu.grad_sq_norm(Grads::F32(dst)))
+                })
+        } else {
+            let mut sum = vec![0.0; n];
+            grad.widen_into(&mut sum);
+            let earlier = if first {
+                Ok(None)
+            } else {
+                self.store.read_f32(&g).map(Some)
+            };
+            earlier
+                .and_then(|earlier| {
+                    if let Some(earlier) = earlier {
+                        sum.iter_mut().zip(earlier).for_each(|(s, e)| *s += e);
+                    }
+                    self.store.write_f32(&g, &sum)
+                })
+                .map(|()| cpu.grad_sq_norm(Grads::F32(&sum)))
+                .map_err(TrainError::from)
+        };
+        self.store.release(g, TensorState::HoldAfterBwd)?;
+        written
+    }
+
+    /// Trainable parameter `i`'s gradient is final in the store, with squared L2 norm
+    /// `sq_norm`: reported to the step loop (the only way a gradient enters it). Once
+    /// per parameter and iteration.
+    pub fn grad_written(&mut self, i: usize, sq_norm: f64) -> Result<()> {
+        let e = self.entry(i)?;
+        if !e.spec.trainable {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: "frozen: it has no gradient to report".into(),
+            });
+        }
+        if e.reported {
+            return Err(TrainError::Protocol(format!(
+                "the gradient of `{}` reported final twice in one iteration",
+                e.spec.name
+            )));
+        }
+        let id = e.id;
+        self.step.grad_ready(id, sq_norm)?;
+        self.entries[i].reported = true;
+        self.reported += 1;
+        Ok(())
+    }
+
+    /// Whether trainable parameter `i`'s gradient was reported final in this iteration.
+    pub fn grad_reported(&self, i: usize) -> Result<bool> {
+        Ok(self.entry(i)?.reported)
+    }
+
+    /// Steps groups whose gradients are all final (`Overlap::Backward`) until
+    /// `deadline` (all of them without one); returns how many tensors were stepped.
+    pub fn step_ready(
+        &mut self,
+        deadline: Option<Instant>,
+        observe: Observer<'_>,
+    ) -> Result<usize> {
+        self.step.step_ready(&mut self.store, deadline, observe)
+    }
+
+    /// The optimizer step over every trainable parameter not stepped during backward,
+    /// decided from every gradient's norm (clipping, overflow); every trainable
+    /// parameter's gradient must have been reported. Does not end the store's iteration
+    /// ([`Trainer::end_iteration`]; [`Trainer::step`] does both).
+    pub fn finish_step(&mut self, observe: Observer<'_>) -> Result<StepOutcome> {
+        if let Some(e) = self
+            .entries
+            .iter()
+            .find(|e| e.spec.trainable && !e.reported)
+        {
+            return Err(TrainError::Protocol(format!(
+                "step before the gradient of `{}` was given",
+                e.spec.name
+            )));
+        }
+        let outcome = self.step.finish(&mut self.store, observe);
+        self.entries.iter_mut().for_each(|e| e.reported = false);
+        self.reported = 0;
+        outcome
+    }
+
+    /// Ends the store's iteration (the first one is the warm-up trace).
+    pub fn end_iteration(&mut self) -> Result<()> {
+        Ok(self.store.end_iteration()?)
+    }
+
+    /// [`Trainer::finish_step`] then [`Trainer::end_iteration`].
+    pub fn step(&mut self, observe: Observer<'_>) -> Result<StepOutcome> {
+        let outcome = self.finish_step(observe)?;
+        self.end_iteration()?;
+        Ok(outcome)
+    }
+
+    /// Zeroes the store's and the step loop's counters.
+    pub fn reset_stats(&mut self) {
+        self.store.reset_stats();
+        self.step.reset_stats();
+    }
+}

@@ -1,0 +1,224 @@
+//! [`Trainer`]: the one place where a training run meets the store. Every front end —
+//! the candle glue, the Python package, a library user — opens its run here and goes
+//! through it; none of them touches the chunk store, the tiers or the I/O engine.
+//!
+//! What it does, in the order of one iteration:
+//! - **open** ([`Trainer::open`], `open.rs`): the parameters laid out in chunk lists
+//!   (with fp32 gradient companions in [`Precision::F32`]), the chunk size searched,
+//!   budgets resolved, the device tier and the store opened, the step loop readied;
+//! - **values in and out** (`values.rs`): initial or imported weights written, a
+//!   parameter handed out for compute ([`Trainer::fetch`]), its master copy, gradient
+//!   and decoded moments read back;
+//! - **gradients** (`grads.rs`): [`Trainer::put_grad`] writes a gradient (or one
+//!   micro-batch's part of it), takes its norm and reports it to the step loop; a front
+//!   end that wrote a gradient into the store itself reports it through
+//!   [`Trainer::grad_written`]. That function is the only way a gradient enters the
+//!   step loop;
+//! - **step** ([`Trainer::step`]): the step loop decides and makes the optimizer step
+//!   and the store's iteration ends;
+//! - **state** (`state.rs`): checkpoints streamed out of the store and back.
+//!
+//! Invariant: between [`Trainer::put_grad`] of an iteration's first gradient and
+//! [`Trainer::step`], checkpoints are refused (the gradients would be lost, and in bf16
+//! they lie over the 16-bit copy).
+
+mod config;
+mod grads;
+mod open;
+mod state;
+mod values;
+
+pub use values::decode_moment;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tidestore_chunk::{ChunkStore, ListKind, MoveEvent, MoveKind, Place, StoreStats, TensorId};
+use tidestore_optimizer::HyperParams;
+
+pub use config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
+pub use grads::Grad;
+
+use crate::error::{Result, TrainError};
+use crate::step::StepLoop;
+
+/// Suffix of a parameter's fp32 gradient companion in [`Precision::F32`].
+pub(crate) const GRAD_SUFFIX: &str = "#grad";
+
+/// Bytes moved between host and NVMe, per chunk list (indexed by `ListKind as usize`).
+#[derive(Debug, Default)]
+pub struct NvmeTraffic {
+    read_bytes: [AtomicU64; 5],
+    written_bytes: [AtomicU64; 5],
+}
+
+impl NvmeTraffic {
+    /// Bytes read from NVMe into the host pool for `list`.
+    pub fn read_bytes(&self, list: ListKind) -> u64 {
+        self.read_bytes[list as usize].load(Ordering::Relaxed)
+    }
+
+    /// Bytes written from the host pool to NVMe for `list`.
+    pub fn written_bytes(&self, list: ListKind) -> u64 {
+        self.written_bytes[list as usize].load(Ordering::Relaxed)
+    }
+
+    fn record(&self, e: &MoveEvent) {
+        let list = e.chunk.list() as usize;
+        match e.kind {
+            MoveKind::NvmeToHost => self.read_bytes[list].fetch_add(e.bytes, Ordering::Relaxed),
+            MoveKind::HostToNvme => self.written_bytes[list].fetch_add(e.bytes, Ordering::Relaxed),
+            _ => 0,
+        };
+    }
+}
+
+/// One registered parameter.
+#[derive(Debug)]
+struct Entry {
+    spec: ParamSpec,
+    id: TensorId,
+    /// `F32`: the fp32 gradient companion (in the `Param16` list).
+    grad_id: Option<TensorId>,
+    /// Its gradient was reported final in this iteration.
+    reported: bool,
+}
+
+/// A training run's parameters, gradients and optimizer state in a chunk store, and the
+/// step loop over them; see the module doc.
+pub struct Trainer {
+    store: ChunkStore,
+    step: StepLoop,
+    entries: Vec<Entry>,
+    by_name: HashMap<String, usize>,
+    precision: Precision,
+    /// Where compute reads parameters: the device tier when it is host memory (the
+    /// simulation), else the host pool.
+    compute_place: Place,
+    traffic: Arc<NvmeTraffic>,
+    /// The store's swap file.
+    swap_path: std::path::PathBuf,
+    /// Gradients reported since the last step (parts of an accumulation included once
+    /// the last part is in).
+    reported: usize,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("params", &self.entries.len())
+            .field("precision", &self.precision)
+            .field("step", &self.step.step_count())
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl Trainer {
+    /// The index of parameter `name` (its place in the specs it was opened with).
+    pub fn index(&self, name: &str) -> Result<usize> {
+        self.by_name
+            .get(name)
+            .copied()
+            .ok_or_else(|| TrainError::Tensor {
+                tensor: name.to_string(),
+                reason: "not a registered parameter".into(),
+            })
+    }
+
+    fn entry(&self, i: usize) -> Result<&Entry> {
+        self.entries.get(i).ok_or_else(|| TrainError::Tensor {
+            tensor: format!("#{i}"),
+            reason: format!("index out of range ({} parameters)", self.entries.len()),
+        })
+    }
+
+    /// Parameter `i`'s spec.
+    pub fn spec(&self, i: usize) -> Result<&ParamSpec> {
+        Ok(&self.entry(i)?.spec)
+    }
+
+    /// The registered parameters, in forward order.
+    pub fn specs(&self) -> impl Iterator<Item = &ParamSpec> {
+        self.entries.iter().map(|e| &e.spec)
+    }
+
+    /// Number of registered parameters.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no parameter is registered (never, for an opened trainer).
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Compute and gradient precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Sets the learning rate of the steps to come (a schedule's).
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        self.step.set_lr(lr)
+    }
+
+    /// Steps applied so far.
+    pub fn step_count(&self) -> u64 {
+        self.step.step_count()
+    }
+
+    /// The optimizer's hyper-parameters.
+    pub fn hyper_params(&self) -> &HyperParams {
+        self.step.hyper_params()
+    }
+
+    /// The step loop (its counters, optimizer and settings).
+    pub fn step_loop(&self) -> &StepLoop {
+        &self.step
+    }
+
+    /// The chunk store (layout, residency, budgets, counters).
+    pub fn store(&self) -> &ChunkStore {
+        &self.store
+    }
+
+    /// The chunk store, for what streams tensors in or out of it in bulk (HF export):
+    /// between steps, with no gradient reported.
+    pub fn store_mut(&mut self) -> Result<&mut ChunkStore> {
+        self.between_steps("the store handed out")?;
+        Ok(&mut self.store)
+    }
+
+    /// The store's counters.
+    pub fn stats(&self) -> StoreStats {
+        self.store.stats()
+    }
+
+    /// Bytes moved between host and NVMe per list since open.
+    pub fn nvme_traffic(&self) -> &NvmeTraffic {
+        &self.traffic
+    }
+
+    /// The store's swap file (in the configured `swap_dir`).
+    pub fn swap_path(&self) -> &std::path::Path {
+        &self.swap_path
+    }
+
+    /// Gradients reported final since the last step.
+    pub fn reported(&self) -> usize {
+        self.reported
+    }
+
+    /// Refuses `what` while gradients of an unfinished iteration are in the store.
+    fn between_steps(&self, what: &str) -> Result<()> {
+        if self.reported > 0 {
+            return Err(TrainError::Protocol(format!(
+                "{what} after {} gradients were reported and before step(); step first",
+                self.reported
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,250 @@
+//! Opening a [`Trainer`]: the parameters laid out in chunk lists (with their gradient
+//! companions in [`Precision::F32`]), the chunk size searched, the budgets resolved to
+//! bytes, the device tier, the store and the step loop — in that order, each step a
+//! function, every refusal before anything is allocated where the layout alone can tell.
+
+use std::collections::{HashMap, HashSet};
+
+use tidestore_chunk::{
+    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, MoveEvent, NvmeSource,
+    SearchConfig, StoreConfig, TensorSpec,
+};
+use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
+use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
+
+use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
+use super::{Entry, NvmeTraffic, Trainer, GRAD_SUFFIX};
+use crate::error::{Result, TrainError};
+use crate::step::{GradPlace, StepConfig, StepLoop, StepPlace, StepTensor};
+use tidestore_chunk::Place;
+
+/// Chunks the optimizer step holds at once: gradient, master, M and V.
+const STEP_WORKING_SET_CHUNKS: u32 = 4;
+
+impl Trainer {
+    /// Registers `specs` (in forward order, values zero) in a new store laid out and
+    /// budgeted as `cfg` says, and readies the step loop. Names used twice, a budget the
+    /// store cannot work in, a chunk size that cannot hold a tensor: refused here, with
+    /// the bytes needed and available, before the host pool or swap file is made.
+    pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Trainer> {
+        check_specs(specs)?;
+        let layout = layout(specs, cfg)?;
+        let entries = entries(specs, &layout)?;
+        let (store_cfg, slot_bytes) = store_config(&layout, cfg);
+        let device = open_device(cfg, store_cfg.device_budget_bytes)?;
+        // Compute reads host-addressable memory: a simulated device is host memory, a
+        // CUDA one is not, so there compute reads the host pool's copy.
+        let compute_place = match device.kind() {
+            DeviceKind::Sim => Place::Device,
+            _ => Place::Host,
+        };
+        tracing::info!(
+            chunk_elements = layout.chunk_elements(),
+            slot_bytes,
+            device_budget_bytes = store_cfg.device_budget_bytes,
+            host_budget_bytes = store_cfg.host_budget_bytes,
+            waste = layout.waste_fraction(),
+            "trainer: layout"
+        );
+        let mut store = ChunkStore::open(layout, store_cfg, device)?;
+        let traffic = std::sync::Arc::new(NvmeTraffic::default());
+        let hook = traffic.clone();
+        store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
+        let step = step_loop(&store, &entries, cfg)?;
+        let by_name = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.spec.name.clone(), i))
+            .collect::<HashMap<_, _>>();
+        Ok(Trainer {
+            store,
+            step,
+            entries,
+            by_name,
+            precision: cfg.precision,
+            compute_place,
+            traffic,
+            swap_path: cfg.swap_dir.join(tidestore_chunk::SWAP_FILE_NAME),
+            reported: 0,
+        })
+    }
+}
+
+fn check_specs(specs: &[ParamSpec]) -> Result<()> {
+    let mut seen = HashSet::new();
+    if let Some(p) = specs.iter().find(|p| !seen.insert(p.name.as_str())) {
+        return Err(TrainError::Tensor {
+            tensor: p.name.clone(),
+            reason: "registered twice".into(),
+        });
+    }
+    if let Some(p) = specs.iter().find(|p| p.elements() == 0) {
+        return Err(TrainError::Tensor {
+            tensor: p.name.clone(),
+            reason: format!("shape {:?} has no elements", p.shape),
+        });
+    }
+    if specs.iter().all(|p| !p.trainable) {
+        return Err(TrainError::Config {
+            key: "params",
+            reason: "no trainable parameter: nothing to step".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The tensors in layout order: frozen first, then the trainable ones (each in forward
+/// order), so that a LoRA model's adapters share a few chunks instead of each leaving a
+/// mostly empty master, M and V chunk beside its frozen base weight; then, in `F32`, the
+/// gradient companions — after every parameter, not beside each: mixed into the
+/// parameters' chunks they (2 slots per element) would leave the master, M and V chunks
+/// two-thirds empty and every NVMe transfer three times too long.
+fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
+    let (frozen, trainable): (Vec<_>, Vec<_>) = specs.iter().partition(|p| !p.trainable);
+    let mut tensors: Vec<TensorSpec> = frozen
+        .iter()
+        .chain(&trainable)
+        .map(|p| TensorSpec::new(&p.name, &p.shape, DType::F32, p.trainable))
+        .collect();
+    if cfg.precision == Precision::F32 {
+        tensors.extend(trainable.iter().map(|p| {
+            TensorSpec::new(
+                format!("{}{GRAD_SUFFIX}", p.name),
+                &p.shape,
+                DType::F32,
+                false,
+            )
+        }));
+    }
+    let base = LayoutConfig::new(1)
+        .with_param16_dtype(DType::BF16)
+        .with_moments(cfg.moments);
+    let chunk_elements = match cfg.chunk_elements {
+        Some(c) => c,
+        None => {
+            let mut search = SearchConfig::new(cfg.io.block_bytes as u64);
+            search.cap_factor = 2;
+            search_chunk_size(&tensors, &base, &search)?
+                .chosen
+                .chunk_elements
+        }
+    };
+    Layout::new(
+        LayoutConfig {
+            chunk_elements,
+            ..base
+        },
+        tensors,
+    )
+    .map_err(|e| match e {
+        e @ (ChunkError::TensorTooLarge { .. } | ChunkError::InvalidChunkSize { .. }) => {
+            TrainError::Config {
+                key: "chunk_elements",
+                reason: format!(
+                    "{e} (in f32 precision a parameter's fp32 gradient takes two slots per \
+                     element: chunks must hold twice the largest parameter)"
+                ),
+            }
+        }
+        e => TrainError::Store(e),
+    })
+}
+
+/// Each spec's entry: its tensor and, in `F32`, its gradient companion.
+fn entries(specs: &[ParamSpec], layout: &Layout) -> Result<Vec<Entry>> {
+    specs
+        .iter()
+        .map(|spec| {
+            let id = layout
+                .tensor_id(&spec.name)
+                .ok_or_else(|| TrainError::Tensor {
+                    tensor: spec.name.clone(),
+                    reason: "missing from the layout just built".into(),
+                })?;
+            let grad_id = layout.tensor_id(&format!("{}{GRAD_SUFFIX}", spec.name));
+            Ok(Entry {
+                spec: spec.clone(),
+                id,
+                grad_id,
+                reported: false,
+            })
+        })
+        .collect()
+}
+
+/// The store's settings: budgets in bytes, and a swap file with a slot for every chunk
+/// the host pool does not hold, plus two to spare. Returns them with the slot size.
+fn store_config(layout: &Layout, cfg: &TrainerConfig) -> (StoreConfig, u64) {
+    let chunk_max_bytes = layout.dense_chunk_bytes().into_iter().max().unwrap_or(0);
+    let slot_bytes = tidestore_io::align_up(chunk_max_bytes as usize) as u64;
+    let chunks: u64 = layout
+        .lists()
+        .iter()
+        .map(|&l| layout.list_chunk_count(l))
+        .sum();
+    let bytes = |b: Budget| match b {
+        Budget::Chunks(n) => u64::from(n) * slot_bytes,
+        Budget::Bytes(n) => n,
+        Budget::AllChunks => (chunks + 1) * slot_bytes,
+    };
+    let device_budget_bytes = bytes(cfg.device_budget);
+    let host_budget_bytes = bytes(cfg.host_budget);
+    let host_slots = host_budget_bytes / slot_bytes.max(1);
+    let nvme_slots = (chunks + 2).saturating_sub(host_slots).max(2);
+    let nvme = NvmeSource::Dir {
+        dir: cfg.swap_dir.clone(),
+        bytes: nvme_slots * slot_bytes,
+        io: cfg.io.clone(),
+    };
+    let store_cfg = StoreConfig::new(device_budget_bytes, host_budget_bytes, nvme)
+        .with_working_set_chunks(STEP_WORKING_SET_CHUNKS);
+    (store_cfg, slot_bytes)
+}
+
+/// The device tier `cfg` asks for. `Auto` opens the GPU only in a build with the `cuda`
+/// feature, where `tiers` checks for the driver before any CUDA call.
+fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<Device> {
+    let dcfg = DeviceConfig::new(budget_bytes);
+    let device = match cfg.device {
+        DeviceChoice::Auto if cfg!(feature = "cuda") => Device::auto(&dcfg),
+        _ => Device::sim(&dcfg),
+    };
+    device.map_err(|e| TrainError::Store(ChunkError::tier("opening the device tier", None, e)))
+}
+
+/// The step loop over the trainable entries: in the host pool, gradients in their fp32
+/// companions (`F32`) or over the bf16 copy (`Bf16`).
+fn step_loop(store: &ChunkStore, entries: &[Entry], cfg: &TrainerConfig) -> Result<StepLoop> {
+    let cpu = AdamW::new(CpuConfig {
+        threads: cfg.optimizer_threads,
+        ..CpuConfig::default()
+    })?;
+    let opt = HybridAdamW::cpu_only(
+        cpu,
+        OptimError::NoGpu {
+            reason: "the trainer steps in the host pool".into(),
+        },
+    );
+    let tensors = entries
+        .iter()
+        .filter(|e| e.spec.trainable)
+        .map(|e| StepTensor {
+            tensor: e.id,
+            grad: match e.grad_id {
+                Some(grad) => GradPlace::Separate {
+                    grad,
+                    write_param16: false,
+                },
+                None => GradPlace::InParam16,
+            },
+        })
+        .collect();
+    let step_cfg = StepConfig {
+        hp: cfg.hp,
+        max_grad_norm: cfg.max_grad_norm,
+        loss_scaler: None,
+        place: StepPlace::Host,
+        overlap: cfg.overlap,
+    };
+    StepLoop::new(store, opt, tensors, step_cfg)
+}

@@ -1,0 +1,176 @@
+//! Values in and out of a [`Trainer`]: initial or imported weights written, a parameter
+//! handed out for compute, its master copy viewed in place, its gradient and its Adam
+//! moments (decoded from their stored form: the one decoder of bf16 and int8 moments)
+//! read back.
+
+use tidestore_chunk::{typed, DType, ListKind, TensorState};
+
+use super::{Precision, Trainer};
+use crate::error::{Result, TrainError};
+
+/// Bytes as f32 (little endian).
+pub(crate) fn bytes_f32(bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0.0; bytes.len() / 4];
+    typed::decode_f32(bytes, DType::F32, &mut out);
+    out
+}
+
+/// f32 as bytes (little endian).
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A moment's stored bytes as f32: fp32 as is, bf16 widened, a Q8 place (codes, padding
+/// to 4 bytes, absmax per block) dequantized with the signed (M) or unsigned (V) map.
+pub fn decode_moment(bytes: &[u8], dtype: DType, elements: usize, signed: bool) -> Vec<f32> {
+    use tidestore_optimizer::quant;
+    match dtype {
+        DType::Q8 => {
+            let maps = quant::maps();
+            let map = if signed { &maps.signed } else { &maps.unsigned };
+            let absmax = bytes_f32(&bytes[elements.next_multiple_of(4)..]);
+            let blocks = quant::absmax_len(elements);
+            let mut out = vec![0.0; elements];
+            quant::dequantize(map, &bytes[..elements], &absmax[..blocks], &mut out);
+            out
+        }
+        d => {
+            let mut out = vec![0.0; bytes.len() / d.size_bytes() as usize];
+            typed::decode_f32(bytes, d, &mut out);
+            out
+        }
+    }
+}
+
+impl Trainer {
+    /// The list compute reads a parameter from: the master copy of a trainable one in
+    /// `F32`, else its 16-bit place (a frozen parameter's fp32 values live there).
+    fn compute_list(&self, trainable: bool) -> ListKind {
+        match (trainable, self.precision) {
+            (true, Precision::F32) => ListKind::MasterF32,
+            _ => ListKind::Param16,
+        }
+    }
+
+    /// Writes parameter `i`'s values (untraced: not a moment of the iteration): the
+    /// master copy (and the bf16 copy in `Bf16`) of a trainable parameter, the fp32
+    /// tensor itself of a frozen one.
+    pub fn set_values(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let e = self.entry(i)?;
+        if values.len() != e.spec.elements() {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: format!(
+                    "{} values for shape {:?} ({} elements)",
+                    values.len(),
+                    e.spec.shape,
+                    e.spec.elements()
+                ),
+            });
+        }
+        let (id, trainable) = (e.id, e.spec.trainable);
+        if !trainable {
+            return Ok(self
+                .store
+                .write(id, ListKind::Param16, &f32_bytes(values))?);
+        }
+        self.store
+            .write(id, ListKind::MasterF32, &f32_bytes(values))?;
+        if self.precision == Precision::Bf16 {
+            let mut b = vec![0u8; values.len() * 2];
+            typed::encode_f32(values, DType::BF16, &mut b);
+            self.store.write(id, ListKind::Param16, &b)?;
+        }
+        Ok(())
+    }
+
+    /// Parameter `i` for compute: its values as f32, read where compute reads them
+    /// (see [`Trainer::open`]) and released at once to `to` — `HoldAfterFwd` in forward,
+    /// `HoldAfterBwd` in backward's recompute. A traced moment of the iteration.
+    pub fn fetch(&mut self, i: usize, to: TensorState) -> Result<Vec<f32>> {
+        let e = self.entry(i)?;
+        let (id, list) = (e.id, self.compute_list(e.spec.trainable));
+        let g = self.store.access(id, list, self.compute_place)?;
+        let values = self.store.read_f32(&g);
+        self.store.release(g, to)?;
+        self.checked_len(i, values?)
+    }
+
+    fn checked_len(&self, i: usize, v: Vec<f32>) -> Result<Vec<f32>> {
+        let spec = &self.entries[i].spec;
+        if v.len() != spec.elements() {
+            return Err(TrainError::Tensor {
+                tensor: spec.name.clone(),
+                reason: format!("the store holds {} values, shape {:?}", v.len(), spec.shape),
+            });
+        }
+        Ok(v)
+    }
+
+    /// Runs `f` on trainable parameter `i`'s fp32 master copy, in place in the host
+    /// pool (a traced access, released to `Hold`): how a front end whose tensors live
+    /// elsewhere reads the new values after a step, or writes values it changed.
+    pub fn with_master<R>(&mut self, i: usize, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        let e = self.entry(i)?;
+        if !e.spec.trainable {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: "frozen: it has no master copy".into(),
+            });
+        }
+        let id = e.id;
+        self.store
+            .with_host_views(&[(id, ListKind::MasterF32)], TensorState::Hold, |v| {
+                f32_view_mut(v[0]).map(f)
+            })?
+    }
+
+    /// Parameter `i`'s current fp32 values (the master copy of a trainable one);
+    /// untraced.
+    pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
+        let e = self.entry(i)?;
+        let list = if e.spec.trainable {
+            ListKind::MasterF32
+        } else {
+            ListKind::Param16
+        };
+        let id = e.id;
+        Ok(bytes_f32(&self.store.read(id, list)?))
+    }
+
+    /// The last gradient of trainable parameter `i` (`F32` only: there it has an fp32
+    /// tensor of its own, which the step reads and leaves; in `Bf16` the step writes the
+    /// new parameters over it); untraced.
+    pub fn grad_values(&mut self, i: usize) -> Result<Vec<f32>> {
+        let e = self.entry(i)?;
+        let grad = e.grad_id.ok_or_else(|| TrainError::Tensor {
+            tensor: e.spec.name.clone(),
+            reason: "no gradient of its own (frozen, or bf16 precision)".into(),
+        })?;
+        Ok(bytes_f32(&self.store.read(grad, ListKind::Param16)?))
+    }
+
+    /// Trainable parameter `i`'s Adam moments (M, V) as f32, decoded from their stored
+    /// form (bf16 widened, int8 dequantized); untraced.
+    pub fn moments(&mut self, i: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let e = self.entry(i)?;
+        let (id, n) = (e.id, e.spec.elements());
+        let dtype = self
+            .store
+            .layout()
+            .location(id, ListKind::MomentumF32)
+            .map_or(DType::F32, |l| l.dtype);
+        let m = self.store.read(id, ListKind::MomentumF32)?;
+        let v = self.store.read(id, ListKind::VarianceF32)?;
+        Ok((
+            decode_moment(&m, dtype, n, true),
+            decode_moment(&v, dtype, n, false),
+        ))
+    }
+}
+
+/// The store's fp32 bytes as f32 (chunk places are 4-byte aligned).
+pub(crate) fn f32_view_mut(bytes: &mut [u8]) -> Result<&mut [f32]> {
+    bytemuck::try_cast_slice_mut(bytes)
+        .map_err(|e| TrainError::Protocol(format!("an fp32 place in the store is misaligned: {e}")))
+}
