@@ -57,10 +57,9 @@ pub struct Prepared {
     pub param16_chunk_bytes: u64,
 }
 
-/// A chunk store holding a workload.
+/// What the bench knows of the workload it opened a store for (the store itself goes
+/// to the bench's [`tidestore_train::Trainer`]).
 pub struct Session {
-    /// The store.
-    pub store: ChunkStore,
     /// The workload.
     pub workload: Workload,
     /// Tensor ids in the order of `workload.tensors`.
@@ -80,7 +79,6 @@ pub struct Session {
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
-            .field("store", &self.store)
             .field("workload", &self.workload.describe())
             .finish()
     }
@@ -268,8 +266,9 @@ pub(crate) fn budget_error(e: ChunkError, cfg: &Config) -> Error {
     )
 }
 
-/// Opens the device, the host pool and the swap file for a prepared workload.
-pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
+/// Opens the device, the host pool and the swap file for a prepared workload: the store,
+/// and what the bench keeps of the preparation.
+pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
     let Prepared {
         workload,
         layout,
@@ -350,19 +349,21 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<Session> {
         chunk_elements,
         "chunk store opened"
     );
-    Ok(Session {
+    Ok((
         store,
-        workload,
-        ids,
-        chunk_elements,
-        chunk_searched,
-        waste_bytes,
-        capacity,
-        device_memory_bytes,
-    })
+        Session {
+            workload,
+            ids,
+            chunk_elements,
+            chunk_searched,
+            waste_bytes,
+            capacity,
+            device_memory_bytes,
+        },
+    ))
 }
 
-/// Whether the device is a real GPU.
-pub fn is_gpu(session: &Session) -> bool {
-    session.store.device().kind() == DeviceKind::Cuda
+/// Whether the store's device is a real GPU.
+pub fn is_gpu(store: &ChunkStore) -> bool {
+    store.device().kind() == DeviceKind::Cuda
 }

@@ -23,7 +23,7 @@
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
-    Grad, HyperParams, NvmeTraffic, StepDecision, StoreStats, TensorState, Trainer,
+    HyperParams, NvmeTraffic, StepDecision, StoreStats, TensorState, Trainer, Values,
 };
 
 use crate::error::{Error, Result};
@@ -100,7 +100,7 @@ impl TideParams {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0.0; spec.elements()],
             };
-            self.trainer.put_grad(i, Grad::F32(&values), true, true)?;
+            self.trainer.put_grad(i, Values::F32(&values), true, true)?;
             self.grads_pending = true;
         }
         Ok(())
@@ -121,7 +121,7 @@ impl TideParams {
         last: bool,
     ) -> Result<()> {
         let i = self.trainer.index(name)?;
-        self.trainer.put_grad(i, Grad::F32(values), first, last)?;
+        self.trainer.put_grad(i, Values::F32(values), first, last)?;
         self.grads_pending = true;
         Ok(())
     }

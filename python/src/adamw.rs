@@ -27,8 +27,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tidestore_train::{
-    Budget, ChunkError, DType, DeviceChoice, Grad, HyperParams, IoConfig, Mode, MomentStates,
-    Overlap, ParamSpec, Precision, StepDecision, TrainError, Trainer, TrainerConfig,
+    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, Mode, MomentStates, Overlap,
+    ParamSpec, Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
 };
 
 use crate::error::{Error, Result};
@@ -133,7 +133,7 @@ impl AdamWCore {
     /// Writes parameter `i`'s values (elements of `dtype`) as its master copy.
     pub fn set_param(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<()> {
         self.check_len(i, src.len(), dtype, "values")?;
-        Ok(self.trainer.with_master(i, |m| widen(src, dtype, m))?)
+        Ok(self.trainer.set_master(i, bytes(src, dtype))?)
     }
 
     /// Compares parameter `i`'s values with its master copy rounded to `dtype`; when
@@ -141,29 +141,13 @@ impl AdamWCore {
     /// become the master copy. Returns whether they did.
     pub fn sync_param(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<bool> {
         self.check_len(i, src.len(), dtype, "values")?;
-        let changed = self.trainer.with_master(i, |master| {
-            let differs = match dtype {
-                DType::F32 => src
-                    .chunks_exact(4)
-                    .zip(master.iter())
-                    .any(|(s, m)| s != m.to_le_bytes()),
-                _ => src
-                    .chunks_exact(2)
-                    .zip(master.iter())
-                    .any(|(s, &m)| narrow_one(m, dtype) != [s[0], s[1]]),
-            };
-            if differs {
-                widen(src, dtype, master);
-            }
-            differs
-        })?;
-        Ok(changed)
+        Ok(self.trainer.sync_master(i, bytes(src, dtype))?)
     }
 
     /// Writes parameter `i`'s master copy, rounded to `dtype`, into `out`.
     pub fn read_param(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
         self.check_len(i, out.len(), dtype, "output")?;
-        Ok(self.trainer.with_master(i, |m| narrow(m, dtype, out))?)
+        Ok(self.trainer.read_master(i, out, dtype)?)
     }
 
     /// Parameter `i`'s gradient for this step (elements of `dtype`): into the trainer,
@@ -178,8 +162,7 @@ impl AdamWCore {
                 param_name(i)
             )));
         }
-        let grad = Grad::Bytes { bytes: src, dtype };
-        self.trainer.put_grad(i, grad, true, true)?;
+        self.trainer.put_grad(i, bytes(src, dtype), true, true)?;
         if self.trainer.step_loop().overlap() == Overlap::Backward {
             self.trainer.step_ready(None, &mut |_| {})?;
         }
@@ -299,22 +282,11 @@ fn check_config(shapes: &[Vec<usize>], cfg: &CoreConfig) -> Result<()> {
             format!("shape {s:?} has no elements"),
         ));
     }
-    cfg.hp.validate()?;
-    if let Some(n) = cfg.max_grad_norm {
-        if !(n.is_finite() && n > 0.0) {
-            return Err(Error::bad(
-                "max_grad_norm",
-                format!("{n} is not a positive finite number"),
-            ));
-        }
-        if cfg.overlap {
-            return Err(Error::bad(
-                "overlap",
-                "overlap=True steps parameters during backward, before the last gradient \
-                 exists, and max_grad_norm (global-norm clipping) needs every gradient \
-                 first; pass max_grad_norm=None or overlap=False",
-            ));
-        }
+    if let Some(n) = cfg.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
+        return Err(Error::bad(
+            "max_grad_norm",
+            format!("{n} is not a positive finite number"),
+        ));
     }
     tidestore_train::aio::check_writable_dir("nvme_dir", &cfg.nvme_dir).map_err(|e| Error::Io {
         path: cfg.nvme_dir.display().to_string(),
@@ -356,6 +328,13 @@ fn open_error(e: TrainError) -> Error {
             key: "chunk_elements",
             reason,
         } => Error::bad("chunk_elements", reason),
+        TrainError::Config {
+            key: "optimizer.overlap",
+            reason,
+        } => Error::bad(
+            "overlap",
+            format!("{reason} (here: pass max_grad_norm=None or overlap=False)"),
+        ),
         TrainError::Store(
             e @ (ChunkError::BudgetTooSmall { .. } | ChunkError::ModelTooLarge { .. }),
         ) => Error::bad("host_budget", e.to_string()),
@@ -375,47 +354,9 @@ pub fn hyper_params(lr: f32, betas: (f32, f32), eps: f32, weight_decay: f32) -> 
     }
 }
 
-/// `src` (elements of `dtype`, little endian) widened into `dst`.
-fn widen(src: &[u8], dtype: DType, dst: &mut [f32]) {
-    match dtype {
-        DType::F32 => {
-            for (s, d) in src.chunks_exact(4).zip(dst.iter_mut()) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-            }
-        }
-        _ => {
-            for (s, d) in src.chunks_exact(2).zip(dst.iter_mut()) {
-                *d = match dtype {
-                    DType::BF16 => half::bf16::from_le_bytes([s[0], s[1]]).to_f32(),
-                    _ => half::f16::from_le_bytes([s[0], s[1]]).to_f32(),
-                };
-            }
-        }
-    }
-}
-
-/// One f32 rounded to a 16-bit `dtype` (nearest even, as torch's `.to()`).
-fn narrow_one(v: f32, dtype: DType) -> [u8; 2] {
-    match dtype {
-        DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
-        _ => half::f16::from_f32(v).to_le_bytes(),
-    }
-}
-
-/// `src` rounded into `out` (elements of `dtype`).
-fn narrow(src: &[f32], dtype: DType, out: &mut [u8]) {
-    match dtype {
-        DType::F32 => {
-            for (s, d) in src.iter().zip(out.chunks_exact_mut(4)) {
-                d.copy_from_slice(&s.to_le_bytes());
-            }
-        }
-        _ => {
-            for (&s, d) in src.iter().zip(out.chunks_exact_mut(2)) {
-                d.copy_from_slice(&narrow_one(s, dtype));
-            }
-        }
-    }
+/// A Python buffer of `dtype` elements, as the trainer takes values.
+fn bytes(bytes: &[u8], dtype: DType) -> Values<'_> {
+    Values::Bytes { bytes, dtype }
 }
 
 /// Parses `states` (`fp32`, `bf16`, `int8`).
@@ -434,20 +375,6 @@ pub fn parse_states(s: &str) -> Result<MomentStates> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn widen_and_narrow_round_trip_16_bit_values() {
-        for dtype in [DType::BF16, DType::F16] {
-            let values = [0.0f32, 1.5, -2.25, 1e-3, 65000.0];
-            let mut bits = vec![0u8; values.len() * 2];
-            narrow(&values, dtype, &mut bits);
-            let mut wide = vec![0.0f32; values.len()];
-            widen(&bits, dtype, &mut wide);
-            let mut again = vec![0u8; bits.len()];
-            narrow(&wide, dtype, &mut again);
-            assert_eq!(bits, again, "{dtype}");
-        }
-    }
 
     #[test]
     fn overlap_with_clipping_is_refused_before_the_store_opens() {

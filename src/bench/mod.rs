@@ -48,7 +48,7 @@ use tidestore_chunk::{
 use tidestore_optimizer::placement::HybridAdamW;
 use tidestore_optimizer::{OptimError, StepDecision};
 use tidestore_tiers::{DeviceView, DeviceViewMut};
-use tidestore_train::{GradPlace, Overlap, StepConfig, StepLoop, StepPlace, StepTensor};
+use tidestore_train::{Overlap, ParamSpec, Precision, StepConfig, StepPlace, Trainer};
 
 use crate::config::{Config, DeviceKindName, OptimizerDevice, OverlapName};
 use crate::error::{Error, Result};
@@ -113,10 +113,11 @@ impl Sampler {
     }
 }
 
-/// The running state of one bench.
+/// The running state of one bench: the workload, and the trainer over its store (the
+/// step loop; the only way its gradients reach it).
 struct Runner<'p> {
     s: Session,
-    step: StepLoop,
+    trainer: Trainer,
     progress: &'p mut dyn Progress,
     sampler: Sampler,
     checksum: u64,
@@ -148,14 +149,16 @@ impl Runner<'_> {
     }
 
     fn access(&mut self, i: usize, list: ListKind, place: Place) -> Result<Guard> {
-        let g = self.s.store.access(self.id(i), list, place)?;
-        self.sampler.observe(&self.s.store);
+        let store = self.trainer.store_mut();
+        let g = store.access(self.s.ids[i], list, place)?;
+        self.sampler.observe(store);
         Ok(g)
     }
 
     fn release(&mut self, g: Guard, to: TensorState) -> Result<()> {
-        self.s.store.release(g, to)?;
-        self.sampler.observe(&self.s.store);
+        let store = self.trainer.store_mut();
+        store.release(g, to)?;
+        self.sampler.observe(store);
         self.progress.advance(1);
         Ok(())
     }
@@ -169,7 +172,7 @@ impl Runner<'_> {
     /// Waits for modeled compute launched with [`Runner::launch`].
     fn wait(&mut self, deadline: Option<Instant>) -> Result<()> {
         match deadline {
-            Some(end) => self.stream.wait(end, &mut self.s.store),
+            Some(end) => self.stream.wait(end, self.trainer.store_mut()),
             None => Ok(()),
         }
     }
@@ -187,13 +190,13 @@ impl Runner<'_> {
             let len = self.elements(i);
             let o = pattern_offset(i, 0);
             let id = self.id(i);
-            self.s.store.write(
+            self.trainer.store_mut().write(
                 id,
                 ListKind::Param16,
                 bytemuck::cast_slice(&values16[o..o + len]),
             )?;
             if self.s.workload.tensors[i].trainable {
-                self.s.store.write(
+                self.trainer.store_mut().write(
                     id,
                     ListKind::MasterF32,
                     bytemuck::cast_slice(&values[o..o + len]),
@@ -214,7 +217,7 @@ impl Runner<'_> {
         let mut layer = 0u64;
         for (bi, b) in blocks.iter().enumerate() {
             let non_model = act.at(layer, b.name == "head");
-            self.s.store.report_non_model_bytes(non_model);
+            self.trainer.store_mut().report_non_model_bytes(non_model);
             for (k, &i) in b.tensors.iter().enumerate() {
                 let g = self.access(i, ListKind::Param16, Place::Device)?;
                 // The checksum stands in for the device reading the tensor: part of the
@@ -236,7 +239,7 @@ impl Runner<'_> {
     /// Adds the checksum of the accessed tensor: on the host where its bytes are
     /// host-addressable, else by the GPU kernel (finished when this returns).
     fn add_checksum(&mut self, g: &Guard) -> Result<()> {
-        match self.s.store.view(g)? {
+        match self.trainer.store().view(g)? {
             TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => {
                 self.checksum = self.checksum.wrapping_add(checksum(b));
                 Ok(())
@@ -252,7 +255,7 @@ impl Runner<'_> {
         let len = self.elements(i);
         let o = pattern_offset(i, iteration);
         let grads = &self.grad_pattern[o..o + len];
-        match self.s.store.view_mut(g)? {
+        match self.trainer.store_mut().view_mut(g)? {
             TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => {
                 self.checksum = self.checksum.wrapping_add(checksum(b));
                 b.copy_from_slice(bytemuck::cast_slice(grads));
@@ -263,7 +266,7 @@ impl Runner<'_> {
                 .ok_or_else(no_kernels)?
                 .checksum_and_fill(&mut v, GRAD_SEED, o as u64, GRAD_SCALE)?,
         }
-        let cpu = self.step.optimizer().cpu();
+        let cpu = self.trainer.step_loop().optimizer().cpu();
         Ok(cpu.grad_sq_norm(tidestore_optimizer::Grads::Bf16(grads)))
     }
 
@@ -291,14 +294,14 @@ impl Runner<'_> {
             if b.is_layer {
                 layer -= 1;
             }
-            self.s
-                .store
+            self.trainer
+                .store_mut()
                 .report_non_model_bytes(act.at(layer, b.name == "head"));
             for (k, &i) in b.tensors.iter().enumerate().rev() {
                 self.backward_one(bi, k, i, iteration)?;
             }
         }
-        self.s.store.report_non_model_bytes(0);
+        self.trainer.store_mut().report_non_model_bytes(0);
         self.collect_device_checksum()?;
         self.progress.finish(PhaseName::Backward);
         Ok(())
@@ -315,9 +318,9 @@ impl Runner<'_> {
             self.add_checksum(&g)?;
         }
         let Runner {
-            step, s, sampler, ..
+            trainer, sampler, ..
         } = self;
-        step.step_ready(&mut s.store, deadline, &mut |st| sampler.observe(st))?;
+        trainer.step_ready(deadline, &mut |st| sampler.observe(st))?;
         self.wait(deadline)?;
         let to = if trainable {
             TensorState::HoldAfterBwd
@@ -329,7 +332,7 @@ impl Runner<'_> {
             let sq = self.grad_sq[i].ok_or_else(|| {
                 Error::Bench("a gradient reported final before it was written".into())
             })?;
-            self.step.grad_ready(self.id(i), sq)?;
+            self.trainer.grad_written(i, sq)?;
         }
         Ok(())
     }
@@ -341,13 +344,12 @@ impl Runner<'_> {
         self.progress
             .start(PhaseName::Optimizer, iteration, 8 * left as u64);
         let Runner {
-            step,
-            s,
+            trainer,
             sampler,
             progress,
             ..
         } = self;
-        let outcome = step.finish(&mut s.store, &mut |st| {
+        let outcome = trainer.finish_step(&mut |st| {
             sampler.observe(st);
             progress.advance(1);
         })?;
@@ -365,26 +367,23 @@ impl Runner<'_> {
     }
 }
 
-/// The step loop for the session: every trainable tensor, gradients over the 16-bit
-/// copies, where `placement` says, with the config's overlap.
-fn step_loop(
+/// The trainer over the session's store: every tensor of the workload (tensor `i` is
+/// parameter `i`), gradients over the 16-bit copies, stepped where `placement` says
+/// with the config's overlap.
+fn trainer(
     cfg: &Config,
     s: &Session,
+    store: ChunkStore,
     opt: HybridAdamW,
     placement: &StepPlacement,
-) -> Result<StepLoop> {
+) -> Result<Trainer> {
     let max_norm =
         (cfg.optimizer.max_grad_norm > 0.0).then_some(cfg.optimizer.max_grad_norm as f32);
-    let tensors = s
+    let specs: Vec<ParamSpec> = s
         .workload
         .tensors
         .iter()
-        .enumerate()
-        .filter(|(_, t)| t.trainable)
-        .map(|(i, _)| StepTensor {
-            tensor: s.ids[i],
-            grad: GradPlace::InParam16,
-        })
+        .map(|t| ParamSpec::new(&t.name, &t.shape, t.trainable))
         .collect();
     let step_cfg = StepConfig {
         hp: hyper_params(cfg),
@@ -400,7 +399,13 @@ fn step_loop(
             OverlapName::Backward => Overlap::Backward,
         },
     };
-    Ok(StepLoop::new(&s.store, opt, tensors, step_cfg)?)
+    Ok(Trainer::with_store(
+        store,
+        &specs,
+        Precision::Bf16,
+        step_cfg,
+        opt,
+    )?)
 }
 
 /// Per trainable tensor, the (block, position) of its last use in backward (blocks in
@@ -442,8 +447,8 @@ fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> 
     } else {
         None
     };
-    let s = session::open(cfg, prepared)?;
-    let on_gpu = session::is_gpu(&s);
+    let (store, s) = session::open(cfg, prepared)?;
+    let on_gpu = session::is_gpu(&store);
     // On a GPU, forward and backward run the bench's kernels; the GPU AdamW is made only
     // where the step may run on it.
     let kernels = if on_gpu {
@@ -466,13 +471,13 @@ fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> 
         None => choose_placement(
             cfg,
             on_gpu,
-            StepBudget::of(cfg, &s)?,
+            StepBudget::of(cfg, &store)?,
             &needs,
             opt.gpu_status(),
         )?,
     };
     tracing::info!(on_device = placement.on_device, reason = %placement.reason, "bench: optimizer step placement");
-    let step = step_loop(cfg, &s, opt, &placement)?;
+    let trainer = trainer(cfg, &s, store, opt, &placement)?;
     let w = &s.workload;
     let longest_trainable = w
         .tensors
@@ -485,7 +490,7 @@ fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> 
         .map(|k| grad_value(GRAD_SEED, k, GRAD_SCALE))
         .collect();
     Ok(Runner {
-        step,
+        trainer,
         progress,
         sampler: Sampler::default(),
         checksum: 0,
@@ -501,7 +506,11 @@ fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> 
 }
 
 /// The report's description of the workload, chunks and budgets.
-fn describe(cfg: &Config, s: &Session) -> (WorkloadReport, ChunkReport, BudgetReport) {
+fn describe(
+    cfg: &Config,
+    s: &Session,
+    store: &ChunkStore,
+) -> (WorkloadReport, ChunkReport, BudgetReport) {
     let w = &s.workload;
     let workload = WorkloadReport {
         model: w.model.to_string(),
@@ -517,7 +526,7 @@ fn describe(cfg: &Config, s: &Session) -> (WorkloadReport, ChunkReport, BudgetRe
         sequence: w.sequence,
         activation_peak_bytes: w.activation_bytes().peak(),
     };
-    let layout = s.store.layout();
+    let layout = store.layout();
     let chunks = ChunkReport {
         chunk_elements: s.chunk_elements,
         searched: s.chunk_searched,
@@ -535,7 +544,7 @@ fn describe(cfg: &Config, s: &Session) -> (WorkloadReport, ChunkReport, BudgetRe
         waste_bytes: s.waste_bytes,
     };
     let budgets = BudgetReport {
-        device_kind: s.store.device().kind().to_string(),
+        device_kind: store.device().kind().to_string(),
         device_memory_bytes: s.device_memory_bytes,
         device_bytes: cfg.device.budget.bytes(),
         tidal_margin_bytes: cfg.device.tidal_margin.bytes(),
@@ -577,16 +586,15 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
     for it in 0..=iterations {
         let iter_started = Instant::now();
         if it == 1 {
-            r.s.store.reset_stats();
-            r.step.reset_stats();
+            r.trainer.reset_stats();
         }
         r.sampler.sampling = it == iterations && it > 0;
         r.sampler.moment = 0;
-        r.sampler.iter_base = Counters::of(&r.s.store);
+        r.sampler.iter_base = Counters::of(r.trainer.store());
         for (k, phase) in PHASES.into_iter().enumerate() {
             r.sampler.phase = Some(phase);
             r.sampler.peaks = [0; 3];
-            let before = Counters::of(&r.s.store);
+            let before = Counters::of(r.trainer.store());
             let t = Instant::now();
             match phase {
                 PhaseName::Forward => r.forward(it)?,
@@ -598,7 +606,7 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
             }
             let secs = t.elapsed().as_secs_f64();
             if it > 0 {
-                let c = Counters::of(&r.s.store).since(before);
+                let c = Counters::of(r.trainer.store()).since(before);
                 let p = &mut m.phases[k];
                 p.seconds += secs;
                 p.host_to_device_bytes += c.h2d;
@@ -616,7 +624,7 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
                 p.peak_nvme_bytes = p.peak_nvme_bytes.max(r.sampler.peaks[2]);
             }
         }
-        r.s.store.end_iteration()?;
+        r.trainer.end_iteration()?;
         let secs = iter_started.elapsed().as_secs_f64();
         if it == 0 {
             m.warmup_seconds = secs;
@@ -635,7 +643,7 @@ fn iterate(r: &mut Runner<'_>, iterations: u32) -> Result<Measured> {
             p.nvme_busy_fraction = 0.0;
         }
     }
-    let st = r.step.stats();
+    let st = r.trainer.step_loop().stats();
     m.steps_applied = st.steps_applied;
     m.steps_skipped = st.steps_skipped;
     Ok(m)
@@ -658,7 +666,8 @@ fn bound(
     let compute_seconds = r.compute.iteration_seconds();
     let pcie_seconds = h2d.max(d2h) as f64 / (cfg.device.pcie_gbps * 1e9);
     let nvme_seconds = disk.seconds(n2h, h2n);
-    let optimizer_seconds = r.step.stats().kernel_ns as f64 / 1e9 / f64::from(iterations);
+    let optimizer_seconds =
+        r.trainer.step_loop().stats().kernel_ns as f64 / 1e9 / f64::from(iterations);
     let bound_seconds = compute_seconds
         .max(pcie_seconds)
         .max(nvme_seconds)
@@ -685,12 +694,12 @@ fn bound(
 pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     let mut r = open(cfg, progress)?;
     let disk = disk::probe(cfg.nvme_dir()?, &cfg.io_config()?, DISK_PROBE_BYTES)?;
-    let (workload, chunks, budgets) = describe(cfg, &r.s);
+    let (workload, chunks, budgets) = describe(cfg, &r.s, r.trainer.store());
     let started = Instant::now();
     r.init()?;
-    r.s.store.sync()?;
+    r.trainer.store_mut().sync()?;
     let init_seconds = started.elapsed().as_secs_f64();
-    let (swap_path, regions) = r.s.store.nvme().with_swap_file(|f| {
+    let (swap_path, regions) = r.trainer.store().nvme().with_swap_file(|f| {
         let regions: Vec<(u64, u64)> = f
             .chunks()
             .filter_map(|(id, slot)| {
@@ -704,13 +713,13 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     let disk = disk.with_swap_reads(&swap_path, &cfg.io_config()?, &regions, SWAP_PROBE_BYTES)?;
     let iterations = cfg.workload.iterations;
     let mut m = iterate(&mut r, iterations)?;
-    r.s.store.sync()?;
-    let st = r.s.store.stats();
+    r.trainer.store_mut().sync()?;
+    let st = r.trainer.store().stats();
     let opt_seconds = m.phases[2].seconds;
     let trainable_params = r.s.workload.params_trainable();
-    let step_stats = r.step.stats();
+    let step_stats = r.trainer.step_loop().stats();
     let steps = m.steps_applied;
-    let cpu = r.step.optimizer().cpu();
+    let cpu = r.trainer.step_loop().optimizer().cpu();
     let optimizer = OptimizerReport {
         placement: if r.placement.on_device { "gpu" } else { "cpu" }.into(),
         simulated: step_stats.simulated,
@@ -756,7 +765,7 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
         warmup_seconds: m.warmup_seconds,
         seconds_per_iteration: m.seconds / f64::from(iterations),
         phases: std::mem::take(&mut m.phases),
-        nvme_queue_depth: r.s.store.nvme().queue_depth() as u64,
+        nvme_queue_depth: r.trainer.store().nvme().queue_depth() as u64,
         peak: PeakReport {
             device_bytes: st.device.peak_bytes,
             host_bytes: st.host.peak_bytes,

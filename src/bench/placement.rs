@@ -2,12 +2,12 @@
 //! iteration: the step's device budget against the trainable tensors' chunks, and the
 //! CPU kernel the host steps use.
 
-use tidestore_chunk::{Layout, ListKind, TensorId};
+use tidestore_chunk::{ChunkStore, Layout, ListKind, TensorId};
 use tidestore_optimizer::{AdamW, CpuConfig, HyperParams, Mode, OptimError};
 
 use crate::config::{Config, DecayMode, OptimizerDevice};
 use crate::error::{Error, Result};
-use crate::session::{self, Session};
+use crate::session;
 use crate::workload::Workload;
 
 /// Where the optimizer step runs (see the module doc).
@@ -60,10 +60,10 @@ impl StepBudget {
     }
 
     /// The opened device's (on a GPU, less the memory in use by others now).
-    pub(super) fn of(cfg: &Config, s: &Session) -> Result<Self> {
-        let device = s.store.device();
+    pub(super) fn of(cfg: &Config, store: &ChunkStore) -> Result<Self> {
+        let device = store.device();
         let total = device.mem_info()?.total_bytes;
-        let non_model = if session::is_gpu(s) {
+        let non_model = if session::is_gpu(store) {
             device.non_model_bytes()?
         } else {
             0

@@ -39,8 +39,8 @@ pub use step::{
     StepTensor,
 };
 pub use trainer::{
-    decode_moment, Budget, DeviceChoice, Grad, NvmeTraffic, ParamSpec, Precision, Trainer,
-    TrainerConfig,
+    decode_moment, Budget, DeviceChoice, NvmeTraffic, ParamSpec, Precision, Trainer, TrainerConfig,
+    Values,
 };
 
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,

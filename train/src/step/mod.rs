@@ -119,6 +119,34 @@ pub struct StepConfig {
     pub overlap: Overlap,
 }
 
+impl StepConfig {
+    /// Refuses what no store could make work: invalid hyper-parameters, and
+    /// [`Overlap::Backward`] with clipping or loss scaling (see the module doc). Checked
+    /// by [`StepLoop::new`], and by a [`crate::Trainer`] before it opens its store.
+    pub fn validate(&self) -> Result<()> {
+        self.hp.validate()?;
+        if self.overlap == Overlap::Backward {
+            let what = match (self.max_grad_norm, self.loss_scaler) {
+                (Some(_), _) => Some("global-norm clipping (max_grad_norm)"),
+                (None, Some(_)) => Some("dynamic loss scaling"),
+                (None, None) => None,
+            };
+            if let Some(what) = what {
+                return Err(TrainError::Config {
+                    key: "optimizer.overlap",
+                    reason: format!(
+                        "\"backward\" steps tensors before the last gradient exists, and \
+                         {what} needs every gradient first; turn it off or set overlap = \
+                         \"off\""
+                    ),
+                });
+            }
+        }
+        StepController::new(self.max_grad_norm, self.loss_scaler)?;
+        Ok(())
+    }
+}
+
 /// Counters of the loop since it was made (or [`StepLoop::reset_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepStats {
@@ -251,24 +279,7 @@ impl StepLoop {
         tensors: Vec<StepTensor>,
         cfg: StepConfig,
     ) -> Result<Self> {
-        cfg.hp.validate()?;
-        if cfg.overlap == Overlap::Backward {
-            let what = match (cfg.max_grad_norm, cfg.loss_scaler) {
-                (Some(_), _) => Some("global-norm clipping (max_grad_norm)"),
-                (None, Some(_)) => Some("dynamic loss scaling"),
-                (None, None) => None,
-            };
-            if let Some(what) = what {
-                return Err(TrainError::Config {
-                    key: "optimizer.overlap",
-                    reason: format!(
-                        "\"backward\" steps tensors before the last gradient exists, and \
-                         {what} needs every gradient first; turn it off or set overlap = \
-                         \"off\""
-                    ),
-                });
-            }
-        }
+        cfg.validate()?;
         let ctrl = StepController::new(cfg.max_grad_norm, cfg.loss_scaler)?;
         let layout = store.layout();
         let mut entries = Vec::with_capacity(tensors.len());

@@ -6,52 +6,13 @@
 
 use std::time::Instant;
 
-use tidestore_chunk::{typed, DType, ListKind, Place, TensorId, TensorState};
+use tidestore_chunk::{DType, ListKind, Place, TensorId, TensorState};
 use tidestore_optimizer::Grads;
 
-use super::values::f32_view_mut;
+use super::values::{f32_view_mut, Values};
 use super::Trainer;
 use crate::error::{Result, TrainError};
 use crate::step::{Observer, StepOutcome};
-
-/// A gradient as a front end has it.
-#[derive(Debug, Clone, Copy)]
-pub enum Grad<'a> {
-    /// fp32 values.
-    F32(&'a [f32]),
-    /// Little-endian elements of a 16-bit (`BF16`, `F16`) or fp32 dtype: a framework
-    /// tensor's memory as it is.
-    Bytes {
-        /// The elements.
-        bytes: &'a [u8],
-        /// Their dtype.
-        dtype: DType,
-    },
-}
-
-impl Grad<'_> {
-    fn elements(&self) -> Result<usize> {
-        match *self {
-            Grad::F32(v) => Ok(v.len()),
-            Grad::Bytes { bytes, dtype } => match dtype {
-                DType::F32 | DType::BF16 | DType::F16 => {
-                    Ok(bytes.len() / dtype.size_bytes() as usize)
-                }
-                other => Err(TrainError::Protocol(format!(
-                    "a gradient of dtype {other}: only F32, BF16 and F16 are taken"
-                ))),
-            },
-        }
-    }
-
-    /// The values widened into `dst` (f32, as long as the gradient).
-    fn widen_into(&self, dst: &mut [f32]) {
-        match *self {
-            Grad::F32(v) => dst.copy_from_slice(v),
-            Grad::Bytes { bytes, dtype } => typed::decode_f32(bytes, dtype, dst),
-        }
-    }
-}
 
 impl Trainer {
     /// Where trainable parameter `i`'s gradient lives: its fp32 companion (`F32`) or its
@@ -67,7 +28,7 @@ impl Trainer {
     /// `last` part the gradient's squared norm is reported ([`Trainer::grad_written`]).
     /// A traced access of the gradient's place in the host pool, released
     /// `HoldAfterBwd`.
-    pub fn put_grad(&mut self, i: usize, grad: Grad<'_>, first: bool, last: bool) -> Result<()> {
+    pub fn put_grad(&mut self, i: usize, grad: Values<'_>, first: bool, last: bool) -> Result<()> {
         let e = self.entry(i)?;
         let n = grad.elements()?;
         if !e.spec.trainable || n != e.spec.elements() {
@@ -106,7 +67,7 @@ impl Trainer {
     /// Writes (`first`) or adds the gradient into its place; the squared norm of what
     /// the place holds afterwards, taken from the f32 values before any rounding to the
     /// place's dtype.
-    fn write_grad(&mut self, i: usize, grad: Grad<'_>, first: bool) -> Result<f64> {
+    fn write_grad(&mut self, i: usize, grad: Values<'_>, first: bool) -> Result<f64> {
         let tensor = self.grad_tensor(i);
         let n = grad.elements()?;
         let cpu = self.step.optimizer().cpu();

@@ -28,7 +28,7 @@ mod open;
 mod state;
 mod values;
 
-pub use values::decode_moment;
+pub use values::{decode_moment, Values};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,7 +38,6 @@ use tidestore_chunk::{ChunkStore, ListKind, MoveEvent, MoveKind, Place, StoreSta
 use tidestore_optimizer::HyperParams;
 
 pub use config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
-pub use grads::Grad;
 
 use crate::error::{Result, TrainError};
 use crate::step::StepLoop;
@@ -184,11 +183,11 @@ impl Trainer {
         &self.store
     }
 
-    /// The chunk store, for what streams tensors in or out of it in bulk (HF export):
-    /// between steps, with no gradient reported.
-    pub fn store_mut(&mut self) -> Result<&mut ChunkStore> {
-        self.between_steps("the store handed out")?;
-        Ok(&mut self.store)
+    /// The chunk store, for a front end that accesses tensors itself (the bench: its
+    /// emulated compute reads and writes tensors where they lie, and reports their
+    /// gradients with [`Trainer::grad_written`]).
+    pub fn store_mut(&mut self) -> &mut ChunkStore {
+        &mut self.store
     }
 
     /// The store's counters.

@@ -4,6 +4,7 @@
 //! function, every refusal before anything is allocated where the layout alone can tell.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use tidestore_chunk::{
     search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, MoveEvent, NvmeSource,
@@ -23,21 +24,23 @@ const STEP_WORKING_SET_CHUNKS: u32 = 4;
 
 impl Trainer {
     /// Registers `specs` (in forward order, values zero) in a new store laid out and
-    /// budgeted as `cfg` says, and readies the step loop. Names used twice, a budget the
-    /// store cannot work in, a chunk size that cannot hold a tensor: refused here, with
-    /// the bytes needed and available, before the host pool or swap file is made.
+    /// budgeted as `cfg` says, and readies the step loop. Names used twice, invalid
+    /// hyper-parameters or step settings, a budget the store cannot work in, a chunk size
+    /// that cannot hold a tensor: refused here, with the bytes needed and available,
+    /// before the host pool or swap file is made.
     pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Trainer> {
         check_specs(specs)?;
+        let step = StepConfig {
+            hp: cfg.hp,
+            max_grad_norm: cfg.max_grad_norm,
+            loss_scaler: None,
+            place: StepPlace::Host,
+            overlap: cfg.overlap,
+        };
+        step.validate()?;
         let layout = layout(specs, cfg)?;
-        let entries = entries(specs, &layout)?;
         let (store_cfg, slot_bytes) = store_config(&layout, cfg);
         let device = open_device(cfg, store_cfg.device_budget_bytes)?;
-        // Compute reads host-addressable memory: a simulated device is host memory, a
-        // CUDA one is not, so there compute reads the host pool's copy.
-        let compute_place = match device.kind() {
-            DeviceKind::Sim => Place::Device,
-            _ => Place::Host,
-        };
         tracing::info!(
             chunk_elements = layout.chunk_elements(),
             slot_bytes,
@@ -46,11 +49,45 @@ impl Trainer {
             waste = layout.waste_fraction(),
             "trainer: layout"
         );
-        let mut store = ChunkStore::open(layout, store_cfg, device)?;
-        let traffic = std::sync::Arc::new(NvmeTraffic::default());
+        let store = ChunkStore::open(layout, store_cfg, device)?;
+        let cpu = AdamW::new(CpuConfig {
+            threads: cfg.optimizer_threads,
+            ..CpuConfig::default()
+        })?;
+        let opt = HybridAdamW::cpu_only(
+            cpu,
+            OptimError::NoGpu {
+                reason: "the trainer steps in the host pool".into(),
+            },
+        );
+        Trainer::with_store(store, specs, cfg.precision, step, opt)
+    }
+
+    /// A trainer over a store its caller opened (the bench, whose capacity checks name
+    /// its config's keys and whose step placement depends on the opened device): every
+    /// spec must be a tensor of the store's layout, with its gradient companion
+    /// `NAME#grad` in `F32` precision. Steps with `opt` as `step` says.
+    pub fn with_store(
+        store: ChunkStore,
+        specs: &[ParamSpec],
+        precision: Precision,
+        step: StepConfig,
+        opt: HybridAdamW,
+    ) -> Result<Trainer> {
+        check_specs(specs)?;
+        let entries = entries(specs, store.layout(), precision)?;
+        let mut store = store;
+        let traffic = Arc::new(NvmeTraffic::default());
         let hook = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
-        let step = step_loop(&store, &entries, cfg)?;
+        let step = step_loop(&store, &entries, step, opt)?;
+        // Compute reads host-addressable memory: a simulated device is host memory, a
+        // CUDA one is not, so there compute reads the host pool's copy.
+        let compute_place = match store.device().kind() {
+            DeviceKind::Sim => Place::Device,
+            _ => Place::Host,
+        };
+        let swap_path = store.nvme().with_swap_file(|f| f.path().to_path_buf());
         let by_name = entries
             .iter()
             .enumerate()
@@ -61,10 +98,10 @@ impl Trainer {
             step,
             entries,
             by_name,
-            precision: cfg.precision,
+            precision,
             compute_place,
             traffic,
-            swap_path: cfg.swap_dir.join(tidestore_chunk::SWAP_FILE_NAME),
+            swap_path,
             reported: 0,
         })
     }
@@ -151,17 +188,21 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
 }
 
 /// Each spec's entry: its tensor and, in `F32`, its gradient companion.
-fn entries(specs: &[ParamSpec], layout: &Layout) -> Result<Vec<Entry>> {
+fn entries(specs: &[ParamSpec], layout: &Layout, precision: Precision) -> Result<Vec<Entry>> {
     specs
         .iter()
         .map(|spec| {
+            let missing = |what: &str| TrainError::Tensor {
+                tensor: spec.name.clone(),
+                reason: format!("{what} is not in the store's layout"),
+            };
             let id = layout
                 .tensor_id(&spec.name)
-                .ok_or_else(|| TrainError::Tensor {
-                    tensor: spec.name.clone(),
-                    reason: "missing from the layout just built".into(),
-                })?;
+                .ok_or_else(|| missing("the tensor"))?;
             let grad_id = layout.tensor_id(&format!("{}{GRAD_SUFFIX}", spec.name));
+            if precision == Precision::F32 && spec.trainable && grad_id.is_none() {
+                return Err(missing("its f32 gradient companion"));
+            }
             Ok(Entry {
                 spec: spec.clone(),
                 id,
@@ -212,19 +253,14 @@ fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<Device> {
     device.map_err(|e| TrainError::Store(ChunkError::tier("opening the device tier", None, e)))
 }
 
-/// The step loop over the trainable entries: in the host pool, gradients in their fp32
-/// companions (`F32`) or over the bf16 copy (`Bf16`).
-fn step_loop(store: &ChunkStore, entries: &[Entry], cfg: &TrainerConfig) -> Result<StepLoop> {
-    let cpu = AdamW::new(CpuConfig {
-        threads: cfg.optimizer_threads,
-        ..CpuConfig::default()
-    })?;
-    let opt = HybridAdamW::cpu_only(
-        cpu,
-        OptimError::NoGpu {
-            reason: "the trainer steps in the host pool".into(),
-        },
-    );
+/// The step loop over the trainable entries: gradients in their fp32 companions
+/// (`F32`) or over the bf16 copy (`Bf16`).
+fn step_loop(
+    store: &ChunkStore,
+    entries: &[Entry],
+    cfg: StepConfig,
+    opt: HybridAdamW,
+) -> Result<StepLoop> {
     let tensors = entries
         .iter()
         .filter(|e| e.spec.trainable)
@@ -239,12 +275,5 @@ fn step_loop(store: &ChunkStore, entries: &[Entry], cfg: &TrainerConfig) -> Resu
             },
         })
         .collect();
-    let step_cfg = StepConfig {
-        hp: cfg.hp,
-        max_grad_norm: cfg.max_grad_norm,
-        loss_scaler: None,
-        place: StepPlace::Host,
-        overlap: cfg.overlap,
-    };
-    StepLoop::new(store, opt, tensors, step_cfg)
+    StepLoop::new(store, opt, tensors, cfg)
 }

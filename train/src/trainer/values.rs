@@ -42,6 +42,45 @@ pub fn decode_moment(bytes: &[u8], dtype: DType, elements: usize, signed: bool) 
     }
 }
 
+/// Values as a front end has them: fp32, or a framework tensor's memory as it is.
+#[derive(Debug, Clone, Copy)]
+pub enum Values<'a> {
+    /// fp32 values.
+    F32(&'a [f32]),
+    /// Little-endian elements of `F32`, `BF16` or `F16`.
+    Bytes {
+        /// The elements.
+        bytes: &'a [u8],
+        /// Their dtype.
+        dtype: DType,
+    },
+}
+
+impl Values<'_> {
+    /// How many values; an element type other than fp32 / bf16 / fp16 is refused.
+    pub(crate) fn elements(&self) -> Result<usize> {
+        match *self {
+            Values::F32(v) => Ok(v.len()),
+            Values::Bytes { bytes, dtype } => match dtype {
+                DType::F32 | DType::BF16 | DType::F16 => {
+                    Ok(bytes.len() / dtype.size_bytes() as usize)
+                }
+                other => Err(TrainError::Protocol(format!(
+                    "values of dtype {other}: only F32, BF16 and F16 are taken"
+                ))),
+            },
+        }
+    }
+
+    /// The values widened into `dst` (as long as they are).
+    pub(crate) fn widen_into(&self, dst: &mut [f32]) {
+        match *self {
+            Values::F32(v) => dst.copy_from_slice(v),
+            Values::Bytes { bytes, dtype } => typed::decode_f32(bytes, dtype, dst),
+        }
+    }
+}
+
 impl Trainer {
     /// The list compute reads a parameter from: the master copy of a trainable one in
     /// `F32`, else its 16-bit place (a frozen parameter's fp32 values live there).
@@ -125,6 +164,60 @@ impl Trainer {
             })?
     }
 
+    /// Writes `values` as trainable parameter `i`'s master copy (in place, a traced
+    /// access: see [`Trainer::with_master`]).
+    pub fn set_master(&mut self, i: usize, values: Values<'_>) -> Result<()> {
+        self.check_values(i, values.elements()?)?;
+        self.with_master(i, |m| values.widen_into(m))
+    }
+
+    /// Compares `values` with trainable parameter `i`'s master copy rounded to their
+    /// dtype; where they differ (the front end changed the parameter outside the
+    /// optimizer) the values become the master copy. Returns whether they did.
+    pub fn sync_master(&mut self, i: usize, values: Values<'_>) -> Result<bool> {
+        self.check_values(i, values.elements()?)?;
+        self.with_master(i, |m| {
+            let differs = match values {
+                Values::F32(v) => v
+                    .iter()
+                    .zip(m.iter())
+                    .any(|(a, b)| a.to_bits() != b.to_bits()),
+                Values::Bytes { bytes, dtype } => {
+                    let mut rounded = vec![0u8; bytes.len()];
+                    typed::encode_f32(m, dtype, &mut rounded);
+                    rounded != bytes
+                }
+            };
+            if differs {
+                values.widen_into(m);
+            }
+            differs
+        })
+    }
+
+    /// Writes trainable parameter `i`'s master copy, rounded to `dtype` (nearest even),
+    /// into `out` (little-endian elements).
+    pub fn read_master(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
+        let n = (Values::Bytes { bytes: out, dtype }).elements()?;
+        self.check_values(i, n)?;
+        self.with_master(i, |m| typed::encode_f32(m, dtype, out))
+    }
+
+    fn check_values(&self, i: usize, n: usize) -> Result<()> {
+        let spec = &self.entry(i)?.spec;
+        if n != spec.elements() {
+            return Err(TrainError::Tensor {
+                tensor: spec.name.clone(),
+                reason: format!(
+                    "{n} values for shape {:?} ({} elements)",
+                    spec.shape,
+                    spec.elements()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Parameter `i`'s current fp32 values (the master copy of a trainable one);
     /// untraced.
     pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
@@ -173,4 +266,47 @@ impl Trainer {
 pub(crate) fn f32_view_mut(bytes: &mut [u8]) -> Result<&mut [f32]> {
     bytemuck::try_cast_slice_mut(bytes)
         .map_err(|e| TrainError::Protocol(format!("an fp32 place in the store is misaligned: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sixteen_bit_values_round_trip_through_f32() {
+        for dtype in [DType::BF16, DType::F16] {
+            let values = [0.0f32, 1.5, -2.25, 1e-3, 65000.0];
+            let mut bits = vec![0u8; values.len() * 2];
+            typed::encode_f32(&values, dtype, &mut bits);
+            let mut wide = vec![0.0f32; values.len()];
+            Values::Bytes {
+                bytes: &bits,
+                dtype,
+            }
+            .widen_into(&mut wide);
+            let mut again = vec![0u8; bits.len()];
+            typed::encode_f32(&wide, dtype, &mut again);
+            assert_eq!(bits, again, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn only_float_elements_are_taken() {
+        let bytes = [0u8; 8];
+        assert_eq!(
+            Values::Bytes {
+                bytes: &bytes,
+                dtype: DType::BF16
+            }
+            .elements()
+            .unwrap(),
+            4
+        );
+        assert!(Values::Bytes {
+            bytes: &bytes,
+            dtype: DType::Q8
+        }
+        .elements()
+        .is_err());
+    }
 }
