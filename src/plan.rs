@@ -25,24 +25,10 @@ use tidestore_chunk::{plan_capacity, ChunkError, Layout, ListKind};
 
 use crate::bench::compute::ComputeModel;
 use crate::error::Result;
+pub use crate::config::human_bytes;
 use crate::session::WORKING_SET_CHUNKS;
 use crate::workload::Workload;
 
-/// `1.50 GiB`, `512.0 MiB`, `4.0 KiB`, `12 B`.
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [(&str, f64); 4] = [
-        ("TiB", (1u64 << 40) as f64),
-        ("GiB", (1u64 << 30) as f64),
-        ("MiB", (1u64 << 20) as f64),
-        ("KiB", 1024.0),
-    ];
-    for (name, size) in UNITS {
-        if b as f64 >= size {
-            return format!("{:.2} {name}", b as f64 / size);
-        }
-    }
-    format!("{b} B")
-}
 
 /// The machine a plan is for. Budgets are for chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -139,7 +139,7 @@ pub fn layout_for(
 }
 
 fn human(b: u64) -> String {
-    crate::plan::human_bytes(b)
+    crate::config::human_bytes(b)
 }
 
 /// Builds the workload and its layout and checks every budget (see the module doc).

@@ -27,7 +27,7 @@ mod size;
 use parse::parse;
 #[cfg(test)]
 use parse::{key_and_reason, locate};
-pub use size::{AutoSize, Size};
+pub use size::{human_bytes, AutoSize, Size};
 #[cfg(test)]
 use size::{GIB, MIB, TIB};
 
@@ -392,7 +392,7 @@ impl Config {
     /// Parse and validate a configuration from TOML text. Does not touch the filesystem:
     /// `nvme.dir` is checked for presence only (see [`Config::check_dirs`]).
     pub fn from_toml_str(src: &str) -> Result<Config> {
-        let cfg = parse(src)?;
+        let cfg: Config = parse(src)?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -1,11 +1,13 @@
 //! Reading the TOML text: serde with the path of every type error and unknown key, and
 //! the line and column the parser points at, turned into [`Error::Config`].
 
-use super::Config;
+use serde::de::DeserializeOwned;
+
 use crate::error::{Error, Location, Result};
 
-/// Deserialize without validating; type errors and unknown keys name their key.
-pub(super) fn parse(src: &str) -> Result<Config> {
+/// Deserialize without validating (the config, or any of its sections); type errors and
+/// unknown keys name their key.
+pub(super) fn parse<T: DeserializeOwned>(src: &str) -> Result<T> {
     let de = toml::Deserializer::parse(src).map_err(|e| Error::Syntax {
         at: locate(src, e.span()),
         message: one_line(e.message()),

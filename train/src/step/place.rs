@@ -58,7 +58,7 @@ impl StepLoop {
                         let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
                         let out =
                             param_out(&mut grad_bytes[2 * at..2 * end], e.grad_dtype, &e.name)?;
-                        let mv = moments_of(m, v, e, at..end)?;
+                        let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
                         opt.cpu().step_moments(
                             state,
                             hp,
@@ -76,7 +76,7 @@ impl StepLoop {
                             }
                             _ => None,
                         };
-                        let mv = moments_of(m, v, e, at..end)?;
+                        let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
                         opt.cpu()
                             .step_moments(state, hp, &mut master[at..end], mv, grads, out)?;
                     }
@@ -124,7 +124,7 @@ impl StepLoop {
                     Some(d) => Some(param_out(out_bytes, d, &e.name)?),
                     None => None,
                 };
-                let mv = moments_of(m, v, e, 0..len)?;
+                let mv = moments_of((m, v), (e.moments, e.len), &e.name, 0..len)?;
                 let started = Instant::now();
                 opt.cpu().step_moments(state, hp, master, mv, grads, out)?;
                 Ok::<_, TrainError>(started.elapsed().as_nanos() as u64)

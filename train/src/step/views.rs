@@ -8,7 +8,6 @@ use tidestore_chunk::{DType, TensorViewMut};
 use tidestore_optimizer::{Dtype, Grads, Moments, ParamOut, Q8Mut, StateType};
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 
-use super::Entry;
 use crate::error::{Result, TrainError};
 
 pub(super) fn cast_err(tensor: &str, what: &str) -> TrainError {
@@ -73,13 +72,12 @@ pub(super) fn state_type_of(d: DType, tensor: &str) -> Result<StateType> {
 /// bf16 elements, or (Q8) the codes and absmax of the piece's blocks (a Q8 place is the
 /// `len` codes, padding to 4 bytes, then the absmax; pieces start at whole blocks).
 pub(super) fn moments_of<'a>(
-    m: &'a mut [u8],
-    v: &'a mut [u8],
-    e: &Entry,
+    (m, v): (&'a mut [u8], &'a mut [u8]),
+    (dtype, len): (DType, usize),
+    name: &str,
     piece: std::ops::Range<usize>,
 ) -> Result<Moments<'a>> {
-    let name = &e.name;
-    Ok(match e.moments {
+    Ok(match dtype {
         DType::F32 => Moments::F32 {
             m: &mut f32s(m, name, "m")?[piece.clone()],
             v: &mut f32s(v, name, "v")?[piece],
@@ -89,8 +87,8 @@ pub(super) fn moments_of<'a>(
             v: &mut bf16s(v, name, "v")?[piece],
         },
         DType::Q8 => Moments::Int8 {
-            m: q8_of(m, e.len, piece.clone(), name, "m")?,
-            v: q8_of(v, e.len, piece, name, "v")?,
+            m: q8_of(m, len, piece.clone(), name, "m")?,
+            v: q8_of(v, len, piece, name, "v")?,
         },
         DType::F16 => return Err(cast_err(name, "moment (f16 is no moment form)")),
     })
