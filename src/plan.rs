@@ -24,11 +24,10 @@ use serde::Serialize;
 use tidestore_chunk::{plan_capacity, ChunkError, Layout, ListKind};
 
 use crate::bench::compute::ComputeModel;
-use crate::error::Result;
 pub use crate::config::human_bytes;
+use crate::error::Result;
 use crate::session::WORKING_SET_CHUNKS;
 use crate::workload::Workload;
-
 
 /// The machine a plan is for. Budgets are for chunks.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -19,7 +19,7 @@ use crate::params::Consts;
 /// `g` points to at least `i + 1` elements of the dtype coded by `GK`.
 #[inline(always)]
 pub(crate) unsafe fn load_grad<const GK: u8>(g: *const u8, i: usize) -> f32 {
-    // SAFETY (all arms): the caller guarantees element `i` of the `GK` dtype is in bounds;
+    // SAFETY: (all arms) the caller guarantees element `i` of the `GK` dtype is in bounds;
     // `read_unaligned` needs no alignment.
     unsafe {
         match GK {
