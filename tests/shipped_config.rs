@@ -109,6 +109,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "sequence",
                 "micro_batch",
                 "accumulation",
+                "micro_batch_order",
                 "schedule",
                 "warmup_steps",
                 "mode",

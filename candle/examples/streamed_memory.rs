@@ -25,8 +25,8 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 use clap::Parser;
 use tidestore_candle::{train_step, Budget, Llama, LlamaConfig, Precision, TideConfig, TideParams};
-use tidestore_train::IoConfig;
 use tidestore_train::{HyperParams, Mode};
+use tidestore_train::{IoConfig, MicroBatchOrder};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -165,7 +165,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let all = Tensor::from_vec(ids, (b, t + 1), &Device::Cpu)?;
         let (x, y) = (all.narrow(1, 0, t)?, all.narrow(1, 1, t)?);
         let started = Instant::now();
-        let s = train_step(&mut p, &model, &[(x, y)])?;
+        let s = train_step(&mut p, &model, &[(x, y)], MicroBatchOrder::Vertical)?;
         let secs = started.elapsed().as_secs_f64();
         println!(
             "step {}: loss {:.4}, {:.2} s = compute {:.2} s + store {:.2} s + optimizer {:.2} s",

@@ -19,8 +19,8 @@ use tidestore_candle::streamed::InMemoryTraining;
 use tidestore_candle::{
     train_step, Budget, InMemory, Llama, LlamaConfig, Precision, TideConfig, TideParams,
 };
-use tidestore_train::IoConfig;
 use tidestore_train::{HyperParams, Mode};
+use tidestore_train::{IoConfig, MicroBatchOrder};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -113,10 +113,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let started = Instant::now();
                 match v {
                     0 => {
-                        train_step(&mut store, &model, &[(x, y)])?;
+                        train_step(&mut store, &model, &[(x, y)], MicroBatchOrder::Vertical)?;
                     }
                     1 => {
-                        train_step(&mut recompute, &model, &[(x, y)])?;
+                        train_step(&mut recompute, &model, &[(x, y)], MicroBatchOrder::Vertical)?;
                     }
                     _ => {
                         let logits = model.forward(&mut graph, &x)?;

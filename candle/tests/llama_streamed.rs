@@ -13,6 +13,7 @@ use common::*;
 use tidestore_candle::{
     train_step, InMemory, Llama, LlamaConfig, LlamaLora, ParamSource, Precision, TideParams,
 };
+use tidestore_train::MicroBatchOrder::{self, Horizontal, Vertical};
 
 fn llama(tie: bool, lora: bool) -> Llama {
     Llama::new(LlamaConfig {
@@ -63,7 +64,7 @@ fn step1_matches_full_graph(tie: bool, lora: bool) {
         &Device::Cpu,
     )
     .unwrap();
-    let s = train_step(&mut p, &model, &[(x.clone(), y.clone())]).unwrap();
+    let s = train_step(&mut p, &model, &[(x.clone(), y.clone())], Horizontal).unwrap();
     let d = (s.loss - want_loss).abs() / want_loss;
     assert!(d <= 1e-6, "loss {} vs {want_loss}", s.loss);
     let mut worst = (0f32, String::new());
@@ -132,7 +133,7 @@ fn twenty_streamed_steps_equal_full_graph_training() {
             .map(|s| {
                 let (x, y) = data.get(s, &Device::Cpu).unwrap();
                 if streamed {
-                    train_step(&mut p, &model, &[(x.clone(), y.clone())])
+                    train_step(&mut p, &model, &[(x.clone(), y.clone())], Horizontal)
                         .unwrap()
                         .loss
                 } else {
@@ -159,11 +160,11 @@ fn twenty_streamed_steps_equal_full_graph_training() {
 }
 
 #[test]
-fn two_micro_batches_equal_one_batch_of_both() {
+fn two_micro_batches_equal_one_batch_of_both_in_either_order() {
     let model = llama(false, false);
     let init = model.init(3);
     let data = batches();
-    let run = |split: bool| -> Vec<f32> {
+    let run = |split: bool, order: MicroBatchOrder| -> Vec<f32> {
         let dir = tempfile::tempdir().unwrap();
         let mut p = TideParams::open(
             &init,
@@ -180,14 +181,19 @@ fn two_micro_batches_equal_one_batch_of_both() {
                 } else {
                     vec![(x, y)]
                 };
-                train_step(&mut p, &model, &parts).unwrap().loss
+                train_step(&mut p, &model, &parts, order).unwrap().loss
             })
             .collect()
     };
-    let (one, two) = (run(false), run(true));
-    eprintln!("one batch: {one:?}\ntwo parts: {two:?}");
-    let d = max_rel_diff(&one, &two);
-    assert!(d <= 1e-5, "max relative loss difference {d:e}");
+    let one = run(false, Horizontal);
+    let (horizontal, vertical) = (run(true, Horizontal), run(true, Vertical));
+    eprintln!("one batch: {one:?}\ntwo parts: {horizontal:?}\nvertical: {vertical:?}");
+    for (what, two) in [("horizontal", &horizontal), ("vertical", &vertical)] {
+        let d = max_rel_diff(&one, two);
+        assert!(d <= 1e-5, "{what}: max relative loss difference {d:e}");
+    }
+    // Without a tied parameter both orders sum each gradient in the same order.
+    assert_eq!(horizontal, vertical);
 }
 
 #[test]
@@ -216,7 +222,11 @@ fn the_in_memory_baseline_of_the_same_recompute_equals_candle_full_graph() {
         let loss = Llama::loss(&logits, &y).unwrap();
         opt.backward_step(&loss).unwrap();
         want.push(loss.to_scalar::<f32>().unwrap());
-        got.push(train_step(&mut streamed, &model, &[(x, y)]).unwrap().loss);
+        got.push(
+            train_step(&mut streamed, &model, &[(x, y)], Horizontal)
+                .unwrap()
+                .loss,
+        );
     }
     eprintln!("full graph: {want:?}\nrecompute:  {got:?}");
     assert!(max_rel_diff(&want, &got) <= 1e-5);

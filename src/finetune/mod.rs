@@ -31,7 +31,7 @@ use crate::config::{AutoSize, Config};
 use crate::error::{Error, Result};
 
 pub use data::Samples;
-pub use section::{ExportDtype, PrecisionName, Schedule, TrainSection};
+pub use section::{ExportDtype, MicroBatchOrderName, PrecisionName, Schedule, TrainSection};
 
 /// The JSON schema name of [`FinetuneReport`].
 pub const SCHEMA: &str = "tidestore.finetune.v1";
@@ -241,7 +241,7 @@ fn one_step(
     let batches = (0..u64::from(t.accumulation))
         .map(|k| samples.batch(u64::from(step), k, &Device::Cpu))
         .collect::<Result<Vec<_>>>()?;
-    let s = train_step(params, &loaded.model, &batches)?;
+    let s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
     let tokens = u64::from(t.accumulation) * u64::from(t.micro_batch) * u64::from(t.sequence);
     Ok(StepRecord {
         step,

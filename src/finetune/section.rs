@@ -30,8 +30,31 @@ pub enum PrecisionName {
     #[default]
     Bf16,
     /// fp32 compute from the master copy, fp32 gradients of their own (20 bytes per
-    /// trained parameter); needed for `accumulation` > 1.
+    /// trained parameter); needed for `accumulation` > 1 in horizontal order.
     F32,
+}
+
+/// `train.micro_batch_order`: how the micro-batches of a step meet the blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MicroBatchOrderName {
+    /// Every micro-batch through a block before the next block: each block's weights
+    /// read once per step however many micro-batches.
+    #[default]
+    Vertical,
+    /// One micro-batch through every block after another: each block's weights read
+    /// once per micro-batch.
+    Horizontal,
+}
+
+impl MicroBatchOrderName {
+    /// The train crate's order.
+    pub fn order(self) -> tidestore_train::MicroBatchOrder {
+        match self {
+            MicroBatchOrderName::Vertical => tidestore_train::MicroBatchOrder::Vertical,
+            MicroBatchOrderName::Horizontal => tidestore_train::MicroBatchOrder::Horizontal,
+        }
+    }
 }
 
 /// `train.export_dtype`: the dtype of the exported weights.
@@ -63,8 +86,11 @@ pub struct TrainSection {
     pub sequence: u32,
     /// Samples per micro-batch, >= 1.
     pub micro_batch: u32,
-    /// Micro-batches per step, >= 1 (more than 1 needs `precision = "f32"`).
+    /// Micro-batches per step, >= 1 (more than 1 in horizontal order needs
+    /// `precision = "f32"`).
     pub accumulation: u32,
+    /// How the micro-batches meet the blocks.
+    pub micro_batch_order: MicroBatchOrderName,
     /// The learning-rate schedule.
     pub schedule: Schedule,
     /// Steps of linear warm-up from 0.
@@ -101,6 +127,7 @@ impl Default for TrainSection {
             sequence: 128,
             micro_batch: 4,
             accumulation: 1,
+            micro_batch_order: MicroBatchOrderName::Vertical,
             schedule: Schedule::Constant,
             warmup_steps: 0,
             mode: TrainMode::Full,
@@ -137,11 +164,16 @@ impl TrainSection {
         if self.accumulation == 0 {
             return Err(Error::config("train.accumulation", "must be at least 1"));
         }
-        if self.accumulation > 1 && self.precision == PrecisionName::Bf16 {
+        if self.accumulation > 1
+            && self.precision == PrecisionName::Bf16
+            && self.micro_batch_order == MicroBatchOrderName::Horizontal
+        {
             return Err(Error::config(
                 "train.accumulation",
-                "more than 1 needs precision = \"f32\": in bf16 the gradient is written over \
-                 the 16-bit parameters, which the next micro-batch's forward reads",
+                "more than 1 in micro_batch_order = \"horizontal\" needs precision = \"f32\": \
+                 in bf16 the gradient is written over the 16-bit parameters, which the next \
+                 micro-batch's forward reads (\"vertical\" sums a block's gradients over the \
+                 micro-batches before it writes them)",
             ));
         }
         if !(1..=65536).contains(&self.lora_rank) {

@@ -17,12 +17,24 @@
 //!    blocks, a tied embedding, is summed over them first, with [`Blocks::add`]).
 //! 4. **Step**: [`BlockParams::step`], after the last micro-batch.
 //!
-//! With several micro-batches (gradient accumulation), steps 1–3 run for each: the
-//! first micro-batch's gradients replace what the store holds, later ones are added to
-//! it, and the gradient is final after the last micro-batch.
+//! With several micro-batches (gradient accumulation) the [`MicroBatchOrder`] says how
+//! they meet the blocks:
+//! - [`MicroBatchOrder::Vertical`] (the default): every micro-batch goes through a block
+//!   before the next block, forward and, in reverse, backward. A block's parameters are
+//!   fetched once per pass however many micro-batches there are, so each block's
+//!   weights cross the disk once in forward and once in backward per step; its
+//!   gradients are summed over the micro-batches in the framework's memory and put
+//!   once. Every micro-batch's block inputs are kept.
+//! - [`MicroBatchOrder::Horizontal`]: steps 1–3 run for one micro-batch after another,
+//!   each fetching every block's parameters again; the first micro-batch's gradients
+//!   replace what the store holds, later ones are added to it there.
+//!
+//! Both give a parameter's gradient as the sum over the micro-batches in the same order
+//! (bit-identical); a parameter used by several blocks is summed in another order
+//! (within fp32 rounding). With one micro-batch the two are the same computation.
 //!
 //! Block inputs stay in the framework's memory (`batch · time · hidden` each, one per
-//! block); they are not spilled to the store.
+//! block and micro-batch); they are not spilled to the store.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -115,6 +127,17 @@ pub trait BlockParams<B: Blocks + ?Sized> {
     fn step(&mut self) -> Result<StepDecision, B::Error>;
 }
 
+/// How micro-batches meet the blocks (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MicroBatchOrder {
+    /// Every micro-batch through a block before the next block: each block's
+    /// parameters fetched once per pass.
+    #[default]
+    Vertical,
+    /// One micro-batch through every block after another.
+    Horizontal,
+}
+
 /// Where the time of one step went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
@@ -182,11 +205,12 @@ fn first_use<B: Blocks + ?Sized>(model: &B) -> HashMap<String, usize> {
 }
 
 /// One training step of `model` over `batches` (micro-batches of inputs and targets),
-/// layer-streamed through `params` (see the module doc).
+/// layer-streamed through `params`, micro-batches in `order` (see the module doc).
 pub fn train_step<B, P>(
     params: &mut P,
     model: &B,
     batches: &[(B::Tensor, B::Tensor)],
+    order: MicroBatchOrder,
 ) -> Result<StreamedStep, B::Error>
 where
     B: Blocks + ?Sized,
@@ -209,15 +233,21 @@ where
         store: Duration::ZERO,
     };
     let parts = batches.len();
-    let mut loss_sum = 0.0;
-    for (k, (tokens, targets)) in batches.iter().enumerate() {
-        let part = Part {
-            first: k == 0,
-            last: k + 1 == parts,
-            scale: 1.0 / parts as f64,
-        };
-        loss_sum += micro_batch(&mut timed, model, tokens, targets, part, &first)?;
-    }
+    let loss_sum = match order {
+        MicroBatchOrder::Vertical => vertical(&mut timed, model, batches, &first)?,
+        MicroBatchOrder::Horizontal => {
+            let mut loss_sum = 0.0;
+            for (k, (tokens, targets)) in batches.iter().enumerate() {
+                let part = Part {
+                    first: k == 0,
+                    last: k + 1 == parts,
+                    scale: 1.0 / parts as f64,
+                };
+                loss_sum += micro_batch(&mut timed, model, tokens, targets, part, &first)?;
+            }
+            loss_sum
+        }
+    };
     let compute_and_store = started.elapsed();
     let step_started = Instant::now();
     let decision = timed.params.step()?;
@@ -329,4 +359,293 @@ where
         params.put_grad(&name, &g, part.first, part.last)?;
     }
     Ok(())
+}
+
+/// A block's parameters fetched once and handed out again for every micro-batch of the
+/// pass ([`MicroBatchOrder::Vertical`]).
+struct BlockCache<'a, B: Blocks + ?Sized, P: ?Sized> {
+    params: &'a mut P,
+    fetched: Vec<(String, B::Tensor)>,
+}
+
+impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCache<'_, B, P> {
+    fn fetch(&mut self, name: &str, backward: bool) -> Result<B::Tensor, B::Error> {
+        if let Some((_, t)) = self.fetched.iter().find(|(n, _)| n == name) {
+            return Ok(t.clone());
+        }
+        let t = self.params.fetch(name, backward)?;
+        self.fetched.push((name.to_string(), t.clone()));
+        Ok(t)
+    }
+
+    fn put_grad(
+        &mut self,
+        name: &str,
+        grad: &B::Tensor,
+        first: bool,
+        last: bool,
+    ) -> Result<(), B::Error> {
+        self.params.put_grad(name, grad, first, last)
+    }
+
+    fn step(&mut self) -> Result<StepDecision, B::Error> {
+        self.params.step()
+    }
+}
+
+/// Forward and backward of every micro-batch, block by block (see the module doc);
+/// returns the sum of their unscaled losses.
+fn vertical<B, P>(
+    params: &mut P,
+    model: &B,
+    batches: &[(B::Tensor, B::Tensor)],
+    first: &HashMap<String, usize>,
+) -> Result<f32, B::Error>
+where
+    B: Blocks + ?Sized,
+    P: BlockParams<B>,
+{
+    let head = model.block_count() - 1;
+    let scale = 1.0 / batches.len() as f64;
+    // Forward: per micro-batch, the input of every block (the checkpoints).
+    let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
+    for b in 0..head {
+        let mut cache = BlockCache::<B, P> {
+            params: &mut *params,
+            fetched: Vec::new(),
+        };
+        for x in &mut inputs {
+            let y = model.forward(b, &mut cache, &x[b])?;
+            x.push(y);
+        }
+    }
+    let mut pending: HashMap<String, B::Tensor> = HashMap::new();
+    let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
+    let mut loss_sum = 0.0;
+    for b in (0..=head).rev() {
+        let mut cache = BlockCache::<B, P> {
+            params: &mut *params,
+            fetched: Vec::new(),
+        };
+        // The block's gradients summed over the micro-batches, in first-seen order.
+        let mut sums: Vec<(String, B::Tensor)> = Vec::new();
+        for (k, (_, targets)) in batches.iter().enumerate() {
+            let input = inputs[k].pop().ok_or_else(|| {
+                TrainError::Protocol(format!("block {b}: its saved input is missing"))
+            })?;
+            let up = match &upstream[k] {
+                None => Upstream::Loss { targets, scale },
+                Some(g) => Upstream::Grad(g),
+            };
+            let grads = model.backward(b, &mut cache, &input, up)?;
+            if b == head {
+                loss_sum += grads
+                    .loss
+                    .ok_or_else(|| TrainError::Protocol("the last block gave no loss".into()))?;
+            }
+            for (name, g) in grads.params {
+                match sums.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, sum)) => *sum = model.add(sum, &g)?,
+                    None => sums.push((name, g)),
+                }
+            }
+            upstream[k] = match grads.input {
+                Some(g) => Some(g),
+                None if b > 0 => {
+                    return Err(TrainError::Protocol(format!(
+                        "block {b}: its output does not depend on its input"
+                    ))
+                    .into())
+                }
+                None => None,
+            };
+        }
+        let whole = Part {
+            first: true,
+            last: true,
+            scale,
+        };
+        put_block_grads(params, model, sums, b, first, &mut pending, whole)?;
+    }
+    if let Some(name) = pending.keys().next() {
+        return Err(TrainError::Protocol(format!(
+            "the gradient of `{name}` was left pending after the first block"
+        ))
+        .into());
+    }
+    Ok(loss_sum)
+}
+
+#[cfg(test)]
+mod tests {
+    //! A toy framework: tensors are `Vec<f64>`, block `b < last` computes `y = w_b · x`
+    //! (one weight per block, the last hidden block sharing block 0's weight, as a tied
+    //! embedding does), the last block the loss `sum((w_h · x - t)^2)`. The counting
+    //! params record every fetch and put, to check what each order asks of the store.
+    use super::*;
+
+    #[derive(Debug)]
+    struct Chain {
+        blocks: usize,
+    }
+
+    fn weight_of(chain: &Chain, b: usize) -> String {
+        if b + 2 == chain.blocks {
+            "w0".into() // tied to block 0's weight
+        } else {
+            format!("w{b}")
+        }
+    }
+
+    impl Blocks for Chain {
+        type Tensor = Vec<f64>;
+        type Error = TrainError;
+
+        fn block_count(&self) -> usize {
+            self.blocks
+        }
+
+        fn block_params(&self, block: usize) -> Vec<String> {
+            vec![weight_of(self, block)]
+        }
+
+        fn forward(
+            &self,
+            block: usize,
+            params: &mut dyn BlockParams<Self>,
+            input: &Vec<f64>,
+        ) -> Result<Vec<f64>, TrainError> {
+            let w = params.fetch(&weight_of(self, block), false)?[0];
+            Ok(input.iter().map(|x| w * x).collect())
+        }
+
+        fn backward(
+            &self,
+            block: usize,
+            params: &mut dyn BlockParams<Self>,
+            input: &Vec<f64>,
+            upstream: Upstream<'_, Vec<f64>>,
+        ) -> Result<BlockGrads<Vec<f64>>, TrainError> {
+            let name = weight_of(self, block);
+            let w = params.fetch(&name, true)?[0];
+            let (dy, loss) = match upstream {
+                Upstream::Loss { targets, scale } => {
+                    let d: Vec<f64> = input.iter().zip(targets).map(|(x, t)| w * x - t).collect();
+                    let loss = d.iter().map(|e| e * e).sum::<f64>();
+                    (
+                        d.iter().map(|e| 2.0 * e * scale).collect(),
+                        Some(loss as f32),
+                    )
+                }
+                Upstream::Grad(g) => (g.clone(), None),
+            };
+            let dw = dy.iter().zip(input).map(|(g, x)| g * x).sum::<f64>();
+            Ok(BlockGrads {
+                input: (block > 0).then(|| dy.iter().map(|g| g * w).collect()),
+                params: vec![(name, vec![dw])],
+                loss,
+            })
+        }
+
+        fn add(&self, a: &Vec<f64>, b: &Vec<f64>) -> Result<Vec<f64>, TrainError> {
+            Ok(a.iter().zip(b).map(|(x, y)| x + y).collect())
+        }
+    }
+
+    #[derive(Debug, Default)]
+    struct Counting {
+        fetches: usize,
+        /// Per parameter: the gradient as the store would hold it, and its puts.
+        grads: HashMap<String, (f64, usize)>,
+    }
+
+    impl BlockParams<Chain> for Counting {
+        fn fetch(&mut self, name: &str, _backward: bool) -> Result<Vec<f64>, TrainError> {
+            self.fetches += 1;
+            Ok(vec![0.5 + name[1..].parse::<f64>().unwrap_or(0.0) / 10.0])
+        }
+
+        fn put_grad(
+            &mut self,
+            name: &str,
+            g: &Vec<f64>,
+            first: bool,
+            _last: bool,
+        ) -> Result<(), TrainError> {
+            let e = self.grads.entry(name.into()).or_default();
+            e.0 = if first { g[0] } else { e.0 + g[0] };
+            e.1 += 1;
+            Ok(())
+        }
+
+        fn step(&mut self) -> Result<StepDecision, TrainError> {
+            Ok(StepDecision::Apply {
+                state: tidestore_optimizer::StepState::new(1),
+                grad_norm: 0.0,
+                clip_coef: 1.0,
+            })
+        }
+    }
+
+    fn run(order: MicroBatchOrder, parts: usize) -> (Counting, f32) {
+        let chain = Chain { blocks: 5 };
+        let batches: Vec<(Vec<f64>, Vec<f64>)> = (0..parts)
+            .map(|k| (vec![1.0 + k as f64, -0.5], vec![0.25, k as f64]))
+            .collect();
+        let mut p = Counting::default();
+        let s = train_step(&mut p, &chain, &batches, order).unwrap();
+        (p, s.loss)
+    }
+
+    #[test]
+    fn vertical_fetches_each_block_once_per_pass_whatever_the_micro_batches() {
+        for parts in [1, 4, 8] {
+            let (v, _) = run(MicroBatchOrder::Vertical, parts);
+            let (h, _) = run(MicroBatchOrder::Horizontal, parts);
+            // 4 blocks forward without the head, 5 in backward.
+            assert_eq!(v.fetches, 9, "vertical, {parts} micro-batches");
+            assert_eq!(h.fetches, 9 * parts, "horizontal, {parts} micro-batches");
+            assert!(
+                v.grads.values().all(|&(_, puts)| puts == 1),
+                "{:?}",
+                v.grads
+            );
+            assert!(
+                h.grads.values().all(|&(_, puts)| puts == parts),
+                "{:?}",
+                h.grads
+            );
+        }
+    }
+
+    #[test]
+    fn both_orders_give_the_same_losses_and_gradients() {
+        for parts in [1, 3] {
+            let (v, lv) = run(MicroBatchOrder::Vertical, parts);
+            let (h, lh) = run(MicroBatchOrder::Horizontal, parts);
+            assert_eq!(lv, lh);
+            for (name, (g, _)) in &h.grads {
+                let gv = v.grads[name].0;
+                // The tied weight is summed in another order; the others bit for bit.
+                if name == "w0" {
+                    assert!(
+                        (g - gv).abs() <= 1e-12 * g.abs().max(1.0),
+                        "{name}: {g} {gv}"
+                    );
+                } else {
+                    assert_eq!(g.to_bits(), gv.to_bits(), "{name}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_step_needs_a_micro_batch() {
+        let mut p = Counting::default();
+        let e = train_step(&mut p, &Chain { blocks: 3 }, &[], MicroBatchOrder::Vertical);
+        assert!(
+            matches!(e, Err(TrainError::Config { key: "batches", .. })),
+            "{e:?}"
+        );
+    }
 }

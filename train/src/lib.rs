@@ -30,7 +30,9 @@ pub mod hf;
 pub mod step;
 pub mod trainer;
 
-pub use blocks::{train_step, BlockGrads, BlockParams, Blocks, StepTimes, StreamedStep, Upstream};
+pub use blocks::{
+    train_step, BlockGrads, BlockParams, Blocks, MicroBatchOrder, StepTimes, StreamedStep, Upstream,
+};
 pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
