@@ -406,7 +406,6 @@ where
     P: BlockParams<B>,
 {
     let head = model.block_count() - 1;
-    let scale = 1.0 / batches.len() as f64;
     // Forward: per micro-batch, the input of every block (the checkpoints).
     let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
     for b in 0..head {
@@ -423,47 +422,13 @@ where
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
     let mut loss_sum = 0.0;
     for b in (0..=head).rev() {
-        let mut cache = BlockCache::<B, P> {
-            params: &mut *params,
-            fetched: Vec::new(),
-        };
-        // The block's gradients summed over the micro-batches, in first-seen order.
-        let mut sums: Vec<(String, B::Tensor)> = Vec::new();
-        for (k, (_, targets)) in batches.iter().enumerate() {
-            let input = inputs[k].pop().ok_or_else(|| {
-                TrainError::Protocol(format!("block {b}: its saved input is missing"))
-            })?;
-            let up = match &upstream[k] {
-                None => Upstream::Loss { targets, scale },
-                Some(g) => Upstream::Grad(g),
-            };
-            let grads = model.backward(b, &mut cache, &input, up)?;
-            if b == head {
-                loss_sum += grads
-                    .loss
-                    .ok_or_else(|| TrainError::Protocol("the last block gave no loss".into()))?;
-            }
-            for (name, g) in grads.params {
-                match sums.iter_mut().find(|(n, _)| *n == name) {
-                    Some((_, sum)) => *sum = model.add(sum, &g)?,
-                    None => sums.push((name, g)),
-                }
-            }
-            upstream[k] = match grads.input {
-                Some(g) => Some(g),
-                None if b > 0 => {
-                    return Err(TrainError::Protocol(format!(
-                        "block {b}: its output does not depend on its input"
-                    ))
-                    .into())
-                }
-                None => None,
-            };
-        }
+        let (sums, loss) =
+            vertical_backward(params, model, b, batches, &mut inputs, &mut upstream)?;
+        loss_sum += loss;
         let whole = Part {
             first: true,
             last: true,
-            scale,
+            scale: 1.0 / batches.len() as f64,
         };
         put_block_grads(params, model, sums, b, first, &mut pending, whole)?;
     }
@@ -474,6 +439,66 @@ where
         .into());
     }
     Ok(loss_sum)
+}
+
+/// Tensors by parameter name, in the order the block gave them.
+type Named<T> = Vec<(String, T)>;
+
+/// Block `b`'s backward for every micro-batch, from its saved input (popped from
+/// `inputs`) and `upstream` (replaced by the gradient of the block's input): its
+/// parameters' gradients summed over the micro-batches in first-seen order, and the sum
+/// of the micro-batches' losses (the last block's; 0 for the others).
+fn vertical_backward<B, P>(
+    params: &mut P,
+    model: &B,
+    b: usize,
+    batches: &[(B::Tensor, B::Tensor)],
+    inputs: &mut [Vec<B::Tensor>],
+    upstream: &mut [Option<B::Tensor>],
+) -> Result<(Named<B::Tensor>, f32), B::Error>
+where
+    B: Blocks + ?Sized,
+    P: BlockParams<B>,
+{
+    let mut cache = BlockCache::<B, P> {
+        params,
+        fetched: Vec::new(),
+    };
+    let scale = 1.0 / batches.len() as f64;
+    let mut sums: Vec<(String, B::Tensor)> = Vec::new();
+    let mut loss_sum = 0.0;
+    for (k, (_, targets)) in batches.iter().enumerate() {
+        let input = inputs[k].pop().ok_or_else(|| {
+            TrainError::Protocol(format!("block {b}: its saved input is missing"))
+        })?;
+        let up = match &upstream[k] {
+            None => Upstream::Loss { targets, scale },
+            Some(g) => Upstream::Grad(g),
+        };
+        let grads = model.backward(b, &mut cache, &input, up)?;
+        if b + 1 == model.block_count() {
+            loss_sum += grads
+                .loss
+                .ok_or_else(|| TrainError::Protocol("the last block gave no loss".into()))?;
+        }
+        for (name, g) in grads.params {
+            match sums.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, sum)) => *sum = model.add(sum, &g)?,
+                None => sums.push((name, g)),
+            }
+        }
+        upstream[k] = match grads.input {
+            Some(g) => Some(g),
+            None if b > 0 => {
+                return Err(TrainError::Protocol(format!(
+                    "block {b}: its output does not depend on its input"
+                ))
+                .into())
+            }
+            None => None,
+        };
+    }
+    Ok((sums, loss_sum))
 }
 
 #[cfg(test)]
