@@ -63,7 +63,6 @@ impl Mover {
             });
         };
         let len = self.len(c);
-        self.drain_nvme();
         self.note_nvme_in_flight(true);
         let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
         self.slots[d].host = Some(buf);

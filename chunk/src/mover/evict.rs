@@ -143,7 +143,6 @@ impl Mover {
             }
             return Ok(());
         }
-        self.drain_nvme();
         self.note_nvme_in_flight(true);
         let (result, buf) = self.nvme.write_chunk(d as u64, buf, len);
         if let Err(e) = result {

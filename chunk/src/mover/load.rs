@@ -124,7 +124,6 @@ impl Mover {
         let buf = self.take_host_buffer(c, room)?;
         let len = self.len(c);
         if self.slots[d].nvme_valid {
-            self.drain_nvme();
             self.note_nvme_in_flight(true);
             self.stats.nvme_reads_on_demand += 1;
             self.slots[d].read_started_at = None;

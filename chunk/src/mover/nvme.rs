@@ -5,8 +5,9 @@
 //! Invariants: a finished read puts the chunk's host copy back (and starts the copy to
 //! device memory reserved for it); a finished write-back makes the NVMe copy current and
 //! gives its buffer to the read queue, a failed one puts the buffer back as the chunk's
-//! only current copy; no synchronous request starts while an asynchronous completion is
-//! queued (see `drain_nvme`).
+//! only current copy. A synchronous request may start while asynchronous completions are
+//! queued: the swap file's tokens carry a sequence number, so the request waits for its
+//! own completion, never a finished earlier one's.
 
 use std::collections::VecDeque;
 
@@ -115,24 +116,6 @@ impl Mover {
                 active: self.pending_nvme > 0,
             },
         )
-    }
-
-    /// Routes every finished NVMe read before a synchronous NVMe request.
-    ///
-    /// Workaround: `SwapFile` reuses a request token as soon as its completion is
-    /// queued, and its synchronous `read_chunk`/`write_chunk` wait for the first queued
-    /// completion carrying their token, so a finished asynchronous read still queued
-    /// could be taken for the new request. With the queue empty when a synchronous
-    /// request starts, every completion queued while it waits carries another token.
-    pub(super) fn drain_nvme(&mut self) {
-        while self.pending_nvme > 0 {
-            let Some(c) = self.nvme_poll() else {
-                return;
-            };
-            if let Err(e) = self.route_nvme(c) {
-                tracing::warn!(error = %e, "chunk store: an asynchronous NVMe transfer failed");
-            }
-        }
     }
 
     /// One more NVMe request is in flight (`pending_nvme` already counts it, or `sync`:
