@@ -9,7 +9,14 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::ChunkError;
+/// Elements per int8 quantization block (one fp32 absmax each).
+pub const Q8_BLOCK: u64 = 256;
+
+/// Tensors with fewer elements keep fp32 moments under [`MomentStates::Int8`].
+pub const Q8_MIN_ELEMENTS: u64 = 4096;
+
+/// Alignment of every place in an int8 moment list, in bytes.
+pub const Q8_PLACE_ALIGN_BYTES: u64 = 64;
 
 /// The element type of a tensor or of a chunk list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,9 +51,7 @@ impl DType {
     /// padding to 4 bytes and the fp32 absmax of every 256 elements).
     pub const fn place_bytes(self, elements: u64) -> u64 {
         match self {
-            DType::Q8 => {
-                elements.next_multiple_of(4) + 4 * elements.div_ceil(crate::moments::Q8_BLOCK)
-            }
+            DType::Q8 => elements.next_multiple_of(4) + 4 * elements.div_ceil(Q8_BLOCK),
             d => elements * d.size_bytes(),
         }
     }
@@ -73,8 +78,17 @@ impl fmt::Display for DType {
     }
 }
 
+/// A dtype name that is not one of [`DType`]'s (or their aliases); becomes
+/// [`crate::ChunkError::UnknownDType`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype `{name}` (expected f32, f16 or bf16)")]
+pub struct UnknownDType {
+    /// The name as given.
+    pub name: String,
+}
+
 impl FromStr for DType {
-    type Err = ChunkError;
+    type Err = UnknownDType;
 
     /// Parses the names used by PyTorch, safetensors and configuration files,
     /// case-insensitively: `f32 fp32 float32 float`, `f16 fp16 float16 half`,
@@ -87,7 +101,7 @@ impl FromStr for DType {
             "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "q8" => Ok(DType::Q8),
-            _ => Err(ChunkError::UnknownDType {
+            _ => Err(UnknownDType {
                 name: s.to_string(),
             }),
         }
@@ -127,7 +141,11 @@ mod tests {
     #[test]
     fn parse_unknown_names_it() {
         let err = "int8".parse::<DType>().unwrap_err();
-        assert!(matches!(&err, ChunkError::UnknownDType { name } if name == "int8"));
+        assert_eq!(err.name, "int8");
         assert!(err.to_string().contains("int8"));
+        assert!(matches!(
+            crate::ChunkError::from(err),
+            crate::ChunkError::UnknownDType { name } if name == "int8"
+        ));
     }
 }

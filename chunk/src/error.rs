@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use tidestore_tiers::{TierError, TierKind};
 
-use crate::dtype::DType;
+use crate::dtype::{DType, UnknownDType};
 use crate::id::{ChunkId, ListKind};
-use crate::state::TensorState;
+use crate::tensor_state::TensorState;
 
 /// Errors of the chunk crate.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -415,6 +415,12 @@ fn chunk_ctx(chunk: &Option<ChunkId>) -> String {
     match chunk {
         Some(c) => format!(" (chunk {c})"),
         None => String::new(),
+    }
+}
+
+impl From<UnknownDType> for ChunkError {
+    fn from(e: UnknownDType) -> Self {
+        ChunkError::UnknownDType { name: e.name }
     }
 }
 

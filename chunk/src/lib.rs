@@ -42,12 +42,13 @@ pub mod search;
 pub mod sim;
 pub mod state;
 pub mod store;
+mod tensor_state;
 pub mod tracer;
 pub mod typed;
 
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
 pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
-pub use dtype::DType;
+pub use dtype::{DType, UnknownDType};
 pub use error::{AdoptRefusal, ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{

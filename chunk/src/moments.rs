@@ -18,14 +18,7 @@
 
 use crate::dtype::DType;
 
-/// Elements per int8 quantization block (one fp32 absmax each).
-pub const Q8_BLOCK: u64 = 256;
-
-/// Tensors with fewer elements keep fp32 moments under [`MomentStates::Int8`].
-pub const Q8_MIN_ELEMENTS: u64 = 4096;
-
-/// Alignment of every place in an int8 moment list, in bytes.
-pub const Q8_PLACE_ALIGN_BYTES: u64 = 64;
+pub use crate::dtype::{Q8_BLOCK, Q8_MIN_ELEMENTS, Q8_PLACE_ALIGN_BYTES};
 
 /// The stored form of the M and V lists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

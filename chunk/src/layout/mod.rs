@@ -70,7 +70,6 @@ mod pack;
 use std::collections::HashMap;
 
 pub use pack::LayoutBuilder;
-use pack::Placement;
 pub(crate) use pack::{allocated_bytes, pack_counts, pack_streams, PackItem};
 
 use crate::dtype::DType;
@@ -283,6 +282,19 @@ impl TensorLocation {
     pub fn bytes(&self) -> u64 {
         self.dtype.place_bytes(self.elements)
     }
+}
+
+/// Where one tensor was placed: its chunk index and offsets.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Placement {
+    pub(super) index: u32,
+    pub(super) offset_slots: u64,
+    pub(super) elements: u64,
+    pub(super) param16_dtype: DType,
+    /// Offset within the chunk's trainable tensors; `None` for a frozen tensor.
+    pub(super) trainable_offset: Option<u64>,
+    /// Offset in the chunk's M and V lists, in their slots; `None` for a frozen tensor.
+    pub(super) moment_offset: Option<u64>,
 }
 
 /// Tensors placed in chunk lists; immutable once built.

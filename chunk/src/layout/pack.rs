@@ -4,8 +4,7 @@
 
 use std::collections::HashMap;
 
-use super::{Layout, LayoutConfig, TensorSpec};
-use crate::dtype::DType;
+use super::{Layout, LayoutConfig, Placement, TensorSpec};
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
 use crate::Result;
@@ -101,19 +100,6 @@ pub(crate) fn allocated_bytes(
 ) -> u64 {
     counts.chunks * chunk_elements * ListKind::Param16.slot_bytes()
         + counts.trainable_chunks * chunk_elements * config.trainable_state_bytes()
-}
-
-/// Where one tensor was placed: its chunk index and offsets.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Placement {
-    pub(super) index: u32,
-    pub(super) offset_slots: u64,
-    pub(super) elements: u64,
-    pub(super) param16_dtype: DType,
-    /// Offset within the chunk's trainable tensors; `None` for a frozen tensor.
-    pub(super) trainable_offset: Option<u64>,
-    /// Offset in the chunk's M and V lists, in their slots; `None` for a frozen tensor.
-    pub(super) moment_offset: Option<u64>,
 }
 
 /// Registers tensors one by one, in model order: a [`Layout`] growing, and the open

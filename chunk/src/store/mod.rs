@@ -55,8 +55,11 @@
 mod access;
 mod guard;
 mod io;
+mod list_states;
 mod lists;
+mod mode;
 mod open;
+mod place;
 mod prefetch;
 mod scope;
 mod tide;
@@ -67,7 +70,7 @@ mod whole;
 
 use std::sync::Arc;
 
-use tidestore_tiers::{Device, NvmeTier, TierKind};
+use tidestore_tiers::{Device, NvmeTier};
 
 use crate::accounting::{MoveHook, StoreStats, TierSnapshot};
 use crate::config::CapacityPlan;
@@ -78,32 +81,14 @@ use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Schedule};
 
 pub use guard::Guard;
-use lists::ListStates;
+use list_states::ListStates;
+use mode::Mode;
+pub use place::Place;
 pub use tide::Phase;
-use trace::Mode;
 pub use views::{TensorView, TensorViewMut};
 
 /// The swap file's name inside [`NvmeSource::Dir`](crate::config::NvmeSource::Dir).
 pub const SWAP_FILE_NAME: &str = "tidestore-chunks.swap";
-
-/// Where an access wants the tensor's chunk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Place {
-    /// The compute device (GPU, or its simulation).
-    Device,
-    /// The pinned host pool (CPU work, e.g. the CPU optimizer).
-    Host,
-}
-
-impl Place {
-    /// The tier this place is.
-    pub fn tier(self) -> TierKind {
-        match self {
-            Place::Device => TierKind::Device,
-            Place::Host => TierKind::Host,
-        }
-    }
-}
 
 /// Where a chunk's current copies are (for tests and reports).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

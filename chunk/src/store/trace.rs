@@ -16,12 +16,8 @@ use crate::policy::{Lifetime, PolicyKind};
 use crate::tracer::{Follow, Follower, Horizon, MomentKind, Schedule, Tracer};
 use crate::Result;
 
+use super::mode::Mode;
 use super::ChunkStore;
-
-pub(super) enum Mode {
-    Tracing(Tracer),
-    Following(Arc<Schedule>),
-}
 
 impl ChunkStore {
     /// Whether the current iteration is being traced.
