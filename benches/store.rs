@@ -44,7 +44,7 @@ pub fn bench(c: &mut Criterion) {
     for _ in 0..2 {
         for t in 0..TENSORS {
             let g = store
-                .access(TensorId(t), ListKind::Param16, Place::Device)
+                .access(TensorId(t), ListKind::Params, Place::Device)
                 .expect("access");
             store.release(g, TensorState::Hold).expect("release");
         }
@@ -55,7 +55,7 @@ pub fn bench(c: &mut Criterion) {
     c.bench_function("store/access_release_resident", |b| {
         b.iter(|| {
             let g = store
-                .access(TensorId(next), ListKind::Param16, Place::Device)
+                .access(TensorId(next), ListKind::Params, Place::Device)
                 .expect("access");
             black_box(g.len_bytes());
             store.release(g, TensorState::Hold).expect("release");

@@ -144,11 +144,11 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let dense = layout.dense_chunk_bytes();
     let slot_bytes =
         tidestore_io::align_up(dense.iter().copied().max().unwrap_or(0) as usize) as u64;
-    let p16_chunk = layout.chunk_bytes(ListKind::Param16).max(1);
+    let p16_chunk = layout.chunk_bytes(ListKind::Params).max(1);
     let mut shortfalls = Vec::new();
 
     // Device: as many 16-bit chunks as fit.
-    let n16 = layout.list_chunk_count(ListKind::Param16);
+    let n16 = layout.list_chunk_count(ListKind::Params);
     let dev16 = (device_budget / p16_chunk).min(n16);
     // 16-bit chunks off the device are read in forward and backward; trained ones are
     // also written (gradients) and read and written again by the step. Master, M and V
@@ -174,16 +174,11 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     // saves the most seconds of per slot; the rest, and the device-resident chunks, on
     // NVMe.
     let mut wanted = vec![(
-        ListKind::Param16,
+        ListKind::Params,
         n16 - dev16,
-        stored_per_chunk(ListKind::Param16)
-            * (f64::from(p16_reads) * r + f64::from(p16_writes) * w),
+        stored_per_chunk(ListKind::Params) * (f64::from(p16_reads) * r + f64::from(p16_writes) * w),
     )];
-    for l in [
-        ListKind::MasterF32,
-        ListKind::MomentumF32,
-        ListKind::VarianceF32,
-    ] {
+    for l in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
         let n = layout.list_chunk_count(l);
         if n > 0 {
             wanted.push((l, n, stored_per_chunk(l) * (r + w)));
@@ -202,7 +197,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         .zip(&homed)
         .map(|(&(l, _, _), &h)| {
             let n = layout.list_chunk_count(l);
-            let device = if l == ListKind::Param16 { dev16 } else { 0 };
+            let device = if l == ListKind::Params { dev16 } else { 0 };
             ListPlan {
                 list: l.as_str().into(),
                 chunks: n,
@@ -265,15 +260,15 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         layout.list_stored_bytes(list) * n / c
     };
     let p16 = &lists[0];
-    let off_device16 = bytes_of(p16.chunks - p16.device_chunks, ListKind::Param16);
+    let off_device16 = bytes_of(p16.chunks - p16.device_chunks, ListKind::Params);
     let nvme16_off_device = bytes_of(
         (p16.chunks - p16.device_chunks).saturating_sub(p16.host_chunks),
-        ListKind::Param16,
+        ListKind::Params,
     );
     let (pcie, mut nvme_r, mut nvme_w) = if frozen_only {
         (2 * off_device16, 2 * nvme16_off_device, 0)
     } else {
-        let on_device = bytes_of(p16.device_chunks, ListKind::Param16);
+        let on_device = bytes_of(p16.device_chunks, ListKind::Params);
         (
             3 * off_device16 + 2 * on_device,
             u64::from(p16_reads) * nvme16_off_device,
@@ -286,9 +281,9 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let mut opt_w = 0;
     for l in &lists[1..] {
         let kind = match l.list.as_str() {
-            "master" => ListKind::MasterF32,
-            "m" => ListKind::MomentumF32,
-            _ => ListKind::VarianceF32,
+            "master" => ListKind::Master,
+            "m" => ListKind::Momentum,
+            _ => ListKind::Variance,
         };
         let b = bytes_of(l.nvme_chunks, kind);
         opt_r += b;

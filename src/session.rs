@@ -151,7 +151,7 @@ pub fn prepare(cfg: &Config) -> Result<Prepared> {
         cfg.io.block_size.bytes(),
         cfg.optimizer.states.moments(),
     )?;
-    let param16_chunk_bytes = layout.chunk_bytes(ListKind::Param16);
+    let param16_chunk_bytes = layout.chunk_bytes(ListKind::Params);
     let device_budget = cfg.device.budget.bytes();
     if device_budget < param16_chunk_bytes {
         return Err(Error::config(

@@ -64,7 +64,7 @@ fn steady_workload_with_odd_chunk_sizes_never_diverges_on_non_model_memory() {
             let reported = activations(step.min(2 * TENSORS - 1 - step));
             s.report_non_model_bytes(reported);
             let g = s
-                .access(TensorId(t), ListKind::Param16, Place::Device)
+                .access(TensorId(t), ListKind::Params, Place::Device)
                 .unwrap();
             s.release(g, TensorState::Hold).unwrap();
             assert_eq!(

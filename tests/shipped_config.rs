@@ -23,7 +23,7 @@ fn shipped_config_loads_and_validates() {
 fn shipped_workload_fits_its_budgets_and_uses_all_three_tiers() {
     let cfg = Config::load(&shipped()).expect("valid");
     let p = tidestore::session::prepare(&cfg).expect("the shipped workload fits");
-    let param16 = p.layout.list_bytes(tidestore::chunk::ListKind::Param16);
+    let param16 = p.layout.list_bytes(tidestore::chunk::ListKind::Params);
     assert!(
         cfg.device.budget.bytes() < param16,
         "the device budget holds every 16-bit chunk: no device eviction would be shown"

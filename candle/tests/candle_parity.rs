@@ -43,7 +43,7 @@ fn fp32_losses_match_candle_adamw_with_m_and_v_on_nvme() {
         want[19]
     );
     let t = p.nvme_traffic();
-    for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
+    for list in [ListKind::Momentum, ListKind::Variance] {
         assert!(t.read_bytes(list) > 0, "{list} read back from NVMe");
         assert!(t.written_bytes(list) > 0, "{list} written to NVMe");
     }
@@ -69,10 +69,10 @@ fn lora_losses_match_candle_adamw() {
     assert_eq!(p.values("h.0.attn.qkv.weight").unwrap(), base);
     let layout = p.trainer().store().layout();
     let id = layout.tensor_id("h.0.attn.qkv.weight").unwrap();
-    assert!(layout.location(id, ListKind::MomentumF32).is_none());
-    assert!(layout.location(id, ListKind::MasterF32).is_none());
+    assert!(layout.location(id, ListKind::Momentum).is_none());
+    assert!(layout.location(id, ListKind::Master).is_none());
     let a = layout.tensor_id("h.0.attn.qkv.lora_b").unwrap();
-    assert!(layout.location(a, ListKind::VarianceF32).is_some());
+    assert!(layout.location(a, ListKind::Variance).is_some());
 }
 
 #[test]

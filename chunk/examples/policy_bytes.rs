@@ -5,7 +5,7 @@
 //! chunks that large) is laid out with the searched chunk size (1 MiB I/O blocks). Two
 //! traces, each replayed for three iterations:
 //! - `fwd+bwd`: forward over the layers then backward in reverse, one moment per tensor
-//!   access, using the tensor's Param16 chunk; budgets are shares of the Param16 bytes.
+//!   access, using the tensor's Params chunk; budgets are shares of the Params bytes.
 //! - `fwd+bwd+step`: the same, then the optimizer step, one moment per chunk group
 //!   (param16, master, M, V chunks together); budgets are shares of all four lists.
 //!
@@ -39,7 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )?;
         let layout = &gpt.layout;
         let s = &gpt.search;
-        let chunk_bytes = layout.chunk_bytes(ListKind::Param16);
+        let chunk_bytes = layout.chunk_bytes(ListKind::Params);
         if !optimizer_step {
             let params: u64 = layout
                 .tensors()
@@ -67,14 +67,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!(
                 "chunks per list: {}; param16 {:.2} GiB, all lists {:.2} GiB",
                 layout.chunks_per_list(),
-                layout.list_bytes(ListKind::Param16) as f64 / GIB,
+                layout.list_bytes(ListKind::Params) as f64 / GIB,
                 layout.total_bytes() as f64 / GIB
             );
         }
         let (name, whole) = if optimizer_step {
             ("fwd+bwd+step", layout.total_bytes())
         } else {
-            ("fwd+bwd", layout.list_bytes(ListKind::Param16))
+            ("fwd+bwd", layout.list_bytes(ListKind::Params))
         };
         let trace = gpt.iteration.repeat(ITERATIONS);
         let schedule = Arc::new(gpt.iteration.schedule());

@@ -48,14 +48,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     let layout = gpt.layout;
     let n = layout.tensors().len() as u32;
-    let chunk_bytes = layout.chunk_bytes(ListKind::Param16);
-    let param16 = layout.list_bytes(ListKind::Param16);
+    let chunk_bytes = layout.chunk_bytes(ListKind::Params);
+    let param16 = layout.list_bytes(ListKind::Params);
     println!(
         "model: {} layers, {} tensors; {} param16 chunks of {:.2} MiB = {:.3} GiB \
          (waste {:.2} %)",
         shape.layers,
         n,
-        layout.list_chunk_count(ListKind::Param16),
+        layout.list_chunk_count(ListKind::Params),
         chunk_bytes as f64 / (1 << 20) as f64,
         param16 as f64 / GIB,
         100.0 * gpt.search.chosen.waste_fraction
@@ -68,7 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .filter(|&&b| b > 0)
         .count() as u64;
-    let slot = tidestore_io::align_up(layout.chunk_bytes(ListKind::MasterF32) as usize) as u64;
+    let slot = tidestore_io::align_up(layout.chunk_bytes(ListKind::Master) as usize) as u64;
     let repeated = gpt.iteration.repeat(MEASURED);
     let schedule = Arc::new(gpt.iteration.schedule());
     println!(
@@ -118,12 +118,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut store = ChunkStore::open(layout.clone(), cfg, device)?;
             for iteration in 0..=MEASURED {
                 for t in 0..n {
-                    let g = store.access(TensorId(t), ListKind::Param16, Place::Device)?;
+                    let g = store.access(TensorId(t), ListKind::Params, Place::Device)?;
                     std::hint::black_box(store.bytes(&g)?.first());
                     store.release(g, TensorState::HoldAfterFwd)?;
                 }
                 for t in (0..n).rev() {
-                    let g = store.access(TensorId(t), ListKind::Param16, Place::Device)?;
+                    let g = store.access(TensorId(t), ListKind::Params, Place::Device)?;
                     // The gradient lands in the parameter's space.
                     if let Some(b) = store.bytes_mut(&g)?.first_mut() {
                         *b = b.wrapping_add(1);

@@ -56,7 +56,7 @@ pub enum ChunkError {
     TensorTooLarge {
         /// The tensor's name.
         tensor: String,
-        /// Slots it needs in the Param16 list.
+        /// Slots it needs in the Params list.
         needed_elements: u64,
         /// The chunk size in elements.
         chunk_elements: u64,

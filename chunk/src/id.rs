@@ -29,19 +29,22 @@ impl fmt::Display for TensorId {
     }
 }
 
-/// A chunk list: one kind of training state, each chunk holding one element type.
+/// A chunk list, named by its role in training whatever its element type (the layout
+/// decides that: see [`crate::layout`] and [`crate::moments`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ListKind {
-    /// Parameters as used by forward/backward, in 2-byte slots (see [`crate::layout`]).
-    Param16 = 0,
-    /// fp32 master parameters of trainable tensors.
-    MasterF32 = 1,
-    /// fp32 Adam first moment (M) of trainable tensors.
-    MomentumF32 = 2,
-    /// fp32 Adam second moment (V) of trainable tensors.
-    VarianceF32 = 3,
-    /// 16-bit gradients of trainable tensors; only with gradient accumulation.
-    GradF16 = 4,
+    /// Parameters as compute uses them, in 2-byte slots (16-bit, or an fp32 frozen or
+    /// gradient-companion tensor over two slots per element); gradients reuse them.
+    Params = 0,
+    /// The fp32 master parameters of trainable tensors.
+    Master = 1,
+    /// Adam's first moment (M) of trainable tensors: fp32, bf16 or int8.
+    Momentum = 2,
+    /// Adam's second moment (V) of trainable tensors: fp32, bf16 or int8.
+    Variance = 3,
+    /// Gradients of trainable tensors kept apart from the parameters (16-bit; only with
+    /// gradient accumulation in the layout).
+    Grads = 4,
 }
 
 impl ListKind {
@@ -50,44 +53,44 @@ impl ListKind {
 
     /// All lists, in packing order.
     pub const ALL: [ListKind; 5] = [
-        ListKind::Param16,
-        ListKind::MasterF32,
-        ListKind::MomentumF32,
-        ListKind::VarianceF32,
-        ListKind::GradF16,
+        ListKind::Params,
+        ListKind::Master,
+        ListKind::Momentum,
+        ListKind::Variance,
+        ListKind::Grads,
     ];
 
     /// Bytes per element slot of this list's chunks.
     pub const fn slot_bytes(self) -> u64 {
         match self {
-            ListKind::Param16 | ListKind::GradF16 => 2,
-            ListKind::MasterF32 | ListKind::MomentumF32 | ListKind::VarianceF32 => 4,
+            ListKind::Params | ListKind::Grads => 2,
+            ListKind::Master | ListKind::Momentum | ListKind::Variance => 4,
         }
     }
 
     /// Whether only trainable tensors have a place in this list.
     pub const fn trainable_only(self) -> bool {
-        !matches!(self, ListKind::Param16)
+        !matches!(self, ListKind::Params)
     }
 
     /// A short lower-case name, as [`fmt::Display`] writes it.
     pub const fn as_str(self) -> &'static str {
         match self {
-            ListKind::Param16 => "param16",
-            ListKind::MasterF32 => "master",
-            ListKind::MomentumF32 => "m",
-            ListKind::VarianceF32 => "v",
-            ListKind::GradF16 => "grad16",
+            ListKind::Params => "param16",
+            ListKind::Master => "master",
+            ListKind::Momentum => "m",
+            ListKind::Variance => "v",
+            ListKind::Grads => "grad16",
         }
     }
 
     const fn from_ordinal(ordinal: u32) -> ListKind {
         match ordinal {
-            0 => ListKind::Param16,
-            1 => ListKind::MasterF32,
-            2 => ListKind::MomentumF32,
-            3 => ListKind::VarianceF32,
-            _ => ListKind::GradF16,
+            0 => ListKind::Params,
+            1 => ListKind::Master,
+            2 => ListKind::Momentum,
+            3 => ListKind::Variance,
+            _ => ListKind::Grads,
         }
     }
 }
@@ -175,13 +178,13 @@ mod tests {
                 assert_eq!(id.list(), list);
                 assert_eq!(id.index(), index);
                 assert_eq!(ChunkId::from_dense(id.dense()), id);
-                assert_eq!(id.in_list(ListKind::Param16).index(), index);
+                assert_eq!(id.in_list(ListKind::Params).index(), index);
             }
         }
         // One group is adjacent in dense order.
-        let p = ChunkId::new(ListKind::Param16, 3).dense();
-        let g = ChunkId::new(ListKind::GradF16, 3).dense();
+        let p = ChunkId::new(ListKind::Params, 3).dense();
+        let g = ChunkId::new(ListKind::Grads, 3).dense();
         assert_eq!(g - p, ListKind::COUNT as usize - 1);
-        assert_eq!(ChunkId::new(ListKind::MasterF32, 2).to_string(), "master#2");
+        assert_eq!(ChunkId::new(ListKind::Master, 2).to_string(), "master#2");
     }
 }

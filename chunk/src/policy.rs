@@ -656,7 +656,7 @@ mod tests {
     use crate::id::ListKind;
 
     fn c(i: u32) -> ChunkId {
-        ChunkId::new(ListKind::Param16, i)
+        ChunkId::new(ListKind::Params, i)
     }
 
     fn schedule() -> Arc<Schedule> {

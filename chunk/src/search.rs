@@ -1,11 +1,11 @@
 //! The chunk-size search: the element count that wastes the fewest bytes.
 //!
-//! Waste is counted over every list the layout will allocate (Param16, and master, M,
+//! Waste is counted over every list the layout will allocate (Params, and master, M,
 //! V, grad for chunk groups that hold trainable tensors): allocated bytes minus the
 //! bytes tensors occupy. The search evaluates exactly the packing the layout will
 //! produce under the given [`LayoutConfig`], frozen and trainable tensors packed apart
 //! or together ([`LayoutConfig::separate_frozen`]). Candidates are chunk sizes whose
-//! byte sizes are multiples of `lcm(4096, io_block_bytes)` in every list (the Param16
+//! byte sizes are multiples of `lcm(4096, io_block_bytes)` in every list (the Params
 //! list has 2-byte slots, so the element step is half that alignment), from the largest
 //! tensor (rounded up) to a cap (`cap_factor` x the largest tensor, or
 //! [`SearchConfig::max_chunk_elements`]).
@@ -85,9 +85,9 @@ impl SearchConfig {
 pub struct Candidate {
     /// Chunk size in element slots.
     pub chunk_elements: u64,
-    /// Bytes of one Param16 chunk (fp32 chunks are twice that).
+    /// Bytes of one Params chunk (fp32 chunks are twice that).
     pub chunk_bytes: u64,
-    /// Chunk indices (Param16 chunks).
+    /// Chunk indices (Params chunks).
     pub chunks: u64,
     /// Bytes allocated over every list.
     pub allocated_bytes: u64,
@@ -106,7 +106,7 @@ pub struct SearchReport {
     pub candidates: Vec<Candidate>,
     /// How many candidates were evaluated.
     pub candidates_considered: usize,
-    /// The byte alignment of every Param16 chunk: `lcm(4096, io_block_bytes)`.
+    /// The byte alignment of every Params chunk: `lcm(4096, io_block_bytes)`.
     pub align_bytes: u64,
     /// The element step between aligned sizes.
     pub step_elements: u64,
@@ -149,8 +149,8 @@ fn prepare(specs: &[TensorSpec], layout: &LayoutConfig, config: &SearchConfig) -
             block_bytes: block,
             reason: "its alignment with 4096 overflows",
         })?;
-    // Param16 slots are 2 bytes; align_bytes is a multiple of 4096, so even.
-    let step = align_bytes / ListKind::Param16.slot_bytes();
+    // Params slots are 2 bytes; align_bytes is a multiple of 4096, so even.
+    let step = align_bytes / ListKind::Params.slot_bytes();
     if !layout.param16_dtype.is_16bit() {
         return Err(ChunkError::NotSixteenBit {
             dtype: layout.param16_dtype,
@@ -191,7 +191,7 @@ fn prepare(specs: &[TensorSpec], layout: &LayoutConfig, config: &SearchConfig) -
     let per_trainable = layout.trainable_state_bytes();
     let payload_bytes = items
         .iter()
-        .map(|it| it.slots * ListKind::Param16.slot_bytes() + it.trainable_elements * per_trainable)
+        .map(|it| it.slots * ListKind::Params.slot_bytes() + it.trainable_elements * per_trainable)
         .sum();
     Ok(Prepared {
         items,
@@ -209,7 +209,7 @@ fn evaluate(p: &Prepared, layout: &LayoutConfig, chunk_elements: u64) -> Candida
     let waste = allocated - p.payload_bytes;
     Candidate {
         chunk_elements,
-        chunk_bytes: chunk_elements * ListKind::Param16.slot_bytes(),
+        chunk_bytes: chunk_elements * ListKind::Params.slot_bytes(),
         chunks: counts.chunks,
         allocated_bytes: allocated,
         waste_bytes: waste,
@@ -495,7 +495,7 @@ mod tests {
             .unwrap();
             assert_eq!(layout.total_bytes(), got.chosen.allocated_bytes);
             assert_eq!(layout.waste_bytes(), got.chosen.waste_bytes);
-            let master = layout.list_chunk_count(ListKind::MasterF32);
+            let master = layout.list_chunk_count(ListKind::Master);
             if separate {
                 // 16 x 4 adapters, 1.7M elements: one chunk.
                 assert_eq!(master, 1);

@@ -17,7 +17,7 @@
 //! [`GptShape`] / [`gpt_trace`] generate a GPT-style iteration: embeddings, `L`
 //! transformer blocks (two norms, qkv, proj, mlp up and down), final norm and head;
 //! forward in model order, then backward in reverse, each access one moment using its
-//! tensor's Param16 chunk, optionally followed by the optimizer step over every chunk
+//! tensor's Params chunk, optionally followed by the optimizer step over every chunk
 //! group.
 
 use std::collections::HashMap;
@@ -419,7 +419,7 @@ pub struct GptTrace {
 
 /// Lays out `shape` with the searched chunk size (`search`, under `layout`) and
 /// generates one iteration: forward, backward, then (with `optimizer_step`) one moment
-/// per chunk group using its Param16, master, M and V chunks.
+/// per chunk group using its Params, master, M and V chunks.
 pub fn gpt_trace(
     shape: &GptShape,
     layout: LayoutConfig,
@@ -438,7 +438,7 @@ pub fn gpt_trace(
     let n = layout.tensors().len() as u32;
     let param = |t: u32| {
         layout
-            .location(TensorId(t), ListKind::Param16)
+            .location(TensorId(t), ListKind::Params)
             .map(|l| l.chunk)
             .ok_or(ChunkError::UnknownTensor { id: t, count: n })
     };
@@ -450,10 +450,10 @@ pub fn gpt_trace(
         steps.push(vec![param(t)?]);
     }
     if optimizer_step {
-        for p in layout.chunks(ListKind::Param16) {
+        for p in layout.chunks(ListKind::Params) {
             let group: Vec<ChunkId> = ListKind::ALL
                 .into_iter()
-                .filter(|&l| l != ListKind::GradF16)
+                .filter(|&l| l != ListKind::Grads)
                 .map(|l| p.in_list(l))
                 .filter(|&c| layout.chunk_exists(c))
                 .collect();
@@ -476,7 +476,7 @@ mod tests {
     use std::sync::Arc;
 
     fn c(i: u32) -> ChunkId {
-        ChunkId::new(ListKind::Param16, i)
+        ChunkId::new(ListKind::Params, i)
     }
 
     fn trace(seq: &[u32], size: u64) -> AccessTrace {

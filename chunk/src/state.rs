@@ -93,11 +93,11 @@ impl StateTable {
         }
     }
 
-    /// The table of a layout's compute list: each tensor in its Param16 chunk.
+    /// The table of a layout's compute list: each tensor in its Params chunk.
     pub fn for_layout(layout: &Layout) -> Self {
         let ids = (0..layout.tensors().len() as u32).map(TensorId);
         let chunks = ids
-            .filter_map(|id| layout.location(id, ListKind::Param16))
+            .filter_map(|id| layout.location(id, ListKind::Params))
             .map(|l| l.chunk)
             .collect();
         let names = layout.tensors().iter().map(|s| s.name.clone()).collect();
@@ -205,8 +205,8 @@ mod tests {
     use TensorState::*;
 
     fn table() -> StateTable {
-        let c0 = ChunkId::new(ListKind::Param16, 0);
-        let c1 = ChunkId::new(ListKind::Param16, 1);
+        let c0 = ChunkId::new(ListKind::Params, 0);
+        let c1 = ChunkId::new(ListKind::Params, 1);
         StateTable::new(vec!["a".into(), "b".into(), "c".into()], vec![c0, c0, c1])
     }
 
@@ -228,7 +228,7 @@ mod tests {
     #[test]
     fn chunk_state_follows_tensors() {
         let mut t = table();
-        let c0 = ChunkId::new(ListKind::Param16, 0);
+        let c0 = ChunkId::new(ListKind::Params, 0);
         assert_eq!(t.chunk_state(c0), ChunkState::Free);
         let tr = t.transition(TensorId(0), Hold).unwrap();
         assert_eq!((tr.before, tr.after), (ChunkState::Free, ChunkState::Hold));
@@ -255,7 +255,7 @@ mod tests {
             e,
             ChunkError::IllegalTransition {
                 tensor: "c".into(),
-                chunk: ChunkId::new(ListKind::Param16, 1),
+                chunk: ChunkId::new(ListKind::Params, 1),
                 from: Compute,
                 to: Free,
             }
@@ -276,7 +276,7 @@ mod tests {
         /// nothing, and the incremental chunk state always equals a recount.
         #[test]
         fn counters_match_recount(steps in prop::collection::vec((0u32..6, 0usize..5), 0..200)) {
-            let chunks: Vec<ChunkId> = (0..6).map(|i| ChunkId::new(ListKind::Param16, i % 3)).collect();
+            let chunks: Vec<ChunkId> = (0..6).map(|i| ChunkId::new(ListKind::Params, i % 3)).collect();
             let names = (0..6).map(|i| format!("t{i}")).collect();
             let mut t = StateTable::new(names, chunks.clone());
             let mut model = [Free; 6];
@@ -287,7 +287,7 @@ mod tests {
                 prop_assert_eq!(r.is_ok(), from.can_become(to));
                 if r.is_ok() { model[tensor as usize] = to; }
                 for c in 0..3 {
-                    let chunk = ChunkId::new(ListKind::Param16, c);
+                    let chunk = ChunkId::new(ListKind::Params, c);
                     let states: Vec<_> = (0..6).filter(|&i| chunks[i] == chunk).map(|i| model[i]).collect();
                     let expect = if states.contains(&Compute) { ChunkState::Compute }
                         else if states.iter().any(|s| s.is_hold()) { ChunkState::Hold }

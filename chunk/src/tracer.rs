@@ -488,7 +488,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn c(i: u32) -> ChunkId {
-        ChunkId::new(ListKind::Param16, i)
+        ChunkId::new(ListKind::Params, i)
     }
 
     #[test]

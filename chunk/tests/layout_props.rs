@@ -4,8 +4,8 @@
 //! sizes, with and without gradient accumulation, frozen and trainable tensors packed
 //! apart or together): every tensor is placed exactly once in every list it belongs to,
 //! in registration order, without overlap and within its chunk; a tensor has the same
-//! chunk index in every list; frozen tensors live only in Param16; the byte totals add
-//! up. Packed apart: no Param16 chunk mixes frozen and trainable tensors, every
+//! chunk index in every list; frozen tensors live only in Params; the byte totals add
+//! up. Packed apart: no Params chunk mixes frozen and trainable tensors, every
 //! trainable chunk but the last is next-fit full, so master/M/V bytes stay within the
 //! trainable payload rounded up to whole chunks, and never exceed those of the shared
 //! packing; with all tensors trainable, or all frozen, both packings are identical.
@@ -70,8 +70,8 @@ proptest! {
                 prop_assert_eq!(layout.chunk_used_bytes(chunk), end * list.slot_bytes());
             }
             for (i, s) in specs.iter().enumerate() {
-                let belongs = list == ListKind::Param16
-                    || (s.trainable && (list != ListKind::GradF16 || acc));
+                let belongs = list == ListKind::Params
+                    || (s.trainable && (list != ListKind::Grads || acc));
                 prop_assert_eq!(seen[i], u32::from(belongs), "tensor {} list {}", i, list);
                 prop_assert_eq!(layout.location(TensorId(i as u32), list).is_some(), belongs);
             }
@@ -83,7 +83,7 @@ proptest! {
         for (i, s) in specs.iter().enumerate() {
             let id = TensorId(i as u32);
             prop_assert_eq!(layout.tensor_id(&s.name), Some(id));
-            let p = layout.location(id, ListKind::Param16).unwrap();
+            let p = layout.location(id, ListKind::Params).unwrap();
             let stream = usize::from(separate && s.trainable);
             prop_assert!(p.chunk.index() >= prev_index[stream]);
             prev_index[stream] = p.chunk.index();
@@ -98,7 +98,7 @@ proptest! {
                 if let Some(l) = layout.location(id, list) {
                     prop_assert_eq!(l.chunk.index(), p.chunk.index());
                     prop_assert!(layout.chunk_exists(l.chunk));
-                    if list != ListKind::Param16 {
+                    if list != ListKind::Params {
                         prop_assert_eq!(l.slots(), l.elements);
                     }
                 }
@@ -106,7 +106,7 @@ proptest! {
             let g = layout.grad_location(id);
             prop_assert_eq!(g.is_some(), s.trainable);
             if let Some(g) = g {
-                let expect = if acc { ListKind::GradF16 } else { ListKind::Param16 };
+                let expect = if acc { ListKind::Grads } else { ListKind::Params };
                 prop_assert_eq!(g.chunk.list(), expect);
                 prop_assert_eq!(g.dtype, p.dtype);
             }
@@ -118,13 +118,13 @@ proptest! {
         }).sum();
         prop_assert_eq!(layout.payload_bytes(), payload);
         prop_assert_eq!(layout.total_bytes(), layout.payload_bytes() + layout.waste_bytes());
-        let trainable_chunks = layout.list_chunk_count(ListKind::MasterF32);
+        let trainable_chunks = layout.list_chunk_count(ListKind::Master);
         prop_assert_eq!(
             layout.total_bytes(),
-            layout.list_chunk_count(ListKind::Param16) * c_el * 2
+            layout.list_chunk_count(ListKind::Params) * c_el * 2
                 + trainable_chunks * c_el * (12 + if acc { 2 } else { 0 })
         );
-        for list in [ListKind::MomentumF32, ListKind::VarianceF32] {
+        for list in [ListKind::Momentum, ListKind::Variance] {
             prop_assert_eq!(layout.list_chunk_count(list), trainable_chunks);
         }
         if separate {
@@ -136,8 +136,8 @@ proptest! {
         let other = Layout::new(config.with_separate_frozen(!separate), specs.clone()).unwrap();
         let (apart, shared) = if separate { (&layout, &other) } else { (&other, &layout) };
         prop_assert!(
-            apart.list_chunk_count(ListKind::MasterF32)
-                <= shared.list_chunk_count(ListKind::MasterF32)
+            apart.list_chunk_count(ListKind::Master)
+                <= shared.list_chunk_count(ListKind::Master)
         );
         let one_kind = specs.iter().all(|s| s.trainable) || specs.iter().all(|s| !s.trainable);
         if one_kind {
@@ -178,7 +178,7 @@ proptest! {
         let layout = Layout::new(config, specs.clone()).unwrap();
         check_apart(&layout, &specs, layout.chunk_elements())?;
         let shared = Layout::new(config.with_separate_frozen(false), specs.clone()).unwrap();
-        for list in [ListKind::MasterF32, ListKind::MomentumF32, ListKind::VarianceF32] {
+        for list in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
             prop_assert!(layout.list_bytes(list) <= shared.list_bytes(list));
             prop_assert_eq!(layout.list_payload_bytes(list), shared.list_payload_bytes(list));
         }
@@ -189,18 +189,18 @@ proptest! {
 /// The properties of a layout packed apart, for `specs` registered with `c_el` slots
 /// per chunk.
 fn check_apart(layout: &Layout, specs: &[TensorSpec], c_el: u64) -> Result<(), TestCaseError> {
-    // No Param16 chunk mixes frozen and trainable tensors; the optimizer lists exist
-    // exactly for the trainable groups, and hold the same tensors as their Param16
+    // No Params chunk mixes frozen and trainable tensors; the optimizer lists exist
+    // exactly for the trainable groups, and hold the same tensors as their Params
     // chunk, as densely (a trainable tensor has one slot per element there).
     let mut trainable_groups = Vec::new();
-    for chunk in layout.chunks(ListKind::Param16) {
+    for chunk in layout.chunks(ListKind::Params) {
         let tensors = layout.chunk_tensors(chunk);
         prop_assert!(!tensors.is_empty());
         let trainable = specs[tensors[0].index()].trainable;
         for id in tensors {
             prop_assert_eq!(specs[id.index()].trainable, trainable, "chunk {}", chunk);
         }
-        let master = chunk.in_list(ListKind::MasterF32);
+        let master = chunk.in_list(ListKind::Master);
         prop_assert_eq!(layout.chunk_exists(master), trainable);
         if trainable {
             prop_assert_eq!(layout.chunk_tensors(master), tensors);
@@ -216,7 +216,7 @@ fn check_apart(layout: &Layout, specs: &[TensorSpec], c_el: u64) -> Result<(), T
     for pair in trainable_groups.windows(2) {
         let fill = layout.chunk_used_bytes(pair[0]) / 2;
         let first = layout.chunk_tensors(pair[1])[0];
-        let next = layout.location(first, ListKind::Param16).unwrap().slots();
+        let next = layout.location(first, ListKind::Params).unwrap().slots();
         prop_assert!(fill + next > c_el, "{} then {}", pair[0], pair[1]);
     }
     // So with P trainable elements and s the largest trainable tensor, every trainable
@@ -232,7 +232,7 @@ fn check_apart(layout: &Layout, specs: &[TensorSpec], c_el: u64) -> Result<(), T
         .collect();
     let p: u64 = trainable.iter().sum();
     let s = trainable.iter().copied().max().unwrap_or(0);
-    let k = layout.list_chunk_count(ListKind::MasterF32);
+    let k = layout.list_chunk_count(ListKind::Master);
     prop_assert_eq!(k, trainable_groups.len() as u64);
     if p == 0 {
         prop_assert_eq!(k, 0);
@@ -246,11 +246,7 @@ fn check_apart(layout: &Layout, specs: &[TensorSpec], c_el: u64) -> Result<(), T
             s
         );
         prop_assert!(k >= p.div_ceil(c_el));
-        for list in [
-            ListKind::MasterF32,
-            ListKind::MomentumF32,
-            ListKind::VarianceF32,
-        ] {
+        for list in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
             prop_assert_eq!(layout.list_payload_bytes(list), p * 4);
             prop_assert!(layout.list_bytes(list) <= bound * c_el * 4);
         }

@@ -72,7 +72,7 @@ fn host_bytes<'a, 'b>(v: &'a mut TensorViewMut<'b>) -> &'a mut [u8] {
 fn a_stale_guard_is_refused_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(&dir, PolicyKind::Lru, false);
-    let (t, list) = (TensorId(2), ListKind::MasterF32);
+    let (t, list) = (TensorId(2), ListKind::Master);
     let old = s.access(t, list, Place::Host).unwrap();
     s.bytes_mut(&old).unwrap().fill(7);
     s.release_tensor(t, list, TensorState::Hold).unwrap();
@@ -120,9 +120,9 @@ fn scopes_release_on_return_error_and_panic() {
     quiet_planned_panics();
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(&dir, PolicyKind::Lifetime, true);
-    let a = (TensorId(0), ListKind::MasterF32);
-    let b = (TensorId(2), ListKind::MomentumF32);
-    let c = (TensorId(4), ListKind::Param16);
+    let a = (TensorId(0), ListKind::Master);
+    let b = (TensorId(2), ListKind::Momentum);
+    let c = (TensorId(4), ListKind::Params);
 
     // Normal return, with a value.
     let n = s

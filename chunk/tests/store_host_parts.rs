@@ -31,7 +31,7 @@ fn store(dir: &tempfile::TempDir) -> ChunkStore {
 
 fn bytes_of(t: u32, list: ListKind) -> Vec<u8> {
     let len = match list {
-        ListKind::Param16 => CHUNK_ELEMENTS * 2,
+        ListKind::Params => CHUNK_ELEMENTS * 2,
         _ => CHUNK_ELEMENTS * 4,
     };
     pattern(u64::from(t) * 8 + list as u64, len as usize)
@@ -39,8 +39,8 @@ fn bytes_of(t: u32, list: ListKind) -> Vec<u8> {
 
 /// Every tensor's 16-bit parameters and tensor 0's master, on the host, checked.
 fn iteration(store: &mut ChunkStore) {
-    let master = (TensorId(0), ListKind::MasterF32);
-    let params = (0..TENSORS).map(|t| (TensorId(t), ListKind::Param16));
+    let master = (TensorId(0), ListKind::Master);
+    let params = (0..TENSORS).map(|t| (TensorId(t), ListKind::Params));
     for (t, list) in std::iter::once(master).chain(params) {
         let g = store.access(t, list, Place::Host).expect("access");
         assert!(
@@ -60,16 +60,16 @@ fn half_size_chunks_share_buffers_and_stay_in_the_pool() {
     store
         .write(
             TensorId(0),
-            ListKind::MasterF32,
-            &bytes_of(0, ListKind::MasterF32),
+            ListKind::Master,
+            &bytes_of(0, ListKind::Master),
         )
         .expect("write master");
     for t in 0..TENSORS {
         store
             .write(
                 TensorId(t),
-                ListKind::Param16,
-                &bytes_of(t, ListKind::Param16),
+                ListKind::Params,
+                &bytes_of(t, ListKind::Params),
             )
             .expect("write params");
     }
@@ -123,10 +123,10 @@ fn whole_chunks_are_read_ahead_when_the_free_bytes_sit_in_parts() {
     let mut store = ChunkStore::open(layout, cfg, sim_device(BUF_BYTES)).expect("store");
     let w = watch(&mut store);
     let bytes = |t: u32, list: ListKind| {
-        let width = if list == ListKind::Param16 { 2 } else { 4 };
+        let width = if list == ListKind::Params { 2 } else { 4 };
         pattern(u64::from(t) * 8 + list as u64, (half * width) as usize)
     };
-    let lists = [ListKind::Param16, ListKind::MasterF32];
+    let lists = [ListKind::Params, ListKind::Master];
     for t in 0..GROUPS * PER_GROUP {
         for list in lists {
             store

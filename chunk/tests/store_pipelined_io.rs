@@ -25,10 +25,10 @@ use tidestore_io::IoConfig;
 const CHUNK_ELEMENTS: u64 = 16 * 1024;
 const ROWS: u32 = 6;
 const LISTS: [ListKind; 4] = [
-    ListKind::Param16,
-    ListKind::MasterF32,
-    ListKind::MomentumF32,
-    ListKind::VarianceF32,
+    ListKind::Params,
+    ListKind::Master,
+    ListKind::Momentum,
+    ListKind::Variance,
 ];
 
 /// `ROWS` trainable tensors, one per chunk row.
@@ -82,11 +82,11 @@ fn bytes_of(row: u32, list: ListKind, version: u64, len: usize) -> Vec<u8> {
 fn step(store: &mut ChunkStore, version: u64) {
     for row in 0..ROWS {
         let g = store
-            .access(TensorId(row), ListKind::Param16, Place::Device)
+            .access(TensorId(row), ListKind::Params, Place::Device)
             .expect("forward access");
         let len = g.len_bytes();
         assert!(
-            store.bytes(&g).unwrap() == &bytes_of(row, ListKind::Param16, version, len)[..],
+            store.bytes(&g).unwrap() == &bytes_of(row, ListKind::Params, version, len)[..],
             "row {row} param16 on the device does not hold version {version}"
         );
         store.release(g, TensorState::HoldAfterFwd).unwrap();

@@ -61,7 +61,7 @@ fn forward(store: &mut ChunkStore) -> usize {
     let mut most = 0;
     for t in 0..TENSORS {
         let g = store
-            .access(TensorId(t), ListKind::Param16, Place::Device)
+            .access(TensorId(t), ListKind::Params, Place::Device)
             .expect("access");
         most = most.max(
             store
@@ -85,7 +85,7 @@ fn run(host_lookahead: u32) -> (usize, tidestore_chunk::StoreStats) {
     let mut store = store(host_lookahead);
     for t in 0..TENSORS {
         store
-            .write(TensorId(t), ListKind::Param16, &bytes_of(t))
+            .write(TensorId(t), ListKind::Params, &bytes_of(t))
             .expect("write");
     }
     // Traced, then one followed pass: its first access has nothing read ahead (the

@@ -18,11 +18,7 @@ fn bytes_survive_all_three_tiers() {
         config(2 * 8192, 3 * slot, nvme_dir(&dir, 64 * slot)).with_policy(PolicyKind::Lifetime);
     let mut store = ChunkStore::open(layout, cfg, sim_device(4 * 8192)).unwrap();
     let w = watch(&mut store);
-    let lists = [
-        ListKind::Param16,
-        ListKind::MasterF32,
-        ListKind::MomentumF32,
-    ];
+    let lists = [ListKind::Params, ListKind::Master, ListKind::Momentum];
     let mut expect = std::collections::HashMap::new();
     for t in 0..8u32 {
         for list in lists {
@@ -40,7 +36,7 @@ fn bytes_survive_all_three_tiers() {
                 if store.layout().location(TensorId(t), list).is_none() {
                     continue;
                 }
-                let place = if list == ListKind::Param16 {
+                let place = if list == ListKind::Params {
                     Place::Device
                 } else {
                     Place::Host

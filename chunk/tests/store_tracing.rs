@@ -18,7 +18,7 @@ fn store(device: u64, dir: &tempfile::TempDir) -> ChunkStore {
 }
 
 fn touch(store: &mut ChunkStore, t: u32) -> Result<(), ChunkError> {
-    let g = store.access(TensorId(t), ListKind::Param16, Place::Device)?;
+    let g = store.access(TensorId(t), ListKind::Params, Place::Device)?;
     store.release(g, TensorState::Hold)
 }
 
@@ -27,7 +27,7 @@ fn unwritten_tensors_read_as_zeros() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(4 * CHUNK, &dir);
     let g = s
-        .access(TensorId(3), ListKind::Param16, Place::Device)
+        .access(TensorId(3), ListKind::Params, Place::Device)
         .unwrap();
     assert!(s.bytes(&g).unwrap().iter().all(|&b| b == 0));
     assert_eq!(s.read_f32(&g).unwrap(), vec![0.0; 2048]);
@@ -35,21 +35,21 @@ fn unwritten_tensors_read_as_zeros() {
     s.write_f32(&g, &values).unwrap();
     s.release(g, TensorState::HoldAfterFwd).unwrap();
     assert_eq!(
-        s.state(TensorId(3), ListKind::Param16),
+        s.state(TensorId(3), ListKind::Params),
         Some(TensorState::HoldAfterFwd)
     );
     s.evict_device_all().unwrap();
     let g = s
-        .access(TensorId(3), ListKind::Param16, Place::Host)
+        .access(TensorId(3), ListKind::Params, Place::Host)
         .unwrap();
     assert_eq!(s.read_f32(&g).unwrap(), values);
     // COMPUTE -> FREE is illegal; the tensor stays in COMPUTE and can be released.
     let e = s.release(g, TensorState::Free).unwrap_err();
     assert!(matches!(e, ChunkError::IllegalTransition { .. }), "{e}");
-    s.release_tensor(TensorId(3), ListKind::Param16, TensorState::Hold)
+    s.release_tensor(TensorId(3), ListKind::Params, TensorState::Hold)
         .unwrap();
     assert!(s
-        .read(TensorId(5), ListKind::Param16)
+        .read(TensorId(5), ListKind::Params)
         .unwrap()
         .iter()
         .all(|&b| b == 0));
@@ -128,13 +128,13 @@ fn traced_working_set_above_the_tide_is_reported() {
     // Three chunks in use at once while 14 chunks' worth of activations come later in
     // the window: after the trace, that moment's tide (16 - 14 = 2 chunks) is too small.
     let a = s
-        .access(TensorId(0), ListKind::Param16, Place::Device)
+        .access(TensorId(0), ListKind::Params, Place::Device)
         .unwrap();
     let b = s
-        .access(TensorId(1), ListKind::Param16, Place::Device)
+        .access(TensorId(1), ListKind::Params, Place::Device)
         .unwrap();
     let c = s
-        .access(TensorId(2), ListKind::Param16, Place::Device)
+        .access(TensorId(2), ListKind::Params, Place::Device)
         .unwrap();
     for g in [a, b, c] {
         s.release(g, TensorState::Hold).unwrap();

@@ -21,12 +21,10 @@ fn disjoint_views_in_one_chunk_and_several() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(&dir);
     let ids: Vec<TensorId> = (0..4).map(TensorId).collect();
-    let a = s.access(ids[0], ListKind::MasterF32, Place::Host).unwrap();
-    let b = s.access(ids[1], ListKind::MasterF32, Place::Host).unwrap();
-    let c = s.access(ids[2], ListKind::MasterF32, Place::Host).unwrap();
-    let m = s
-        .access(ids[0], ListKind::MomentumF32, Place::Host)
-        .unwrap();
+    let a = s.access(ids[0], ListKind::Master, Place::Host).unwrap();
+    let b = s.access(ids[1], ListKind::Master, Place::Host).unwrap();
+    let c = s.access(ids[2], ListKind::Master, Place::Host).unwrap();
+    let m = s.access(ids[0], ListKind::Momentum, Place::Host).unwrap();
     assert_eq!(a.chunk(), b.chunk(), "two tensors share a chunk");
     assert_ne!(a.chunk(), c.chunk());
     {
@@ -44,14 +42,8 @@ fn disjoint_views_in_one_chunk_and_several() {
         s.release(g, TensorState::Hold).unwrap();
     }
     s.sync().unwrap();
-    assert_eq!(
-        s.read(ids[1], ListKind::MasterF32).unwrap(),
-        vec![4u8; 4000]
-    );
-    assert_eq!(
-        s.read(ids[0], ListKind::MomentumF32).unwrap(),
-        vec![3u8; 4000]
-    );
+    assert_eq!(s.read(ids[1], ListKind::Master).unwrap(), vec![4u8; 4000]);
+    assert_eq!(s.read(ids[0], ListKind::Momentum).unwrap(), vec![3u8; 4000]);
 }
 
 #[test]
@@ -59,10 +51,10 @@ fn overlapping_views_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(&dir);
     let a = s
-        .access(TensorId(0), ListKind::MasterF32, Place::Host)
+        .access(TensorId(0), ListKind::Master, Place::Host)
         .unwrap();
     let b = s
-        .access(TensorId(1), ListKind::MasterF32, Place::Host)
+        .access(TensorId(1), ListKind::Master, Place::Host)
         .unwrap();
     let err = s.views_mut(&[&a, &b, &a]).unwrap_err();
     assert!(
@@ -73,9 +65,9 @@ fn overlapping_views_are_refused() {
     // A released guard gives no view: it is stale.
     s.release(b, TensorState::Hold).unwrap();
     let b = s
-        .access(TensorId(1), ListKind::MasterF32, Place::Host)
+        .access(TensorId(1), ListKind::Master, Place::Host)
         .unwrap();
-    s.release_tensor(TensorId(1), ListKind::MasterF32, TensorState::Hold)
+    s.release_tensor(TensorId(1), ListKind::Master, TensorState::Hold)
         .unwrap();
     assert!(matches!(
         s.views_mut(&[&a, &b]),
@@ -84,10 +76,10 @@ fn overlapping_views_are_refused() {
     // Device views (simulated device memory) work the same.
     s.release(a, TensorState::Hold).unwrap();
     let d0 = s
-        .access(TensorId(0), ListKind::Param16, Place::Device)
+        .access(TensorId(0), ListKind::Params, Place::Device)
         .unwrap();
     let d1 = s
-        .access(TensorId(1), ListKind::Param16, Place::Device)
+        .access(TensorId(1), ListKind::Params, Place::Device)
         .unwrap();
     {
         let (views, mut pump) = s.views_mut_with_io(&[&d1, &d0]).unwrap();
@@ -109,13 +101,13 @@ fn tensor_views_name_where_each_tensor_is() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = store(&dir);
     let h = s
-        .access(TensorId(2), ListKind::MasterF32, Place::Host)
+        .access(TensorId(2), ListKind::Master, Place::Host)
         .unwrap();
     let d0 = s
-        .access(TensorId(0), ListKind::Param16, Place::Device)
+        .access(TensorId(0), ListKind::Params, Place::Device)
         .unwrap();
     let d1 = s
-        .access(TensorId(1), ListKind::Param16, Place::Device)
+        .access(TensorId(1), ListKind::Params, Place::Device)
         .unwrap();
     {
         let (views, _pump) = s.tensor_views_mut_with_io(&[&d1, &h, &d0]).unwrap();
@@ -140,7 +132,7 @@ fn tensor_views_name_where_each_tensor_is() {
     }
     s.sync().unwrap();
     assert!(s
-        .read(TensorId(0), ListKind::Param16)
+        .read(TensorId(0), ListKind::Params)
         .unwrap()
         .iter()
         .all(|&x| x == 7));

@@ -34,7 +34,7 @@ fn run_store(
 ) -> (StoreStats, AccessTrace) {
     let tensors: Vec<(u64, bool)> = sizes.iter().map(|&n| (n, false)).collect();
     let layout = layout(CHUNK_ELEMENTS, &tensors, DType::F16);
-    let chunks = layout.list_chunk_count(ListKind::Param16);
+    let chunks = layout.list_chunk_count(ListKind::Params);
     let dir = tempfile::tempdir().unwrap();
     let device = device_chunks.min(chunks) * 4096;
     let cfg = config(device, (chunks + 2) * 4096, nvme_dir(&dir, 2 * 4096))
@@ -45,13 +45,13 @@ fn run_store(
     for t in 0..sizes.len() as u32 {
         let len = store
             .layout()
-            .location(TensorId(t), ListKind::Param16)
+            .location(TensorId(t), ListKind::Params)
             .unwrap()
             .bytes();
         store
             .write(
                 TensorId(t),
-                ListKind::Param16,
+                ListKind::Params,
                 &pattern(u64::from(t), len as usize),
             )
             .unwrap();
@@ -59,7 +59,7 @@ fn run_store(
     let iterate = |store: &mut ChunkStore| {
         for &(t, write) in seq {
             let g = store
-                .access(TensorId(t as u32), ListKind::Param16, Place::Device)
+                .access(TensorId(t as u32), ListKind::Params, Place::Device)
                 .unwrap();
             if write {
                 store.bytes_mut(&g).unwrap()[0] ^= 1;
@@ -80,7 +80,7 @@ fn run_store(
             vec![
                 store
                     .layout()
-                    .location(TensorId(t as u32), ListKind::Param16)
+                    .location(TensorId(t as u32), ListKind::Params)
                     .unwrap()
                     .chunk,
             ]

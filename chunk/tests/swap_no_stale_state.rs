@@ -13,7 +13,7 @@ use tidestore_chunk::{
 const SLOT: u64 = 8192;
 const TENSORS: u32 = 6;
 
-/// Six trainable f16 tensors, one per chunk (Param16 chunks of 4096 bytes, fp32 lists
+/// Six trainable f16 tensors, one per chunk (Params chunks of 4096 bytes, fp32 lists
 /// of 8192).
 fn six() -> Layout {
     let tensors: Vec<(u64, bool)> = (0..TENSORS).map(|_| (2048, true)).collect();
@@ -26,11 +26,7 @@ fn open(dir: &tempfile::TempDir, layout: Layout, adopt: bool) -> Result<ChunkSto
     ChunkStore::open(layout, cfg, sim_device(4 * SLOT))
 }
 
-const LISTS: [ListKind; 3] = [
-    ListKind::Param16,
-    ListKind::MasterF32,
-    ListKind::MomentumF32,
-];
+const LISTS: [ListKind; 3] = [ListKind::Params, ListKind::Master, ListKind::Momentum];
 
 /// Writes `pattern(seed + ...)` into every (tensor, list) in `which`, half of them
 /// through the device (so the newest copy is a device copy), and returns what it wrote.
@@ -237,7 +233,7 @@ fn adoption_with_another_layout_is_refused_naming_the_reason() {
     let mut again = open(&dir, six(), true).unwrap();
     again.verify().unwrap();
     assert_ne!(
-        again.read(TensorId(0), ListKind::Param16).unwrap(),
+        again.read(TensorId(0), ListKind::Params).unwrap(),
         vec![0; 4096]
     );
     drop(again);

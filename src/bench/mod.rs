@@ -192,13 +192,13 @@ impl Runner<'_> {
             let id = self.id(i);
             self.trainer.store_mut().write(
                 id,
-                ListKind::Param16,
+                ListKind::Params,
                 bytemuck::cast_slice(&values16[o..o + len]),
             )?;
             if self.s.workload.tensors[i].trainable {
                 self.trainer.store_mut().write(
                     id,
-                    ListKind::MasterF32,
+                    ListKind::Master,
                     bytemuck::cast_slice(&values[o..o + len]),
                 )?;
             }
@@ -219,7 +219,7 @@ impl Runner<'_> {
             let non_model = act.at(layer, b.name == "head");
             self.trainer.store_mut().report_non_model_bytes(non_model);
             for (k, &i) in b.tensors.iter().enumerate() {
-                let g = self.access(i, ListKind::Param16, Place::Device)?;
+                let g = self.access(i, ListKind::Params, Place::Device)?;
                 // The checksum stands in for the device reading the tensor: part of the
                 // modeled compute, not added to it.
                 let deadline = self.launch(self.compute.forward_seconds(bi, k));
@@ -308,7 +308,7 @@ impl Runner<'_> {
     }
 
     fn backward_one(&mut self, bi: usize, k: usize, i: usize, iteration: u32) -> Result<()> {
-        let g = self.access(i, ListKind::Param16, Place::Device)?;
+        let g = self.access(i, ListKind::Params, Place::Device)?;
         // Reading the tensor and writing its gradient stand in for the device's work.
         let deadline = self.launch(self.compute.backward_seconds(bi, k));
         let trainable = self.s.workload.tensors[i].trainable;
@@ -530,7 +530,7 @@ fn describe(
     let chunks = ChunkReport {
         chunk_elements: s.chunk_elements,
         searched: s.chunk_searched,
-        param16_chunk_bytes: layout.chunk_bytes(ListKind::Param16),
+        param16_chunk_bytes: layout.chunk_bytes(ListKind::Params),
         slot_bytes: s.capacity.slot_bytes,
         lists: layout
             .lists()

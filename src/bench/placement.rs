@@ -22,10 +22,10 @@ pub(super) struct StepPlacement {
 
 /// The lists a tensor's step touches.
 const STEP_LISTS: [ListKind; 4] = [
-    ListKind::Param16,
-    ListKind::MasterF32,
-    ListKind::MomentumF32,
-    ListKind::VarianceF32,
+    ListKind::Params,
+    ListKind::Master,
+    ListKind::Momentum,
+    ListKind::Variance,
 ];
 
 /// The device budget for chunks during the optimizer step, as the store sets it then:

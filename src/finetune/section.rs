@@ -258,6 +258,7 @@ mod tests {
             (
                 TrainSection {
                     accumulation: 2,
+                    micro_batch_order: MicroBatchOrderName::Horizontal,
                     ..TrainSection::default()
                 },
                 "train.accumulation",
@@ -273,5 +274,13 @@ mod tests {
         for (t, key) in bad {
             assert_eq!(t.validate().unwrap_err().key(), Some(key));
         }
+        // bf16 accumulates in vertical order: a block's gradients are summed over the
+        // micro-batches before they are written over its 16-bit parameters.
+        let vertical = TrainSection {
+            accumulation: 2,
+            ..TrainSection::default()
+        };
+        assert_eq!(vertical.precision, PrecisionName::Bf16);
+        vertical.validate().expect("bf16 with accumulation in vertical order");
     }
 }

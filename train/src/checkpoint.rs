@@ -4,13 +4,13 @@
 //! # Format (`tidestore.checkpoint.v1`)
 //! One plain safetensors file. For each tensor the caller lists, every list the store's
 //! layout gives it a place in, under these names and with the dtype the store holds:
-//! - [`ListKind::Param16`]: the tensor's own name (BF16 / F16, or F32 for a frozen fp32
+//! - [`ListKind::Params`]: the tensor's own name (BF16 / F16, or F32 for a frozen fp32
 //!   tensor), so the file loads as a model in any safetensors tool;
-//! - [`ListKind::MasterF32`]: `optimizer.master.NAME` (F32);
-//! - [`ListKind::MomentumF32`]: `optimizer.exp_avg.NAME` (F32, Adam's M);
-//! - [`ListKind::VarianceF32`]: `optimizer.exp_avg_sq.NAME` (F32, Adam's V).
+//! - [`ListKind::Master`]: `optimizer.master.NAME` (F32);
+//! - [`ListKind::Momentum`]: `optimizer.exp_avg.NAME` (F32, Adam's M);
+//! - [`ListKind::Variance`]: `optimizer.exp_avg_sq.NAME` (F32, Adam's V).
 //!
-//! Gradients (`GradF16`) are not state between steps and are not saved. The shape is the
+//! Gradients (`Grads`) are not state between steps and are not saved. The shape is the
 //! tensor's registered shape. The data section holds the F32 tensors first (master, M,
 //! V, then frozen fp32 parameters), then the 16-bit ones, each list in chunk order: the
 //! header is padded with spaces so the data starts 8-byte aligned, and with that order
@@ -75,10 +75,10 @@ pub const CHECKPOINT_FORMAT: &str = "tidestore.checkpoint.v1";
 
 /// The lists a checkpoint holds, in the order their tensors are laid out in the file.
 pub const CHECKPOINT_LISTS: [ListKind; 4] = [
-    ListKind::MasterF32,
-    ListKind::MomentumF32,
-    ListKind::VarianceF32,
-    ListKind::Param16,
+    ListKind::Master,
+    ListKind::Momentum,
+    ListKind::Variance,
+    ListKind::Params,
 ];
 
 const KEY_FORMAT: &str = "format";
@@ -103,14 +103,14 @@ pub struct CheckpointState {
 }
 
 /// The name in the file of `name`'s tensor in `list`; `None` for a list checkpoints do
-/// not hold (`GradF16`).
+/// not hold (`Grads`).
 pub fn tensor_name(name: &str, list: ListKind) -> Option<String> {
     match list {
-        ListKind::Param16 => Some(name.to_string()),
-        ListKind::MasterF32 => Some(format!("optimizer.master.{name}")),
-        ListKind::MomentumF32 => Some(format!("optimizer.exp_avg.{name}")),
-        ListKind::VarianceF32 => Some(format!("optimizer.exp_avg_sq.{name}")),
-        ListKind::GradF16 => None,
+        ListKind::Params => Some(name.to_string()),
+        ListKind::Master => Some(format!("optimizer.master.{name}")),
+        ListKind::Momentum => Some(format!("optimizer.exp_avg.{name}")),
+        ListKind::Variance => Some(format!("optimizer.exp_avg_sq.{name}")),
+        ListKind::Grads => None,
     }
 }
 
@@ -697,7 +697,7 @@ mod tests {
     fn entry(name: &str, dtype: DType, elements: usize) -> Entry {
         Entry {
             tensor: TensorId(0),
-            list: ListKind::Param16,
+            list: ListKind::Params,
             name: name.into(),
             dtype,
             shape: vec![elements],
@@ -756,11 +756,11 @@ mod tests {
 
     #[test]
     fn names_of_lists() {
-        assert_eq!(tensor_name("w", ListKind::Param16).as_deref(), Some("w"));
+        assert_eq!(tensor_name("w", ListKind::Params).as_deref(), Some("w"));
         assert_eq!(
-            tensor_name("w", ListKind::VarianceF32).as_deref(),
+            tensor_name("w", ListKind::Variance).as_deref(),
             Some("optimizer.exp_avg_sq.w")
         );
-        assert_eq!(tensor_name("w", ListKind::GradF16), None);
+        assert_eq!(tensor_name("w", ListKind::Grads), None);
     }
 }

@@ -36,7 +36,7 @@ fn compact_moments_round_trip_bit_identically() {
         } else {
             DType::BF16
         };
-        let loc = a.layout().location(t, ListKind::MomentumF32).unwrap();
+        let loc = a.layout().location(t, ListKind::Momentum).unwrap();
         assert_eq!(loc.dtype, want, "{states}: the big tensor's M form");
         fill(&mut a, 5);
         let saved = snapshot(&mut a);
@@ -142,7 +142,7 @@ mod resume {
             .filter(|&t| store.layout().tensor(t).unwrap().trainable)
             .collect();
         for &t in ids.iter().rev() {
-            let g = store.access(t, ListKind::Param16, Place::Host).unwrap();
+            let g = store.access(t, ListKind::Params, Place::Host).unwrap();
             let bytes = store.bytes_mut(&g).unwrap();
             let p: Vec<bf16> = bytemuck::cast_slice::<u8, bf16>(bytes).to_vec();
             let grad: Vec<bf16> = p
@@ -215,10 +215,10 @@ mod resume {
                 .collect();
             if spec.trainable {
                 store
-                    .write(t, ListKind::MasterF32, bytemuck::cast_slice(&w))
+                    .write(t, ListKind::Master, bytemuck::cast_slice(&w))
                     .unwrap();
             }
-            let loc = store.layout().location(t, ListKind::Param16).unwrap();
+            let loc = store.layout().location(t, ListKind::Params).unwrap();
             let p16: Vec<u8> = match loc.dtype {
                 DType::F32 => bytemuck::cast_slice(&w).to_vec(),
                 _ => {
@@ -226,7 +226,7 @@ mod resume {
                     bytemuck::cast_slice(&b).to_vec()
                 }
             };
-            store.write(t, ListKind::Param16, &p16).unwrap();
+            store.write(t, ListKind::Params, &p16).unwrap();
         }
     }
 }

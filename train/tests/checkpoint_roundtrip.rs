@@ -19,7 +19,7 @@ fn round_trip_is_bit_identical_through_nvme() {
     // The lists that came first are on NVMe only now: the save streams them from there.
     let spilled = all_tensors(&a)
         .into_iter()
-        .filter_map(|t| a.layout().location(t, ListKind::MasterF32))
+        .filter_map(|t| a.layout().location(t, ListKind::Master))
         .filter(|loc| a.residency(loc.chunk).is_some_and(|r| r.nvme && !r.host))
         .count();
     assert!(spilled > 0, "some master chunk lives on NVMe only");
@@ -125,7 +125,7 @@ fn plain_safetensors_reads_the_model_under_its_own_names() {
     let id = a.layout().tensor_id("layers.0.b").unwrap();
     assert_eq!(
         st.tensor("layers.0.b").unwrap().data(),
-        &saved[&(id.0, ListKind::Param16)][..]
+        &saved[&(id.0, ListKind::Params)][..]
     );
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
     let kv = meta.metadata().as_ref().unwrap();
@@ -195,7 +195,7 @@ fn read_tensors_gives_the_saved_bytes_without_a_store() {
     let mut expected = 0;
     for &t in &tensors {
         let spec = a.layout().tensor(t).unwrap().clone();
-        for list in [ListKind::MasterF32, ListKind::Param16] {
+        for list in [ListKind::Master, ListKind::Params] {
             let Some(loc) = a.layout().location(t, list) else {
                 continue;
             };

@@ -85,7 +85,7 @@ fn tensor_ids() -> Vec<TensorId> {
 /// the host: most of the 24 chunks live on NVMe.
 fn open_store(swap: &Path) -> ChunkStore {
     let layout = layout();
-    let slot = layout.chunk_bytes(ListKind::MasterF32);
+    let slot = layout.chunk_bytes(ListKind::Master);
     let nvme = NvmeSource::Dir {
         dir: swap.to_path_buf(),
         bytes: 40 * slot,
@@ -199,7 +199,7 @@ impl Trainer {
             let n = self
                 .store
                 .layout()
-                .location(t, ListKind::MasterF32)
+                .location(t, ListKind::Master)
                 .unwrap()
                 .elements;
             let master: Vec<f32> = (0..n as usize)
@@ -208,12 +208,12 @@ impl Trainer {
             let p16: Vec<bf16> = master.iter().map(|&x| bf16::from_f32(x)).collect();
             let zeros = vec![0u8; n as usize * 4];
             let s = &mut self.store;
-            s.write(t, ListKind::MasterF32, bytemuck::cast_slice(&master))
+            s.write(t, ListKind::Master, bytemuck::cast_slice(&master))
                 .unwrap();
-            s.write(t, ListKind::Param16, bytemuck::cast_slice(&p16))
+            s.write(t, ListKind::Params, bytemuck::cast_slice(&p16))
                 .unwrap();
-            s.write(t, ListKind::MomentumF32, &zeros).unwrap();
-            s.write(t, ListKind::VarianceF32, &zeros).unwrap();
+            s.write(t, ListKind::Momentum, &zeros).unwrap();
+            s.write(t, ListKind::Variance, &zeros).unwrap();
         }
     }
 
@@ -252,7 +252,7 @@ impl Trainer {
         for &t in &self.tensors {
             let g = self
                 .store
-                .access(t, ListKind::Param16, Place::Device)
+                .access(t, ListKind::Params, Place::Device)
                 .unwrap();
             let w = self.store.read_f32(&g).unwrap();
             for (i, &x) in w.iter().enumerate() {
@@ -271,7 +271,7 @@ impl Trainer {
         for &t in self.tensors.iter().rev() {
             let g = self
                 .store
-                .access(t, ListKind::Param16, Place::Device)
+                .access(t, ListKind::Params, Place::Device)
                 .unwrap();
             let w = self.store.read_f32(&g).unwrap();
             let grad: Vec<f32> = w

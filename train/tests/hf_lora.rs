@@ -34,17 +34,17 @@ fn adapters_start_as_peft_and_export_in_its_layout() {
         let a = store.layout().tensor_id(&ad.a).unwrap();
         let a = to_f32(
             safetensors::Dtype::F32,
-            &store.read(a, ListKind::MasterF32).unwrap(),
+            &store.read(a, ListKind::Master).unwrap(),
         );
         let bound = 1.0 / (ad.in_features as f32).sqrt();
         assert!(a.iter().all(|x| x.abs() <= bound) && a.iter().any(|x| *x != 0.0));
         let b = store.layout().tensor_id(&ad.b).unwrap();
-        let b = store.read(b, ListKind::MasterF32).unwrap();
+        let b = store.read(b, ListKind::Master).unwrap();
         assert!(b.iter().all(|&x| x == 0));
         // The frozen base is the file's bf16, with no master.
         let w = store.layout().tensor_id(&ad.base).unwrap();
-        assert!(store.layout().location(w, ListKind::MasterF32).is_none());
-        assert_eq!(store.read(w, ListKind::Param16).unwrap(), files[&ad.base].2);
+        assert!(store.layout().location(w, ListKind::Master).is_none());
+        assert_eq!(store.read(w, ListKind::Params).unwrap(), files[&ad.base].2);
     }
 
     let out = tmp.path().join("adapter");
@@ -95,7 +95,7 @@ fn merged_export_is_w_plus_scaled_ba() {
             .collect();
         let id = store.layout().tensor_id(&ad.b).unwrap();
         let bytes: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
-        store.write(id, ListKind::MasterF32, &bytes).unwrap();
+        store.write(id, ListKind::Master, &bytes).unwrap();
     }
     let out = tmp.path().join("merged");
     let opts = ExportOptions {
@@ -118,7 +118,7 @@ fn merged_export_is_w_plus_scaled_ba() {
             let id = store.layout().tensor_id(n).unwrap();
             to_f32(
                 safetensors::Dtype::F32,
-                &store.read(id, ListKind::MasterF32).unwrap(),
+                &store.read(id, ListKind::Master).unwrap(),
             )
         };
         let (a, b) = (read(&ad.a), read(&ad.b));

@@ -147,9 +147,9 @@ fn imports_f32_f16_bf16_exactly_into_master_and_rounds_the_copy() {
             for (name, (d, _, bytes)) in &files {
                 assert_eq!(*d, st_dtype(file_dtype));
                 let id = store.layout().tensor_id(name).unwrap();
-                let master = store.read(id, ListKind::MasterF32).unwrap();
+                let master = store.read(id, ListKind::Master).unwrap();
                 assert_eq!(to_f32(safetensors::Dtype::F32, &master), to_f32(*d, bytes));
-                let copy = store.read(id, ListKind::Param16).unwrap();
+                let copy = store.read(id, ListKind::Params).unwrap();
                 if file_dtype == param16 {
                     assert_eq!(&copy, bytes, "{name}");
                 } else {

@@ -86,7 +86,7 @@ fn step_loop(store: &ChunkStore) -> StepLoop {
 fn backward(store: &mut ChunkStore, lp: &mut StepLoop) -> Result<(), TrainError> {
     let g16 = vec![bf16::from_f32(1e-3); CHUNK_ELEMENTS as usize];
     for i in (0..TENSORS).rev() {
-        let g = store.access(TensorId(i), ListKind::Param16, Place::Device)?;
+        let g = store.access(TensorId(i), ListKind::Params, Place::Device)?;
         store
             .bytes_mut(&g)?
             .copy_from_slice(bytemuck::cast_slice(&g16));

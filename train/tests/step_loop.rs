@@ -182,13 +182,13 @@ fn write_initial(store: &mut ChunkStore, reference: &mut Reference) {
         let p16: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
         let t = TensorId(i as u32);
         store
-            .write(t, ListKind::MasterF32, bytemuck::cast_slice(&w))
+            .write(t, ListKind::Master, bytemuck::cast_slice(&w))
             .unwrap();
         store
-            .write(t, ListKind::Param16, bytemuck::cast_slice(&p16))
+            .write(t, ListKind::Params, bytemuck::cast_slice(&p16))
             .unwrap();
         reference.master.push(w);
-        let loc = store.layout().location(t, ListKind::MomentumF32).unwrap();
+        let loc = store.layout().location(t, ListKind::Momentum).unwrap();
         let bytes = loc.bytes() as usize;
         reference.m.push(vec![0.0; bytes.div_ceil(4)]);
         reference.v.push(vec![0.0; bytes.div_ceil(4)]);
@@ -258,7 +258,7 @@ fn train_with(
         // Forward: every 16-bit copy read on the device, equal to the reference's.
         for (i, &n) in SIZES.iter().enumerate() {
             let g = store
-                .access(TensorId(i as u32), ListKind::Param16, Place::Device)
+                .access(TensorId(i as u32), ListKind::Params, Place::Device)
                 .unwrap();
             let got: &[bf16] = bytemuck::cast_slice(store.bytes(&g).unwrap());
             assert_eq!(got.len(), n);
@@ -278,7 +278,7 @@ fn train_with(
                 Grad::InParam16 => {
                     let g16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
                     let g = store
-                        .access(TensorId(i as u32), ListKind::Param16, Place::Device)
+                        .access(TensorId(i as u32), ListKind::Params, Place::Device)
                         .unwrap();
                     store
                         .bytes_mut(&g)
@@ -290,7 +290,7 @@ fn train_with(
                 }
                 Grad::SeparateF32 => {
                     let t = TensorId((SIZES.len() + i) as u32);
-                    let g = store.access(t, ListKind::Param16, Place::Host).unwrap();
+                    let g = store.access(t, ListKind::Params, Place::Host).unwrap();
                     store
                         .bytes_mut(&g)
                         .unwrap()
@@ -325,13 +325,13 @@ fn train_with(
         let t = TensorId(i as u32);
         let mb = reference.moment_bytes[i];
         for (list, want) in [
-            (ListKind::MasterF32, &reference.master[i][..]),
-            (ListKind::MomentumF32, &reference.m[i][..]),
-            (ListKind::VarianceF32, &reference.v[i][..]),
+            (ListKind::Master, &reference.master[i][..]),
+            (ListKind::Momentum, &reference.m[i][..]),
+            (ListKind::Variance, &reference.v[i][..]),
         ] {
             let got = store.read(t, list).unwrap();
             let want = bytemuck::cast_slice::<f32, u8>(want);
-            let want = if list == ListKind::MasterF32 {
+            let want = if list == ListKind::Master {
                 want
             } else {
                 &want[..mb]
@@ -341,7 +341,7 @@ fn train_with(
                 "{place:?}/{overlap:?}/{grad:?}/{states}: w{i} {list} differs from the reference"
             );
         }
-        let got = store.read(t, ListKind::Param16).unwrap();
+        let got = store.read(t, ListKind::Params).unwrap();
         assert!(got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]));
     }
     assert!(
@@ -466,7 +466,7 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
     for i in (0..SIZES.len()).rev() {
         // A gradient over the 16-bit copy, as backward leaves it.
         let t = TensorId(i as u32);
-        let g = store.access(t, ListKind::Param16, Place::Device).unwrap();
+        let g = store.access(t, ListKind::Params, Place::Device).unwrap();
         store.bytes_mut(&g).unwrap().fill(0x5a);
         store.release(g, TensorState::HoldAfterBwd).unwrap();
         let sq = if i == 2 { f64::INFINITY } else { 1.0 };
@@ -477,10 +477,10 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
     assert_eq!(lp.step_count(), 0);
     for i in 0..SIZES.len() {
         let t = TensorId(i as u32);
-        let got = store.read(t, ListKind::MasterF32).unwrap();
+        let got = store.read(t, ListKind::Master).unwrap();
         assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
         // The gradient is gone: the 16-bit copy is the master's again.
-        let got = store.read(t, ListKind::Param16).unwrap();
+        let got = store.read(t, ListKind::Params).unwrap();
         assert!(
             got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]),
             "w{i}: a skipped step left the gradient in the 16-bit copy"

@@ -74,7 +74,7 @@ pub fn tide_config(dir: &std::path::Path, precision: Precision) -> TideConfig {
     };
     let mut cfg = TideConfig::new(hp, dir);
     cfg.precision = precision;
-    // 16 Ki slots: 32 KiB Param16 chunks, 64 KiB fp32 chunks; the model needs ~14
+    // 16 Ki slots: 32 KiB Params chunks, 64 KiB fp32 chunks; the model needs ~14
     // chunks and the host pool holds 5, so M and V live on NVMe between steps.
     cfg.chunk_elements = Some(16 * 1024);
     cfg.host_budget = Budget::Chunks(5);

@@ -1,25 +1,25 @@
 //! Registration of tensors, in model (forward) order, into chunk lists.
 //!
 //! PatrickStar's layout: one chunk size `C`, counted in **element slots** and shared by
-//! every list, and one packing decision made on the [`ListKind::Param16`] list that all
+//! every list, and one packing decision made on the [`ListKind::Params`] list that all
 //! other lists mirror. So chunk `i` of every list holds the same tensors (the trainable
 //! ones among them, for the trainable-only lists), and the optimizer updates group `i`
 //! (grads `i`, master `i`, M `i`, V `i`) together.
 //!
 //! Lists and what they hold:
-//! - `Param16`: every tensor, in 2-byte slots. 16-bit tensors keep their dtype. A
+//! - `Params`: every tensor, in 2-byte slots. 16-bit tensors keep their dtype. A
 //!   trainable fp32 tensor gets a 16-bit compute copy there (dtype
-//!   [`LayoutConfig::param16_dtype`]); its fp32 values live in `MasterF32`. A **frozen
+//!   [`LayoutConfig::param16_dtype`]); its fp32 values live in `Master`. A **frozen
 //!   fp32 tensor stays fp32** (it has no master copy, so casting it would silently
 //!   change its bytes) and takes two slots per element.
-//! - `MasterF32`: trainable tensors only, fp32.
-//! - `MomentumF32`, `VarianceF32` (M, V): trainable tensors only, in the form of
+//! - `Master`: trainable tensors only, fp32.
+//! - `Momentum`, `Variance` (M, V): trainable tensors only, in the form of
 //!   [`LayoutConfig::moments`] (fp32 by default, whence the names; bf16 or block-wise
 //!   int8, see [`crate::moments`]), with that form's slot size (4, 2 or 1 bytes). Their
 //!   offsets count the moment slots of the trainable tensors before them in the chunk,
 //!   so compact chunks are dense too, and their chunks are as small as their bytes.
-//! - `GradF16`: trainable tensors only, in their Param16 dtype, and only when gradient
-//!   accumulation is on. Otherwise a gradient reuses its tensor's Param16 space once
+//! - `Grads`: trainable tensors only, in their Params dtype, and only when gradient
+//!   accumulation is on. Otherwise a gradient reuses its tensor's Params space once
 //!   the layer's backward is done ([`Layout::grad_location`] returns that space).
 //!
 //! Packing is next-fit in registration order: a tensor goes after the previous one in
@@ -31,9 +31,9 @@
 //! **Frozen and trainable tensors are packed apart** (by default;
 //! [`LayoutConfig::separate_frozen`]): two chunks are open at a time, one receiving the
 //! frozen tensors and one receiving the trainable ones, each filled next-fit in model
-//! order. A Param16 chunk then holds only frozen or only trainable tensors, so only the
+//! order. A Params chunk then holds only frozen or only trainable tensors, so only the
 //! groups made of trainable tensors get master, M, V (and grad) chunks, and those are
-//! as full as their Param16 chunk. Without it, a LoRA model (a frozen base with small
+//! as full as their Params chunk. Without it, a LoRA model (a frozen base with small
 //! trainable adapters interleaved in model order) would put an adapter in nearly every
 //! group and allocate full-size fp32 chunks for each: LLaMA-70B with rank-16 adapters
 //! would get ~78 GiB each of master, M and V for 32.8M trainable parameters. When
@@ -54,8 +54,8 @@
 //!
 //! Invariants (checked by `tests/layout_props.rs`): every tensor is placed exactly once
 //! per list it belongs to; placements in one chunk do not overlap and end within `C`;
-//! a tensor has the same chunk index in every list; frozen tensors are only in Param16;
-//! with separate packing, no Param16 chunk holds both frozen and trainable tensors.
+//! a tensor has the same chunk index in every list; frozen tensors are only in Params;
+//! with separate packing, no Params chunk holds both frozen and trainable tensors.
 //!
 //! # Files, one concept each
 //! - this file: the declarations ([`TensorSpec`], [`LayoutConfig`]) and the finished
@@ -126,7 +126,7 @@ impl TensorSpec {
         Ok(n)
     }
 
-    /// The dtype this tensor has in the Param16 list (see the module doc).
+    /// The dtype this tensor has in the Params list (see the module doc).
     pub fn param16_dtype(&self, param16_dtype: DType) -> DType {
         match (self.dtype, self.trainable) {
             (DType::F32, true) => param16_dtype,
@@ -140,7 +140,7 @@ impl TensorSpec {
 pub struct LayoutConfig {
     /// Chunk size in element slots, shared by all lists (bytes = slots x slot size).
     pub chunk_elements: u64,
-    /// Whether gradients get their own `GradF16` list (gradient accumulation).
+    /// Whether gradients get their own `Grads` list (gradient accumulation).
     pub grad_accumulation: bool,
     /// The 16-bit dtype of the compute copy of trainable fp32 tensors.
     pub param16_dtype: DType,
@@ -179,7 +179,7 @@ impl LayoutConfig {
     /// [`LayoutConfig::moments`]).
     pub fn slot_bytes(&self, list: ListKind) -> u64 {
         match list {
-            ListKind::MomentumF32 | ListKind::VarianceF32 => self.moments.slot_bytes(),
+            ListKind::Momentum | ListKind::Variance => self.moments.slot_bytes(),
             l => l.slot_bytes(),
         }
     }
@@ -241,7 +241,7 @@ impl LayoutConfig {
         let acc = self.grad_accumulation;
         ListKind::ALL
             .into_iter()
-            .filter(move |l| l.trainable_only() && (acc || *l != ListKind::GradF16))
+            .filter(move |l| l.trainable_only() && (acc || *l != ListKind::Grads))
     }
 }
 
@@ -262,7 +262,7 @@ pub struct TensorLocation {
 
 impl TensorLocation {
     /// Slots occupied (elements x dtype size / slot size; 2 per element for a frozen
-    /// fp32 tensor in Param16, otherwise equal to `elements`).
+    /// fp32 tensor in Params, otherwise equal to `elements`).
     pub fn slots(&self) -> u64 {
         self.bytes().div_ceil(self.slot_bytes)
     }
@@ -354,7 +354,7 @@ impl Layout {
             .collect()
     }
 
-    /// Chunk indices (= Param16 chunks); every list's indices are below this.
+    /// Chunk indices (= Params chunks); every list's indices are below this.
     pub fn chunks_per_list(&self) -> u32 {
         // Bounded by ChunkId::INDEX_MAX + 1 at registration.
         self.fill_slots.len() as u32
@@ -372,8 +372,8 @@ impl Layout {
             return false;
         }
         match chunk.list() {
-            ListKind::Param16 => true,
-            ListKind::GradF16 if !self.config.grad_accumulation => false,
+            ListKind::Params => true,
+            ListKind::Grads if !self.config.grad_accumulation => false,
             _ => !self.chunk_trainable[i].is_empty(),
         }
     }
@@ -392,21 +392,21 @@ impl Layout {
         }
         let i = chunk.index() as usize;
         match chunk.list() {
-            ListKind::Param16 => &self.chunk_tensors[i],
+            ListKind::Params => &self.chunk_tensors[i],
             _ => &self.chunk_trainable[i],
         }
     }
 
     /// Where tensor `id` lives in `list`; `None` for an unknown id, a frozen tensor in
-    /// a trainable-only list, or `GradF16` without gradient accumulation.
+    /// a trainable-only list, or `Grads` without gradient accumulation.
     pub fn location(&self, id: TensorId, list: ListKind) -> Option<TensorLocation> {
         let p = self.places.get(id.index())?;
         let (offset_elements, dtype) = match list {
-            ListKind::Param16 => (p.offset_slots, p.param16_dtype),
-            ListKind::GradF16 if !self.config.grad_accumulation => return None,
-            ListKind::GradF16 => (p.trainable_offset?, p.param16_dtype),
-            ListKind::MasterF32 => (p.trainable_offset?, DType::F32),
-            ListKind::MomentumF32 | ListKind::VarianceF32 => {
+            ListKind::Params => (p.offset_slots, p.param16_dtype),
+            ListKind::Grads if !self.config.grad_accumulation => return None,
+            ListKind::Grads => (p.trainable_offset?, p.param16_dtype),
+            ListKind::Master => (p.trainable_offset?, DType::F32),
+            ListKind::Momentum | ListKind::Variance => {
                 (p.moment_offset?, self.config.moments.dtype_for(p.elements))
             }
         };
@@ -419,16 +419,16 @@ impl Layout {
         })
     }
 
-    /// Where tensor `id`'s gradient lives: its `GradF16` place with gradient
-    /// accumulation, else its own Param16 space (reused once its layer's backward is
+    /// Where tensor `id`'s gradient lives: its `Grads` place with gradient
+    /// accumulation, else its own Params space (reused once its layer's backward is
     /// done). `None` for a frozen tensor.
     pub fn grad_location(&self, id: TensorId) -> Option<TensorLocation> {
         let p = self.places.get(id.index())?;
         p.trainable_offset?;
         if self.config.grad_accumulation {
-            self.location(id, ListKind::GradF16)
+            self.location(id, ListKind::Grads)
         } else {
-            self.location(id, ListKind::Param16)
+            self.location(id, ListKind::Params)
         }
     }
 
@@ -440,7 +440,7 @@ impl Layout {
     pub fn chunk_bytes(&self, list: ListKind) -> u64 {
         let c = self.config.chunk_elements;
         match list {
-            ListKind::MomentumF32 | ListKind::VarianceF32
+            ListKind::Momentum | ListKind::Variance
                 if self.config.moments == MomentStates::Int8 =>
             {
                 let fullest = self.fill_moments.iter().copied().max().unwrap_or(0);
@@ -459,8 +459,8 @@ impl Layout {
         }
         let i = chunk.index() as usize;
         match chunk.list() {
-            ListKind::Param16 => self.fill_slots[i] * ListKind::Param16.slot_bytes(),
-            l @ (ListKind::MomentumF32 | ListKind::VarianceF32) => {
+            ListKind::Params => self.fill_slots[i] * ListKind::Params.slot_bytes(),
+            l @ (ListKind::Momentum | ListKind::Variance) => {
                 self.fill_moments[i] * self.config.slot_bytes(l)
             }
             l => self.fill_trainable[i] * l.slot_bytes(),
@@ -470,8 +470,8 @@ impl Layout {
     /// Number of chunks of `list`.
     pub fn list_chunk_count(&self, list: ListKind) -> u64 {
         match list {
-            ListKind::Param16 => self.fill_slots.len() as u64,
-            ListKind::GradF16 if !self.config.grad_accumulation => 0,
+            ListKind::Params => self.fill_slots.len() as u64,
+            ListKind::Grads if !self.config.grad_accumulation => 0,
             _ => self
                 .chunk_trainable
                 .iter()

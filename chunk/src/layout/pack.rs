@@ -9,7 +9,7 @@ use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
 use crate::Result;
 
-/// One tensor as seen by the packer: slots in Param16, elements in trainable lists.
+/// One tensor as seen by the packer: slots in Params, elements in trainable lists.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PackItem {
     pub(crate) slots: u64,
@@ -23,7 +23,7 @@ impl PackItem {
         let elements = spec.elements()?;
         let dtype = spec.param16_dtype(config.param16_dtype);
         let slots = elements
-            .checked_mul(dtype.size_bytes() / ListKind::Param16.slot_bytes())
+            .checked_mul(dtype.size_bytes() / ListKind::Params.slot_bytes())
             .ok_or_else(|| ChunkError::TensorOverflow {
                 tensor: spec.name.clone(),
                 shape: spec.shape.clone(),
@@ -39,7 +39,7 @@ impl PackItem {
 /// Chunk counts of a packing: what the waste of a chunk size depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct PackCounts {
-    /// Param16 chunks (= chunk indices).
+    /// Params chunks (= chunk indices).
     pub(crate) chunks: u64,
     /// Chunk indices holding at least one trainable tensor.
     pub(crate) trainable_chunks: u64,
@@ -98,7 +98,7 @@ pub(crate) fn allocated_bytes(
     chunk_elements: u64,
     config: &LayoutConfig,
 ) -> u64 {
-    counts.chunks * chunk_elements * ListKind::Param16.slot_bytes()
+    counts.chunks * chunk_elements * ListKind::Params.slot_bytes()
         + counts.trainable_chunks * chunk_elements * config.trainable_state_bytes()
 }
 

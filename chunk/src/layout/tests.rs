@@ -60,23 +60,23 @@ fn next_fit_and_mirrored_lists() {
     )
     .unwrap();
     assert_eq!(layout.chunks_per_list(), 2);
-    let c = layout.location(TensorId(2), ListKind::Param16).unwrap();
+    let c = layout.location(TensorId(2), ListKind::Params).unwrap();
     assert_eq!((c.chunk.index(), c.offset_elements), (1, 0));
-    let d = layout.location(TensorId(3), ListKind::MasterF32).unwrap();
+    let d = layout.location(TensorId(3), ListKind::Master).unwrap();
     assert_eq!((d.chunk.index(), d.offset_elements), (1, 20));
     assert_eq!(d.offset_bytes(), 80);
-    assert!(layout.location(TensorId(1), ListKind::MasterF32).is_none());
+    assert!(layout.location(TensorId(1), ListKind::Master).is_none());
     assert_eq!(
-        layout.chunk_tensors(ChunkId::new(ListKind::MasterF32, 0)),
+        layout.chunk_tensors(ChunkId::new(ListKind::Master, 0)),
         &[TensorId(0)]
     );
     // No accumulation: the grad reuses the param space.
     assert_eq!(
         layout.grad_location(TensorId(0)),
-        layout.location(TensorId(0), ListKind::Param16)
+        layout.location(TensorId(0), ListKind::Params)
     );
     assert!(layout.grad_location(TensorId(1)).is_none());
-    assert_eq!(layout.list_chunk_count(ListKind::GradF16), 0);
+    assert_eq!(layout.list_chunk_count(ListKind::Grads), 0);
     // Bytes: 2 param chunks of 200 B, 2 x 3 fp32 chunks of 400 B.
     assert_eq!(layout.total_bytes(), 2 * 200 + 6 * 400);
     let payload = (60 + 30 + 20 + 80) * 2 + (60 + 20 + 80) * 12;
@@ -94,18 +94,18 @@ fn frozen_f32_stays_f32_in_two_slots_and_trainable_f32_is_cast() {
         ],
     )
     .unwrap();
-    let norm = layout.location(TensorId(0), ListKind::Param16).unwrap();
+    let norm = layout.location(TensorId(0), ListKind::Params).unwrap();
     assert_eq!(
         (norm.dtype, norm.slots(), norm.bytes()),
         (DType::F32, 20, 40)
     );
     // Packed apart from the frozen norm: its own chunk.
-    let w = layout.location(TensorId(1), ListKind::Param16).unwrap();
+    let w = layout.location(TensorId(1), ListKind::Params).unwrap();
     assert_eq!(
         (w.chunk.index(), w.dtype, w.offset_elements, w.slots()),
         (1, DType::F16, 0, 10)
     );
-    let m = layout.location(TensorId(1), ListKind::MasterF32).unwrap();
+    let m = layout.location(TensorId(1), ListKind::Master).unwrap();
     assert_eq!((m.dtype, m.offset_elements), (DType::F32, 0));
     // Shared packing: after the norm's 20 slots.
     let shared = Layout::new(
@@ -113,9 +113,9 @@ fn frozen_f32_stays_f32_in_two_slots_and_trainable_f32_is_cast() {
         layout.tensors().to_vec(),
     )
     .unwrap();
-    let w = shared.location(TensorId(1), ListKind::Param16).unwrap();
+    let w = shared.location(TensorId(1), ListKind::Params).unwrap();
     assert_eq!((w.chunk.index(), w.offset_elements), (0, 20));
-    let m = shared.location(TensorId(1), ListKind::MasterF32).unwrap();
+    let m = shared.location(TensorId(1), ListKind::Master).unwrap();
     assert_eq!((m.chunk.index(), m.offset_elements), (0, 0));
 }
 
@@ -130,7 +130,7 @@ fn grad_accumulation_adds_a_list() {
     )
     .unwrap();
     let g = layout.grad_location(TensorId(1)).unwrap();
-    assert_eq!(g.chunk.list(), ListKind::GradF16);
+    assert_eq!(g.chunk.list(), ListKind::Grads);
     assert_eq!((g.offset_elements, g.dtype), (0, DType::BF16));
     assert_eq!(layout.lists().len(), 5);
 }
@@ -142,10 +142,10 @@ fn lora_base_chunks_have_no_optimizer_chunks() {
         .collect();
     specs.push(t("lora_a", 8, DType::BF16, true));
     let layout = Layout::new(LayoutConfig::new(100), specs).unwrap();
-    assert_eq!(layout.list_chunk_count(ListKind::Param16), 3);
-    assert_eq!(layout.list_chunk_count(ListKind::MasterF32), 1);
-    assert!(!layout.chunk_exists(ChunkId::new(ListKind::VarianceF32, 0)));
-    assert!(layout.chunk_exists(ChunkId::new(ListKind::VarianceF32, 2)));
+    assert_eq!(layout.list_chunk_count(ListKind::Params), 3);
+    assert_eq!(layout.list_chunk_count(ListKind::Master), 1);
+    assert!(!layout.chunk_exists(ChunkId::new(ListKind::Variance, 0)));
+    assert!(layout.chunk_exists(ChunkId::new(ListKind::Variance, 2)));
 }
 
 #[test]
@@ -191,24 +191,24 @@ fn frozen_and_trainable_packed_apart() {
     .unwrap();
     assert_eq!(layout.chunks_per_list(), 3);
     let at = |i: u32| {
-        let l = layout.location(TensorId(i), ListKind::Param16).unwrap();
+        let l = layout.location(TensorId(i), ListKind::Params).unwrap();
         (l.chunk.index(), l.offset_elements)
     };
     assert_eq!(
         [at(0), at(1), at(2), at(3)],
         [(0, 0), (1, 0), (0, 60), (2, 0)]
     );
-    let c = layout.location(TensorId(2), ListKind::MasterF32).unwrap();
+    let c = layout.location(TensorId(2), ListKind::Master).unwrap();
     assert_eq!((c.chunk.index(), c.offset_elements), (0, 60));
-    assert!(!layout.chunk_exists(ChunkId::new(ListKind::MasterF32, 1)));
-    assert_eq!(layout.list_chunk_count(ListKind::MasterF32), 2);
+    assert!(!layout.chunk_exists(ChunkId::new(ListKind::Master, 1)));
+    assert_eq!(layout.list_chunk_count(ListKind::Master), 2);
     assert_eq!(
-        layout.chunk_tensors(ChunkId::new(ListKind::MomentumF32, 0)),
+        layout.chunk_tensors(ChunkId::new(ListKind::Momentum, 0)),
         &[TensorId(0), TensorId(2)]
     );
     assert_eq!(
         layout.grad_location(TensorId(2)),
-        layout.location(TensorId(2), ListKind::Param16)
+        layout.location(TensorId(2), ListKind::Params)
     );
     // Bytes: 3 param chunks of 200 B, 2 x 3 fp32 chunks of 400 B.
     assert_eq!(layout.total_bytes(), 3 * 200 + 6 * 400);
@@ -226,15 +226,11 @@ fn chunks_are_allocated_and_moved_as_their_used_prefix() {
     let layout = Layout::new(LayoutConfig::new(16 * 1024), specs).unwrap();
     let dense = layout.dense_chunk_bytes();
     let size = |c: ChunkId| dense[c.dense()];
-    let p16: Vec<ChunkId> = layout.chunks(ListKind::Param16).collect();
+    let p16: Vec<ChunkId> = layout.chunks(ListKind::Params).collect();
     assert_eq!(size(p16[0]), 32 * 1024, "a full chunk is whole");
     assert_eq!(size(p16[1]), 12 * 1024, "10000 B used, rounded to pages");
     assert_eq!(size(p16[2]), 4096, "2000 B of adapter");
-    for list in [
-        ListKind::MasterF32,
-        ListKind::MomentumF32,
-        ListKind::VarianceF32,
-    ] {
+    for list in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
         let c = layout.chunks(list).next().unwrap();
         assert_eq!(layout.chunk_bytes(list), 64 * 1024);
         assert_eq!(size(c), 4096, "{list:?}: 4000 B of fp32 state");
@@ -245,7 +241,7 @@ fn chunks_are_allocated_and_moved_as_their_used_prefix() {
         vec![t("a", 1000, DType::BF16, true)],
     )
     .unwrap();
-    let c = odd.chunks(ListKind::MasterF32).next().unwrap();
+    let c = odd.chunks(ListKind::Master).next().unwrap();
     assert_eq!(odd.dense_chunk_bytes()[c.dense()], 4004);
 }
 
@@ -264,17 +260,17 @@ fn lora_adapters_get_full_optimizer_chunks() {
         specs.clone(),
     )
     .unwrap();
-    assert_eq!(shared.list_chunk_count(ListKind::Param16), 8);
-    assert_eq!(shared.list_chunk_count(ListKind::MasterF32), 8);
+    assert_eq!(shared.list_chunk_count(ListKind::Params), 8);
+    assert_eq!(shared.list_chunk_count(ListKind::Master), 8);
     let apart = Layout::new(LayoutConfig::new(100), specs).unwrap();
-    assert_eq!(apart.list_chunk_count(ListKind::Param16), 5);
-    assert_eq!(apart.list_chunk_count(ListKind::MasterF32), 1);
-    let m = apart.chunks(ListKind::MasterF32).next().unwrap();
+    assert_eq!(apart.list_chunk_count(ListKind::Params), 5);
+    assert_eq!(apart.list_chunk_count(ListKind::Master), 1);
+    let m = apart.chunks(ListKind::Master).next().unwrap();
     assert_eq!(m.index(), 1);
     assert_eq!(apart.chunk_used_bytes(m), 80 * 4);
     assert_eq!(apart.chunk_tensors(m).len(), 8);
     assert_eq!(
-        apart.chunk_tensors(m.in_list(ListKind::Param16)),
+        apart.chunk_tensors(m.in_list(ListKind::Params)),
         apart.chunk_tensors(m)
     );
 }
@@ -315,10 +311,10 @@ fn pack_counts_agree_with_layout() {
             .collect();
         let counts = pack_counts(&items, 100, &cfg);
         let layout = Layout::new(cfg, specs.clone()).unwrap();
-        assert_eq!(counts.chunks, layout.list_chunk_count(ListKind::Param16));
+        assert_eq!(counts.chunks, layout.list_chunk_count(ListKind::Params));
         assert_eq!(
             counts.trainable_chunks,
-            layout.list_chunk_count(ListKind::MasterF32)
+            layout.list_chunk_count(ListKind::Master)
         );
         assert_eq!(allocated_bytes(counts, 100, &cfg), layout.total_bytes());
         assert_eq!(

@@ -161,7 +161,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut s = store(&dir);
         let g = s
-            .access(TensorId(1), ListKind::Param16, Place::Device)
+            .access(TensorId(1), ListKind::Params, Place::Device)
             .unwrap();
         s.verify().unwrap();
         let c = g.chunk();
@@ -172,7 +172,7 @@ mod tests {
         s.release(g, TensorState::Hold).unwrap();
 
         let g = s
-            .access(TensorId(2), ListKind::MasterF32, Place::Host)
+            .access(TensorId(2), ListKind::Master, Place::Host)
             .unwrap();
         let c = g.chunk();
         s.mover.host_list.retain(|&x| x != c);
@@ -180,10 +180,10 @@ mod tests {
         s.mover.host_list.push(c);
         // A release whose chunk lost its pin is refused and changes nothing.
         s.mover.slots[c.dense()].host_pins = 0;
-        let err = s.release_tensor(TensorId(2), ListKind::MasterF32, TensorState::Hold);
+        let err = s.release_tensor(TensorId(2), ListKind::Master, TensorState::Hold);
         assert!(matches!(err, Err(ChunkError::Invariant { .. })), "{err:?}");
         assert_eq!(
-            s.state(TensorId(2), ListKind::MasterF32),
+            s.state(TensorId(2), ListKind::Master),
             Some(TensorState::Compute)
         );
         s.mover.slots[c.dense()].host_pins = 1;

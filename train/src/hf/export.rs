@@ -163,16 +163,16 @@ pub(crate) fn read_f32(store: &mut ChunkStore, name: &str) -> Result<Vec<f32>> {
         tensor: name.to_string(),
         reason: "not registered in the store".into(),
     })?;
-    let (list, dtype) = match layout.location(id, ListKind::MasterF32) {
-        Some(loc) => (ListKind::MasterF32, loc.dtype),
+    let (list, dtype) = match layout.location(id, ListKind::Master) {
+        Some(loc) => (ListKind::Master, loc.dtype),
         None => {
             let loc = layout
-                .location(id, ListKind::Param16)
+                .location(id, ListKind::Params)
                 .ok_or_else(|| TrainError::Tensor {
                     tensor: name.to_string(),
-                    reason: "has no Param16 place (a bug)".into(),
+                    reason: "has no Params place (a bug)".into(),
                 })?;
-            (ListKind::Param16, loc.dtype)
+            (ListKind::Params, loc.dtype)
         }
     };
     let bytes = store.read(id, list)?;

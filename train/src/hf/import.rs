@@ -16,8 +16,8 @@
 //! the file and the tensor, and leaves the store untouched.
 //!
 //! # Writing
-//! Each tensor goes to its places: the [`ListKind::Param16`] copy in the layout's dtype
-//! there, and for a trainable tensor the [`ListKind::MasterF32`] master. A tensor whose
+//! Each tensor goes to its places: the [`ListKind::Params`] copy in the layout's dtype
+//! there, and for a trainable tensor the [`ListKind::Master`] master. A tensor whose
 //! file dtype equals its place's dtype is written straight from the map (bf16 -> bf16 is
 //! byte-identical); otherwise it is converted through f32 (bf16/f16 -> f32 is exact,
 //! f32 -> 16-bit rounds to nearest even). Files are visited one after the other, each in
@@ -356,7 +356,7 @@ struct Place {
     dtype: DType,
 }
 
-/// The places of `name` in the store: Param16, and MasterF32 when trainable.
+/// The places of `name` in the store: Params, and Master when trainable.
 fn places(store: &ChunkStore, name: &str) -> Result<Vec<Place>> {
     let layout = store.layout();
     let missing = || TrainError::Tensor {
@@ -365,7 +365,7 @@ fn places(store: &ChunkStore, name: &str) -> Result<Vec<Place>> {
     };
     let id = layout.tensor_id(name).ok_or_else(missing)?;
     let mut out = Vec::with_capacity(2);
-    for list in [ListKind::Param16, ListKind::MasterF32] {
+    for list in [ListKind::Params, ListKind::Master] {
         if let Some(loc) = layout.location(id, list) {
             out.push(Place {
                 tensor: id,

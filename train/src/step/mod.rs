@@ -85,8 +85,8 @@ pub enum GradPlace {
     /// Written over its 16-bit parameters (the layout's mixed precision): the step reads
     /// the gradient there and writes the new 16-bit parameters over it.
     InParam16,
-    /// In another tensor's `Param16` place (any dtype); the new 16-bit parameters go to
-    /// the tensor's own `Param16` place when `write_param16`.
+    /// In another tensor's `Params` place (any dtype); the new 16-bit parameters go to
+    /// the tensor's own `Params` place when `write_param16`.
     Separate {
         /// The gradient's tensor.
         grad: TensorId,
@@ -98,7 +98,7 @@ pub enum GradPlace {
 /// A tensor the loop steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepTensor {
-    /// The parameter tensor (with `MasterF32`, `MomentumF32` and `VarianceF32` places).
+    /// The parameter tensor (with `Master`, `Momentum` and `Variance` places).
     pub tensor: TensorId,
     /// Where its gradient is.
     pub grad: GradPlace,
@@ -213,18 +213,18 @@ impl Entry {
     /// written apart from it, master, M, V.
     fn places(&self) -> Vec<(TensorId, ListKind)> {
         let t = self.spec.tensor;
-        let mut p = vec![(self.grad_at(), ListKind::Param16)];
+        let mut p = vec![(self.grad_at(), ListKind::Params)];
         if let GradPlace::Separate {
             write_param16: true,
             ..
         } = self.spec.grad
         {
-            p.push((t, ListKind::Param16));
+            p.push((t, ListKind::Params));
         }
         p.extend([
-            (t, ListKind::MasterF32),
-            (t, ListKind::MomentumF32),
-            (t, ListKind::VarianceF32),
+            (t, ListKind::Master),
+            (t, ListKind::Momentum),
+            (t, ListKind::Variance),
         ]);
         p
     }
@@ -579,7 +579,7 @@ impl StepLoop {
         for e in &self.entries {
             let Some(dtype) = e.out_dtype else {
                 store.with_host_views(
-                    &[(e.grad_at(), ListKind::Param16)],
+                    &[(e.grad_at(), ListKind::Params)],
                     TensorState::Hold,
                     |_| (),
                 )?;
@@ -587,11 +587,11 @@ impl StepLoop {
                 continue;
             };
             let mut places = vec![
-                (e.spec.tensor, ListKind::MasterF32),
-                (e.spec.tensor, ListKind::Param16),
+                (e.spec.tensor, ListKind::Master),
+                (e.spec.tensor, ListKind::Params),
             ];
             if e.grad_at() != e.spec.tensor {
-                places.push((e.grad_at(), ListKind::Param16));
+                places.push((e.grad_at(), ListKind::Params));
             }
             let cpu = self.opt.cpu();
             store.with_host_views(&places, TensorState::Hold, |views| -> Result<()> {
@@ -654,11 +654,7 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
     if layout.tensor(spec.tensor).is_none() {
         return Err(missing("not registered in the store's layout".into()));
     }
-    for list in [
-        ListKind::MasterF32,
-        ListKind::MomentumF32,
-        ListKind::VarianceF32,
-    ] {
+    for list in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
         if layout.location(spec.tensor, list).is_none() {
             return Err(missing(format!(
                 "has no {list} place: only trainable tensors are stepped"
@@ -666,7 +662,7 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         }
     }
     let master = layout
-        .location(spec.tensor, ListKind::MasterF32)
+        .location(spec.tensor, ListKind::Master)
         .expect("checked above");
     let len = usize::try_from(master.elements)
         .map_err(|_| missing("more elements than this machine addresses".into()))?;
@@ -675,7 +671,7 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         GradPlace::Separate { grad, .. } => grad,
     };
     let grad_loc = layout
-        .location(grad_tensor, ListKind::Param16)
+        .location(grad_tensor, ListKind::Params)
         .ok_or_else(|| {
             missing(format!(
                 "its gradient tensor `{}` has no param16 place",
@@ -691,12 +687,12 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         )));
     }
     let m_loc = layout
-        .location(spec.tensor, ListKind::MomentumF32)
+        .location(spec.tensor, ListKind::Momentum)
         .expect("checked above");
     if grad_loc.dtype == DType::Q8 {
         return Err(missing("its gradient place holds 8-bit codes".into()));
     }
-    let p16 = layout.location(spec.tensor, ListKind::Param16);
+    let p16 = layout.location(spec.tensor, ListKind::Params);
     let out_dtype = match spec.grad {
         GradPlace::InParam16 => {
             if grad_loc.dtype == DType::F32 {

@@ -107,17 +107,17 @@ impl StepLoop {
         let s = &mut self.scratch;
         let grad_len = len * e.grad_dtype.size_bytes() as usize;
         let grad: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.grad[..])[..grad_len];
-        copy_out(store, (e.grad_at(), ListKind::Param16), grad, observe)?;
+        copy_out(store, (e.grad_at(), ListKind::Params), grad, observe)?;
         // The moments' stored bytes (at most 4 per element), in f32-aligned scratch.
         let mb = e.moment_bytes;
         let m: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.m[..])[..mb];
         let v: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.v[..])[..mb];
-        copy_out(store, (t, ListKind::MomentumF32), m, observe)?;
-        copy_out(store, (t, ListKind::VarianceF32), v, observe)?;
+        copy_out(store, (t, ListKind::Momentum), m, observe)?;
+        copy_out(store, (t, ListKind::Variance), v, observe)?;
         let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
         let (opt, hp) = (&self.opt, &self.hp);
         let ns =
-            store.with_host_views(&[(t, ListKind::MasterF32)], TensorState::Hold, |views| {
+            store.with_host_views(&[(t, ListKind::Master)], TensorState::Hold, |views| {
                 let master = f32s(views[0], &e.name, "master")?;
                 let grads = grads_of(grad, e.grad_dtype, &e.name)?;
                 let out = match e.out_dtype {
@@ -131,11 +131,11 @@ impl StepLoop {
             })??;
         observe(store);
         self.stats.kernel_ns += ns;
-        copy_in(store, (t, ListKind::MomentumF32), m, observe)?;
-        copy_in(store, (t, ListKind::VarianceF32), v, observe)?;
+        copy_in(store, (t, ListKind::Momentum), m, observe)?;
+        copy_in(store, (t, ListKind::Variance), v, observe)?;
         if e.out_dtype.is_some() {
             let out: &[u8] = bytemuck::cast_slice(&s.out16[..len]);
-            copy_in(store, (t, ListKind::Param16), out, observe)?;
+            copy_in(store, (t, ListKind::Params), out, observe)?;
         }
         Ok(())
     }

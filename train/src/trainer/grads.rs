@@ -16,7 +16,7 @@ use crate::step::{Observer, StepOutcome};
 
 impl Trainer {
     /// Where trainable parameter `i`'s gradient lives: its fp32 companion (`F32`) or its
-    /// own 16-bit place (`Bf16`); both in the `Param16` list.
+    /// own 16-bit place (`Bf16`); both in the `Params` list.
     fn grad_tensor(&self, i: usize) -> TensorId {
         let e = &self.entries[i];
         e.grad_id.unwrap_or(e.id)
@@ -71,7 +71,7 @@ impl Trainer {
         let tensor = self.grad_tensor(i);
         let n = grad.elements()?;
         let cpu = self.step.optimizer().cpu();
-        let g = self.store.access(tensor, ListKind::Param16, Place::Host)?;
+        let g = self.store.access(tensor, ListKind::Params, Place::Host)?;
         let written: Result<f64> = if first && g.dtype() == DType::F32 {
             // Widened straight into the fp32 place: no copy of the gradient.
             self.store

@@ -78,7 +78,7 @@ impl NvmeTraffic {
 struct Entry {
     spec: ParamSpec,
     id: TensorId,
-    /// `F32`: the fp32 gradient companion (in the `Param16` list).
+    /// `F32`: the fp32 gradient companion (in the `Params` list).
     grad_id: Option<TensorId>,
     /// Its gradient was reported final in this iteration.
     reported: bool,

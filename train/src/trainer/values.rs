@@ -86,8 +86,8 @@ impl Trainer {
     /// `F32`, else its 16-bit place (a frozen parameter's fp32 values live there).
     fn compute_list(&self, trainable: bool) -> ListKind {
         match (trainable, self.precision) {
-            (true, Precision::F32) => ListKind::MasterF32,
-            _ => ListKind::Param16,
+            (true, Precision::F32) => ListKind::Master,
+            _ => ListKind::Params,
         }
     }
 
@@ -109,16 +109,13 @@ impl Trainer {
         }
         let (id, trainable) = (e.id, e.spec.trainable);
         if !trainable {
-            return Ok(self
-                .store
-                .write(id, ListKind::Param16, &f32_bytes(values))?);
+            return Ok(self.store.write(id, ListKind::Params, &f32_bytes(values))?);
         }
-        self.store
-            .write(id, ListKind::MasterF32, &f32_bytes(values))?;
+        self.store.write(id, ListKind::Master, &f32_bytes(values))?;
         if self.precision == Precision::Bf16 {
             let mut b = vec![0u8; values.len() * 2];
             typed::encode_f32(values, DType::BF16, &mut b);
-            self.store.write(id, ListKind::Param16, &b)?;
+            self.store.write(id, ListKind::Params, &b)?;
         }
         Ok(())
     }
@@ -159,7 +156,7 @@ impl Trainer {
         }
         let id = e.id;
         self.store
-            .with_host_views(&[(id, ListKind::MasterF32)], TensorState::Hold, |v| {
+            .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
                 f32_view_mut(v[0]).map(f)
             })?
     }
@@ -223,9 +220,9 @@ impl Trainer {
     pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
         let e = self.entry(i)?;
         let list = if e.spec.trainable {
-            ListKind::MasterF32
+            ListKind::Master
         } else {
-            ListKind::Param16
+            ListKind::Params
         };
         let id = e.id;
         Ok(bytes_f32(&self.store.read(id, list)?))
@@ -240,7 +237,7 @@ impl Trainer {
             tensor: e.spec.name.clone(),
             reason: "no gradient of its own (frozen, or bf16 precision)".into(),
         })?;
-        Ok(bytes_f32(&self.store.read(grad, ListKind::Param16)?))
+        Ok(bytes_f32(&self.store.read(grad, ListKind::Params)?))
     }
 
     /// Trainable parameter `i`'s Adam moments (M, V) as f32, decoded from their stored
@@ -251,10 +248,10 @@ impl Trainer {
         let dtype = self
             .store
             .layout()
-            .location(id, ListKind::MomentumF32)
+            .location(id, ListKind::Momentum)
             .map_or(DType::F32, |l| l.dtype);
-        let m = self.store.read(id, ListKind::MomentumF32)?;
-        let v = self.store.read(id, ListKind::VarianceF32)?;
+        let m = self.store.read(id, ListKind::Momentum)?;
+        let v = self.store.read(id, ListKind::Variance)?;
         Ok((
             decode_moment(&m, dtype, n, true),
             decode_moment(&v, dtype, n, false),

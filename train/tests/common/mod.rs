@@ -20,7 +20,7 @@ pub const CHUNK_ELEMENTS: u64 = 1024;
 
 /// A model of mixed tensors over several chunks: trainable bf16 and fp32 tensors (the
 /// fp32 one gets a bf16 compute copy and a master), an odd-length one, a frozen fp32
-/// tensor (kept fp32 in Param16) and a frozen f16 one.
+/// tensor (kept fp32 in Params) and a frozen f16 one.
 pub fn mixed_specs() -> Vec<TensorSpec> {
     vec![
         TensorSpec::new("embed.weight", &[16, 64], DType::BF16, true),
@@ -50,7 +50,7 @@ pub fn io_cfg() -> IoConfig {
 /// (the largest chunk, fp32): everything else lives on NVMe.
 pub fn open_store(dir: &Path, layout: Layout) -> ChunkStore {
     std::fs::create_dir_all(dir).unwrap();
-    let slot = layout.chunk_bytes(ListKind::MasterF32);
+    let slot = layout.chunk_bytes(ListKind::Master);
     let nvme = NvmeSource::Dir {
         dir: dir.to_path_buf(),
         bytes: 64 * slot,
