@@ -281,6 +281,8 @@ mod tests {
             ..TrainSection::default()
         };
         assert_eq!(vertical.precision, PrecisionName::Bf16);
-        vertical.validate().expect("bf16 with accumulation in vertical order");
+        vertical
+            .validate()
+            .expect("bf16 with accumulation in vertical order");
     }
 }
