@@ -16,7 +16,8 @@ set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 ROUNDS=${1:-5}
-BIN=$ROOT/target/release/tidestore
+# TIDESTORE_BIN: another build to run (e.g. an older one, to see what it fails).
+BIN=${TIDESTORE_BIN:-$ROOT/target/release/tidestore}
 if [ ! -x "$BIN" ]; then
     cargo build --release --bin tidestore >&2 || exit 1
 fi
@@ -113,6 +114,7 @@ for r in $(seq 1 "$ROUNDS"); do
     kill -9 $pid 2>/dev/null
     wait $pid; code=$?
     ck=$(verify_dir $CK)
+    left=$(strays | wc -w)
     # The next run removes what the killed one left, verifies the newest checkpoint and
     # finishes the run.
     if "$BIN" --config $CFG finetune --steps $STEPS --resume >/dev/null 2>"$W/err2"; then
@@ -124,14 +126,37 @@ for r in $(seq 1 "$ROUNDS"); do
     verdict=PASS
     case "$ck $ck2" in *ok*ok*) ;; *) verdict=FAIL ;; esac
     [ "$resumed" = ok ] && [ "$ex" = verified ] && [ -z "$s" ] || verdict=FAIL
-    row "kill -9 at ${delay}s (exit $code), resume" "$code" "-" "${s:-none}" "ckpt $ck/$ck2, export $ex" $verdict
+    row "kill -9 at ${delay}s ($left left), resume" "$code" "-" "${s:-none}" "ckpt $ck/$ck2, export $ex" $verdict
     [ "$verdict" = FAIL ] && echo "kill -9 round $r: resume=$resumed ck=$ck ck2=$ck2 ex=$ex strays=$s" >&2
 done
+
+# ---- kill -9 during the export ------------------------------------------------------------
+fresh
+"$BIN" --config $CFG finetune --steps 2 >/dev/null 2>"$W/err" &
+pid=$!
+seen=no
+while kill -0 $pid 2>/dev/null; do
+    if ls -d runs/tiny-llama/.export.tmp.* >/dev/null 2>&1; then
+        kill -9 $pid; seen=yes; break
+    fi
+    sleep 0.005
+done
+wait $pid; code=$?
+left=$(ls -A runs/tiny-llama 2>/dev/null | grep -c '^\.export\.tmp\.')
+"$BIN" --config $CFG finetune --steps 2 --resume >/dev/null 2>"$W/err2"; code2=$?
+ex=$(verify_export); s=$(strays)
+verdict=PASS
+[ "$code2" = 0 ] && [ "$ex" = verified ] && [ -z "$s" ] || verdict=FAIL
+[ "$seen" = no ] && verdict=SKIP && echo "SKIP kill -9 during export: the export ended before it was seen" >&2
+row "kill -9 in export ($left tmp left), resume" "$code" "-" "${s:-none}" "export $ex" $verdict
 
 # ---- Ctrl-C and SIGTERM after the first checkpoint ---------------------------------------
 for sig in INT TERM; do
     fresh
-    "$BIN" --config $CFG finetune --steps 200 >/dev/null 2>"$W/err" &
+    # As from a terminal: a background job of this shell would ignore SIGINT.
+    python3 -c 'import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.argv[1], sys.argv[1:])' "$BIN" --config $CFG finetune --steps 200 >/dev/null 2>"$W/err" &
     pid=$!
     for _ in $(seq 1 600); do [ -e $CK/ckpt-000002.safetensors ] && break; sleep 0.1; done
     kill -$sig $pid
@@ -142,6 +167,7 @@ for sig in INT TERM; do
     verdict=PASS
     [ "$code" = "$want" ] && [ "$msg" = 1 ] && [ -z "$s" ] && [ "${ck#ok }" != 0 ] \
         && [ "${ck%% *}" = ok ] && [ ! -e $EX ] || verdict=FAIL
+    echo "SIG$sig: $(grep interrupted "$W/err")" >&2
     row "SIG$sig after the first checkpoint" "$code" "$([ "$msg" = 1 ] && echo ok || echo BAD)" "${s:-none}" "ckpt $ck, export absent" $verdict
 done
 
@@ -169,6 +195,7 @@ for what in checkpoint_dir export_dir; do
     s=$(strays)
     verdict=PASS
     [ "$code" = 2 ] && [ "$msg" = 1 ] && [ ! -s "$W/out" ] && [ -z "$s" ] || verdict=FAIL
+    echo "read-only $what: $(tail -1 "$W/err")" >&2
     row "read-only train.$what" "$code" "$([ "$msg" = 1 ] && echo ok || echo BAD)" "${s:-none}" "no step run: $([ -s "$W/out" ] && echo no || echo yes)" $verdict
     rm -f examples/ro.toml
 done
@@ -191,7 +218,9 @@ full_disk() { # name, key, size, config line
     extra=$(ls -A "$dir" | grep -v '^ckpt-[0-9]*\.safetensors$' | tr '\n' ' ')
     verdict=PASS
     [ "$code" != 0 ] && [ "$msg" -ge 1 ] && [ -z "$s$extra" ] && [ "${ck%% *}" = ok ] || verdict=FAIL
-    row "full disk ($3) under $2" "$code" "$([ "$msg" -ge 1 ] && echo ok || echo BAD)" "${s}${extra:-none}" "ckpt $ck" $verdict
+    echo "full disk under $2: $(tail -1 "$W/err")" >&2
+    s="$s$extra"
+    row "full disk ($3) under $2" "$code" "$([ "$msg" -ge 1 ] && echo ok || echo BAD)" "${s:-none}" "ckpt $ck" $verdict
     rm -f examples/full.toml
 }
 # A checkpoint of this model is about 45 MB: the first fits, the second does not.
@@ -233,7 +262,7 @@ for case in "model.layers.1.mlp.up_proj.weight 7fc0 5 NaN weights" \
     verdict=PASS
     [ "$code" = 1 ] && [ "$msg" = 1 ] && [ ! -e $EX ] && [ -z "$s" ] || verdict=FAIL
     row "${*:4}" "$code" "$([ "$msg" = 1 ] && echo ok || echo BAD)" "${s:-none}" "export $([ -e $EX ] && echo PRESENT || echo absent)" $verdict
-    [ "$verdict" = FAIL ] && tail -2 "$W/err" >&2
+    echo "${*:4}: $(tail -1 "$W/err")" >&2
 done
 
 echo

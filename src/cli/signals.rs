@@ -8,7 +8,8 @@
 //! ordinary code. Checkpoints and exports are renamed into place whole, so a signal at
 //! any moment leaves each either complete or absent; an interrupted run keeps the
 //! checkpoints it completed. Child processes (fio) get the default dispositions back at
-//! `exec`.
+//! `exec`. A signal ignored when the process starts (a background job of a shell
+//! without job control, `nohup`) stays ignored.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -49,6 +50,11 @@ pub fn install() {
         return;
     }
     for sig in [libc::SIGINT, libc::SIGTERM] {
+        if ignored(sig) {
+            // A background job of a shell without job control, `nohup`: whoever started
+            // the process asked for the signal to be ignored, and it stays so.
+            continue;
+        }
         // SAFETY: a zeroed `sigaction` is a valid starting value; the handler is an
         // `extern "C" fn(c_int)` that only calls `write` (async-signal-safe); the mask
         // is emptied by `sigemptyset` before use.
@@ -63,6 +69,17 @@ pub fn install() {
             tracing::warn!(sig, error = %std::io::Error::last_os_error(),
                 "cannot handle the signal: an interrupted run may leave scratch files");
         }
+    }
+}
+
+/// Whether `sig` is ignored (`SIG_IGN`, inherited from the parent).
+#[allow(unsafe_code)]
+fn ignored(sig: libc::c_int) -> bool {
+    // SAFETY: a zeroed `sigaction` is valid for `sigaction` to fill; a null new action
+    // only queries the current one.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
     }
 }
 
