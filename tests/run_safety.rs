@@ -569,3 +569,42 @@ fn item7_resuming_with_other_states_names_the_setting_and_the_report_lists_kept_
         "{err}"
     );
 }
+
+#[test]
+fn item6_ctrl_c_during_io_bench_removes_its_file() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir(d.path().join("swap")).unwrap();
+    std::fs::write(
+        d.path().join("tidestore.toml"),
+        "[nvme]\ndir = \"swap\"\nsize = \"1GiB\"\n",
+    )
+    .unwrap();
+    let mut child = Command::new(bin())
+        .current_dir(d.path())
+        .args(["io-bench", "--file-size", "64MiB", "--repeats", "1000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let file = d.path().join("swap/tidestore-io-bench.dat");
+    while !file.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("exited before making its file: {status}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("tidestore-io-bench.dat"),
+        "named as removed: {err}"
+    );
+    assert!(files_under(&d.path().join("swap")).is_empty());
+}
