@@ -11,6 +11,16 @@
 //! checkpoints every `train.checkpoint_every` steps (and at the end) in the train
 //! crate's format; `--resume` continues from the newest one, bit-identical to a run
 //! never interrupted (the batches are a function of the step); at the end, the export.
+//!
+//! A run does what it says or stops, before step 1 where that can be known: settings
+//! it cannot honour and tensors or tokens the model cannot use are refused
+//! (`checks`), every output path is checked writable and the export kept out of the
+//! model directory (`paths`), and the checkpoint directory is checked against the
+//! run's identity (`identity`): a fresh run wants it free of checkpoints, a resumed
+//! one its newest checkpoint of this run. A non-finite weight, loss or gradient stops
+//! the run naming where; nothing non-finite is exported. The swap file lives in the
+//! run's own `nvme.dir/finetune.PID/`, removed however the run ends
+//! ([`crate::scratch`]); the temporaries of checkpoints and exports too.
 
 mod checks;
 mod data;
@@ -197,7 +207,7 @@ pub fn peak_rss_bytes() -> Option<u64> {
 /// continues from the newest checkpoint in `train.checkpoint_dir`. Before step 1: the
 /// settings finetune cannot honour are refused, every output path is checked, the
 /// weights and tokens are checked, and the checkpoint directory is checked against
-/// the run's identity ([`identity`]).
+/// the run's identity (`identity`).
 pub fn run(
     cfg: &Config,
     resume: bool,
