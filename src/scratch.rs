@@ -10,8 +10,10 @@
 //!
 //! A run also removes what a dead process of its own kind left ([`remove_dead`]): every
 //! scratch name carries the id of the process that made it, and a name whose process no
-//! longer exists (no `/proc/PID`) is stale. A name of a live process is never touched,
-//! so two runs side by side never remove each other's files.
+//! longer exists (no `/proc/PID`) and none of whose files is locked (`flock`, as a
+//! store holds its swap file) is stale. A name of a live process is never touched, so
+//! two runs side by side — in this PID namespace or, by the lock, another sharing the
+//! folder — never remove each other's files.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -149,8 +151,24 @@ pub fn process_alive(pid: u32) -> bool {
     !Path::new("/proc/self").exists() || Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// Whether `path` (a file, or any file directly in a directory) is locked by a live
+/// process (`flock`, as the swap file is while a store has it open): a run of another
+/// PID namespace or host sharing the folder, whose PID this process cannot see.
+fn in_use(path: &Path) -> bool {
+    let locked = |p: &Path| {
+        std::fs::File::open(p)
+            .is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+    };
+    if path.is_dir() {
+        entries(path).iter().any(|(_, p)| p.is_file() && locked(p))
+    } else {
+        locked(path)
+    }
+}
+
 /// Removes the entries of `dir` named `{prefix}{PID}` (exactly: digits after the
-/// prefix) whose process is dead — what a killed run of this kind left; returns them.
+/// prefix) whose process is dead and none of whose files is locked — what a killed run
+/// of this kind left; returns them.
 pub fn remove_dead(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     for (name, path) in entries(dir) {
@@ -161,7 +179,7 @@ pub fn remove_dead(dir: &Path, prefix: &str) -> Vec<PathBuf> {
         }) else {
             continue;
         };
-        if pid == std::process::id() || process_alive(pid) {
+        if pid == std::process::id() || process_alive(pid) || in_use(&path) {
             continue;
         }
         if let Some(p) = remove_path(&path) {
@@ -224,6 +242,21 @@ mod tests {
         assert_eq!(remove_dead(dir.path(), "run."), vec![dead.clone()]);
         assert!(!dead.exists());
         assert!(live.exists() && own.exists() && other.exists());
+    }
+
+    #[test]
+    fn remove_dead_spares_a_folder_whose_file_is_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join(format!("run.{}", u32::MAX - 2));
+        std::fs::create_dir(&other).unwrap();
+        let swap = other.join("swap");
+        std::fs::write(&swap, b"s").unwrap();
+        let held = std::fs::File::open(&swap).unwrap();
+        held.try_lock().unwrap();
+        assert!(remove_dead(dir.path(), "run.").is_empty());
+        assert!(swap.exists());
+        drop(held);
+        assert_eq!(remove_dead(dir.path(), "run."), vec![other]);
     }
 
     #[test]
