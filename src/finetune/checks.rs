@@ -1,6 +1,6 @@
 //! What a fine-tuning run refuses before step 1, and the non-finite checks during it:
 //! - settings `finetune` cannot honour: `device.kind = "cuda"` on a build without
-//!   CUDA, `nvme.compression` (the trainer's swap file is uncompressed), an
+//!   CUDA or a machine without a GPU, `nvme.compression` (the trainer's swap file is uncompressed), an
 //!   `nvme.size` smaller than the swap file the model needs, and the bench-only keys of
 //!   the sections it reads, each when set to anything but its default — the error
 //!   names the key and the command;
@@ -76,6 +76,21 @@ pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
         cfg.policy.host_prefetch_lookahead,
         p.host_prefetch_lookahead,
     )
+}
+
+/// Refuses `device.kind = "cuda"` when the trainer's device is not a CUDA GPU (a CUDA
+/// build on a machine without one falls back to the simulation).
+pub fn check_device(asked: DeviceKindName, opened: tidestore_tiers::DeviceKind) -> Result<()> {
+    if asked == DeviceKindName::Cuda && opened != tidestore_tiers::DeviceKind::Cuda {
+        return Err(Error::config(
+            "device.kind",
+            format!(
+                "\"cuda\", but `{COMMAND}` found no CUDA GPU and opened the {opened} device; \
+                 set \"sim\" or \"auto\" to run on it"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses an `nvme.size` below the swap file the run made (`file_bytes`, at `path`).
@@ -234,6 +249,15 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("5000") && text.contains("300") && text.contains("tok.json"));
         check_tokens(&[299], 300, "tok.json", Path::new("t.txt")).unwrap();
+    }
+
+    #[test]
+    fn cuda_asked_and_the_simulation_opened_is_refused() {
+        use tidestore_tiers::DeviceKind;
+        let e = check_device(DeviceKindName::Cuda, DeviceKind::Sim).unwrap_err();
+        assert_eq!(e.key(), Some("device.kind"));
+        check_device(DeviceKindName::Cuda, DeviceKind::Cuda).unwrap();
+        check_device(DeviceKindName::Auto, DeviceKind::Sim).unwrap();
     }
 
     #[test]

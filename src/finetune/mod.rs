@@ -189,7 +189,8 @@ fn tide_config(cfg: &Config) -> Result<TideConfig> {
     tc.optimizer_threads = cfg.optimizer.threads as usize;
     tc.device = match cfg.device.kind {
         DeviceKindName::Sim => DeviceChoice::Sim,
-        // A CUDA build only: `checks::refuse_unread_settings` refused "cuda" elsewhere.
+        // A CUDA build only (`checks::refuse_unread_settings` refused "cuda" elsewhere),
+        // and `checks::check_device` refuses the simulation it may fall back to.
         DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
     };
     Ok(tc)
@@ -233,6 +234,7 @@ pub fn run(
         .nvme()
         .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
     checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
+    checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
     let model_fingerprint = model::import(t, &loaded, &mut params)?;
     let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint());
     let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
