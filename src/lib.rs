@@ -31,6 +31,7 @@ pub mod gpu;
 #[cfg(feature = "cli")]
 pub mod loss_plot;
 pub mod plan;
+pub mod scratch;
 pub mod session;
 pub mod workload;
 

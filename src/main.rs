@@ -5,7 +5,8 @@
 //! configuration or command line, reported on one line that names the key or flag.
 //! Nothing here panics on bad input: every error travels up to [`main`] as a value.
 
-// `unsafe` only in `cli::finetune::cap_heap_growth` (one glibc tunable).
+// `unsafe` only in `cli::finetune::cap_heap_growth` (one glibc tunable) and
+// `cli::signals` (a signal handler writing into a pipe).
 #![deny(unsafe_code)]
 
 mod cli;
@@ -26,6 +27,7 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    cli::signals::install();
     match args.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

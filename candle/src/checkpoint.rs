@@ -17,13 +17,23 @@ use crate::tide::TideParams;
 /// Writes `params`' state to `path` atomically. Call it between iterations: after
 /// [`TideParams::step`], not between [`TideParams::backward`] and the step.
 pub fn save(params: &mut TideParams, path: &Path) -> Result<()> {
+    save_with(params, path, BTreeMap::new())
+}
+
+/// [`save`] with the caller's `metadata` (string pairs, e.g. a run's identity) in the
+/// file; read back with [`Trainer::read_metadata`].
+pub fn save_with(
+    params: &mut TideParams,
+    path: &Path,
+    metadata: BTreeMap<String, String>,
+) -> Result<()> {
     if params.grads_pending() {
         return Err(refused(
             path,
             "saved between backward() and step(); step first",
         ));
     }
-    Ok(params.trainer_mut().save(path, BTreeMap::new())?)
+    Ok(params.trainer_mut().save(path, metadata)?)
 }
 
 /// Loads the checkpoint at `path` into `params` (the same registration and precision):

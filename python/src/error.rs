@@ -6,7 +6,8 @@
 //!   the store cannot work in, a buffer of the wrong size) -> `tidestore.ConfigError`,
 //!   a `ValueError`;
 //! - an I/O failure anywhere in the chain (EIO, ENOSPC, a short read past the end of a
-//!   file) -> `tidestore.IoError`, an `OSError` carrying the errno where there is one;
+//!   file) -> `tidestore.IoError`, an `OSError` carrying the errno where there is one
+//!   (EIO for a read the file ends before);
 //! - everything else (a corrupt checkpoint, a poisoned step loop, a protocol misuse)
 //!   -> `tidestore.TidestoreError`, a `RuntimeError`.
 
@@ -124,6 +125,9 @@ fn io_class(e: &IoError) -> Class {
     match e {
         IoError::Config { .. } => Class::Config,
         IoError::NoSpace { .. } => Class::Io(Some(libc::ENOSPC)),
+        // The file ends before the transfer does. No errno means "end of file"; EIO is
+        // the closest, and the class promises an errno for every I/O failure.
+        IoError::UnexpectedEof { .. } => Class::Io(Some(libc::EIO)),
         IoError::Device { source, .. } | IoError::Setup { source, .. } => {
             Class::Io(source.raw_os_error())
         }

@@ -246,8 +246,16 @@ impl PyAioHandle {
         op: Op,
         buf: &Bound<'_, PyAny>,
         path: PathBuf,
-        offset: u64,
+        offset: i64,
     ) -> PyResult<u64> {
+        // Python ints are signed: a negative offset is a value error naming it, not an
+        // `OverflowError` from the conversion.
+        let offset = u64::try_from(offset).map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "offset {offset} is negative: a file offset is a byte count >= 0 ({})",
+                path.display()
+            ))
+        })?;
         let what = format!("buffer for {}", path.display());
         let mut bytes = Bytes::new(buf, &what, op == Op::Read)?;
         let mem = match op {
@@ -342,7 +350,7 @@ impl PyAioHandle {
         &mut self,
         buffer: &Bound<'_, PyAny>,
         filename: PathBuf,
-        offset: u64,
+        offset: i64,
     ) -> PyResult<()> {
         self.queue(Op::Read, buffer, filename, offset).map(|_| ())
     }
@@ -354,7 +362,7 @@ impl PyAioHandle {
         &mut self,
         buffer: &Bound<'_, PyAny>,
         filename: PathBuf,
-        offset: u64,
+        offset: i64,
     ) -> PyResult<()> {
         self.queue(Op::Write, buffer, filename, offset).map(|_| ())
     }
@@ -372,7 +380,7 @@ impl PyAioHandle {
         py: Python<'_>,
         buffer: &Bound<'_, PyAny>,
         filename: PathBuf,
-        offset: u64,
+        offset: i64,
     ) -> PyResult<usize> {
         let id = self.queue(Op::Read, buffer, filename, offset)?;
         let done = self.wait_all(py)?;
@@ -386,7 +394,7 @@ impl PyAioHandle {
         py: Python<'_>,
         buffer: &Bound<'_, PyAny>,
         filename: PathBuf,
-        offset: u64,
+        offset: i64,
     ) -> PyResult<usize> {
         let id = self.queue(Op::Write, buffer, filename, offset)?;
         let done = self.wait_all(py)?;

@@ -80,8 +80,18 @@ def test_read_past_end_of_file_raises(tmp_path, n):
     f = tmp_path / "short.bin"
     h.sync_pwrite(data(n - 50 if n > 100 else 40), f)
     out = np.zeros(n, np.uint8)
-    with pytest.raises(tidestore.IoError, match="short.bin.*end of file"):
+    with pytest.raises(tidestore.IoError, match="short.bin.*end of file") as e:
         h.sync_pread(out, f)
+    # The docs promise an errno: a read the file ends before is EIO (issue 26).
+    assert e.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("call", ["sync_pread", "sync_pwrite", "async_pread", "async_pwrite"])
+def test_a_negative_offset_is_a_value_error_naming_it(tmp_path, call):
+    h = AioHandle()
+    with pytest.raises(ValueError, match="offset -4096 is negative"):
+        getattr(h, call)(np.zeros(4096, np.uint8), tmp_path / "f.bin", -4096)
+    assert h.pending() == 0
 
 
 def test_async_errors_are_raised_by_wait_after_every_transfer(tmp_path):

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use tidestore::bench::{self, BenchReport, PhaseName, Progress};
 use tidestore::plan::human_bytes;
+use tidestore::scratch::{self, Scratch};
 use tidestore::Config;
 
 use super::{plot, CliError};
@@ -84,11 +85,33 @@ impl Bars {
 }
 
 /// Runs the bench.
+/// The prefix of a bench run's swap directory in `nvme.dir`: `bench.PID`.
+const SWAP_DIR_PREFIX: &str = "bench.";
+
+/// Points `nvme.dir` at this run's own folder in it (`bench.PID`, made now), so that no
+/// other run (another bench, a finetune) shares the swap file; the folder is removed
+/// when the guard drops (the run's end, an error) or on SIGINT/SIGTERM. What a killed
+/// bench left (`bench.PID` of a dead process) is removed first.
+fn own_swap_dir(cfg: &mut Config) -> Result<Scratch, CliError> {
+    let nvme = cfg.nvme_dir()?.to_path_buf();
+    scratch::remove_dead(&nvme, SWAP_DIR_PREFIX);
+    let dir = nvme.join(scratch::own_name(SWAP_DIR_PREFIX));
+    let guard = Scratch::path(&dir);
+    std::fs::create_dir(&dir)
+        .map_err(|e| tidestore::Error::config("nvme.dir", format!("{}: {e}", dir.display())))?;
+    cfg.nvme.dir = Some(dir);
+    Ok(guard)
+}
+
 pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
     let mut cfg = Config::load(config)?;
     if let Some(n) = args.iterations {
         cfg.workload.iterations = n;
     }
+    if let Some(plot) = &args.plot {
+        super::check_output_writable("--plot", plot)?;
+    }
+    let swap = own_swap_dir(&mut cfg)?;
     let style =
         ProgressStyle::with_template("{prefix} [{bar:40}] {pos:>6}/{len:6} {msg} ({elapsed})")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -102,6 +125,8 @@ pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
     };
     let report = bench::run(&cfg, &mut bars)?;
     bars.done();
+    let swap_dir = swap.target().to_path_buf();
+    drop(swap);
     if let Some(path) = &args.plot {
         plot::draw(&report, path).map_err(|reason| CliError::Output {
             what: "cannot write the plot",
@@ -118,11 +143,36 @@ pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
         out!("{text}");
     } else {
         print_table(&report);
+        explain_bound(&report);
         if let Some(path) = &args.plot {
             out!("plot: {}", path.display());
         }
+        out!("swap directory (removed): {}", swap_dir.display());
     }
     Ok(())
+}
+
+/// What a time/bound below 1 and an efficiency above 1 mean: the bound is an estimate
+/// from disk rates measured once, not a floor.
+fn explain_bound(r: &BenchReport) {
+    let b = &r.bound;
+    if r.phases
+        .iter()
+        .any(|p| p.bound_seconds > 0.0 && p.seconds < p.bound_seconds)
+    {
+        out!(
+            "time/bound below 1: that phase ran faster than its bound estimates: its NVMe \
+             bytes were served faster than the disk rates measured before the first \
+             iteration (the page cache, the drive's own cache)"
+        );
+    }
+    if b.efficiency > 1.0 {
+        out!(
+            "efficiency above 1: the iteration ran faster than its bound, which is an \
+             estimate, not a floor: its disk rates were measured once before the first \
+             iteration, and reads the page cache or the drive's cache serve beat them"
+        );
+    }
 }
 
 fn gbps(bytes: u64, secs: f64) -> String {

@@ -163,6 +163,9 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), CliError> {
         .iter()
         .map(|p| LossCurve::load(p))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(plot) = &args.plot {
+        super::check_output_writable("--plot", plot)?;
+    }
     let report = finetune::run(&cfg, args.resume, &mut Bar(bar))?;
     let mut curves = vec![LossCurve::of(&report)];
     curves.extend(others);
@@ -252,9 +255,10 @@ fn print(r: &FinetuneReport) {
         r.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
     for c in &r.checkpoints {
-        out!("checkpoint: {}", c.display());
+        out!("checkpoint (kept): {}", c.display());
     }
     if let Some(e) = &r.export {
         out!("exported: {}", e.display());
     }
+    out!("swap directory (removed): {}", r.swap_dir.display());
 }

@@ -20,7 +20,9 @@
 //! `--tune` sweeps block size x queue depth with short runs and prints the best as TOML.
 
 use std::path::{Path, PathBuf};
+
 use std::time::Instant;
+use tidestore::scratch::Scratch;
 
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -191,24 +193,6 @@ fn sizes(cfg: &Config, args: &IoBenchArgs) -> Result<(u64, u64), CliError> {
     Ok((file_bytes, chunk_bytes))
 }
 
-/// Removes the test file when dropped, if this run created it and it is not to be kept.
-struct FileGuard {
-    path: PathBuf,
-    remove: bool,
-}
-
-impl Drop for FileGuard {
-    fn drop(&mut self) {
-        if self.remove {
-            if let Err(e) = std::fs::remove_file(&self.path) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = %self.path.display(), error = %e, "cannot remove the test file");
-                }
-            }
-        }
-    }
-}
-
 /// One measured pass (ours or fio's).
 #[derive(Debug, Clone, Copy)]
 struct Measure {
@@ -290,10 +274,9 @@ pub fn run(config_path: &Path, args: &IoBenchArgs) -> Result<(), CliError> {
         free.push(buf);
     }
 
-    let guard = FileGuard {
-        remove: !path.exists() && !args.keep_file,
-        path: path.clone(),
-    };
+    // Removed at the end, on an error and on SIGINT/SIGTERM, if this run creates it
+    // and --keep-file is not given.
+    let guard = (!path.exists() && !args.keep_file).then(|| Scratch::path(&path));
     let device_dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

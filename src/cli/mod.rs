@@ -27,6 +27,7 @@ mod init_model;
 mod io_bench;
 mod plan;
 mod plot;
+pub(crate) mod signals;
 mod stats;
 
 use std::path::PathBuf;
@@ -119,6 +120,25 @@ impl From<tidestore::io::IoError> for CliError {
     fn from(e: tidestore::io::IoError) -> Self {
         CliError::Tidestore(e.into())
     }
+}
+
+/// Proves an output file's folder writable before a run (a file made there and
+/// removed), so that no run is lost to an output that cannot be written at its end.
+pub(crate) fn check_output_writable(
+    flag: &'static str,
+    path: &std::path::Path,
+) -> Result<(), CliError> {
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let probe = dir.join(format!(".tidestore-probe.{}", std::process::id()));
+    std::fs::write(&probe, b"probe")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| CliError::Usage {
+            flag,
+            reason: format!("{}: its folder is not writable: {e}", path.display()),
+        })
 }
 
 impl CliError {

@@ -15,6 +15,7 @@ pub struct Samples {
     sequence: usize,
     micro_batch: usize,
     seed: u64,
+    fingerprint: String,
 }
 
 impl Samples {
@@ -35,11 +36,17 @@ impl Samples {
             )));
         }
         Ok(Samples {
+            fingerprint: super::identity::tokens_fingerprint(&tokens),
             tokens,
             sequence,
             micro_batch,
             seed,
         })
+    }
+
+    /// The fingerprint of the tokens (part of the run's identity).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// Tokens in the text.

@@ -11,6 +11,7 @@ use tidestore_train::hf;
 
 use tidestore_train::DType;
 
+use super::checks;
 use super::data::Samples;
 use super::section::{ExportDtype, TrainSection};
 use crate::error::{Error, Result};
@@ -77,7 +78,16 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
     let dir = t.model_dir()?;
     let c = hf::LlamaConfig::load(dir)?;
     let tokenizer = hf::Tokenizer::for_model(dir)?;
+    checks::check_tokenizer(tokenizer.vocab_size(), &tokenizer.source())?;
     tokenizer.check_fits(&c, dir)?;
+    let weights = hf::HfWeights::open(dir, &c)?;
+    let files = weights
+        .names()
+        .iter()
+        .filter_map(|n| weights.file_of(n).map(Path::to_path_buf))
+        .collect();
+    checks::refuse_unused_tensors(dir, weights.names(), &files, c.tie_word_embeddings)?;
+    drop(weights);
     if c.head_dim * c.num_attention_heads != c.hidden_size {
         return Err(Error::Finetune(format!(
             "{}: head_dim {} x {} heads is not hidden_size {}; such models are not supported",
@@ -113,10 +123,13 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
 }
 
 /// The text tokenized with the model directory's `tokenizer.json` (byte-level when it
-/// has none), cut into the section's samples.
+/// has none), cut into the section's samples; every id checked against the model's
+/// vocabulary.
 pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
     let path = t.text()?;
     let tokens = loaded.tokenizer.encode(&hf::read_text(path)?)?;
+    let source = loaded.tokenizer.source();
+    checks::check_tokens(&tokens, loaded.hf.vocab_size, &source, path)?;
     Samples::new(
         tokens,
         t.sequence as usize,
@@ -127,9 +140,14 @@ pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
 }
 
 /// Writes the directory's weights into `params`, one tensor at a time, and fresh LoRA
-/// adapters (seeded by `train.seed`) when the section asks for them.
-pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Result<()> {
+/// adapters (seeded by `train.seed`) when the section asks for them. A weight that is
+/// NaN or infinite is refused naming the tensor, the index and the file. Returns the
+/// fingerprint of the weights as imported (crc32c over `config.json`, every tensor's
+/// name and its f32 values, in order), the model part of the run's identity.
+pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Result<String> {
     let weights = hf::HfWeights::open(&loaded.dir, &loaded.hf)?;
+    let config = loaded.dir.join(hf::CONFIG_FILE);
+    let mut crc = crc32c::crc32c(&std::fs::read(&config).unwrap_or_default());
     for name in weights.names() {
         let values = weights.tensor_f32(name).ok_or_else(|| {
             Error::Finetune(format!(
@@ -137,6 +155,10 @@ pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Res
                 loaded.dir.display()
             ))
         })?;
+        let file = weights.file_of(name).unwrap_or(&loaded.dir);
+        checks::check_finite_weight(name, &values, file)?;
+        crc = crc32c::crc32c_append(crc, name.as_bytes());
+        crc = crc32c::crc32c_append(crc, bytemuck::cast_slice(&values));
         params.set_param(name, &values)?;
         weights.release(name);
     }
@@ -147,7 +169,7 @@ pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Res
             }
         }
     }
-    Ok(())
+    Ok(format!("crc32c {crc:08x}"))
 }
 
 /// The LoRA setting of the run, in the `hf` module's terms.

@@ -266,6 +266,10 @@ pub struct StepLoop {
     stats: StepStats,
     /// Why the loop refuses to go on (see the module doc).
     poisoned: Option<String>,
+    /// The first tensor of this iteration whose gradient norm was not finite.
+    non_finite: Option<String>,
+    /// The same, of the last step that was skipped.
+    last_skip_tensor: Option<String>,
 }
 
 impl StepLoop {
@@ -333,6 +337,8 @@ impl StepLoop {
             groups,
             ready: VecDeque::new(),
             early: None,
+            non_finite: None,
+            last_skip_tensor: None,
             grad_sq: 0.0,
             finals: 0,
             in_place,
@@ -451,6 +457,9 @@ impl StepLoop {
             )));
         }
         e.grad_final = true;
+        if !sq_norm.is_finite() && self.non_finite.is_none() {
+            self.non_finite = Some(e.name.clone());
+        }
         self.finals += 1;
         self.grad_sq += sq_norm;
         let group = self
@@ -531,6 +540,7 @@ impl StepLoop {
             ))),
             StepDecision::Skip { .. } => {
                 self.stats.steps_skipped += 1;
+                self.last_skip_tensor = self.non_finite.clone();
                 self.consume_grads(store, observe)
             }
         };
@@ -553,6 +563,14 @@ impl StepLoop {
         self.early = None;
         self.grad_sq = 0.0;
         self.finals = 0;
+        self.non_finite = None;
+    }
+
+    /// The first tensor (in the order gradients became final) whose gradient was not
+    /// finite in the last skipped step; `None` before any skip, or when every norm was
+    /// finite and only their sum overflowed.
+    pub fn last_skip_tensor(&self) -> Option<&str> {
+        self.last_skip_tensor.as_deref()
     }
 
     fn step_rest(
