@@ -51,6 +51,13 @@ pub enum OptimError {
         level: crate::SimdLevel,
     },
 
+    /// The SIMD level environment variable names no level.
+    #[error("{env}={name:?} names no SIMD level (scalar, avx2, avx512, avx512bf16)", env = crate::cpu::level::SIMD_ENV)]
+    SimdUnknown {
+        /// The value found.
+        name: String,
+    },
+
     /// The rayon thread pool could not be built.
     #[error("cannot build a thread pool of {threads} threads: {reason}")]
     ThreadPool {
