@@ -104,7 +104,7 @@ impl SimdLevel {
         if !level.is_supported() {
             return Err(crate::OptimError::SimdUnsupported { level });
         }
-        tracing::info!(?level, reason = %reason.describe(), "CPU AdamW SIMD level forced");
+        tracing::debug!(?level, reason = %reason.describe(), "CPU AdamW SIMD level forced");
         Ok((level, reason))
     }
 
