@@ -52,8 +52,10 @@ pub enum OptimError {
     },
 
     /// The SIMD level environment variable names no level.
-    #[error("{env}={name:?} names no SIMD level (scalar, avx2, avx512, avx512bf16)", env = crate::cpu::level::SIMD_ENV)]
+    #[error("{var}={name:?} names no SIMD level (scalar, avx2, avx512, avx512bf16)")]
     SimdUnknown {
+        /// The variable read.
+        var: &'static str,
         /// The value found.
         name: String,
     },

@@ -1,6 +1,6 @@
 //! The SIMD dispatch ladder: which instruction set the kernels use on this CPU.
 //!
-//! Detection runs once per optimizer ([`SimdLevel::choose`]); a level can also be forced,
+//! Detection runs once per optimizer (`SimdLevel::choose`, in [`crate::cpu`]); a level can also be forced,
 //! by the caller ([`crate::CpuConfig::simd`]; tests compare every level the CPU supports
 //! against the scalar one) or for the whole process by the environment variable
 //! [`SIMD_ENV`] (`TIDESTORE_SIMD=avx2`, e.g. to measure the AVX2 kernels on an AVX-512
@@ -86,26 +86,13 @@ impl SimdLevel {
             .find(|l| l.name().eq_ignore_ascii_case(s.trim()))
     }
 
-    /// The level an optimizer runs and why: `requested` if given, else the level
-    /// [`SIMD_ENV`] names if set, else the best this CPU supports. Errors on an unknown
-    /// name in the environment and on a level this CPU lacks.
-    pub fn choose(requested: Option<SimdLevel>) -> crate::Result<(SimdLevel, SimdReason)> {
-        let (level, reason) = match requested {
-            Some(level) => (level, SimdReason::Requested),
-            None => match std::env::var(SIMD_ENV) {
-                Ok(name) if !name.trim().is_empty() => {
-                    let level =
-                        SimdLevel::parse(&name).ok_or(crate::OptimError::SimdUnknown { name })?;
-                    (level, SimdReason::Environment)
-                }
-                _ => return Ok((SimdLevel::detect(), SimdReason::Detected)),
-            },
-        };
-        if !level.is_supported() {
-            return Err(crate::OptimError::SimdUnsupported { level });
+    /// The level [`SIMD_ENV`] names: `Ok(None)` when it is unset or empty, `Err` with
+    /// the value when it names no level.
+    pub fn from_env() -> Result<Option<SimdLevel>, String> {
+        match std::env::var(SIMD_ENV) {
+            Ok(name) if !name.trim().is_empty() => SimdLevel::parse(&name).map(Some).ok_or(name),
+            _ => Ok(None),
         }
-        tracing::debug!(?level, reason = %reason.describe(), "CPU AdamW SIMD level forced");
-        Ok((level, reason))
     }
 
     /// True when this CPU has every feature the level's kernels are compiled with.

@@ -82,6 +82,32 @@ fn check_block(block_params: usize) -> Result<usize> {
     Ok(block_params.div_ceil(16) * 16)
 }
 
+impl SimdLevel {
+    /// The level an optimizer runs and why: `requested` if given, else the level
+    /// [`SIMD_ENV`] names if set, else the best this CPU supports. Errors on an unknown
+    /// name in the environment and on a level this CPU lacks.
+    pub fn choose(requested: Option<SimdLevel>) -> Result<(SimdLevel, SimdReason)> {
+        let (level, reason) = match requested {
+            Some(level) => (level, SimdReason::Requested),
+            None => match SimdLevel::from_env() {
+                Ok(Some(level)) => (level, SimdReason::Environment),
+                Ok(None) => return Ok((SimdLevel::detect(), SimdReason::Detected)),
+                Err(name) => {
+                    return Err(OptimError::SimdUnknown {
+                        var: SIMD_ENV,
+                        name,
+                    })
+                }
+            },
+        };
+        if !level.is_supported() {
+            return Err(OptimError::SimdUnsupported { level });
+        }
+        tracing::debug!(?level, reason = %reason.describe(), "CPU AdamW SIMD level forced");
+        Ok((level, reason))
+    }
+}
+
 impl AdamW {
     /// Builds the optimizer and, for more than one thread, its own rayon pool.
     pub fn new(cfg: CpuConfig) -> Result<Self> {
