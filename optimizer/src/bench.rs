@@ -392,6 +392,21 @@ impl Arrays {
     }
 }
 
+/// The SIMD level the benchmark's optimizers will run and why, as one line (`forced`:
+/// how the caller spells a forced [`BenchConfig::simd`], e.g. a command-line flag).
+pub fn level_line(cfg: &BenchConfig, forced: &str) -> Result<String> {
+    let (level, reason) = SimdLevel::choose(cfg.simd)?;
+    let why = match reason {
+        crate::SimdReason::Requested => format!("forced by {forced}"),
+        r => r.describe(),
+    };
+    Ok(format!(
+        "SIMD level: {} ({why}; the best this CPU supports: {})",
+        level.name(),
+        SimdLevel::detect().name()
+    ))
+}
+
 /// Column titles matching [`BenchRow::table_line`].
 pub fn table_header() -> String {
     format!(

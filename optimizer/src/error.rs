@@ -51,6 +51,15 @@ pub enum OptimError {
         level: crate::SimdLevel,
     },
 
+    /// The SIMD level environment variable names no level.
+    #[error("{var}={name:?} names no SIMD level (scalar, avx2, avx512, avx512bf16)")]
+    SimdUnknown {
+        /// The variable read.
+        var: &'static str,
+        /// The value found.
+        name: String,
+    },
+
     /// The rayon thread pool could not be built.
     #[error("cannot build a thread pool of {threads} threads: {reason}")]
     ThreadPool {

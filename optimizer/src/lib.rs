@@ -109,7 +109,7 @@ pub mod gpu;
 pub mod gpu;
 
 pub use controller::{clip_coefficient, ControllerState, StepController, StepDecision};
-pub use cpu::{AdamW, CpuConfig, SimdLevel, BLOCK_PARAMS_DEFAULT};
+pub use cpu::{AdamW, CpuConfig, SimdLevel, SimdReason, BLOCK_PARAMS_DEFAULT, SIMD_ENV};
 pub use error::{OptimError, Result};
 pub use group::ParamGroup;
 pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};

@@ -22,10 +22,12 @@
 //!    division, which would double the divider's load next to AdamW's own.
 //! 3. The code is the number of the map's 255 midpoints (`(map[k] + map[k+1]) / 2`,
 //!    rounded to f32) that are strictly below `x * r`: the nearest map value to `x *
-//!    r`, ties to the lower one, NaN to code 0. The scalar and AVX2 kernels find it by
-//!    an 8-step branch-free binary search ([`DynamicMap::code`]); the AVX-512 VBMI
-//!    kernel by one bucket lookup and one compare ([`DynamicMap::code_by_bucket`],
-//!    the same code for every input: see [`BucketTables`]).
+//!    r`, ties to the lower one, NaN to code 0. The scalar kernel finds it by an 8-step
+//!    branch-free binary search ([`DynamicMap::code`]); the AVX-512 VBMI kernel by one
+//!    bucket lookup and one compare ([`DynamicMap::code_by_bucket`], see
+//!    [`BucketTables`]); the AVX2 kernel by one gathered entry of a table indexed by
+//!    the top 16 bits and one integer compare ([`DynamicMap::code_by_key`], see
+//!    [`KeyTable`]) — the same code for every non-NaN input.
 //!
 //! The quantization error of a finite element is at most half the gap between the two
 //! map values around `x / absmax`, times `absmax` (tests check this per block).
@@ -115,6 +117,8 @@ pub struct DynamicMap {
     pub levels: [f32; 256],
     /// The quantizer's bucket tables (one lookup, one compare).
     pub buckets: BucketTables,
+    /// The quantizer's key table (one gathered entry, one integer compare).
+    pub keys: KeyTable,
     /// `values` split into byte planes (`value_planes.0[b][k]` = byte `b` of `values[k]`,
     /// little-endian) for byte-permute lookups.
     pub value_planes: Planes<256>,
@@ -140,6 +144,81 @@ impl<const N: usize> Planes<N> {
             }
         }
         Planes(p)
+    }
+}
+
+/// The quantizer as one table entry per 16-bit key: for `x`'s sign and the top 16 bits
+/// of `|x|` (clamped to `lo..=hi`), the entry holds the code `c` of the key's lowest
+/// value (the midpoints strictly below it) and, when a midpoint `M` lies among the
+/// key's values (at most one does: the bucket tables check that no two midpoints share
+/// a key), the low 16 bits of `M` in an order that increases with the value (`t(M)`:
+/// the bits for a positive `M`, their complement for a negative one), else `0xFFFF`.
+/// The code of `x` is `c + (t(x) > t(M))`: within a key the top bits agree and the low
+/// bits order the values. `lo` and `hi` are one key below and above every midpoint's
+/// magnitude, so a clamped `|x|` lands in a key without a midpoint whose code is the
+/// code of `x` (no midpoint lies between `x` and that key).
+#[derive(Debug, Clone)]
+pub struct KeyTable {
+    /// The lowest magnitude key told apart.
+    pub lo: u16,
+    /// The highest magnitude key told apart.
+    pub hi: u16,
+    /// Entries per sign: `hi - lo + 1`.
+    pub per_sign: usize,
+    /// `c | t(M) << 8`; positive keys at `key - lo`, negative at `per_sign + key - lo`.
+    pub entries: Vec<u32>,
+}
+
+impl KeyTable {
+    /// Builds the table for the 255 increasing `midpoints`. Panics if two midpoints
+    /// share a key, which the tests of both maps rule out.
+    fn build(midpoints: &[f32]) -> KeyTable {
+        let mag_key = |m: &f32| (m.abs().to_bits() >> 16) as u16;
+        let kmin = midpoints.iter().map(mag_key).min().expect("midpoints");
+        let kmax = midpoints.iter().map(mag_key).max().expect("midpoints");
+        assert!(
+            kmin > 0 && kmax < 0x7F7F,
+            "midpoints are finite and not tiny"
+        );
+        let (lo, hi) = (kmin - 1, kmax + 1);
+        let per_sign = usize::from(hi - lo) + 1;
+        let mut entries = Vec::with_capacity(2 * per_sign);
+        for neg in [false, true] {
+            for key in lo..=hi {
+                let top = u32::from(key) << 16 | if neg { 0x8000_0000 } else { 0 };
+                let lowest = f32::from_bits(if neg { top | 0xFFFF } else { top });
+                let c = midpoints.iter().filter(|&&m| m < lowest).count();
+                let inside: Vec<u32> = midpoints
+                    .iter()
+                    .map(|m| m.to_bits())
+                    .filter(|b| b >> 16 == top >> 16)
+                    .collect();
+                assert!(inside.len() <= 1, "two midpoints share the key {top:#x}");
+                let t = inside.first().map_or(0xFFFF, |&b| {
+                    assert_eq!(midpoints[c].to_bits(), b, "the key's midpoint is next");
+                    if neg {
+                        !b & 0xFFFF
+                    } else {
+                        b & 0xFFFF
+                    }
+                });
+                entries.push(u32::try_from(c).expect("at most 255") | t << 8);
+            }
+        }
+        KeyTable {
+            lo,
+            hi,
+            per_sign,
+            entries,
+        }
+    }
+
+    /// The entry index of `x` (see the type's documentation).
+    #[inline(always)]
+    pub fn index(&self, x: f32) -> usize {
+        let b = x.to_bits();
+        let key = ((b >> 16) as u16 & 0x7FFF).clamp(self.lo, self.hi);
+        usize::from(key - self.lo) + if b >> 31 == 1 { self.per_sign } else { 0 }
     }
 }
 
@@ -323,6 +402,7 @@ impl DynamicMap {
             midpoints,
             levels,
             buckets: BucketTables::build(&midpoints[..255], signed),
+            keys: KeyTable::build(&midpoints[..255]),
             value_planes: Planes::of(&values),
             midpoint_planes: Planes::of(&midpoints),
         }
@@ -352,6 +432,24 @@ impl DynamicMap {
         }
         let b = self.buckets.bucket(x);
         self.buckets.code.0[b] + u8::from(x > self.buckets.mid[b])
+    }
+
+    /// The code of `x` by the key table of [`KeyTable`]: equal to [`DynamicMap::code`]
+    /// for every `x` (NaN gives 0; the AVX2 kernel writes a block's codes as 0 when its
+    /// inverse absmax is NaN, the only way a NaN reaches the quantizer).
+    #[inline(always)]
+    pub fn code_by_key(&self, x: f32) -> u8 {
+        if x.is_nan() {
+            return 0;
+        }
+        let e = self.keys.entries[self.keys.index(x)];
+        let b = x.to_bits();
+        let t = if b >> 31 == 1 {
+            !b & 0xFFFF
+        } else {
+            b & 0xFFFF
+        };
+        (e & 0xFF) as u8 + u8::from(t > e >> 8)
     }
 
     /// The value of `code`.
@@ -467,11 +565,17 @@ mod tests {
             "x = {x:e} ({:#010x})",
             x.to_bits()
         );
+        assert_eq!(
+            map.code_by_key(x),
+            map.code(x),
+            "key table, x = {x:e} ({:#010x})",
+            x.to_bits()
+        );
     }
 
-    /// The bucket quantizer is a function of the top 16 bits plus one compare, so the
-    /// first and last float of every 16-bit key, and every midpoint with its nearest
-    /// neighbours, cover every way it could differ from the binary search.
+    /// The bucket and key quantizers are functions of the top 16 bits plus one compare,
+    /// so the first and last float of every 16-bit key, and every midpoint with its
+    /// nearest neighbours, cover every way they could differ from the binary search.
     #[test]
     fn bucket_code_equals_binary_search_at_every_key_and_midpoint() {
         for map in [&maps().signed, &maps().unsigned] {
@@ -533,7 +637,7 @@ mod tests {
         for map in [&maps().signed, &maps().unsigned] {
             for bits in 0..=u32::MAX {
                 let x = f32::from_bits(bits);
-                if map.code_by_bucket(x) != map.code(x) {
+                if map.code_by_bucket(x) != map.code(x) || map.code_by_key(x) != map.code(x) {
                     agree(map, x);
                 }
             }

@@ -5,6 +5,7 @@
 use clap::Args;
 
 use tidestore_optimizer::bench::{self, BenchConfig, BenchPath};
+use tidestore_optimizer::SimdLevel;
 
 use super::CliError;
 
@@ -24,6 +25,12 @@ pub struct AdamwBenchArgs {
     /// int8 moments: `optimizer.states`); all by default.
     #[arg(long, value_parser = ["fp32", "bf16", "m-bf16", "m-int8"])]
     path: Option<String>,
+    /// Force the SIMD level of the kernels: scalar, avx2, avx512, avx512bf16 (it must be
+    /// one this CPU supports). Without it, the level the TIDESTORE_SIMD environment
+    /// variable names, else the best this CPU supports. The table's first line says which
+    /// level ran and why.
+    #[arg(long, value_parser = ["scalar", "avx2", "avx512", "avx512bf16"])]
+    simd: Option<String>,
 }
 
 pub fn run(args: &AdamwBenchArgs) -> Result<(), CliError> {
@@ -58,6 +65,9 @@ pub fn run(args: &AdamwBenchArgs) -> Result<(), CliError> {
         Some("m-int8") => cfg.paths = vec![BenchPath::StatesInt8],
         _ => {}
     }
+    cfg.simd = args.simd.as_deref().and_then(SimdLevel::parse);
+    let level = bench::level_line(&cfg, "--simd").map_err(tidestore::Error::from)?;
+    out!("{level}");
     out!("{}", bench::table_header());
     bench::run_with(&cfg, |r| out!("{}", r.table_line())).map_err(tidestore::Error::from)?;
     Ok(())

@@ -18,7 +18,7 @@ const PREFETCH_BYTES: usize = super::avx512::PREFETCH_BYTES;
 
 /// Prefetches the line `PREFETCH_BYTES` ahead of element `i` of an f32 stream.
 #[inline(always)]
-fn prefetch(p: *const f32, i: usize) {
+pub(crate) fn prefetch(p: *const f32, i: usize) {
     // SAFETY: a prefetch is a hint that never faults, whatever the address (SSE is part
     // of x86_64); `wrapping_add` forms the address without claiming it is in bounds.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use rayon::ThreadPool;
 
-pub use level::SimdLevel;
+pub use level::{SimdLevel, SimdReason, SIMD_ENV};
 use parallel::{run_blocks, AccJob, CastJob, StepJob};
 use raw::{grad_raw, out_raw, StepPtrs};
 
@@ -47,7 +47,8 @@ pub struct CpuConfig {
     pub threads: usize,
     /// Parameters per parallel block (rounded up to a multiple of 16; > 0).
     pub block_params: usize,
-    /// Force a SIMD level (must be supported); `None` picks the best.
+    /// Force a SIMD level (must be supported); `None` picks the level
+    /// [`SIMD_ENV`] names if set, else the best this CPU supports.
     pub simd: Option<SimdLevel>,
 }
 
@@ -65,6 +66,7 @@ impl Default for CpuConfig {
 #[derive(Debug, Clone)]
 pub struct AdamW {
     level: SimdLevel,
+    reason: SimdReason,
     block_params: usize,
     pool: Option<Arc<ThreadPool>>,
 }
@@ -80,18 +82,36 @@ fn check_block(block_params: usize) -> Result<usize> {
     Ok(block_params.div_ceil(16) * 16)
 }
 
-fn check_level(simd: Option<SimdLevel>) -> Result<SimdLevel> {
-    match simd {
-        None => Ok(SimdLevel::detect()),
-        Some(level) if level.is_supported() => Ok(level),
-        Some(level) => Err(OptimError::SimdUnsupported { level }),
+impl SimdLevel {
+    /// The level an optimizer runs and why: `requested` if given, else the level
+    /// [`SIMD_ENV`] names if set, else the best this CPU supports. Errors on an unknown
+    /// name in the environment and on a level this CPU lacks.
+    pub fn choose(requested: Option<SimdLevel>) -> Result<(SimdLevel, SimdReason)> {
+        let (level, reason) = match requested {
+            Some(level) => (level, SimdReason::Requested),
+            None => match SimdLevel::from_env() {
+                Ok(Some(level)) => (level, SimdReason::Environment),
+                Ok(None) => return Ok((SimdLevel::detect(), SimdReason::Detected)),
+                Err(name) => {
+                    return Err(OptimError::SimdUnknown {
+                        var: SIMD_ENV,
+                        name,
+                    })
+                }
+            },
+        };
+        if !level.is_supported() {
+            return Err(OptimError::SimdUnsupported { level });
+        }
+        tracing::debug!(?level, reason = %reason.describe(), "CPU AdamW SIMD level forced");
+        Ok((level, reason))
     }
 }
 
 impl AdamW {
     /// Builds the optimizer and, for more than one thread, its own rayon pool.
     pub fn new(cfg: CpuConfig) -> Result<Self> {
-        let level = check_level(cfg.simd)?;
+        let (level, reason) = SimdLevel::choose(cfg.simd)?;
         let block_params = check_block(cfg.block_params)?;
         let threads = if cfg.threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -114,6 +134,7 @@ impl AdamW {
         tracing::debug!(?level, threads, block_params, "CPU AdamW ready");
         Ok(AdamW {
             level,
+            reason,
             block_params,
             pool,
         })
@@ -121,8 +142,10 @@ impl AdamW {
 
     /// Uses a pool the caller owns (shared with other work); `cfg.threads` is ignored.
     pub fn with_pool(pool: Arc<ThreadPool>, cfg: CpuConfig) -> Result<Self> {
+        let (level, reason) = SimdLevel::choose(cfg.simd)?;
         Ok(AdamW {
-            level: check_level(cfg.simd)?,
+            level,
+            reason,
             block_params: check_block(cfg.block_params)?,
             pool: Some(pool),
         })
@@ -131,6 +154,11 @@ impl AdamW {
     /// The SIMD level in use.
     pub fn simd_level(&self) -> SimdLevel {
         self.level
+    }
+
+    /// Why this optimizer runs [`AdamW::simd_level`].
+    pub fn simd_reason(&self) -> SimdReason {
+        self.reason
     }
 
     /// Threads a call uses (1 when it runs on the calling thread).

@@ -364,6 +364,8 @@ fn probe_leaf(level: SimdLevel, j: CompactJob<'_>, key: ProbeKey) {
             SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => {
                 dispatch_grad_out!(avx512::probe, gk, ok, (&s, w, zero, flip, pf))
             }
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => dispatch_grad_out!(avx2::probe, gk, ok, (&s, w, zero, flip, pf)),
             _ => dispatch_grad_out!(scalar::probe, gk, ok, (&s, w, zero, flip)),
         }
     }
