@@ -423,19 +423,20 @@ fn run_tidestore(
         p.step_count(),
         t.elapsed().as_secs_f64()
     );
-    let tr = p.nvme_traffic();
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    println!(
-        "NVMe traffic: M read {:.1} MiB / written {:.1} MiB, V read {:.1} / written {:.1}, master read {:.1} / written {:.1}, param16+grads read {:.1} / written {:.1}",
-        mib(tr.read_bytes(ListKind::Momentum)),
-        mib(tr.written_bytes(ListKind::Momentum)),
-        mib(tr.read_bytes(ListKind::Variance)),
-        mib(tr.written_bytes(ListKind::Variance)),
-        mib(tr.read_bytes(ListKind::Master)),
-        mib(tr.written_bytes(ListKind::Master)),
-        mib(tr.read_bytes(ListKind::Params)),
-        mib(tr.written_bytes(ListKind::Params)),
-    );
+    if let Some(tr) = p.nvme_traffic() {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "NVMe traffic: M read {:.1} MiB / written {:.1} MiB, V read {:.1} / written {:.1}, master read {:.1} / written {:.1}, param16+grads read {:.1} / written {:.1}",
+            mib(tr.read_bytes(ListKind::Momentum)),
+            mib(tr.written_bytes(ListKind::Momentum)),
+            mib(tr.read_bytes(ListKind::Variance)),
+            mib(tr.written_bytes(ListKind::Variance)),
+            mib(tr.read_bytes(ListKind::Master)),
+            mib(tr.written_bytes(ListKind::Master)),
+            mib(tr.read_bytes(ListKind::Params)),
+            mib(tr.written_bytes(ListKind::Params)),
+        );
+    }
     print!("store: {}", p.stats());
     Ok(curve)
 }

@@ -194,8 +194,9 @@ impl TideParams {
         self.trainer.stats()
     }
 
-    /// Bytes moved between host and NVMe per list since open.
-    pub fn nvme_traffic(&self) -> &NvmeTraffic {
+    /// Bytes moved between host and NVMe per list since open (always counted: the
+    /// trainer opened its store).
+    pub fn nvme_traffic(&self) -> Option<&NvmeTraffic> {
         self.trainer.nvme_traffic()
     }
 

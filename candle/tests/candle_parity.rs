@@ -42,7 +42,9 @@ fn fp32_losses_match_candle_adamw_with_m_and_v_on_nvme() {
         want[0],
         want[19]
     );
-    let t = p.nvme_traffic();
+    let t = p
+        .nvme_traffic()
+        .expect("a trainer that opened its store counts traffic");
     for list in [ListKind::Momentum, ListKind::Variance] {
         assert!(t.read_bytes(list) > 0, "{list} read back from NVMe");
         assert!(t.written_bytes(list) > 0, "{list} written to NVMe");

@@ -95,7 +95,9 @@ pub struct Trainer {
     /// Where compute reads parameters: the device tier when it is host memory (the
     /// simulation), else the host pool.
     compute_place: Place,
-    traffic: Arc<NvmeTraffic>,
+    /// Bytes between host and NVMe per list, counted through the store's move hook (a
+    /// trainer that opened its store; see [`Trainer::with_store`]).
+    traffic: Option<Arc<NvmeTraffic>>,
     /// The store's swap file.
     swap_path: std::path::PathBuf,
     /// Gradients reported since the last step (parts of an accumulation included once
@@ -195,9 +197,11 @@ impl Trainer {
         self.store.stats()
     }
 
-    /// Bytes moved between host and NVMe per list since open.
-    pub fn nvme_traffic(&self) -> &NvmeTraffic {
-        &self.traffic
+    /// Bytes moved between host and NVMe per list since open (`None` for a trainer over
+    /// a store its caller opened, [`Trainer::with_store`]: counting takes the store's
+    /// move hook, which costs a usage snapshot per move).
+    pub fn nvme_traffic(&self) -> Option<&NvmeTraffic> {
+        self.traffic.as_deref()
     }
 
     /// The store's swap file (in the configured `swap_dir`).

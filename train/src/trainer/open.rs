@@ -49,7 +49,10 @@ impl Trainer {
             waste = layout.waste_fraction(),
             "trainer: layout"
         );
-        let store = ChunkStore::open(layout, store_cfg, device)?;
+        let mut store = ChunkStore::open(layout, store_cfg, device)?;
+        let traffic = Arc::new(NvmeTraffic::default());
+        let hook = traffic.clone();
+        store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
         let cpu = AdamW::new(CpuConfig {
             threads: cfg.optimizer_threads,
             ..CpuConfig::default()
@@ -60,13 +63,17 @@ impl Trainer {
                 reason: "the trainer steps in the host pool".into(),
             },
         );
-        Trainer::with_store(store, specs, cfg.precision, step, opt)
+        let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, opt)?;
+        trainer.traffic = Some(traffic);
+        Ok(trainer)
     }
 
     /// A trainer over a store its caller opened (the bench, whose capacity checks name
     /// its config's keys and whose step placement depends on the opened device): every
     /// spec must be a tensor of the store's layout, with its gradient companion
-    /// `NAME#grad` in `F32` precision. Steps with `opt` as `step` says.
+    /// `NAME#grad` in `F32` precision. Steps with `opt` as `step` says. The store's move
+    /// hook is the caller's: such a trainer counts no NVMe traffic of its own
+    /// ([`Trainer::nvme_traffic`] is `None`).
     pub fn with_store(
         store: ChunkStore,
         specs: &[ParamSpec],
@@ -76,10 +83,6 @@ impl Trainer {
     ) -> Result<Trainer> {
         check_specs(specs)?;
         let entries = entries(specs, store.layout(), precision)?;
-        let mut store = store;
-        let traffic = Arc::new(NvmeTraffic::default());
-        let hook = traffic.clone();
-        store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
         let step = step_loop(&store, &entries, step, opt)?;
         // Compute reads host-addressable memory: a simulated device is host memory, a
         // CUDA one is not, so there compute reads the host pool's copy.
@@ -100,7 +103,7 @@ impl Trainer {
             by_name,
             precision,
             compute_place,
-            traffic,
+            traffic: None,
             swap_path,
             reported: 0,
         })
