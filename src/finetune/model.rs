@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tidestore_candle::{Llama, LlamaConfig, LlamaLora, TideParams};
+use tidestore_candle::{Llama, LlamaLora, TideParams};
 use tidestore_train::hf;
 
 use tidestore_train::DType;
@@ -78,32 +78,13 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
     let c = hf::LlamaConfig::load(dir)?;
     let tokenizer = hf::Tokenizer::for_model(dir)?;
     tokenizer.check_fits(&c, dir)?;
-    if c.head_dim * c.num_attention_heads != c.hidden_size {
-        return Err(Error::Finetune(format!(
-            "{}: head_dim {} x {} heads is not hidden_size {}; such models are not supported",
-            dir.join(hf::CONFIG_FILE).display(),
-            c.head_dim,
-            c.num_attention_heads,
-            c.hidden_size
-        )));
-    }
     let lora = (t.mode == TrainMode::Lora).then(|| LlamaLora {
         rank: t.lora_rank as usize,
         alpha: t.lora_alpha as f32,
         targets: targets(t.lora_targets),
     });
-    let model = Llama::new(LlamaConfig {
-        vocab: c.vocab_size,
-        hidden: c.hidden_size,
-        intermediate: c.intermediate_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        rms_eps: c.rms_norm_eps,
-        rope_theta: c.rope_theta,
-        tie_embeddings: c.tie_word_embeddings,
-        lora,
-    })?;
+    // The family's RoPE scaling, biases, q/k norms, head_dim and window, as read.
+    let model = Llama::from_hf(&c, lora)?;
     Ok(Loaded {
         model,
         hf: c,
