@@ -7,7 +7,8 @@
 //! store, layer-streamed, must equal transformers' in fp32 within 1e-5 relative. A
 //! missed RoPE scaling, bias, q/k norm, head_dim or sliding window moves them far more.
 //! Also: transformers 5's `rope_parameters` with θ = 500000 is read, not dropped (the
-//! same weights with θ = 10000 give other losses).
+//! same weights with θ = 10000 give other losses); LoRA on Qwen2, Qwen3 and Llama 3.1
+//! equals PEFT's (`<family>_lora/`).
 
 mod common;
 
@@ -211,4 +212,111 @@ fn candle_blocks_read_exactly_the_tensors_the_store_registers() {
             }
         }
     }
+}
+
+/// LoRA as PEFT computes and trains it (r 4, alpha 8, every projection, B started
+/// random; `<family>_lora/` holds PEFT's own adapter files): tidestore reads the base
+/// from the family's fixture and the adapters by PEFT's keys, and its logits, loss and
+/// 5 AdamW steps of the adapters alone (biases and norms frozen) equal PEFT's.
+fn check_lora(family: &str) -> (f32, f32, f32) {
+    use tidestore_candle::LlamaLora;
+    use tidestore_train::hf::peft_key;
+    let dir = fixture(family);
+    let lora_dir = fixture(&format!("{family}_lora"));
+    let want = expected(&lora_dir);
+    let cfg = LlamaConfig::load(&dir).unwrap();
+    let targets = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    let lora = LlamaLora {
+        rank: 4,
+        alpha: 8.0,
+        targets: targets.iter().map(|t| t.to_string()).collect(),
+    };
+    let model = Llama::from_hf(&cfg, Some(lora)).unwrap();
+    let weights = HfWeights::open(&dir, &cfg).unwrap();
+    let adapters =
+        candle_core::safetensors::load(lora_dir.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let init: Vec<_> = model
+        .specs()
+        .into_iter()
+        .map(|s| {
+            let v = match weights.tensor_f32(&s.name) {
+                Some(v) => v,
+                None => adapters[&peft_key(&s.name)]
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap(),
+            };
+            (s, v)
+        })
+        .collect();
+    assert_eq!(
+        init.iter().filter(|(s, _)| s.trainable).count(),
+        adapters.len(),
+        "every PEFT adapter is read, and only they train"
+    );
+    let mut mem = InMemory::new(&init, &Device::Cpu).unwrap();
+    let logits = model.forward(&mut mem, &want.x).unwrap();
+    let loss = Llama::loss(&logits, &want.y)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let got: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+    let scale = want.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let logits_err = got
+        .iter()
+        .zip(&want.logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = TideParams::open(
+        &init,
+        &tide_config(tmp.path(), Precision::F32),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let batch = [(want.x.clone(), want.y.clone())];
+    let mut losses: Vec<f32> = (0..5)
+        .map(|_| train_step(&mut p, &model, &batch, Horizontal).unwrap().loss)
+        .collect();
+    let last = model.forward(&mut p, &want.x).unwrap();
+    losses.push(
+        Llama::loss(&last, &want.y)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+    );
+    let errs = (
+        logits_err,
+        rel(loss, want.losses[0]),
+        max_rel_diff(&losses, &want.losses),
+    );
+    eprintln!(
+        "{family} LoRA: logits {:e}, loss {:e}, 5 AdamW steps {:e} (tidestore {losses:?}, \
+         PEFT {:?})",
+        errs.0, errs.1, errs.2, want.losses
+    );
+    errs
+}
+
+#[test]
+fn lora_matches_peft_logits_loss_and_five_adamw_steps() {
+    let mut failed = Vec::new();
+    for family in ["qwen2", "qwen3", "llama31"] {
+        let (a, b, c) = check_lora(family);
+        if a.max(b).max(c) > 1e-5 {
+            failed.push(format!("{family}: logits {a:e}, loss {b:e}, steps {c:e}"));
+        }
+    }
+    assert!(failed.is_empty(), "off PEFT by more than 1e-5: {failed:?}");
 }
