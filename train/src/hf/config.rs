@@ -347,7 +347,7 @@ impl LlamaConfig {
             "max_position_embeddings",
         )?;
         let rope = Rope::from_config(&raw, max_position_embeddings, path)?;
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(err(
                 "head_dim",
                 format!("{head_dim} is odd; rotary embeddings rotate pairs"),

@@ -156,7 +156,10 @@ impl Rope {
     /// The inverse frequencies of a head of `head_dim` (even): `head_dim / 2` values, in
     /// f32 as transformers computes them.
     pub fn inv_freq(&self, head_dim: usize) -> Vec<f32> {
-        assert!(head_dim >= 2 && head_dim % 2 == 0, "head_dim {head_dim}");
+        assert!(
+            head_dim >= 2 && head_dim.is_multiple_of(2),
+            "head_dim {head_dim}"
+        );
         let d = head_dim as f32;
         let theta = self.theta as f32;
         let base: Vec<f32> = (0..head_dim)
