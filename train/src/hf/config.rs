@@ -106,6 +106,8 @@ pub const NEUTRAL_KEYS: &[&str] = &[
     "use_cache",
     "initializer_range",
     "pad_token_id",
+    // Which attention kernel transformers picked (eager, sdpa, flash: the same math).
+    "_attn_implementation_autoset",
     // Tensor-parallel slicing of the same matmuls (transformers ignores it now).
     "pretraining_tp",
 ];
