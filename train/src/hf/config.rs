@@ -293,77 +293,20 @@ impl LlamaConfig {
         let Value::Object(raw) = value else {
             return Err(err("<file>", "not a JSON object".into()));
         };
-        if let Some(k) = raw
-            .keys()
-            .find(|k| !USED_KEYS.contains(&k.as_str()) && !NEUTRAL_KEYS.contains(&k.as_str()))
-        {
-            return Err(err(
-                k,
-                "unknown key: tidestore cannot tell whether it changes the model, so it \
-                 refuses it rather than ignore it"
-                    .into(),
-            ));
-        }
+        check_keys(&raw, &err)?;
         let r: Raw = serde_path_to_error::deserialize(Value::Object(raw.clone()))
             .map_err(|e| err(&e.path().to_string(), e.inner().to_string()))?;
         let family = family(&r, &err)?;
         check_supported(&r, &err)?;
-        let need = |v: Option<usize>, key: &str| -> Result<usize> {
-            match v {
-                None => Err(err(key, "missing".into())),
-                Some(0) => Err(err(key, "must be at least 1".into())),
-                Some(n) => Ok(n),
-            }
-        };
-        let hidden_size = need(r.hidden_size, "hidden_size")?;
-        let heads = need(r.num_attention_heads, "num_attention_heads")?;
-        let kv_heads = need(r.num_key_value_heads.or(Some(heads)), "num_key_value_heads")?;
-        if heads % kv_heads != 0 {
-            return Err(err(
-                "num_key_value_heads",
-                format!("{kv_heads} does not divide num_attention_heads = {heads}"),
-            ));
-        }
-        let head_dim = match r.head_dim {
-            Some(d) => need(Some(d), "head_dim")?,
-            None if hidden_size % heads != 0 => {
-                return Err(err(
-                    "num_attention_heads",
-                    format!("{heads} does not divide hidden_size = {hidden_size}"),
-                ))
-            }
-            None => hidden_size / heads,
-        };
-        let dtype_text = r.torch_dtype.as_deref().or(r.dtype.as_deref());
-        let torch_dtype = match dtype_text {
-            None => None,
-            Some(t) => Some(dtype_from_torch(t).ok_or_else(|| {
-                err(
-                    "torch_dtype",
-                    format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
-                )
-            })?),
-        };
+        let need = |v: Option<usize>, key: &str| need(v, key, &err);
+        let (hidden_size, heads, kv_heads, head_dim) = attention_sizes(&r, &err)?;
+        let torch_dtype = torch_dtype_of(&r, &err)?;
         let max_position_embeddings = need(
             r.max_position_embeddings.or(Some(2048)),
             "max_position_embeddings",
         )?;
         let rope = Rope::from_config(&raw, max_position_embeddings, path)?;
-        if !head_dim.is_multiple_of(2) {
-            return Err(err(
-                "head_dim",
-                format!("{head_dim} is odd; rotary embeddings rotate pairs"),
-            ));
-        }
-        let sliding_window = match family {
-            // MistralConfig's default window is 4096; a written `null` means none.
-            Family::Mistral => match (r.sliding_window, raw.contains_key("sliding_window")) {
-                (Some(0), _) => return Err(err("sliding_window", "must be at least 1".into())),
-                (None, false) => Some(MISTRAL_DEFAULT_SLIDING_WINDOW),
-                (w, _) => w,
-            },
-            _ => None,
-        };
+        let sliding_window = sliding_window_of(family, &r, &raw, &err)?;
         check_layer_types(&r, sliding_window.is_some(), &err)?;
         Ok(LlamaConfig {
             rope_theta: rope.theta,
@@ -432,6 +375,100 @@ impl LlamaConfig {
         let layer = h + h * q + 2 * h * kv + q * h + h + 3 * h * i + biases + norms;
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + self.num_hidden_layers as u64 * layer + h + head
+    }
+}
+
+/// A size that must be given and non-zero.
+fn need(v: Option<usize>, key: &str, err: &impl Fn(&str, String) -> TrainError) -> Result<usize> {
+    match v {
+        None => Err(err(key, "missing".into())),
+        Some(0) => Err(err(key, "must be at least 1".into())),
+        Some(n) => Ok(n),
+    }
+}
+
+/// `(hidden_size, heads, kv_heads, head_dim)`: kv heads divide the heads, the head
+/// dimension (explicit, or heads dividing the width) is even.
+fn attention_sizes(
+    r: &Raw,
+    err: &impl Fn(&str, String) -> TrainError,
+) -> Result<(usize, usize, usize, usize)> {
+    let hidden_size = need(r.hidden_size, "hidden_size", err)?;
+    let heads = need(r.num_attention_heads, "num_attention_heads", err)?;
+    let kv_heads = need(
+        r.num_key_value_heads.or(Some(heads)),
+        "num_key_value_heads",
+        err,
+    )?;
+    if !heads.is_multiple_of(kv_heads) {
+        return Err(err(
+            "num_key_value_heads",
+            format!("{kv_heads} does not divide num_attention_heads = {heads}"),
+        ));
+    }
+    let head_dim = match r.head_dim {
+        Some(d) => need(Some(d), "head_dim", err)?,
+        None if !hidden_size.is_multiple_of(heads) => {
+            return Err(err(
+                "num_attention_heads",
+                format!("{heads} does not divide hidden_size = {hidden_size}"),
+            ))
+        }
+        None => hidden_size / heads,
+    };
+    if !head_dim.is_multiple_of(2) {
+        return Err(err(
+            "head_dim",
+            format!("{head_dim} is odd; rotary embeddings rotate pairs"),
+        ));
+    }
+    Ok((hidden_size, heads, kv_heads, head_dim))
+}
+
+/// Every key read or neutral (see the module doc); the first other one is refused.
+fn check_keys(raw: &Map<String, Value>, err: &impl Fn(&str, String) -> TrainError) -> Result<()> {
+    match raw
+        .keys()
+        .find(|k| !USED_KEYS.contains(&k.as_str()) && !NEUTRAL_KEYS.contains(&k.as_str()))
+    {
+        None => Ok(()),
+        Some(k) => Err(err(
+            k,
+            "unknown key: tidestore cannot tell whether it changes the model, so it \
+             refuses it rather than ignore it"
+                .into(),
+        )),
+    }
+}
+
+/// `torch_dtype` (or `dtype`, its transformers 5 name) when it names one tidestore holds.
+fn torch_dtype_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<Option<DType>> {
+    match r.torch_dtype.as_deref().or(r.dtype.as_deref()) {
+        None => Ok(None),
+        Some(t) => Ok(Some(dtype_from_torch(t).ok_or_else(|| {
+            err(
+                "torch_dtype",
+                format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
+            )
+        })?)),
+    }
+}
+
+/// Mistral's window: `MistralConfig`'s default 4096 when the key is absent, none when
+/// it is `null`; other families have none (Qwen's is refused in `check_supported`).
+fn sliding_window_of(
+    family: Family,
+    r: &Raw,
+    raw: &Map<String, Value>,
+    err: &impl Fn(&str, String) -> TrainError,
+) -> Result<Option<usize>> {
+    if family != Family::Mistral {
+        return Ok(None);
+    }
+    match (r.sliding_window, raw.contains_key("sliding_window")) {
+        (Some(0), _) => Err(err("sliding_window", "must be at least 1".into())),
+        (None, false) => Ok(Some(MISTRAL_DEFAULT_SLIDING_WINDOW)),
+        (w, _) => Ok(w),
     }
 }
 

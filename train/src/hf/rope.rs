@@ -169,68 +169,81 @@ impl Rope {
         match &self.scaling {
             RopeScaling::Default => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / *factor as f32).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
-                let (factor, low, high, old) = (
-                    *factor as f32,
-                    *low_freq_factor as f32,
-                    *high_freq_factor as f32,
-                    *original_max_position_embeddings as f32,
-                );
-                let (low_wavelen, high_wavelen) = (old / low, old / high);
-                base.iter()
-                    .map(|&f| {
-                        let wavelen = 2.0 * std::f32::consts::PI / f;
-                        let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                        if wavelen < high_wavelen || wavelen > low_wavelen {
-                            scaled
-                        } else {
-                            let smooth = (old / wavelen - low) / (high - low);
-                            (1.0 - smooth) * scaled / factor + smooth * scaled
-                        }
-                    })
-                    .collect()
-            }
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                truncate,
-                ..
-            } => {
-                let dim = head_dim as f64;
-                let correction = |rotations: f64| {
-                    dim * (original_max_position_embeddings
-                        / (rotations * 2.0 * std::f64::consts::PI))
-                        .ln()
-                        / (2.0 * self.theta.ln())
-                };
-                let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
-                if *truncate {
-                    (low, high) = (low.floor(), high.ceil());
-                }
-                let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
-                if low == high {
-                    high += 0.001;
-                }
-                let factor = *factor as f32;
-                base.iter()
-                    .enumerate()
-                    .map(|(j, &extrapolated)| {
-                        let ramp = ((j as f32 - low) / (high - low)).clamp(0.0, 1.0);
-                        let keep = 1.0 - ramp;
-                        let pos = theta.powf((2 * j) as f32 / d);
-                        let interpolated = 1.0 / (factor * pos);
-                        interpolated * (1.0 - keep) + extrapolated * keep
-                    })
-                    .collect()
-            }
+            RopeScaling::Llama3 { .. } => self.llama3_inv_freq(&base),
+            RopeScaling::Yarn { .. } => self.yarn_inv_freq(&base, head_dim),
         }
+    }
+
+    /// Llama 3.1's bands: high frequencies kept, low ones divided by `factor`, the
+    /// medium ones smoothly between.
+    fn llama3_inv_freq(&self, base: &[f32]) -> Vec<f32> {
+        let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = self.scaling
+        else {
+            unreachable!("called for llama3 scaling only")
+        };
+        let (factor, low, high, old) = (
+            factor as f32,
+            low_freq_factor as f32,
+            high_freq_factor as f32,
+            original_max_position_embeddings as f32,
+        );
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        base.iter()
+            .map(|&f| {
+                let wavelen = 2.0 * std::f32::consts::PI / f;
+                let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                if wavelen < high_wavelen || wavelen > low_wavelen {
+                    scaled
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * scaled / factor + smooth * scaled
+                }
+            })
+            .collect()
+    }
+
+    /// YaRN: extrapolated frequencies below the correction range, interpolated ones
+    /// (divided by `factor`) above it, a linear ramp between.
+    fn yarn_inv_freq(&self, base: &[f32], head_dim: usize) -> Vec<f32> {
+        let RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } = self.scaling
+        else {
+            unreachable!("called for yarn scaling only")
+        };
+        let dim = head_dim as f64;
+        let correction = |rotations: f64| {
+            dim * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * self.theta.ln())
+        };
+        let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+        if truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
+        if low == high {
+            high += 0.001;
+        }
+        let (factor, theta, d) = (factor as f32, self.theta as f32, head_dim as f32);
+        base.iter()
+            .enumerate()
+            .map(|(j, &extrapolated)| {
+                let ramp = ((j as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                let interpolated = 1.0 / (factor * theta.powf((2 * j) as f32 / d));
+                interpolated * (1.0 - keep) + extrapolated * keep
+            })
+            .collect()
     }
 
     /// The factor on `cos` and `sin` (YaRN's attention scaling; 1 otherwise).
@@ -273,7 +286,37 @@ fn parse_scaling(
             .ok_or_else(|| err(&format!("{at}.rope_type"), format!("{t} is not a string")))?,
         (None, None) => return Err(err(&format!("{at}.rope_type"), "missing".into())),
     };
-    let (own, scaling): (&[&str], _) = match kind {
+    let (own, scaling) = of_type(kind, obj, at, max_position, err)?;
+    if let Some(p) = obj
+        .get("partial_rotary_factor")
+        .filter(|p| p.as_f64() != Some(1.0))
+    {
+        return Err(err(
+            &format!("{at}.partial_rotary_factor"),
+            format!("{p} is not supported: tidestore rotates the whole head (1.0)"),
+        ));
+    }
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !COMMON_KEYS.contains(&k.as_str()) && !own.contains(&k.as_str()))
+    {
+        return Err(err(
+            &format!("{at}.{k}"),
+            format!("not a parameter of rope_type `{kind}`; tidestore would ignore it"),
+        ));
+    }
+    Ok(scaling)
+}
+
+/// The scaling of `kind` and the keys its parameters may use.
+fn of_type(
+    kind: &str,
+    obj: &Map<String, Value>,
+    at: &str,
+    max_position: usize,
+    err: &impl Fn(&str, String) -> TrainError,
+) -> Result<(&'static [&'static str], RopeScaling)> {
+    Ok(match kind {
         "default" => (&[], RopeScaling::Default),
         "linear" => (
             &["factor"],
@@ -309,26 +352,7 @@ fn parse_scaling(
                 format!("`{other}` is not supported; tidestore computes {SUPPORTED}"),
             ))
         }
-    };
-    if let Some(p) = obj
-        .get("partial_rotary_factor")
-        .filter(|p| p.as_f64() != Some(1.0))
-    {
-        return Err(err(
-            &format!("{at}.partial_rotary_factor"),
-            format!("{p} is not supported: tidestore rotates the whole head (1.0)"),
-        ));
-    }
-    if let Some(k) = obj
-        .keys()
-        .find(|k| !COMMON_KEYS.contains(&k.as_str()) && !own.contains(&k.as_str()))
-    {
-        return Err(err(
-            &format!("{at}.{k}"),
-            format!("not a parameter of rope_type `{kind}`; tidestore would ignore it"),
-        ));
-    }
-    Ok(scaling)
+    })
 }
 
 /// A finite number ≥ 0 at `at.key`, 0 when absent.
