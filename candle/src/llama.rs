@@ -1,22 +1,29 @@
-//! LLaMA as Hugging Face's `LlamaForCausalLM` computes it, written against
-//! [`ParamSource`] and cut into blocks, so that the same code runs as one candle graph
-//! (in memory) and block by block through tidestore ([`crate::streamed`]).
+//! LLaMA as Hugging Face's `LlamaForCausalLM` computes it, and the families built on
+//! it (Mistral, Qwen2 / Qwen2.5, Qwen3), written against [`ParamSource`] and cut into
+//! blocks, so that the same code runs as one candle graph (in memory) and block by
+//! block through tidestore ([`crate::streamed`]).
 //!
 //! The architecture: token embedding; per layer a pre-RMSNorm grouped-query attention
-//! with rotary position embeddings (`rope_theta`, the "rotate half" form of
-//! `modeling_llama.py`) and a pre-RMSNorm SwiGLU MLP (`down(silu(gate(x)) · up(x))`),
-//! each added to the residual stream; a final RMSNorm and the output head (`lm_head`,
-//! or the embedding when `tie_word_embeddings`). No biases. Tensor names and shapes are
-//! Hugging Face's (`model.layers.N.self_attn.q_proj.weight` is `[heads·head_dim,
-//! hidden]`), so a checkpoint maps one to one. Optional LoRA adapters on chosen
-//! projections (`…q_proj.lora_A.weight` `[r, in]`, `…lora_B.weight` `[out, r]`, scaled
-//! by `alpha / r`, `B` starting at zero), the base frozen.
+//! with rotary position embeddings (the "rotate half" form of `modeling_llama.py`, the
+//! inverse frequencies and attention factor of the config's RoPE — default, linear,
+//! llama3, yarn — from [`tidestore_train::hf::Rope`]) and a pre-RMSNorm SwiGLU MLP
+//! (`down(silu(gate(x)) · up(x))`), each added to the residual stream; a final RMSNorm
+//! and the output head (`lm_head`, or the embedding when `tie_word_embeddings`). The
+//! families' differences ([`LlamaArch`]): q/k/v biases (Qwen2), an explicit head
+//! dimension and per-head RMSNorm of queries and keys before RoPE (Qwen3), a sliding
+//! attention window as a mask (Mistral). Tensor names and shapes are Hugging Face's
+//! (`model.layers.N.self_attn.q_proj.weight` is `[heads·head_dim, hidden]`), so a
+//! checkpoint maps one to one. Optional LoRA adapters on chosen projections
+//! (`…q_proj.lora_A.weight` `[r, in]`, `…lora_B.weight` `[out, r]`, scaled by
+//! `alpha / r`, `B` starting at zero), the base (biases and norms included) frozen.
 //!
 //! Blocks: `0` is the embedding, `1..=layers` the decoder layers, `layers + 1` the
 //! final norm and head. [`Llama::block`] runs one; [`Llama::block_params`] names what it
-//! reads.
+//! reads, in the order of [`tidestore_train::hf::llama_blocks`].
 
 use candle_core::{DType, Device, Tensor, D};
+
+use tidestore_train::hf::{Family, Rope};
 
 use crate::error::{Error, Result};
 use crate::gpt::Rng;
@@ -59,15 +66,32 @@ pub struct LlamaLora {
     pub targets: Vec<String>,
 }
 
+/// What the families change in LLaMA's decoder (all off: Llama 2's arithmetic).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LlamaArch {
+    /// An explicit head dimension (Qwen3: `heads · head_dim ≠ hidden`); `hidden / heads`
+    /// when `None`.
+    pub head_dim: Option<usize>,
+    /// RoPE θ and scaling; its θ must equal [`LlamaConfig::rope_theta`].
+    pub rope: Rope,
+    /// q/k/v projections with biases (Qwen2): `…q_proj.bias` `[out]`.
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3): `…self_attn.q_norm.weight`
+    /// and `…k_norm.weight` `[head_dim]`.
+    pub qk_norm: bool,
+    /// A query attends only to the last `w` positions, itself included (Mistral).
+    pub sliding_window: Option<usize>,
+}
+
 /// A LLaMA model's code (its parameters live in a [`ParamSource`]).
 #[derive(Debug, Clone)]
 pub struct Llama {
     cfg: LlamaConfig,
+    arch: LlamaArch,
 }
 
 /// The projections of a layer: (module path under the layer, short name, out, in).
-fn projections(c: &LlamaConfig) -> [(&'static str, &'static str, usize, usize); 7] {
-    let hd = c.hidden / c.heads;
+fn projections(c: &LlamaConfig, hd: usize) -> [(&'static str, &'static str, usize, usize); 7] {
     let (q, kv) = (c.heads * hd, c.kv_heads * hd);
     [
         ("self_attn", "q_proj", q, c.hidden),
@@ -81,40 +105,108 @@ fn projections(c: &LlamaConfig) -> [(&'static str, &'static str, usize, usize); 
 }
 
 impl Llama {
-    /// The model of `cfg`, checked: heads divide the width, kv heads divide the heads,
-    /// the head dimension is even (rotary embeddings rotate pairs).
+    /// The model of `cfg` with Llama 2's arithmetic (plain RoPE of `cfg.rope_theta`),
+    /// checked as [`Llama::with_arch`].
     pub fn new(cfg: LlamaConfig) -> Result<Self> {
+        let arch = LlamaArch {
+            rope: Rope {
+                theta: cfg.rope_theta,
+                ..Rope::default()
+            },
+            ..LlamaArch::default()
+        };
+        Llama::with_arch(cfg, arch)
+    }
+
+    /// The model a checked Hugging Face config describes (any family tidestore reads),
+    /// with LoRA adapters when given.
+    pub fn from_hf(hf: &tidestore_train::hf::LlamaConfig, lora: Option<LlamaLora>) -> Result<Self> {
+        let cfg = LlamaConfig {
+            vocab: hf.vocab_size,
+            hidden: hf.hidden_size,
+            intermediate: hf.intermediate_size,
+            layers: hf.num_hidden_layers,
+            heads: hf.num_attention_heads,
+            kv_heads: hf.num_key_value_heads,
+            rms_eps: hf.rms_norm_eps,
+            rope_theta: hf.rope.theta,
+            tie_embeddings: hf.tie_word_embeddings,
+            lora,
+        };
+        let arch = LlamaArch {
+            head_dim: Some(hf.head_dim),
+            rope: hf.rope.clone(),
+            qkv_bias: hf.qkv_bias,
+            qk_norm: hf.qk_norm,
+            sliding_window: hf.sliding_window,
+        };
+        debug_assert_eq!(hf.qkv_bias, hf.family == Family::Qwen2);
+        Llama::with_arch(cfg, arch)
+    }
+
+    /// The model of `cfg` with a family's differences, checked: kv heads divide the
+    /// heads, the head dimension (explicit, or heads dividing the width) is even (rotary
+    /// embeddings rotate pairs), RoPE's θ is `cfg.rope_theta`, a window is at least 1.
+    pub fn with_arch(cfg: LlamaConfig, arch: LlamaArch) -> Result<Self> {
         let bad = |reason: String| Error::BadParam {
             name: "config".into(),
             reason,
         };
-        if cfg.heads == 0 || !cfg.hidden.is_multiple_of(cfg.heads) {
+        if arch.rope.theta != cfg.rope_theta {
             return Err(bad(format!(
-                "hidden size {} is not a multiple of {} heads",
-                cfg.hidden, cfg.heads
+                "RoPE theta {} is not rope_theta {}",
+                arch.rope.theta, cfg.rope_theta
             )));
         }
+        if arch.sliding_window == Some(0) {
+            return Err(bad("a sliding window of 0 positions".into()));
+        }
+        if cfg.heads == 0 {
+            return Err(bad("0 attention heads".into()));
+        }
+        let hd = match arch.head_dim {
+            Some(d) => d,
+            None if cfg.hidden.is_multiple_of(cfg.heads) => cfg.hidden / cfg.heads,
+            None => {
+                return Err(bad(format!(
+                    "hidden size {} is not a multiple of {} heads",
+                    cfg.hidden, cfg.heads
+                )))
+            }
+        };
         if cfg.kv_heads == 0 || !cfg.heads.is_multiple_of(cfg.kv_heads) {
             return Err(bad(format!(
                 "{} heads are not a multiple of {} key/value heads",
                 cfg.heads, cfg.kv_heads
             )));
         }
-        if !(cfg.hidden / cfg.heads).is_multiple_of(2) {
+        if hd == 0 || !hd.is_multiple_of(2) {
             return Err(bad("the head dimension must be even (rotary pairs)".into()));
         }
         if let Some(l) = &cfg.lora {
-            let known = projections(&cfg).map(|p| p.1);
+            let known = projections(&cfg, hd).map(|p| p.1);
             if let Some(t) = l.targets.iter().find(|t| !known.contains(&t.as_str())) {
                 return Err(bad(format!("unknown LoRA target `{t}`")));
             }
         }
-        Ok(Llama { cfg })
+        Ok(Llama { cfg, arch })
     }
 
     /// The shape.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
+    }
+
+    /// The family's differences.
+    pub fn arch(&self) -> &LlamaArch {
+        &self.arch
+    }
+
+    /// The head dimension.
+    pub fn head_dim(&self) -> usize {
+        self.arch
+            .head_dim
+            .unwrap_or(self.cfg.hidden / self.cfg.heads)
     }
 
     /// Blocks: the embedding, every layer, the head.
@@ -146,8 +238,9 @@ impl Llama {
             return vec![ParamSpec::new("model.norm.weight", &[c.hidden], base), head];
         }
         let p = format!("model.layers.{}", b - 1);
+        let hd = self.head_dim();
         let mut v = Vec::new();
-        for (i, (module, short, out, inp)) in projections(c).into_iter().enumerate() {
+        for (i, (module, short, out, inp)) in projections(c, hd).into_iter().enumerate() {
             if i == 0 {
                 v.push(ParamSpec::new(
                     format!("{p}.input_layernorm.weight"),
@@ -164,6 +257,9 @@ impl Llama {
             }
             let name = format!("{p}.{module}.{short}");
             v.push(ParamSpec::new(format!("{name}.weight"), &[out, inp], base));
+            if self.biased(short) {
+                v.push(ParamSpec::new(format!("{name}.bias"), &[out], base));
+            }
             if let Some(l) = self.adapted(short) {
                 v.push(ParamSpec::new(
                     format!("{name}.lora_A.weight"),
@@ -176,8 +272,29 @@ impl Llama {
                     true,
                 ));
             }
+            if let Some(norm) = self.qk_norm_of(short) {
+                v.push(ParamSpec::new(
+                    format!("{p}.self_attn.{norm}.weight"),
+                    &[hd],
+                    base,
+                ));
+            }
         }
         v
+    }
+
+    /// Whether projection `short` carries a bias.
+    fn biased(&self, short: &str) -> bool {
+        self.arch.qkv_bias && matches!(short, "q_proj" | "k_proj" | "v_proj")
+    }
+
+    /// The per-head norm that follows projection `short` (Qwen3's `q_norm`, `k_norm`).
+    fn qk_norm_of(&self, short: &str) -> Option<&'static str> {
+        match short {
+            "q_proj" if self.arch.qk_norm => Some("q_norm"),
+            "k_proj" if self.arch.qk_norm => Some("k_norm"),
+            _ => None,
+        }
     }
 
     /// Every parameter once, in forward order (a tied head is the embedding).
@@ -190,7 +307,7 @@ impl Llama {
     }
 
     /// Initial values from `seed`: weights normal with std 0.02 (HF's
-    /// `initializer_range`), norms 1, LoRA `A` like PEFT's Kaiming-uniform and `B` zero.
+    /// `initializer_range`), norms 1, biases 0, LoRA `A` like PEFT's Kaiming-uniform and `B` zero.
     pub fn init(&self, seed: u64) -> Vec<(ParamSpec, Vec<f32>)> {
         let mut rng = Rng::new(seed);
         self.specs()
@@ -199,7 +316,7 @@ impl Llama {
                 let n = s.elements();
                 let values = if s.name.ends_with("norm.weight") {
                     vec![1.0; n]
-                } else if s.name.ends_with("lora_B.weight") {
+                } else if s.name.ends_with("lora_B.weight") || s.name.ends_with(".bias") {
                     vec![0.0; n]
                 } else if s.name.ends_with("lora_A.weight") {
                     let bound = (1.0 / s.shape[1] as f64).sqrt();
@@ -260,6 +377,9 @@ impl Llama {
     ) -> Result<Tensor> {
         let w = src.param(&format!("{name}.weight"))?;
         let mut y = x.broadcast_matmul(&w.t()?)?;
+        if self.biased(short) {
+            y = y.broadcast_add(&src.param(&format!("{name}.bias"))?)?;
+        }
         if let Some(l) = self.adapted(short) {
             let a = src.param(&format!("{name}.lora_A.weight"))?;
             let bm = src.param(&format!("{name}.lora_B.weight"))?;
@@ -270,38 +390,46 @@ impl Llama {
         Ok(y)
     }
 
+    /// Queries, keys or values of projection `short`: `(batch, n, time, head_dim)`,
+    /// per-head normed when the family norms them.
+    fn heads(
+        &self,
+        h: &Tensor,
+        src: &mut dyn ParamSource,
+        prefix: &str,
+        short: &str,
+        n: usize,
+    ) -> Result<Tensor> {
+        let (bs, t, _) = h.dims3()?;
+        let y = self.linear(h, src, &format!("{prefix}.{short}"), short)?;
+        let mut y = y.reshape((bs, t, n, self.head_dim()))?;
+        if let Some(norm) = self.qk_norm_of(short) {
+            let w = src.param(&format!("{prefix}.{norm}.weight"))?;
+            y = rms_norm(&y, &w, self.cfg.rms_eps)?;
+        }
+        Ok(y.transpose(1, 2)?.contiguous()?)
+    }
+
     fn layer(&self, l: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
         let c = &self.cfg;
         let p = format!("model.layers.{l}");
         let (bs, t, _) = x.dims3()?;
-        let hd = c.hidden / c.heads;
+        let hd = self.head_dim();
         let h = rms_norm(
             x,
             &src.param(&format!("{p}.input_layernorm.weight"))?,
             c.rms_eps,
         )?;
         let a = format!("{p}.self_attn");
-        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
-            Ok(y.reshape((bs, t, n, hd))?.transpose(1, 2)?.contiguous()?)
-        };
-        let q = heads(
-            self.linear(&h, src, &format!("{a}.q_proj"), "q_proj")?,
-            c.heads,
-        )?;
-        let k = heads(
-            self.linear(&h, src, &format!("{a}.k_proj"), "k_proj")?,
-            c.kv_heads,
-        )?;
-        let v = heads(
-            self.linear(&h, src, &format!("{a}.v_proj"), "v_proj")?,
-            c.kv_heads,
-        )?;
-        let (cos, sin) = rope_tables(t, hd, c.rope_theta, x.device())?;
+        let q = self.heads(&h, src, &a, "q_proj", c.heads)?;
+        let k = self.heads(&h, src, &a, "k_proj", c.kv_heads)?;
+        let v = self.heads(&h, src, &a, "v_proj", c.kv_heads)?;
+        let (cos, sin) = rope_tables(t, hd, &self.arch.rope, x.device())?;
         let (q, k) = (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?);
         let rep = c.heads / c.kv_heads;
         let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
         let att = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-        let att = att.broadcast_add(&causal_mask(t, x.device())?)?;
+        let att = att.broadcast_add(&causal_mask(t, self.arch.sliding_window, x.device())?)?;
         // Not `softmax_last_dim`: candle 0.11's fused kernel has no backward.
         let att = candle_nn::ops::softmax(&att, D::Minus1)?;
         let y = att
@@ -329,13 +457,12 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(xn.broadcast_mul(w)?)
 }
 
-/// `cos` and `sin` tables `(t, head_dim)`: position `i`, frequency
-/// `theta^(-2j/head_dim)`, each frequency twice (the two halves a rotation pairs).
-fn rope_tables(t: usize, hd: usize, theta: f64, device: &Device) -> Result<(Tensor, Tensor)> {
+/// `cos` and `sin` tables `(t, head_dim)`: position `i` times `rope`'s inverse
+/// frequencies (f32, as transformers), each frequency twice (the two halves a rotation
+/// pairs), times RoPE's attention factor (YaRN's; 1 otherwise).
+fn rope_tables(t: usize, hd: usize, rope: &Rope, device: &Device) -> Result<(Tensor, Tensor)> {
     let half = hd / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|j| (1.0 / theta.powf(2.0 * j as f64 / hd as f64)) as f32)
-        .collect();
+    let inv = rope.inv_freq(hd);
     let mut angles = Vec::with_capacity(t * hd);
     for i in 0..t {
         for k in 0..hd {
@@ -343,7 +470,14 @@ fn rope_tables(t: usize, hd: usize, theta: f64, device: &Device) -> Result<(Tens
         }
     }
     let a = Tensor::from_vec(angles, (t, hd), device)?;
-    Ok((a.cos()?, a.sin()?))
+    let (cos, sin) = (a.cos()?, a.sin()?);
+    let f = rope.attention_factor();
+    if f == 1.0 {
+        return Ok((cos, sin));
+    }
+    // transformers multiplies the f32 tables by the factor as an f32.
+    let f = f64::from(f as f32);
+    Ok(((cos * f)?, (sin * f)?))
 }
 
 /// `x · cos + rotate_half(x) · sin`, `rotate_half(x) = [-x₂, x₁]` over the halves.
@@ -368,10 +502,12 @@ fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
         .reshape((b, kv * rep, t, hd))?)
 }
 
-/// `(t, t)`: 0 on and below the diagonal, a large negative number above it.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+/// `(t, t)`: 0 where query `i` sees key `j` (`j ≤ i`, and `i - j < w` with a sliding
+/// window of `w`), a large negative number elsewhere.
+fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+    let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { -1e9 }))
+        .flat_map(|i| (0..t).map(move |j| if j <= i && i - j < w { 0.0 } else { -1e9 }))
         .collect();
     Ok(Tensor::from_vec(m, (t, t), device)?.to_dtype(DType::F32)?)
 }

@@ -31,7 +31,7 @@ pub struct InitModelArgs {
     /// Key/value heads (divide the heads).
     #[arg(long, default_value_t = 4)]
     kv_heads: usize,
-    /// Vocabulary size (at least 259 for the byte-level tokenizer).
+    /// Vocabulary size (at least 258 for the byte-level tokenizer: 256 bytes, <s>, </s>).
     #[arg(long, default_value_t = 512)]
     vocab: usize,
     /// Tie the head to the embedding.

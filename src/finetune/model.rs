@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tidestore_candle::{Llama, LlamaConfig, LlamaLora, TideParams};
+use tidestore_candle::{Llama, LlamaLora, TideParams};
 use tidestore_train::hf;
 
 use tidestore_train::DType;
@@ -73,6 +73,28 @@ impl Loaded {
     }
 }
 
+/// `train.sequence` within `max_position_embeddings`, or beyond it only when the
+/// config scales RoPE (positions past the trained ones are what scaling is for).
+fn check_sequence(sequence: usize, c: &hf::LlamaConfig, dir: &Path) -> Result<()> {
+    if sequence <= c.max_position_embeddings {
+        return Ok(());
+    }
+    if c.rope.is_scaled() {
+        tracing::warn!(
+            sequence,
+            max_position_embeddings = c.max_position_embeddings,
+            "train.sequence beyond max_position_embeddings, with the config's RoPE scaling"
+        );
+        return Ok(());
+    }
+    Err(Error::Finetune(format!(
+        "train.sequence = {sequence} exceeds max_position_embeddings = {} of {} and the \
+         model has no RoPE scaling; shorten train.sequence",
+        c.max_position_embeddings,
+        dir.join(hf::CONFIG_FILE).display()
+    )))
+}
+
 /// Reads `train.model_dir`'s config and makes the model the section asks for.
 pub fn open(t: &TrainSection) -> Result<Loaded> {
     let dir = t.model_dir()?;
@@ -88,32 +110,14 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
         .collect();
     checks::refuse_unused_tensors(dir, weights.names(), &files, c.tie_word_embeddings)?;
     drop(weights);
-    if c.head_dim * c.num_attention_heads != c.hidden_size {
-        return Err(Error::Finetune(format!(
-            "{}: head_dim {} x {} heads is not hidden_size {}; such models are not supported",
-            dir.join(hf::CONFIG_FILE).display(),
-            c.head_dim,
-            c.num_attention_heads,
-            c.hidden_size
-        )));
-    }
+    check_sequence(t.sequence as usize, &c, dir)?;
     let lora = (t.mode == TrainMode::Lora).then(|| LlamaLora {
         rank: t.lora_rank as usize,
         alpha: t.lora_alpha as f32,
         targets: targets(t.lora_targets),
     });
-    let model = Llama::new(LlamaConfig {
-        vocab: c.vocab_size,
-        hidden: c.hidden_size,
-        intermediate: c.intermediate_size,
-        layers: c.num_hidden_layers,
-        heads: c.num_attention_heads,
-        kv_heads: c.num_key_value_heads,
-        rms_eps: c.rms_norm_eps,
-        rope_theta: c.rope_theta,
-        tie_embeddings: c.tie_word_embeddings,
-        lora,
-    })?;
+    // The family's RoPE scaling, biases, q/k norms, head_dim and window, as read.
+    let model = Llama::from_hf(&c, lora)?;
     Ok(Loaded {
         model,
         hf: c,
@@ -218,4 +222,32 @@ pub fn export(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod sequence_tests {
+    use super::*;
+
+    fn config(rope: &str) -> hf::LlamaConfig {
+        let text = format!(
+            r#"{{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 300,
+              "max_position_embeddings": 64{rope}}}"#
+        );
+        hf::LlamaConfig::from_json(&text, Path::new("m/config.json")).unwrap()
+    }
+
+    #[test]
+    fn a_sequence_beyond_the_positions_needs_rope_scaling() {
+        let dir = Path::new("m");
+        let plain = config("");
+        assert!(check_sequence(64, &plain, dir).is_ok());
+        let e = check_sequence(65, &plain, dir).unwrap_err().to_string();
+        assert!(
+            e.contains("train.sequence") && e.contains("m/config.json"),
+            "{e}"
+        );
+        let scaled = config(r#", "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#);
+        assert!(check_sequence(128, &scaled, dir).is_ok());
+    }
 }

@@ -137,3 +137,53 @@ fn merged_export_is_w_plus_scaled_ba() {
         assert_ne!(got, w, "{name} must change");
     }
 }
+
+/// PEFT's own adapters on the families whose layers differ (Qwen2's biases, Qwen3's
+/// q/k norms and head_dim, Llama 3.1), written by PEFT 0.21.2 beside the parity
+/// fixtures: put into the store, `export_adapter` writes them back with PEFT's keys,
+/// shapes and bytes, and the merged export keeps every other tensor (biases, norms) as
+/// the checkpoint has it.
+#[test]
+fn peft_adapters_of_every_family_export_with_peft_keys_and_bytes() {
+    let root =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../candle/tests/fixtures/families");
+    for family in ["qwen2", "qwen3", "llama31"] {
+        let src = root.join(family);
+        let peft_file = read_st(&root.join(format!("{family}_lora")).join(ADAPTER_FILE));
+        let cfg = hf::LlamaConfig::load(&src).unwrap();
+        let lora = LoraSpec {
+            base_dtype: DType::F32,
+            ..LoraSpec::new(4, 8.0, &LoraTarget::ALL)
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let mut store = hf_store(&tmp.path().join("swap"), &cfg, Some(&lora), DType::BF16);
+        import(&src, &cfg, &mut store, Some(&lora), 3).unwrap();
+        for (key, (_, _, bytes)) in &peft_file {
+            let name = key.strip_prefix("base_model.model.").unwrap();
+            let id = store.layout().tensor_id(name).unwrap();
+            store.write(id, ListKind::Master, bytes).unwrap();
+        }
+        let out = tmp.path().join("adapter");
+        export_adapter(&mut store, &cfg, &lora, &out, DType::F32, family).unwrap();
+        assert_eq!(read_st(&out.join(ADAPTER_FILE)), peft_file, "{family}");
+        let merged = tmp.path().join("merged");
+        let opts = ExportOptions {
+            dtype: DType::F32,
+            ..ExportOptions::default()
+        };
+        export_model(&mut store, &cfg, Some(&lora), &merged, &opts).unwrap();
+        let (base, merged) = (
+            read_st(&src.join(SINGLE_FILE)),
+            read_st(&merged.join(SINGLE_FILE)),
+        );
+        assert_eq!(
+            base.keys().collect::<Vec<_>>(),
+            merged.keys().collect::<Vec<_>>()
+        );
+        for (name, t) in &base {
+            if name.ends_with(".bias") || name.ends_with("norm.weight") {
+                assert_eq!(&merged[name], t, "{family}: {name}");
+            }
+        }
+    }
+}

@@ -192,7 +192,7 @@ fn unsupported_architecture_and_settings() {
     for (key, value, named) in [
         (
             "architectures",
-            serde_json::json!(["MistralForCausalLM"]),
+            serde_json::json!(["GemmaForCausalLM"]),
             "architectures[0]",
         ),
         (
@@ -201,6 +201,12 @@ fn unsupported_architecture_and_settings() {
             "rope_scaling",
         ),
         ("attention_bias", serde_json::json!(true), "attention_bias"),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "dynamic", "factor": 2.0}),
+            "rope_parameters.rope_type",
+        ),
+        ("an_unknown_key", serde_json::json!(1), "an_unknown_key"),
     ] {
         let saved = std::fs::read(dir.join(CONFIG_FILE)).unwrap();
         edit_config(&dir, key, value);

@@ -197,3 +197,41 @@ fn tied_embeddings_have_no_head_and_ignore_a_stray_one() {
     import(&src, &cfg, &mut store, None, 0).unwrap();
     assert!(store.layout().tensor_id("lm_head.weight").is_none());
 }
+
+/// The transformers-written fixtures of every family (candle/tests/fixtures/families).
+fn family_fixtures() -> Vec<std::path::PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../candle/tests/fixtures/families");
+    let mut dirs: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join(hf::CONFIG_FILE).is_file())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 7, "fixtures in {}", root.display());
+    dirs
+}
+
+/// Every family's checkpoint as transformers wrote it (Qwen2's q/k/v biases, Qwen3's
+/// q/k norms, tied heads, `rope_parameters` configs) comes back byte for byte under
+/// HF's names, and its config reads back the same.
+#[test]
+fn every_family_round_trips_byte_identical_with_hf_names() {
+    for src in family_fixtures() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        through_store(tmp.path(), &src, &out, DType::F32, u64::MAX);
+        let (want, got) = (
+            read_st(&src.join(SINGLE_FILE)),
+            read_st(&out.join(SINGLE_FILE)),
+        );
+        assert_eq!(got, want, "{}", src.display());
+        let cfg = LlamaConfig::load(&src).unwrap();
+        let back = LlamaConfig::load(&out).unwrap();
+        assert_eq!((back.rope, back.family), (cfg.rope.clone(), cfg.family));
+        let biases = want.keys().filter(|k| k.ends_with(".bias")).count();
+        let norms = want.keys().filter(|k| k.contains("_norm.weight")).count();
+        let layers = cfg.num_hidden_layers;
+        assert_eq!(biases, if cfg.qkv_bias { 3 * layers } else { 0 });
+        assert_eq!(norms, if cfg.qk_norm { 2 * layers } else { 0 });
+    }
+}

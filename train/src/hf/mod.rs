@@ -17,7 +17,7 @@
 //! ```
 //!
 //! One concept per file: [`config`], [`names`], [`import`](mod@import), [`export`], [`peft`],
-//! [`init`], [`tokenizer`]. Every refusal is a [`crate::TrainError`] naming the file and
+//! [`init`], [`tokenizer`], [`rope`]. Every refusal is a [`crate::TrainError`] naming the file and
 //! the tensor or key.
 
 pub mod config;
@@ -26,9 +26,10 @@ pub mod import;
 pub mod init;
 pub mod names;
 pub mod peft;
+pub mod rope;
 pub mod tokenizer;
 
-pub use config::{LlamaConfig, LlamaShape, CONFIG_FILE};
+pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
 pub use export::{export_model, merge_into, ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
 pub use import::{import, HfWeights, ImportReport, INDEX_FILE, SINGLE_FILE};
 pub use init::{init_model, InitOptions, SplitMix64};
@@ -37,4 +38,5 @@ pub use names::{
     LoraSpec, LoraTarget,
 };
 pub use peft::{adapter_config, export_adapter, peft_key, ADAPTER_CONFIG_FILE, ADAPTER_FILE};
+pub use rope::{Rope, RopeScaling};
 pub use tokenizer::{read_text, Tokenizer, TOKENIZER_FILE};

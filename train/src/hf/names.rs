@@ -5,6 +5,9 @@
 //! for each layer N `model.layers.N.` + `input_layernorm.weight`, `self_attn.q_proj`,
 //! `k_proj`, `v_proj`, `o_proj` (`.weight`), `post_attention_layernorm.weight`,
 //! `mlp.gate_proj`, `up_proj`, `down_proj` (`.weight`); `model.norm.weight`;
+//! with Qwen2's biases `P.bias` right after `P.weight` for q/k/v (before any adapters),
+//! and with Qwen3's norms `self_attn.q_norm.weight` / `k_norm.weight` (`[head_dim]`)
+//! after q_proj's / k_proj's tensors;
 //! `lm_head.weight` unless the embeddings are tied. Blocks: the embedding, each layer,
 //! and the head (final norm + `lm_head`; with tied embeddings the head block registers
 //! only the norm and the driver reuses the embedding).
@@ -84,6 +87,21 @@ impl LoraTarget {
             LoraTarget::Gate => "mlp.gate_proj",
             LoraTarget::Up => "mlp.up_proj",
             LoraTarget::Down => "mlp.down_proj",
+        }
+    }
+
+    /// Whether the projection carries a bias (`P.bias` `[out]`): q/k/v in Qwen2.
+    pub fn biased(self, cfg: &LlamaConfig) -> bool {
+        cfg.qkv_bias && matches!(self, LoraTarget::Q | LoraTarget::K | LoraTarget::V)
+    }
+
+    /// The per-head norm that follows the projection: Qwen3's `q_norm` after `q_proj`,
+    /// `k_norm` after `k_proj`.
+    pub fn qk_norm(self, cfg: &LlamaConfig) -> Option<&'static str> {
+        match self {
+            LoraTarget::Q if cfg.qk_norm => Some("q_norm"),
+            LoraTarget::K if cfg.qk_norm => Some("k_norm"),
+            _ => None,
         }
     }
 
@@ -249,6 +267,9 @@ pub fn llama_blocks(cfg: &LlamaConfig, lora: Option<&LoraSpec>) -> Result<Vec<Bl
             }
             let [out, inp] = target.shape(cfg);
             t.push(base(format!("{p}.{}.weight", target.path()), &[out, inp]));
+            if target.biased(cfg) {
+                t.push(base(format!("{p}.{}.bias", target.path()), &[out]));
+            }
             if let Some(l) = lora.filter(|l| l.targets.contains(&target)) {
                 let m = format!("{p}.{}", target.path());
                 t.push(TensorSpec::new(
@@ -262,6 +283,12 @@ pub fn llama_blocks(cfg: &LlamaConfig, lora: Option<&LoraSpec>) -> Result<Vec<Bl
                     &[out, l.r],
                     DType::F32,
                     true,
+                ));
+            }
+            if let Some(norm) = target.qk_norm(cfg) {
+                t.push(base(
+                    format!("{p}.self_attn.{norm}.weight"),
+                    &[cfg.head_dim],
                 ));
             }
         }
