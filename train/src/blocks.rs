@@ -233,17 +233,27 @@ where
         store: Duration::ZERO,
     };
     let parts = batches.len();
+    let scale = 1.0 / parts as f64;
     let loss_sum = match order {
-        MicroBatchOrder::Vertical => vertical(&mut timed, model, batches, &first)?,
+        MicroBatchOrder::Vertical => {
+            let whole = Part {
+                first: true,
+                last: true,
+                scale,
+            };
+            passes(&mut timed, model, batches, &first, whole)?
+        }
+        // One micro-batch's passes after another: the same passes over one each, their
+        // gradients the step's first part, a middle one or its last.
         MicroBatchOrder::Horizontal => {
             let mut loss_sum = 0.0;
-            for (k, (tokens, targets)) in batches.iter().enumerate() {
+            for (k, batch) in batches.iter().enumerate() {
                 let part = Part {
                     first: k == 0,
                     last: k + 1 == parts,
-                    scale: 1.0 / parts as f64,
+                    scale,
                 };
-                loss_sum += micro_batch(&mut timed, model, tokens, targets, part, &first)?;
+                loss_sum += passes(&mut timed, model, std::slice::from_ref(batch), &first, part)?;
             }
             loss_sum
         }
@@ -268,68 +278,6 @@ struct Part {
     first: bool,
     last: bool,
     scale: f64,
-}
-
-/// Forward and backward of one micro-batch, its gradients put; returns its unscaled
-/// loss.
-fn micro_batch<B, P>(
-    params: &mut P,
-    model: &B,
-    tokens: &B::Tensor,
-    targets: &B::Tensor,
-    part: Part,
-    first: &HashMap<String, usize>,
-) -> Result<f32, B::Error>
-where
-    B: Blocks + ?Sized,
-    P: BlockParams<B>,
-{
-    let head = model.block_count() - 1;
-    // Forward: no graph; the block inputs are the checkpoints.
-    let mut inputs = Vec::with_capacity(head + 1);
-    inputs.push(tokens.clone());
-    for b in 0..head {
-        let y = model.forward(b, params, &inputs[b])?;
-        inputs.push(y);
-    }
-    // The head from its saved input, then every block in reverse.
-    let mut pending: HashMap<String, B::Tensor> = HashMap::new();
-    let mut loss = None;
-    let mut upstream: Option<B::Tensor> = None;
-    for b in (0..=head).rev() {
-        let input = inputs.pop().ok_or_else(|| {
-            TrainError::Protocol(format!("block {b}: its saved input is missing"))
-        })?;
-        let up = match &upstream {
-            None => Upstream::Loss {
-                targets,
-                scale: part.scale,
-            },
-            Some(g) => Upstream::Grad(g),
-        };
-        let grads = model.backward(b, params, &input, up)?;
-        if b == head {
-            loss = grads.loss;
-        }
-        put_block_grads(params, model, grads.params, b, first, &mut pending, part)?;
-        upstream = match grads.input {
-            Some(g) => Some(g),
-            None if b > 0 => {
-                return Err(TrainError::Protocol(format!(
-                    "block {b}: its output does not depend on its input"
-                ))
-                .into())
-            }
-            None => None,
-        };
-    }
-    if let Some(name) = pending.keys().next() {
-        return Err(TrainError::Protocol(format!(
-            "the gradient of `{name}` was left pending after the first block"
-        ))
-        .into());
-    }
-    loss.ok_or_else(|| TrainError::Protocol("the last block gave no loss".into()).into())
 }
 
 /// Gradients of one block's backward: summed into `pending` for parameters an earlier
@@ -362,7 +310,7 @@ where
 }
 
 /// A block's parameters fetched once and handed out again for every micro-batch of the
-/// pass ([`MicroBatchOrder::Vertical`]).
+/// pass (one, in [`MicroBatchOrder::Horizontal`]).
 struct BlockCache<'a, B: Blocks + ?Sized, P: ?Sized> {
     params: &'a mut P,
     fetched: Vec<(String, B::Tensor)>,
@@ -393,13 +341,15 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCac
     }
 }
 
-/// Forward and backward of every micro-batch, block by block (see the module doc);
-/// returns the sum of their unscaled losses.
-fn vertical<B, P>(
+/// The forward and backward passes of `batches`, every micro-batch through a block
+/// before the next block (see the module doc); each block's gradients, summed over the
+/// micro-batches, put as `part` of the step's; returns the sum of their unscaled losses.
+fn passes<B, P>(
     params: &mut P,
     model: &B,
     batches: &[(B::Tensor, B::Tensor)],
     first: &HashMap<String, usize>,
+    part: Part,
 ) -> Result<f32, B::Error>
 where
     B: Blocks + ?Sized,
@@ -422,15 +372,17 @@ where
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
     let mut loss_sum = 0.0;
     for b in (0..=head).rev() {
-        let (sums, loss) =
-            vertical_backward(params, model, b, batches, &mut inputs, &mut upstream)?;
+        let (sums, loss) = block_backward(
+            params,
+            model,
+            b,
+            batches,
+            &mut inputs,
+            &mut upstream,
+            part.scale,
+        )?;
         loss_sum += loss;
-        let whole = Part {
-            first: true,
-            last: true,
-            scale: 1.0 / batches.len() as f64,
-        };
-        put_block_grads(params, model, sums, b, first, &mut pending, whole)?;
+        put_block_grads(params, model, sums, b, first, &mut pending, part)?;
     }
     if let Some(name) = pending.keys().next() {
         return Err(TrainError::Protocol(format!(
@@ -445,16 +397,17 @@ where
 type Named<T> = Vec<(String, T)>;
 
 /// Block `b`'s backward for every micro-batch, from its saved input (popped from
-/// `inputs`) and `upstream` (replaced by the gradient of the block's input): its
-/// parameters' gradients summed over the micro-batches in first-seen order, and the sum
-/// of the micro-batches' losses (the last block's; 0 for the others).
-fn vertical_backward<B, P>(
+/// `inputs`) and `upstream` (replaced by the gradient of the block's input), the loss
+/// times `scale`: its parameters' gradients summed over the micro-batches in first-seen
+/// order, and the sum of the micro-batches' losses (the last block's; 0 for the others).
+fn block_backward<B, P>(
     params: &mut P,
     model: &B,
     b: usize,
     batches: &[(B::Tensor, B::Tensor)],
     inputs: &mut [Vec<B::Tensor>],
     upstream: &mut [Option<B::Tensor>],
+    scale: f64,
 ) -> Result<(Named<B::Tensor>, f32), B::Error>
 where
     B: Blocks + ?Sized,
@@ -464,7 +417,6 @@ where
         params,
         fetched: Vec::new(),
     };
-    let scale = 1.0 / batches.len() as f64;
     let mut sums: Vec<(String, B::Tensor)> = Vec::new();
     let mut loss_sum = 0.0;
     for (k, (_, targets)) in batches.iter().enumerate() {
