@@ -10,6 +10,8 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
 const TEXT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/genesis-kjv.txt");
 
@@ -46,30 +48,7 @@ fn config(extra: &str) -> String {
 fn setup(extra: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("swap")).unwrap();
-    ok(
-        dir.path(),
-        &[
-            "init-model",
-            "--out",
-            "model",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--intermediate",
-            "160",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--vocab",
-            "300",
-            "--seed",
-            "3",
-            "--max-shard-size",
-            "64KiB",
-        ],
-    );
+    ok(dir.path(), common::TINY_MODEL_ARGS);
     std::fs::write(dir.path().join("tidestore.toml"), config(extra)).unwrap();
     dir
 }

@@ -19,6 +19,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
+mod common;
+
 const TEXT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/genesis-kjv.txt");
 
 fn bin() -> PathBuf {
@@ -63,30 +65,7 @@ fn write_config(dir: &Path, extra: &str) {
 fn setup(extra: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("swap")).unwrap();
-    ok(
-        dir.path(),
-        &[
-            "init-model",
-            "--out",
-            "model",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--intermediate",
-            "160",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--vocab",
-            "300",
-            "--seed",
-            "3",
-            "--max-shard-size",
-            "64KiB",
-        ],
-    );
+    ok(dir.path(), common::TINY_MODEL_ARGS);
     write_config(dir.path(), extra);
     dir
 }
