@@ -39,11 +39,11 @@ fn sources() -> Vec<(&'static str, String, Vec<String>)> {
         .iter()
         .map(|s| s.to_string())
         .collect();
-    let compact = tidestore::optimizer::gpu_compact::compile_compact_ptx(Some("compute_86"))
+    let compact = tidestore::optimizer::gpu::compile_compact_ptx(Some("compute_86"))
         .expect("NVRTC compiles the compact-moment AdamW kernels");
     // The compact program holds the AdamW kernels it is appended to, then its own.
     let mut compact_entries = adamw_entries.clone();
-    compact_entries.extend(tidestore::optimizer::gpu_compact::compact_kernel_names());
+    compact_entries.extend(tidestore::optimizer::cuda_source::compact_kernel_names());
     vec![
         ("adamw", adamw, adamw_entries),
         ("adamw_compact", compact, compact_entries),

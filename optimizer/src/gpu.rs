@@ -34,15 +34,14 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
+use crate::cuda_source::{compact_kernel_names, map_table, ADAMW_COMPACT_CU};
+use crate::device_slices::{CudaArgs, CudaPtrs, DeviceGroup, DeviceSlices};
 use crate::error::{OptimError, Result};
-use crate::gpu_compact::{compact_kernel_names, map_table, ADAMW_COMPACT_CU};
 use crate::params::{Consts, HyperParams, StepState};
-use crate::placement::{CudaArgs, CudaPtrs, DeviceGroup, DeviceSlices};
 use crate::quant::{absmax_len, StateType};
 use crate::slices::Dtype;
 
-/// The CUDA C source of the kernels.
-pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
+pub use crate::cuda_source::ADAMW_CU;
 
 /// Threads per block of the AdamW kernel.
 const BLOCK_THREADS: u32 = 256;
@@ -201,6 +200,13 @@ const DEFAULT_ARCH: &str = "compute_86";
 /// `compute_86`). Needs libnvrtc only, no GPU.
 pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
     compile_source(ADAMW_CU, "tidestore_adamw.cu", arch, Vec::new())
+}
+
+/// Compiles [`ADAMW_CU`] followed by [`ADAMW_COMPACT_CU`] to PTX (`arch`: e.g.
+/// `compute_86`). Needs libnvrtc only, no GPU.
+pub fn compile_compact_ptx(arch: Option<&'static str>) -> Result<String> {
+    let source = format!("{ADAMW_CU}\n{ADAMW_COMPACT_CU}");
+    compile_source(&source, "adamw_compact.cu", arch, Vec::new())
 }
 
 /// Compiles [`ADAMW_CU`] to a cubin for `sm_{major}{minor}`. Needs libnvrtc only.

@@ -6,12 +6,11 @@
 
 #![deny(unsafe_code)]
 
+use crate::device_slices::{CudaPtrs, DeviceGroup};
 use crate::error::{OptimError, Result};
 use crate::params::{HyperParams, StepState};
-use crate::placement::{CudaPtrs, DeviceGroup};
 
-/// The CUDA C source of the kernels (shipped in every build so it can be inspected).
-pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
+pub use crate::cuda_source::ADAMW_CU;
 
 /// Always false without the `cuda` feature.
 pub fn nvrtc_available() -> bool {
@@ -20,6 +19,11 @@ pub fn nvrtc_available() -> bool {
 
 /// Always [`OptimError::NotCompiledWithCuda`].
 pub fn compile_ptx(_arch: Option<&'static str>) -> Result<String> {
+    Err(OptimError::NotCompiledWithCuda)
+}
+
+/// Always [`OptimError::NotCompiledWithCuda`].
+pub fn compile_compact_ptx(_arch: Option<&'static str>) -> Result<String> {
     Err(OptimError::NotCompiledWithCuda)
 }
 

@@ -91,14 +91,16 @@ pub use half;
 pub mod bench;
 pub mod controller;
 pub mod cpu;
+pub mod cuda_source;
+pub mod device_slices;
 pub mod error;
-pub mod gpu_compact;
 pub mod group;
 pub mod loss_scale;
 pub mod moments;
 pub mod params;
 pub mod placement;
 pub mod quant;
+pub mod simulated;
 pub mod slices;
 
 #[cfg(feature = "cuda")]
@@ -110,14 +112,12 @@ pub mod gpu;
 
 pub use controller::{clip_coefficient, ControllerState, StepController, StepDecision};
 pub use cpu::{AdamW, CpuConfig, SimdLevel, SimdReason, BLOCK_PARAMS_DEFAULT, SIMD_ENV};
+pub use device_slices::{moment_view_bytes, DeviceGrads, DeviceGroup, DeviceSlices};
 pub use error::{OptimError, Result};
 pub use group::ParamGroup;
 pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};
 pub use moments::{Moments, Q8Mut};
 pub use params::{HyperParams, Mode, StepState};
-pub use placement::{
-    DeviceGrads, DeviceGroup, DeviceSlices, GroupPlacement, HybridAdamW, Placement,
-    PlacementReport, ResidentGroup,
-};
+pub use placement::{GroupPlacement, HybridAdamW, Placement, PlacementReport, ResidentGroup};
 pub use quant::{StateType, Q8_BLOCK, Q8_MIN_ELEMENTS};
 pub use slices::{Dtype, Grads, ParamOut};

@@ -14,7 +14,7 @@ mod common;
 
 use common::Rng;
 use tidestore_optimizer::half::{bf16, f16};
-use tidestore_optimizer::placement::IN_PLACE_PIECE_MIN;
+use tidestore_optimizer::simulated::IN_PLACE_PIECE_MIN;
 use tidestore_optimizer::{
     AdamW, CpuConfig, DeviceGrads, DeviceSlices, Dtype, Grads, GroupPlacement, HybridAdamW,
     HyperParams, Mode, OptimError, ParamOut, Placement, StateType, StepState,

@@ -4,10 +4,10 @@
 //! without CUDA the GPU kernel reports why (`NotCompiledWithCuda` or `NoGpu`).
 
 use tidestore_optimizer::half::bf16;
-use tidestore_optimizer::placement::{DeviceGroup, HybridAdamW, Placement, ResidentGroup};
 use tidestore_optimizer::{
     AdamW, CpuConfig, Dtype, Grads, HyperParams, OptimError, ParamGroup, ParamOut, StepState,
 };
+use tidestore_optimizer::{DeviceGroup, HybridAdamW, Placement, ResidentGroup};
 use tidestore_tiers::{Device, DeviceConfig, DeviceViewMut};
 
 fn fill(mem: &mut tidestore_tiers::DeviceMem, bytes: &[u8]) {

@@ -1,28 +1,24 @@
-//! The GPU kernels over compact moments (`optimizer.states = bf16 | int8`): their CUDA C
-//! source, its NVRTC compilation (with the options of every tidestore kernel, appended
-//! to [`crate::gpu::ADAMW_CU`], whose helpers it uses), their entry points, and the map
-//! table the int8 kernels read.
+//! The CUDA C sources of the GPU AdamW, shipped in every build so they can be inspected
+//! and compiled without a GPU: the fp32 kernels ([`ADAMW_CU`]) and the kernels over
+//! compact moments (`optimizer.states = bf16 | int8`, [`ADAMW_COMPACT_CU`], appended to
+//! the fp32 source, whose helpers they use), the compact kernels' entry points, and the
+//! map table the int8 kernels read. Compiling them is [`crate::gpu`]'s work.
 //!
 //! Compiled to PTX and assembled by ptxas for sm_86 / sm_89 in CI
 //! (`tests/kernel_compile.rs`); [`crate::GpuAdamW`] builds them into its module with the
 //! fp32 kernels and launches them for [`crate::DeviceSlices`] whose `moments` is bf16 or
 //! int8 (`tests/device_compact.rs` compares them with the CPU kernel bit for bit on a
 //! GPU; not yet run on one at the time of writing).
-//! Without the `cuda` feature, [`compile_compact_ptx`] returns
+//! Without the `cuda` feature, [`crate::gpu::compile_compact_ptx`] returns
 //! [`crate::OptimError::NotCompiledWithCuda`] like every GPU entry point.
 
-use crate::error::Result;
 use crate::quant::maps;
+
+/// The CUDA C source of the fp32 kernels.
+pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
 
 /// The CUDA C source of the compact-moment kernels (appended to the AdamW source).
 pub const ADAMW_COMPACT_CU: &str = include_str!("kernels/adamw_compact.cu");
-
-/// Compiles the AdamW source followed by [`ADAMW_COMPACT_CU`] to PTX (`arch`: e.g.
-/// `compute_86`). Needs libnvrtc only, no GPU.
-pub fn compile_compact_ptx(arch: Option<&'static str>) -> Result<String> {
-    let source = format!("{}\n{}", crate::gpu::ADAMW_CU, ADAMW_COMPACT_CU);
-    crate::gpu::compile_source(&source, "adamw_compact.cu", arch, Vec::new())
-}
 
 /// The compact kernels' entry points: `adamw_{m16,q8}_<grad>_<out>_<mode>`.
 pub fn compact_kernel_names() -> Vec<String> {
