@@ -31,7 +31,7 @@ use tidestore_candle::{
     TideConfig, TideParams,
 };
 use tidestore_train::{HyperParams, Mode};
-use tidestore_train::{ListKind, MomentStates};
+use tidestore_train::{ListKind, MomentForm};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Opt {
@@ -365,9 +365,9 @@ fn run_tidestore(
     cfg.device_budget = Budget::Chunks(args.device_chunks);
     cfg.chunk_elements = args.chunk_elements;
     cfg.moments = match states {
-        States::Fp32 => MomentStates::F32,
-        States::Bf16 => MomentStates::Bf16,
-        States::Int8 => MomentStates::Int8,
+        States::Fp32 => MomentForm::F32,
+        States::Bf16 => MomentForm::BF16,
+        States::Int8 => MomentForm::Int8,
     };
     let ckpt = args.ckpt.clone().unwrap_or_else(|| {
         let name = if args.lora.is_some() { "lora" } else { "ckpt" };

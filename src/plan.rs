@@ -352,10 +352,10 @@ pub fn measure_optimizer_rate(
     opt: &tidestore_optimizer::AdamW,
     params: usize,
     repeats: u32,
-    moments: tidestore_chunk::MomentStates,
+    moments: tidestore_chunk::MomentForm,
 ) -> Result<f64> {
     use half::bf16;
-    use tidestore_chunk::MomentStates;
+    use tidestore_chunk::MomentForm;
     use tidestore_optimizer::quant::absmax_len;
     use tidestore_optimizer::{Grads, HyperParams, Moments, ParamOut, Q8Mut, StepState};
     let mut master = vec![0.01f32; params];
@@ -375,15 +375,15 @@ pub fn measure_optimizer_rate(
     for step in 1..=u64::from(repeats.max(1)) {
         let t = std::time::Instant::now();
         let mv = match moments {
-            MomentStates::F32 => Moments::F32 {
+            MomentForm::F32 => Moments::F32 {
                 m: &mut m,
                 v: &mut v,
             },
-            MomentStates::Bf16 => Moments::Bf16 {
+            MomentForm::BF16 => Moments::Bf16 {
                 m: &mut mb,
                 v: &mut vb,
             },
-            MomentStates::Int8 => Moments::Int8 {
+            MomentForm::Int8 => Moments::Int8 {
                 m: Q8Mut {
                     codes: &mut mc,
                     absmax: &mut ma,
@@ -462,7 +462,7 @@ mod tests {
             &w,
             crate::config::AutoSize::Auto,
             1 << 20,
-            tidestore_chunk::MomentStates::F32,
+            tidestore_chunk::MomentForm::F32,
         )
         .unwrap();
         (w, layout)
@@ -498,7 +498,7 @@ mod tests {
             &w,
             crate::config::AutoSize::Auto,
             1 << 20,
-            tidestore_chunk::MomentStates::F32,
+            tidestore_chunk::MomentForm::F32,
         )
         .unwrap();
         let slot = *layout.dense_chunk_bytes().iter().max().unwrap();

@@ -89,7 +89,7 @@ pub fn layout_for(
     workload: &Workload,
     chunk: AutoSize,
     block_bytes: u64,
-    moments: tidestore_chunk::MomentStates,
+    moments: tidestore_chunk::MomentForm,
 ) -> Result<(Layout, u64, bool)> {
     let base = LayoutConfig::new(1).with_moments(moments);
     let (elements, searched) = match chunk {

@@ -12,7 +12,7 @@
 mod common;
 
 use std::path::Path;
-use tidestore_train::MomentStates;
+use tidestore_train::MomentForm;
 
 use common::*;
 use tidestore_candle::{checkpoint, Error, Gpt, Precision, TideParams};
@@ -45,10 +45,10 @@ fn snapshot(p: &mut TideParams) -> Snapshot {
 }
 
 fn resume_is_bit_identical(model: &Gpt, precision: Precision) {
-    resume_is_bit_identical_with(model, precision, MomentStates::F32);
+    resume_is_bit_identical_with(model, precision, MomentForm::F32);
 }
 
-fn resume_is_bit_identical_with(model: &Gpt, precision: Precision, moments: MomentStates) {
+fn resume_is_bit_identical_with(model: &Gpt, precision: Precision, moments: MomentForm) {
     let open_tide = |model: &Gpt, seed: u64, dir: &Path, precision: Precision| {
         open_tide_with(model, seed, dir, precision, moments)
     };
@@ -131,8 +131,8 @@ fn resume_is_bit_identical_in_bf16() {
 
 #[test]
 fn resume_is_bit_identical_with_bf16_and_int8_moments() {
-    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentStates::Bf16);
-    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentStates::Int8);
+    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentForm::BF16);
+    resume_is_bit_identical_with(&gpt(None), Precision::Bf16, MomentForm::Int8);
 }
 
 #[test]

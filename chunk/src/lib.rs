@@ -54,7 +54,7 @@ pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
     Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,
 };
-pub use moments::MomentStates;
+pub use moments::MomentForm;
 pub use mover::IoPump;
 pub use policy::{
     EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PoolRoom, PrefetchPlanner, PrefetchStep,

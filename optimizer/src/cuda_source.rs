@@ -5,7 +5,7 @@
 //! map table the int8 kernels read. Compiling them is [`crate::gpu`]'s work.
 //!
 //! Compiled to PTX and assembled by ptxas for sm_86 / sm_89 in CI
-//! (`tests/kernel_compile.rs`); [`crate::GpuAdamW`] builds them into its module with the
+//! (`tests/kernel_compile.rs`); [`crate::gpu::GpuAdamW`] builds them into its module with the
 //! fp32 kernels and launches them for [`crate::DeviceSlices`] whose `moments` is bf16 or
 //! int8 (`tests/device_compact.rs` compares them with the CPU kernel bit for bit on a
 //! GPU; not yet run on one at the time of writing).

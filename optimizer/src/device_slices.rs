@@ -1,7 +1,7 @@
 //! Device views of one step's arrays and the checks they pass before anything is read
 //! or written: [`DeviceGroup`] (whole allocations), [`DeviceSlices`] (a range of device
 //! views, M and V in their stored form, see [`moment_view_bytes`]), and the proof
-//! ([`CudaPtrs`]) that CUDA views passed every check, which the GPU kernel takes.
+//! (`CudaPtrs`) that CUDA views passed every check, which the GPU kernel takes.
 //!
 //! Invariants of one call over device views, checked before anything is read or written:
 //! every view is of one kind (all host bytes, or all CUDA pointers, as `master`); each
@@ -15,18 +15,18 @@ use std::marker::PhantomData;
 use tidestore_tiers::{DeviceMem, DeviceView, DeviceViewMut};
 
 use crate::error::{OptimError, Result};
-use crate::quant::{absmax_len, StateType};
-use crate::slices::Dtype;
+use crate::quant::{absmax_len, MomentForm};
+use crate::slices::DType;
 
 /// Bytes of one moment view of `len` elements stored as `form`, and the alignment its
 /// start needs: fp32 `4 * len` (4), bf16 `2 * len` (2), int8 the `len` codes, padding
 /// to a multiple of 4 bytes, then `absmax_len(len)` f32 (4) — the chunk layout's Q8
 /// place, whose absmax starts at byte `len.next_multiple_of(4)`.
-pub fn moment_view_bytes(form: StateType, len: usize) -> (usize, usize) {
+pub fn moment_view_bytes(form: MomentForm, len: usize) -> (usize, usize) {
     match form {
-        StateType::Fp32 => (4 * len, 4),
-        StateType::Bf16 => (2 * len, 2),
-        StateType::Int8 => (len.next_multiple_of(4) + 4 * absmax_len(len), 4),
+        MomentForm::F32 => (4 * len, 4),
+        MomentForm::BF16 => (2 * len, 2),
+        MomentForm::Int8 => (len.next_multiple_of(4) + 4 * absmax_len(len), 4),
     }
 }
 
@@ -44,9 +44,9 @@ pub struct DeviceGroup<'a> {
     /// Gradients, `len` elements of `grad_dtype`.
     pub grads: &'a DeviceMem,
     /// Their dtype.
-    pub grad_dtype: Dtype,
+    pub grad_dtype: DType,
     /// 16-bit parameters to refresh, and their dtype (F16 or Bf16).
-    pub out: Option<(&'a mut DeviceMem, Dtype)>,
+    pub out: Option<(&'a mut DeviceMem, DType)>,
 }
 
 /// 16-bit (or f32) gradients on the device, and where the new 16-bit parameters go.
@@ -57,9 +57,9 @@ pub enum DeviceGrads<'a> {
         /// `len` gradients of `dtype`.
         grads: DeviceView<'a>,
         /// Their dtype.
-        dtype: Dtype,
+        dtype: DType,
         /// 16-bit parameters to refresh, and their dtype (F16 or Bf16).
-        out: Option<(DeviceViewMut<'a>, Dtype)>,
+        out: Option<(DeviceViewMut<'a>, DType)>,
     },
     /// 16-bit gradients (`dtype`, F16 or Bf16) read from these bytes, then the new
     /// parameters written over them, same dtype.
@@ -68,7 +68,7 @@ pub enum DeviceGrads<'a> {
         /// after it.
         bytes: DeviceViewMut<'a>,
         /// F16 or Bf16.
-        dtype: Dtype,
+        dtype: DType,
     },
 }
 
@@ -82,8 +82,8 @@ pub struct DeviceSlices<'a> {
     /// fp32 master parameters (at least `4 * len` bytes, 4-aligned).
     pub master: DeviceViewMut<'a>,
     /// How `m` and `v` are stored (the form this tensor actually uses, see
-    /// [`StateType::for_len`]); see [`moment_view_bytes`] for each form's bytes.
-    pub moments: StateType,
+    /// [`MomentForm::for_len`]); see [`moment_view_bytes`] for each form's bytes.
+    pub moments: MomentForm,
     /// First moments, in the form `moments`.
     pub m: DeviceViewMut<'a>,
     /// Second moments (as `m`).
@@ -98,7 +98,7 @@ impl<'a> From<DeviceGroup<'a>> for DeviceSlices<'a> {
         DeviceSlices {
             len: g.len,
             master: g.master.view_mut(),
-            moments: StateType::Fp32,
+            moments: MomentForm::F32,
             m: g.m.view_mut(),
             v: g.v.view_mut(),
             grads: DeviceGrads::Separate {
@@ -124,7 +124,7 @@ struct Span {
     elem_bytes: usize,
     /// For a moment view in a compact form: the bytes `len` elements take (then
     /// `elem_bytes` is the alignment).
-    form: Option<StateType>,
+    form: Option<MomentForm>,
 }
 
 impl Span {
@@ -142,7 +142,7 @@ impl Span {
     }
 
     /// A moment view stored as `form`.
-    fn moment(name: &'static str, view: (bool, u64, usize), form: StateType) -> Self {
+    fn moment(name: &'static str, view: (bool, u64, usize), form: MomentForm) -> Self {
         let (_, align) = moment_view_bytes(form, 0);
         Span {
             form: Some(form),
@@ -163,7 +163,7 @@ impl Span {
         if self.cuda != cuda {
             return Err(mixed(self.name, cuda));
         }
-        if let Some(form @ StateType::Int8) = self.form {
+        if let Some(form @ MomentForm::Int8) = self.form {
             let need = self.need_bytes(n);
             if self.len_bytes < need {
                 return Err(OptimError::DeviceView {
@@ -176,7 +176,7 @@ impl Span {
             }
         }
         let have = self.len_bytes / self.elem_bytes;
-        if self.form != Some(StateType::Int8) && have < n {
+        if self.form != Some(MomentForm::Int8) && have < n {
             return Err(short(self.name, have, n));
         }
         let off = self.addr % self.elem_bytes as u64;
@@ -248,6 +248,14 @@ fn overlap(view: &'static str, bytes: u64) -> OptimError {
     }
 }
 
+/// [`DType::Q8`] named as a gradient or parameter dtype: it is the form of a moment.
+pub(crate) fn q8_view(view: &'static str) -> OptimError {
+    OptimError::DeviceView {
+        view,
+        reason: "is q8, a moment form: gradients and parameters are f32, f16 or bf16".into(),
+    }
+}
+
 pub(crate) fn out_f32() -> OptimError {
     OptimError::DeviceView {
         view: "out",
@@ -282,14 +290,22 @@ impl DeviceSlices<'_> {
             DeviceGrads::Separate { grads, dtype, out } => {
                 let out = match out {
                     None => None,
-                    Some((_, Dtype::F32)) => return Err(out_f32()),
+                    Some((_, DType::F32)) => return Err(out_f32()),
+                    Some((_, DType::Q8)) => return Err(q8_view("out")),
                     Some((o, _)) => Some(Span::new("out", parts_mut(o), 2)),
                 };
-                (Span::new("grads", parts(grads), dtype.size_bytes()), out)
+                if *dtype == DType::Q8 {
+                    return Err(q8_view("grads"));
+                }
+                let elem = dtype.size_bytes() as usize;
+                (Span::new("grads", parts(grads), elem), out)
             }
             DeviceGrads::InPlace {
-                dtype: Dtype::F32, ..
+                dtype: DType::F32, ..
             } => return Err(in_place_f32()),
+            DeviceGrads::InPlace {
+                dtype: DType::Q8, ..
+            } => return Err(q8_view("bytes")),
             DeviceGrads::InPlace { bytes, .. } => (Span::new("bytes", parts_mut(bytes), 2), None),
         };
         let all = [Some(master), Some(m), Some(v), Some(g), out];
@@ -330,7 +346,7 @@ impl<'a> DeviceSlices<'a> {
             DeviceGrads::InPlace { dtype, .. } => (*dtype, Some((addr(3), *dtype))),
         };
         let absmax = |i: usize| match self.moments {
-            StateType::Int8 => addr(i) + self.len.next_multiple_of(4) as u64,
+            MomentForm::Int8 => addr(i) + self.len.next_multiple_of(4) as u64,
             _ => 0,
         };
         Ok(CudaPtrs {
@@ -358,7 +374,7 @@ pub(crate) struct CudaArgs {
     /// Elements.
     pub(crate) n: usize,
     /// The form of M and V.
-    pub(crate) moments: StateType,
+    pub(crate) moments: MomentForm,
     /// fp32 master (`4 * n` bytes), M and V (`moment_view_bytes(moments, n)` bytes each),
     /// aligned, pairwise disjoint.
     pub(crate) p: u64,
@@ -369,10 +385,10 @@ pub(crate) struct CudaArgs {
     pub(crate) va: u64,
     /// At least `n` gradients of `g_dtype`, aligned, disjoint from `p`, `m`, `v`.
     pub(crate) g: u64,
-    pub(crate) g_dtype: Dtype,
+    pub(crate) g_dtype: DType,
     /// At least `n` 16-bit elements of this dtype, 2-aligned, disjoint from `p`, `m`,
     /// `v`; either disjoint from `g` or equal to it (in place, `g_dtype` the same dtype).
-    pub(crate) out: Option<(u64, Dtype)>,
+    pub(crate) out: Option<(u64, DType)>,
 }
 
 /// Device pointers of CUDA views that passed every check of [`DeviceSlices`], holding

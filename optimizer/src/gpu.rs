@@ -38,8 +38,8 @@ use crate::cuda_source::{compact_kernel_names, map_table, ADAMW_COMPACT_CU};
 use crate::device_slices::{CudaArgs, CudaPtrs, DeviceGroup, DeviceSlices};
 use crate::error::{OptimError, Result};
 use crate::params::{Consts, HyperParams, StepState};
-use crate::quant::{absmax_len, StateType};
-use crate::slices::Dtype;
+use crate::quant::{absmax_len, MomentForm};
+use crate::slices::DType;
 
 pub use crate::cuda_source::ADAMW_CU;
 
@@ -152,7 +152,7 @@ unsafe fn launch_compact(
     c: AdamConstsRepr,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     let n = a.n as u64;
-    let int8 = a.moments == StateType::Int8;
+    let int8 = a.moments == MomentForm::Int8;
     // int8: one thread block of exactly 256 threads per quantization block.
     let work = if int8 {
         absmax_len(a.n) as u64
@@ -228,16 +228,14 @@ pub fn compile_source(
     nvrtc::compile_ptx(source, file, arch.unwrap_or(DEFAULT_ARCH), &options)
 }
 
-fn kernel_name(moments: StateType, g: Dtype, out: Option<Dtype>, l2: bool) -> String {
-    let d = |d: Dtype| match d {
-        Dtype::F32 => "f32",
-        Dtype::F16 => "f16",
-        Dtype::Bf16 => "bf16",
-    };
+/// The entry point for these dtypes (`g` and `out` are f32 / f16 / bf16: the views'
+/// checks refused q8 before any launch).
+fn kernel_name(moments: MomentForm, g: DType, out: Option<DType>, l2: bool) -> String {
+    let d = |d: DType| d.as_str();
     let kind = match moments {
-        StateType::Fp32 => "",
-        StateType::Bf16 => "m16_",
-        StateType::Int8 => "q8_",
+        MomentForm::F32 => "",
+        MomentForm::BF16 => "m16_",
+        MomentForm::Int8 => "q8_",
     };
     format!(
         "adamw_{kind}{}_{}_{}",
@@ -298,9 +296,9 @@ impl GpuAdamW {
         })?;
         let mut names = Vec::with_capacity(18 + 36);
         for l2 in [false, true] {
-            for g in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
-                for out in [None, Some(Dtype::F16), Some(Dtype::Bf16)] {
-                    names.push(kernel_name(StateType::Fp32, g, out, l2));
+            for g in [DType::F32, DType::F16, DType::BF16] {
+                for out in [None, Some(DType::F16), Some(DType::BF16)] {
+                    names.push(kernel_name(MomentForm::F32, g, out, l2));
                 }
             }
         }
@@ -378,7 +376,7 @@ impl GpuAdamW {
             // `HybridAdamW::step_device_slices`). `ptrs` holds their borrows for the whole
             // of this call (it is an argument), which returns only after the stream is
             // synchronized below.
-            StateType::Fp32 => unsafe {
+            MomentForm::F32 => unsafe {
                 launch_adamw(
                     &self.stream,
                     func,
@@ -396,7 +394,7 @@ impl GpuAdamW {
             // codes and the absmax inside each view, `ma`/`va` pointing at the absmax);
             // `self.maps` is the map table uploaded on this context — `launch_compact`'s
             // contract.
-            StateType::Bf16 | StateType::Int8 => unsafe {
+            MomentForm::BF16 | MomentForm::Int8 => unsafe {
                 launch_compact(&self.stream, func, &a, out, &self.maps, consts)
             },
         };

@@ -119,5 +119,5 @@ pub use loss_scale::{DynamicLossScaler, LossScalerConfig, LossScalerState};
 pub use moments::{Moments, Q8Mut};
 pub use params::{HyperParams, Mode, StepState};
 pub use placement::{GroupPlacement, HybridAdamW, Placement, PlacementReport, ResidentGroup};
-pub use quant::{StateType, Q8_BLOCK, Q8_MIN_ELEMENTS};
-pub use slices::{Dtype, Grads, ParamOut};
+pub use quant::{MomentForm, Q8_BLOCK, Q8_MIN_ELEMENTS};
+pub use slices::{DType, Grads, ParamOut};

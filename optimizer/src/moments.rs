@@ -1,4 +1,4 @@
-//! Views of Adam's moments in the three stored forms ([`crate::StateType`]).
+//! Views of Adam's moments in the three stored forms ([`crate::MomentForm`]).
 //!
 //! [`Moments`] is what [`crate::AdamW::step_moments`] updates in place: fp32 arrays, bf16
 //! arrays, or 8-bit codes with their per-block absmax ([`Q8Mut`], see [`crate::quant`]).
@@ -7,7 +7,7 @@
 
 use half::bf16;
 
-use crate::quant::StateType;
+use crate::quant::MomentForm;
 
 /// One block-wise quantized moment array: `codes[i]` with `absmax[i / 256]`.
 #[derive(Debug)]
@@ -46,11 +46,11 @@ pub enum Moments<'a> {
 
 impl Moments<'_> {
     /// The stored form.
-    pub fn state_type(&self) -> StateType {
+    pub fn state_type(&self) -> MomentForm {
         match self {
-            Moments::F32 { .. } => StateType::Fp32,
-            Moments::Bf16 { .. } => StateType::Bf16,
-            Moments::Int8 { .. } => StateType::Int8,
+            Moments::F32 { .. } => MomentForm::F32,
+            Moments::Bf16 { .. } => MomentForm::BF16,
+            Moments::Int8 { .. } => MomentForm::Int8,
         }
     }
 }

@@ -9,12 +9,12 @@
 //! computes. [`HybridAdamW::step_device_slices`] does the same for one range of device
 //! views ([`DeviceSlices`]: a tensor at an offset inside its chunks), with the 16-bit
 //! gradient either in its own memory or in the very bytes the new 16-bit parameters are
-//! written to ([`DeviceGrads::InPlace`]). A whole-chunk [`DeviceGroup`] is converted
+//! written to ([`crate::DeviceGrads::InPlace`]). A whole-chunk [`DeviceGroup`] is converted
 //! into [`DeviceSlices`] and takes the same path.
 //!
 //! M and V are views in the tensor's stored form ([`DeviceSlices::moments`]: fp32,
-//! bf16, or int8 codes + absmax as the layout places them, [`moment_view_bytes`]); the
-//! GPU runs the matching kernel, the simulation [`AdamW::step_moments`].
+//! bf16, or int8 codes + absmax as the layout places them, [`crate::moment_view_bytes`]); the
+//! GPU runs the matching kernel, the simulation [`AdamW::step_moments`](crate::AdamW::step_moments).
 //!
 //! With the simulated device (no GPU, or no `cuda` feature) device memory is updated by
 //! the CPU kernel over the simulation's host bytes and reported as `Gpu` with
@@ -174,7 +174,7 @@ impl HybridAdamW {
     /// a view shorter than `len` elements of its dtype, a view not aligned to its
     /// element, overlapping CUDA views, F32 in-place gradients or an F32 output are typed
     /// errors naming the view; CUDA views without a GPU kernel are the reason there is
-    /// none ([`HybridAdamW::gpu_status`]). With [`DeviceGrads::InPlace`] the bits are
+    /// none ([`HybridAdamW::gpu_status`]). With [`crate::DeviceGrads::InPlace`] the bits are
     /// those of [`AdamW::step_slice`] given a separate copy of the gradient.
     ///
     /// CUDA views are spans of the device tier's allocations

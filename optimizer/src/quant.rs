@@ -34,73 +34,7 @@
 
 use std::sync::OnceLock;
 
-/// Elements per quantization block (one fp32 `absmax` each).
-pub const Q8_BLOCK: usize = 256;
-
-/// Tensors with fewer elements keep fp32 moments even with [`StateType::Int8`] (their
-/// absmax overhead and error are not worth it; bitsandbytes uses the same cut-off).
-pub const Q8_MIN_ELEMENTS: usize = 4096;
-
-/// Number of absmax values of an `n`-element quantized array.
-pub const fn absmax_len(n: usize) -> usize {
-    n.div_ceil(Q8_BLOCK)
-}
-
-/// How Adam's M and V are stored (the fp32 master copy is kept in every case).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum StateType {
-    /// fp32 moments: 8 bytes per parameter.
-    #[default]
-    Fp32,
-    /// bf16 moments rounded to nearest even: 4 bytes per parameter.
-    Bf16,
-    /// Block-wise 8-bit dynamic quantization: 2 bytes per parameter plus 8 bytes per 256
-    /// (tensors under [`Q8_MIN_ELEMENTS`] stay fp32).
-    Int8,
-}
-
-impl StateType {
-    /// Every state type.
-    pub const ALL: [StateType; 3] = [StateType::Fp32, StateType::Bf16, StateType::Int8];
-
-    /// The configuration spelling: `"fp32"`, `"bf16"` or `"int8"`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            StateType::Fp32 => "fp32",
-            StateType::Bf16 => "bf16",
-            StateType::Int8 => "int8",
-        }
-    }
-
-    /// Parses the configuration spelling.
-    pub fn parse(s: &str) -> Option<StateType> {
-        StateType::ALL.into_iter().find(|t| t.as_str() == s)
-    }
-
-    /// The state type a tensor of `n` elements actually uses: int8 falls back to fp32
-    /// under [`Q8_MIN_ELEMENTS`].
-    pub const fn for_len(self, n: usize) -> StateType {
-        match self {
-            StateType::Int8 if n < Q8_MIN_ELEMENTS => StateType::Fp32,
-            t => t,
-        }
-    }
-
-    /// Bytes of one moment array (M or V) of an `n`-element tensor, as stored.
-    pub const fn moment_bytes(self, n: usize) -> usize {
-        match self.for_len(n) {
-            StateType::Fp32 => 4 * n,
-            StateType::Bf16 => 2 * n,
-            StateType::Int8 => n + 4 * absmax_len(n),
-        }
-    }
-}
-
-impl std::fmt::Display for StateType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use tidestore_dtype::{absmax_len, MomentForm, Q8_BLOCK, Q8_MIN_ELEMENTS};
 
 /// One 8-bit dynamic map and the tables its quantizer searches.
 #[derive(Debug)]

@@ -8,13 +8,13 @@ use tidestore_tiers::{DeviceView, DeviceViewMut};
 
 use crate::cpu::AdamW;
 use crate::device_slices::{
-    in_place_f32, misaligned, mixed, out_f32, short, DeviceGrads, DeviceSlices,
+    in_place_f32, misaligned, mixed, out_f32, q8_view, short, DeviceGrads, DeviceSlices,
 };
 use crate::error::Result;
 use crate::moments::{Moments, Q8Mut};
 use crate::params::{HyperParams, StepState};
-use crate::quant::{absmax_len, StateType, Q8_BLOCK};
-use crate::slices::{Dtype, Grads, ParamOut};
+use crate::quant::{absmax_len, MomentForm, Q8_BLOCK};
+use crate::slices::{DType, Grads, ParamOut};
 
 /// Element types for which every bit pattern is a valid value and that have no padding,
 /// so host bytes may be viewed as them and back.
@@ -70,19 +70,21 @@ fn f32_mut<'a>(v: DeviceViewMut<'a>, n: usize, name: &'static str) -> Result<&'a
     cast_mut(host_mut(v, name)?, n, name)
 }
 
-fn grads_of<'a>(bytes: &'a [u8], dtype: Dtype, n: usize) -> Result<Grads<'a>> {
+fn grads_of<'a>(bytes: &'a [u8], dtype: DType, n: usize) -> Result<Grads<'a>> {
     Ok(match dtype {
-        Dtype::F32 => Grads::F32(cast(bytes, n, "grads")?),
-        Dtype::F16 => Grads::F16(cast(bytes, n, "grads")?),
-        Dtype::Bf16 => Grads::Bf16(cast(bytes, n, "grads")?),
+        DType::F32 => Grads::F32(cast(bytes, n, "grads")?),
+        DType::F16 => Grads::F16(cast(bytes, n, "grads")?),
+        DType::BF16 => Grads::Bf16(cast(bytes, n, "grads")?),
+        DType::Q8 => return Err(q8_view("grads")),
     })
 }
 
-fn out_of(bits: &mut [u16], dtype: Dtype) -> Result<ParamOut<'_>> {
+fn out_of(bits: &mut [u16], dtype: DType) -> Result<ParamOut<'_>> {
     match dtype {
-        Dtype::F16 => Ok(ParamOut::F16(bits.reinterpret_cast_mut())),
-        Dtype::Bf16 => Ok(ParamOut::Bf16(bits.reinterpret_cast_mut())),
-        Dtype::F32 => Err(out_f32()),
+        DType::F16 => Ok(ParamOut::F16(bits.reinterpret_cast_mut())),
+        DType::BF16 => Ok(ParamOut::Bf16(bits.reinterpret_cast_mut())),
+        DType::F32 => Err(out_f32()),
+        DType::Q8 => Err(q8_view("out")),
     }
 }
 
@@ -122,15 +124,15 @@ pub(crate) fn step_host(
 
 /// One host moment view of `n` elements in `form`.
 fn moment_host<'a>(
-    form: StateType,
+    form: MomentForm,
     bytes: &'a mut [u8],
     n: usize,
     name: &'static str,
 ) -> Result<MomentHost<'a>> {
     Ok(match form {
-        StateType::Fp32 => MomentHost::F32(cast_mut(bytes, n, name)?),
-        StateType::Bf16 => MomentHost::Bf16(cast_mut(bytes, n, name)?),
-        StateType::Int8 => {
+        MomentForm::F32 => MomentHost::F32(cast_mut(bytes, n, name)?),
+        MomentForm::BF16 => MomentHost::Bf16(cast_mut(bytes, n, name)?),
+        MomentForm::Int8 => {
             let (codes, rest) = bytes.split_at_mut(n.next_multiple_of(4).min(bytes.len()));
             let absmax = cast_mut(rest, absmax_len(n), name)?;
             if codes.len() < n {
@@ -152,7 +154,7 @@ enum MomentHost<'a> {
 
 /// M and V host views as the CPU kernel's [`Moments`].
 fn moments_host<'a>(
-    form: StateType,
+    form: MomentForm,
     m: &'a mut [u8],
     v: &'a mut [u8],
     n: usize,
@@ -193,7 +195,7 @@ fn step_in_place(
     hp: &HyperParams,
     (p, mut mv): (&mut [f32], Moments<'_>),
     bits: &mut [u16],
-    dtype: Dtype,
+    dtype: DType,
 ) -> Result<()> {
     let n = p.len();
     if n == 0 {
@@ -219,9 +221,10 @@ fn step_in_place(
             stage[..hi - lo].copy_from_slice(&bits[lo..hi]);
             let g = &stage[..hi - lo];
             let grads = match dtype {
-                Dtype::F16 => Grads::F16(g.reinterpret_cast()),
-                Dtype::Bf16 => Grads::Bf16(g.reinterpret_cast()),
-                Dtype::F32 => return Err(in_place_f32()),
+                DType::F16 => Grads::F16(g.reinterpret_cast()),
+                DType::BF16 => Grads::Bf16(g.reinterpret_cast()),
+                DType::F32 => return Err(in_place_f32()),
+                DType::Q8 => return Err(q8_view("bytes")),
             };
             let out = out_of(&mut bits[lo..hi], dtype)?;
             cpu.step_moments(

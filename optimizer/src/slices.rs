@@ -8,26 +8,7 @@
 
 use half::{bf16, f16};
 
-/// The dtype of a gradient or 16-bit parameter array.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// IEEE binary32.
-    F32,
-    /// IEEE binary16.
-    F16,
-    /// bfloat16 (the top half of a binary32).
-    Bf16,
-}
-
-impl Dtype {
-    /// Size of one element in bytes.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::Bf16 => 2,
-        }
-    }
-}
+pub use tidestore_dtype::DType;
 
 /// Gradients of one span of parameters, in the dtype they were produced in.
 #[derive(Debug, Clone, Copy)]
@@ -56,11 +37,11 @@ impl<'a> Grads<'a> {
     }
 
     /// The element dtype.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> DType {
         match self {
-            Grads::F32(_) => Dtype::F32,
-            Grads::F16(_) => Dtype::F16,
-            Grads::Bf16(_) => Dtype::Bf16,
+            Grads::F32(_) => DType::F32,
+            Grads::F16(_) => DType::F16,
+            Grads::Bf16(_) => DType::BF16,
         }
     }
 
@@ -117,10 +98,10 @@ impl<'a> ParamOut<'a> {
     }
 
     /// The element dtype.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> DType {
         match self {
-            ParamOut::F16(_) => Dtype::F16,
-            ParamOut::Bf16(_) => Dtype::Bf16,
+            ParamOut::F16(_) => DType::F16,
+            ParamOut::Bf16(_) => DType::BF16,
         }
     }
 

@@ -13,8 +13,8 @@ use common::Rng;
 use tidestore_optimizer::half::bf16;
 use tidestore_optimizer::quant::{absmax_len, maps, quantize};
 use tidestore_optimizer::{
-    AdamW, CpuConfig, DeviceGrads, DeviceSlices, Dtype, Grads, HybridAdamW, HyperParams, Mode,
-    Moments, OptimError, ParamOut, Q8Mut, StateType, StepState,
+    AdamW, CpuConfig, DType, DeviceGrads, DeviceSlices, Grads, HybridAdamW, HyperParams, Mode,
+    MomentForm, Moments, OptimError, ParamOut, Q8Mut, StepState,
 };
 use tidestore_tiers::{Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut};
 
@@ -50,14 +50,14 @@ enum Case {
 
 /// The bytes of `n` moments `x` stored as `form` (the layout's places: int8 is the codes,
 /// padding to 4 bytes, then the absmax).
-fn stored(form: StateType, x: &[f32], signed: bool) -> Vec<u8> {
+fn stored(form: MomentForm, x: &[f32], signed: bool) -> Vec<u8> {
     match form {
-        StateType::Fp32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        StateType::Bf16 => x
+        MomentForm::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        MomentForm::BF16 => x
             .iter()
             .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
             .collect(),
-        StateType::Int8 => {
+        MomentForm::Int8 => {
             let q = maps();
             let map = if signed { &q.signed } else { &q.unsigned };
             let mut codes = vec![0u8; x.len()];
@@ -83,7 +83,7 @@ struct Images {
 }
 
 impl Images {
-    fn new(form: StateType, seed: u64) -> Images {
+    fn new(form: MomentForm, seed: u64) -> Images {
         let mut rng = Rng::new(seed);
         let f32s = |rng: &mut Rng, n: usize, f: &dyn Fn(&mut Rng) -> f32| -> Vec<u8> {
             (0..n).flat_map(|_| f(rng).to_le_bytes()).collect()
@@ -114,7 +114,7 @@ impl Images {
     }
 
     /// What a correct step leaves: the CPU kernel over copies of the tensor's ranges.
-    fn expected(&self, form: StateType, case: Case, hp: &HyperParams) -> Images {
+    fn expected(&self, form: MomentForm, case: Case, hp: &HyperParams) -> Images {
         let mut e = Images {
             p: self.p.clone(),
             m: self.m.clone(),
@@ -146,15 +146,15 @@ impl Images {
         let mut m16 = halves(&mbytes);
         let mut v16 = halves(&vbytes);
         let moments = match form {
-            StateType::Fp32 => Moments::F32 {
+            MomentForm::F32 => Moments::F32 {
                 m: &mut mf,
                 v: &mut vf,
             },
-            StateType::Bf16 => Moments::Bf16 {
+            MomentForm::BF16 => Moments::Bf16 {
                 m: &mut m16,
                 v: &mut v16,
             },
-            StateType::Int8 => {
+            MomentForm::Int8 => {
                 let (mc, ma) = mbytes.split_at_mut(N.next_multiple_of(4));
                 let (vc, va) = vbytes.split_at_mut(N.next_multiple_of(4));
                 let (ma, va) = (floats(ma), floats(va));
@@ -194,15 +194,15 @@ impl Images {
         )
         .unwrap();
         match form {
-            StateType::Fp32 => {
+            MomentForm::F32 => {
                 mbytes = bytes_of(&mf);
                 vbytes = bytes_of(&vf);
             }
-            StateType::Bf16 => {
+            MomentForm::BF16 => {
                 mbytes = m16.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
                 vbytes = v16.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
             }
-            StateType::Int8 => unreachable!("returned above"),
+            MomentForm::Int8 => unreachable!("returned above"),
         }
         e.finish(&master, &mbytes, &vbytes, &out);
         e
@@ -252,7 +252,7 @@ fn assert_bytes_eq(what: &str, got: &[u8], want: &[u8]) {
 
 /// The tensor's views inside the five chunks (`master`, `m`, `v`, 16-bit, gradient).
 fn slices<'a>(
-    form: StateType,
+    form: MomentForm,
     case: Case,
     mems: &'a mut [DeviceMem],
     moment_bytes: usize,
@@ -271,15 +271,15 @@ fn slices<'a>(
     let grads = match case {
         Case::InPlace => DeviceGrads::InPlace {
             bytes: p16,
-            dtype: Dtype::Bf16,
+            dtype: DType::BF16,
         },
         Case::Separate => DeviceGrads::Separate {
             grads: match cut(mg, OFF * 4, N * 4) {
                 DeviceViewMut::Host(b) => DeviceView::Host(b),
                 DeviceViewMut::Cuda(s) => DeviceView::Cuda(s.into_span()),
             },
-            dtype: Dtype::F32,
-            out: Some((p16, Dtype::Bf16)),
+            dtype: DType::F32,
+            out: Some((p16, DType::BF16)),
         },
     };
     DeviceSlices {
@@ -308,7 +308,7 @@ fn hybrid() -> HybridAdamW {
 fn simulated_device_steps_compact_moments_with_the_cpu_bits() {
     let hybrid = hybrid();
     let sim = Device::sim(&DeviceConfig::new(1 << 28)).unwrap();
-    for form in StateType::ALL {
+    for form in MomentForm::ALL {
         for case in [Case::InPlace, Case::Separate] {
             for hp in &hps() {
                 let label = format!("{form} {case:?} {:?}", hp.mode);
@@ -345,7 +345,7 @@ fn simulated_device_steps_compact_moments_with_the_cpu_bits() {
 fn int8_view_without_room_for_its_absmax_is_refused() {
     let hybrid = hybrid();
     let sim = Device::sim(&DeviceConfig::new(1 << 28)).unwrap();
-    let img = Images::new(StateType::Int8, 3);
+    let img = Images::new(MomentForm::Int8, 3);
     let mut mems: Vec<DeviceMem> = img
         .all()
         .iter()
@@ -353,7 +353,7 @@ fn int8_view_without_room_for_its_absmax_is_refused() {
         .map(|(i, b)| sim.alloc(i as u64, b.len()).unwrap())
         .collect();
     // Codes only: the absmax would lie past the view.
-    let s = slices(StateType::Int8, Case::Separate, &mut mems, N);
+    let s = slices(MomentForm::Int8, Case::Separate, &mut mems, N);
     match hybrid.step_device_slices(STATE, &HyperParams::default(), s) {
         Err(OptimError::DeviceView { view, reason }) => {
             assert_eq!(view, "m");
@@ -376,7 +376,7 @@ mod gpu {
         let Some(mut dev) = cuda_or_skip(&hybrid) else {
             return;
         };
-        for form in [StateType::Bf16, StateType::Int8] {
+        for form in [MomentForm::BF16, MomentForm::Int8] {
             for case in [Case::InPlace, Case::Separate] {
                 for hp in &hps() {
                     let label = format!("GPU {form} {case:?} {:?}", hp.mode);

@@ -16,8 +16,8 @@ use common::Rng;
 use tidestore_optimizer::half::{bf16, f16};
 use tidestore_optimizer::simulated::IN_PLACE_PIECE_MIN;
 use tidestore_optimizer::{
-    AdamW, CpuConfig, DeviceGrads, DeviceSlices, Dtype, Grads, GroupPlacement, HybridAdamW,
-    HyperParams, Mode, OptimError, ParamOut, Placement, StateType, StepState,
+    AdamW, CpuConfig, DType, DeviceGrads, DeviceSlices, Grads, GroupPlacement, HybridAdamW,
+    HyperParams, Mode, MomentForm, OptimError, ParamOut, Placement, StepState,
 };
 use tidestore_tiers::{
     CudaSpan, CudaSpanMut, Device, DeviceConfig, DeviceMem, DeviceView, DeviceViewMut,
@@ -63,16 +63,17 @@ fn u16_bytes(v: &[u16]) -> Vec<u8> {
 }
 
 /// Bits of one random value of `dtype` (gradients: small, some exactly zero).
-fn grad_bits(rng: &mut Rng, dtype: Dtype) -> Vec<u8> {
+fn grad_bits(rng: &mut Rng, dtype: DType) -> Vec<u8> {
     let x = if rng.next_u64().is_multiple_of(17) {
         0.0
     } else {
         rng.unit() * 0.05
     };
     match dtype {
-        Dtype::F32 => x.to_le_bytes().to_vec(),
-        Dtype::F16 => f16::from_f32(x).to_bits().to_le_bytes().to_vec(),
-        Dtype::Bf16 => bf16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+        DType::F32 => x.to_le_bytes().to_vec(),
+        DType::F16 => f16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+        DType::BF16 => bf16::from_f32(x).to_bits().to_le_bytes().to_vec(),
+        DType::Q8 => unreachable!("q8 is a moment form, not a gradient dtype"),
     }
 }
 
@@ -96,7 +97,7 @@ enum Fill {
     Param,
     Moment,
     Second,
-    Grad(Dtype),
+    Grad(DType),
 }
 
 /// First differing byte, named, instead of a megabyte diff.
@@ -133,9 +134,9 @@ const STATE: StepState = StepState {
 #[derive(Debug, Clone, Copy)]
 enum Case {
     /// Gradient of this dtype in the parameter chunk, new parameters over it.
-    InPlace(Dtype),
+    InPlace(DType),
     /// Gradient of `g` in its own chunk; output of `out` to the parameter chunk.
-    Separate { g: Dtype, out: Option<Dtype> },
+    Separate { g: DType, out: Option<DType> },
 }
 
 /// One tensor of `n` elements at element `off` of chunks of `chunk` elements, stepped
@@ -158,7 +159,7 @@ fn check_case(who: &str, hybrid: &HybridAdamW, case: Case, hp: &HyperParams, n: 
     let img_16 = image(
         &mut rng,
         chunk,
-        Fill::Grad(p16_dtype.unwrap_or(Dtype::Bf16)),
+        Fill::Grad(p16_dtype.unwrap_or(DType::BF16)),
     );
     let img_g = image(&mut rng, chunk, Fill::Grad(g_dtype));
 
@@ -179,31 +180,32 @@ fn check_case(who: &str, hybrid: &HybridAdamW, case: Case, hp: &HyperParams, n: 
         Case::InPlace(_) => &img_16,
         Case::Separate { .. } => &img_g,
     };
-    let gs = g_dtype.size_bytes();
+    let gs = g_dtype.size_bytes() as usize;
     let g_copy = g_src[off * gs..(off + n) * gs].to_vec();
     let g_f32 = f32s(&g_copy);
     let g_16: Vec<u16> = u16s(&g_copy);
     let g_f16: Vec<f16> = g_16.iter().map(|b| f16::from_bits(*b)).collect();
     let g_bf16: Vec<bf16> = g_16.iter().map(|b| bf16::from_bits(*b)).collect();
     let grads = match g_dtype {
-        Dtype::F32 => Grads::F32(&g_f32),
-        Dtype::F16 => Grads::F16(&g_f16),
-        Dtype::Bf16 => Grads::Bf16(&g_bf16),
+        DType::F32 => Grads::F32(&g_f32),
+        DType::F16 => Grads::F16(&g_f16),
+        DType::BF16 => Grads::Bf16(&g_bf16),
+        DType::Q8 => unreachable!("q8 is a moment form, not a gradient dtype"),
     };
     let mut o_f16 = vec![f16::ZERO; n];
     let mut o_bf16 = vec![bf16::ZERO; n];
     let out = match p16_dtype {
         None => None,
-        Some(Dtype::F16) => Some(ParamOut::F16(&mut o_f16)),
-        Some(Dtype::Bf16) => Some(ParamOut::Bf16(&mut o_bf16)),
-        Some(Dtype::F32) => unreachable!(),
+        Some(DType::F16) => Some(ParamOut::F16(&mut o_f16)),
+        Some(DType::BF16) => Some(ParamOut::Bf16(&mut o_bf16)),
+        Some(DType::F32 | DType::Q8) => unreachable!("outputs are 16-bit"),
     };
     hybrid
         .cpu()
         .step_slice(STATE, hp, &mut p, &mut m, &mut v, grads, out)
         .unwrap();
     let ref_16: Option<Vec<u16>> = p16_dtype.map(|d| match d {
-        Dtype::F16 => o_f16.iter().map(|x| x.to_bits()).collect(),
+        DType::F16 => o_f16.iter().map(|x| x.to_bits()).collect(),
         _ => o_bf16.iter().map(|x| x.to_bits()).collect(),
     });
 
@@ -226,7 +228,7 @@ fn check_case(who: &str, hybrid: &HybridAdamW, case: Case, hp: &HyperParams, n: 
         let s = DeviceSlices {
             len: n,
             master: DeviceViewMut::Host(&mut host(mp)[off * 4..(off + n) * 4]),
-            moments: StateType::Fp32,
+            moments: MomentForm::F32,
             // A longer view than needed: only the first `n` elements may change.
             m: DeviceViewMut::Host(&mut host(mm)[off * 4..]),
             v: DeviceViewMut::Host(&mut host(mv)[off * 4..(off + n) * 4]),
@@ -309,7 +311,7 @@ fn in_place_gives_the_bits_of_step_slice_on_a_copy() {
         2 * IN_PLACE_PIECE_MIN + 4_099,
     ];
     for (name, hybrid) in hybrids(1024) {
-        for dtype in [Dtype::Bf16, Dtype::F16] {
+        for dtype in [DType::BF16, DType::F16] {
             for hp in &hps() {
                 for &n in &lens {
                     for off in [0, 3, 1_029] {
@@ -330,23 +332,23 @@ fn in_place_gives_the_bits_of_step_slice_on_a_copy() {
 fn separate_grads_give_the_bits_of_step_slice() {
     let cases = [
         Case::Separate {
-            g: Dtype::Bf16,
-            out: Some(Dtype::Bf16),
+            g: DType::BF16,
+            out: Some(DType::BF16),
         },
         Case::Separate {
-            g: Dtype::F16,
-            out: Some(Dtype::F16),
+            g: DType::F16,
+            out: Some(DType::F16),
         },
         Case::Separate {
-            g: Dtype::F32,
-            out: Some(Dtype::Bf16),
+            g: DType::F32,
+            out: Some(DType::BF16),
         },
         Case::Separate {
-            g: Dtype::Bf16,
-            out: Some(Dtype::F16),
+            g: DType::BF16,
+            out: Some(DType::F16),
         },
         Case::Separate {
-            g: Dtype::F16,
+            g: DType::F16,
             out: None,
         },
     ];
@@ -377,7 +379,7 @@ fn in_place_with_a_large_pool_block_gives_the_same_bits() {
     check_case(
         "2 threads, blocks of a piece",
         &hybrid,
-        Case::InPlace(Dtype::Bf16),
+        Case::InPlace(DType::BF16),
         &HyperParams::default(),
         3 * IN_PLACE_PIECE_MIN + 7,
         3,
@@ -403,7 +405,7 @@ impl Sim {
             Fill::Param,
             Fill::Moment,
             Fill::Second,
-            Fill::Grad(Dtype::F32),
+            Fill::Grad(DType::F32),
         ]
         .into_iter()
         .enumerate()
@@ -480,7 +482,7 @@ fn host_views_that_are_wrong_are_refused_and_change_nothing() {
     let r = step(
         &mut sim,
         DeviceSlicesSpec {
-            separate: Some((Dtype::F32, Some(Dtype::Bf16))),
+            separate: Some((DType::F32, Some(DType::BF16))),
             short: Some(3),
             ..DeviceSlicesSpec::default()
         },
@@ -497,7 +499,7 @@ fn host_views_that_are_wrong_are_refused_and_change_nothing() {
     let r = step(
         &mut sim,
         DeviceSlicesSpec {
-            separate: Some((Dtype::Bf16, Some(Dtype::Bf16))),
+            separate: Some((DType::BF16, Some(DType::BF16))),
             short: Some(4),
             ..DeviceSlicesSpec::default()
         },
@@ -529,7 +531,7 @@ fn host_views_that_are_wrong_are_refused_and_change_nothing() {
     let r = step(
         &mut sim,
         DeviceSlicesSpec {
-            in_place_dtype: Dtype::F32,
+            in_place_dtype: DType::F32,
             ..DeviceSlicesSpec::default()
         },
     );
@@ -537,7 +539,7 @@ fn host_views_that_are_wrong_are_refused_and_change_nothing() {
     let r = step(
         &mut sim,
         DeviceSlicesSpec {
-            separate: Some((Dtype::Bf16, Some(Dtype::F32))),
+            separate: Some((DType::BF16, Some(DType::F32))),
             ..DeviceSlicesSpec::default()
         },
     );
@@ -569,10 +571,10 @@ struct DeviceSlicesSpec {
     short: Option<usize>,
     /// Which view starts this many bytes late.
     shift_bytes: Option<(usize, usize)>,
-    in_place_dtype: Dtype,
+    in_place_dtype: DType,
     /// Separate gradients (dtype, output dtype) instead of in place: the gradient in the
     /// 16-bit chunk's first half, the output in its second.
-    separate: Option<(Dtype, Option<Dtype>)>,
+    separate: Option<(DType, Option<DType>)>,
     /// `v` as a (made-up) CUDA pointer.
     cuda_v: bool,
 }
@@ -582,7 +584,7 @@ impl Default for DeviceSlicesSpec {
         DeviceSlicesSpec {
             short: None,
             shift_bytes: None,
-            in_place_dtype: Dtype::Bf16,
+            in_place_dtype: DType::BF16,
             separate: None,
             cuda_v: false,
         }
@@ -634,7 +636,7 @@ impl DeviceSlicesSpec {
         DeviceSlices {
             len: n,
             master,
-            moments: StateType::Fp32,
+            moments: MomentForm::F32,
             m,
             v,
             grads,
@@ -658,12 +660,12 @@ fn fake_slices(n: usize, f: impl Fn(usize) -> (u64, u64, usize)) -> DeviceSlices
     DeviceSlices {
         len: n,
         master: mk(0),
-        moments: StateType::Fp32,
+        moments: MomentForm::F32,
         m: mk(1),
         v: mk(2),
         grads: DeviceGrads::InPlace {
             bytes: mk(3),
-            dtype: Dtype::Bf16,
+            dtype: DType::BF16,
         },
     }
 }
@@ -718,14 +720,14 @@ fn cuda_views_that_are_wrong_are_refused_before_any_launch() {
     let s = DeviceSlices {
         len: n,
         master: fake(0, 0, 4 * n),
-        moments: StateType::Fp32,
+        moments: MomentForm::F32,
         m: fake(1, 0, 4 * n),
         v: fake(2, 0, 4 * n),
         grads: DeviceGrads::Separate {
             // SAFETY: as `fake`: refused before any launch.
             grads: DeviceView::Cuda(unsafe { CudaSpan::from_raw((1 << 40) + (3 << 20), 2 * n) }),
-            dtype: Dtype::Bf16,
-            out: Some((fake(3, 0, 2 * n), Dtype::Bf16)),
+            dtype: DType::BF16,
+            out: Some((fake(3, 0, 2 * n), DType::BF16)),
         },
     };
     refused(
@@ -737,7 +739,7 @@ fn cuda_views_that_are_wrong_are_refused_before_any_launch() {
     let mut s = fake_slices(n, ok);
     s.grads = DeviceGrads::InPlace {
         bytes: fake(3, 0, 4 * n),
-        dtype: Dtype::F32,
+        dtype: DType::F32,
     };
     refused(
         hybrid.step_device_slices(STATE, &hp, s).unwrap_err(),
@@ -805,11 +807,11 @@ mod gpu {
         let (n, off) = (300_007, 3);
         let chunk = off + n + 37;
         for case in [
-            Case::InPlace(Dtype::Bf16),
-            Case::InPlace(Dtype::F16),
+            Case::InPlace(DType::BF16),
+            Case::InPlace(DType::F16),
             Case::Separate {
-                g: Dtype::F32,
-                out: Some(Dtype::Bf16),
+                g: DType::F32,
+                out: Some(DType::BF16),
             },
         ] {
             for hp in &hps() {
@@ -822,7 +824,7 @@ mod gpu {
                 let img_p = image(&mut rng, chunk, Fill::Param);
                 let img_m = image(&mut rng, chunk, Fill::Moment);
                 let img_v = image(&mut rng, chunk, Fill::Second);
-                let img_16 = image(&mut rng, chunk, Fill::Grad(Dtype::Bf16));
+                let img_16 = image(&mut rng, chunk, Fill::Grad(DType::BF16));
                 let img_g = image(&mut rng, chunk, Fill::Grad(g_dtype));
                 let imgs = [&img_p, &img_m, &img_v, &img_16, &img_g];
 
@@ -847,7 +849,7 @@ mod gpu {
                     let [mp, mm, mv, m16, mg] = &mut mems[..] else {
                         unreachable!()
                     };
-                    let gs = g_dtype.size_bytes();
+                    let gs = g_dtype.size_bytes() as usize;
                     let grads = match case {
                         Case::InPlace(d) => DeviceGrads::InPlace {
                             bytes: view(m16, off * 2, n * 2, is_gpu),
@@ -868,7 +870,7 @@ mod gpu {
                     let s = DeviceSlices {
                         len: n,
                         master: view(mp, off * 4, n * 4, is_gpu),
-                        moments: StateType::Fp32,
+                        moments: MomentForm::F32,
                         m: view(mm, off * 4, n * 4, is_gpu),
                         v: view(mv, off * 4, n * 4, is_gpu),
                         grads,

@@ -5,7 +5,7 @@
 
 use tidestore_optimizer::half::bf16;
 use tidestore_optimizer::{
-    AdamW, CpuConfig, Dtype, Grads, HyperParams, OptimError, ParamGroup, ParamOut, StepState,
+    AdamW, CpuConfig, DType, Grads, HyperParams, OptimError, ParamGroup, ParamOut, StepState,
 };
 use tidestore_optimizer::{DeviceGroup, HybridAdamW, Placement, ResidentGroup};
 use tidestore_tiers::{Device, DeviceConfig, DeviceViewMut};
@@ -79,8 +79,8 @@ fn device_groups_update_where_they_are_and_match_the_host_path() {
                 m: &mut dmm,
                 v: &mut dv,
                 grads: &dg,
-                grad_dtype: Dtype::Bf16,
-                out: Some((&mut dout, Dtype::Bf16)),
+                grad_dtype: DType::BF16,
+                out: Some((&mut dout, DType::BF16)),
             },
         },
     ];

@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tidestore_train::{
-    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, Mode, MomentStates, Overlap,
+    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, Mode, MomentForm, Overlap,
     ParamSpec, Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
 };
 
@@ -39,7 +39,7 @@ pub struct CoreConfig {
     /// AdamW hyper-parameters (decoupled weight decay, as `torch.optim.AdamW`).
     pub hp: HyperParams,
     /// How M and V are stored.
-    pub moments: MomentStates,
+    pub moments: MomentForm,
     /// Directory of the swap file.
     pub nvme_dir: PathBuf,
     /// Bytes of the host pool (rounded down to whole chunks); `None`: every chunk (plus
@@ -360,11 +360,11 @@ fn bytes(bytes: &[u8], dtype: DType) -> Values<'_> {
 }
 
 /// Parses `states` (`fp32`, `bf16`, `int8`).
-pub fn parse_states(s: &str) -> Result<MomentStates> {
+pub fn parse_states(s: &str) -> Result<MomentForm> {
     match s {
-        "fp32" | "float32" => Ok(MomentStates::F32),
-        "bf16" | "bfloat16" => Ok(MomentStates::Bf16),
-        "int8" => Ok(MomentStates::Int8),
+        "fp32" | "float32" => Ok(MomentForm::F32),
+        "bf16" | "bfloat16" => Ok(MomentForm::BF16),
+        "int8" => Ok(MomentForm::Int8),
         other => Err(Error::bad(
             "states",
             format!("`{other}` is not one of fp32, bf16, int8"),
@@ -381,7 +381,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = CoreConfig {
             hp: hyper_params(1e-3, (0.9, 0.999), 1e-8, 0.0),
-            moments: MomentStates::F32,
+            moments: MomentForm::F32,
             nvme_dir: dir.path().to_path_buf(),
             host_budget_bytes: None,
             max_grad_norm: Some(1.0),

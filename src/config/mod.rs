@@ -316,11 +316,11 @@ pub enum StatesName {
 
 impl StatesName {
     /// The layout's form of the moment lists.
-    pub fn moments(self) -> tidestore_chunk::MomentStates {
+    pub fn moments(self) -> tidestore_chunk::MomentForm {
         match self {
-            StatesName::Fp32 => tidestore_chunk::MomentStates::F32,
-            StatesName::Bf16 => tidestore_chunk::MomentStates::Bf16,
-            StatesName::Int8 => tidestore_chunk::MomentStates::Int8,
+            StatesName::Fp32 => tidestore_chunk::MomentForm::F32,
+            StatesName::Bf16 => tidestore_chunk::MomentForm::BF16,
+            StatesName::Int8 => tidestore_chunk::MomentForm::Int8,
         }
     }
 }

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use tidestore_chunk::{DType, Layout, LayoutConfig, ListKind, MomentStates, TensorSpec};
+use tidestore_chunk::{DType, Layout, LayoutConfig, ListKind, MomentForm, TensorSpec};
 use tidestore_train::checkpoint;
 use tidestore_train::TrainError;
 
@@ -21,17 +21,17 @@ fn specs() -> Vec<TensorSpec> {
     ]
 }
 
-fn layout_of(states: MomentStates) -> Layout {
+fn layout_of(states: MomentForm) -> Layout {
     Layout::new(LayoutConfig::new(8192).with_moments(states), specs()).expect("layout")
 }
 
 #[test]
 fn compact_moments_round_trip_bit_identically() {
-    for states in [MomentStates::Bf16, MomentStates::Int8] {
+    for states in [MomentForm::BF16, MomentForm::Int8] {
         let dir = tempfile::tempdir().unwrap();
         let mut a = open_store(&dir.path().join("a"), layout_of(states));
         let t = a.layout().tensor_id("embed.weight").unwrap();
-        let want = if states == MomentStates::Int8 {
+        let want = if states == MomentForm::Int8 {
             DType::Q8
         } else {
             DType::BF16
@@ -59,10 +59,10 @@ fn compact_moments_round_trip_bit_identically() {
 #[test]
 fn another_state_type_is_refused_naming_both() {
     for (from, to) in [
-        (MomentStates::F32, MomentStates::Int8),
-        (MomentStates::Int8, MomentStates::F32),
-        (MomentStates::Bf16, MomentStates::Int8),
-        (MomentStates::F32, MomentStates::Bf16),
+        (MomentForm::F32, MomentForm::Int8),
+        (MomentForm::Int8, MomentForm::F32),
+        (MomentForm::BF16, MomentForm::Int8),
+        (MomentForm::F32, MomentForm::BF16),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let mut a = open_store(&dir.path().join("a"), layout_of(from));
@@ -165,7 +165,7 @@ mod resume {
 
     #[test]
     fn resumed_run_is_bit_identical_with_compact_moments() {
-        for states in [MomentStates::Bf16, MomentStates::Int8] {
+        for states in [MomentForm::BF16, MomentForm::Int8] {
             let dir = tempfile::tempdir().unwrap();
             // The run that never stops.
             let mut a = open_store(&dir.path().join("a"), layout_of(states));

@@ -9,8 +9,8 @@
 //! backward really happens before `finish`, and every misuse is a typed error.
 
 use tidestore_chunk::{
-    ChunkStore, DType, Layout, LayoutConfig, ListKind, MomentStates, NvmeSource, Place,
-    StoreConfig, TensorId, TensorSpec, TensorState,
+    ChunkStore, DType, Layout, LayoutConfig, ListKind, MomentForm, NvmeSource, Place, StoreConfig,
+    TensorId, TensorSpec, TensorState,
 };
 use tidestore_io::IoConfig;
 use tidestore_optimizer::half::bf16;
@@ -61,7 +61,7 @@ enum Grad {
     SeparateF32,
 }
 
-fn layout_with(grad: Grad, states: MomentStates) -> Layout {
+fn layout_with(grad: Grad, states: MomentForm) -> Layout {
     let mut specs: Vec<TensorSpec> = SIZES
         .iter()
         .enumerate()
@@ -84,14 +84,14 @@ fn layout_with(grad: Grad, states: MomentStates) -> Layout {
 
 /// A store whose host pool holds `host_buffers` whole chunks, over a real swap file.
 fn store(dir: &tempfile::TempDir, grad: Grad, host_buffers: u64) -> ChunkStore {
-    store_with(dir, grad, host_buffers, MomentStates::F32)
+    store_with(dir, grad, host_buffers, MomentForm::F32)
 }
 
 fn store_with(
     dir: &tempfile::TempDir,
     grad: Grad,
     host_buffers: u64,
-    states: MomentStates,
+    states: MomentForm,
 ) -> ChunkStore {
     store_sized(dir, grad, (host_buffers, 6), states)
 }
@@ -101,7 +101,7 @@ fn store_sized(
     dir: &tempfile::TempDir,
     grad: Grad,
     (host_buffers, device_slots): (u64, u64),
-    states: MomentStates,
+    states: MomentForm,
 ) -> ChunkStore {
     let slot = CHUNK_ELEMENTS * 4;
     let io = IoConfig {
@@ -217,7 +217,7 @@ fn tensors(grad: Grad) -> Vec<StepTensor> {
 /// 16-bit parameters every iteration and everything at the end. Returns how many tensor
 /// steps overlapped backward.
 fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u64 {
-    train_with(place, overlap, grad, host_buffers, MomentStates::F32)
+    train_with(place, overlap, grad, host_buffers, MomentForm::F32)
 }
 
 fn train_with(
@@ -225,11 +225,11 @@ fn train_with(
     overlap: Overlap,
     grad: Grad,
     host_buffers: u64,
-    states: MomentStates,
+    states: MomentForm,
 ) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     // Compact moments take less room: a smaller device keeps the device step spilling.
-    let device_slots = if place == StepPlace::Device && states != MomentStates::F32 {
+    let device_slots = if place == StepPlace::Device && states != MomentForm::F32 {
         4
     } else {
         6
@@ -510,7 +510,7 @@ fn a_non_finite_gradient_after_overlapped_steps_is_an_error() {
 /// the others, odd lengths included, codes + absmax).
 #[test]
 fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
-    for states in [MomentStates::Bf16, MomentStates::Int8] {
+    for states in [MomentForm::BF16, MomentForm::Int8] {
         assert_eq!(
             train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 4, states),
             0
@@ -535,7 +535,7 @@ fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
 /// `device_compact` test checks those against the CPU).
 #[test]
 fn compact_moments_on_the_device_step_equal_in_memory_adamw() {
-    for states in [MomentStates::Bf16, MomentStates::Int8] {
+    for states in [MomentForm::BF16, MomentForm::Int8] {
         train_with(StepPlace::Device, Overlap::Off, Grad::InParam16, 3, states);
         train_with(
             StepPlace::Device,
@@ -545,17 +545,4 @@ fn compact_moments_on_the_device_step_equal_in_memory_adamw() {
             states,
         );
     }
-}
-
-/// The layout's copy of the int8 block constants equals the optimizer's.
-#[test]
-fn int8_block_constants_agree_between_layout_and_optimizer() {
-    assert_eq!(
-        tidestore_chunk::moments::Q8_BLOCK,
-        tidestore_optimizer::Q8_BLOCK as u64
-    );
-    assert_eq!(
-        tidestore_chunk::moments::Q8_MIN_ELEMENTS,
-        tidestore_optimizer::Q8_MIN_ELEMENTS as u64
-    );
 }

@@ -8,7 +8,7 @@ use tidestore_candle::{
     Batches, Budget, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
 };
 use tidestore_train::IoConfig;
-use tidestore_train::MomentStates;
+use tidestore_train::MomentForm;
 use tidestore_train::{HyperParams, Mode};
 
 pub const TEXT: &[u8] = include_bytes!("../../../examples/data/genesis-kjv.txt");
@@ -95,7 +95,7 @@ pub fn open_tide(
     dir: &std::path::Path,
     precision: Precision,
 ) -> TideParams {
-    open_tide_with(model, seed, dir, precision, MomentStates::F32)
+    open_tide_with(model, seed, dir, precision, MomentForm::F32)
 }
 
 /// As [`open_tide`], with M and V stored as `moments`.
@@ -104,7 +104,7 @@ pub fn open_tide_with(
     seed: u64,
     dir: &std::path::Path,
     precision: Precision,
-    moments: MomentStates,
+    moments: MomentForm,
 ) -> TideParams {
     let mut cfg = tide_config(dir, precision);
     cfg.moments = moments;

@@ -4,7 +4,7 @@
 use super::Layout;
 use crate::dtype::DType;
 use crate::id::{ListKind, TensorId};
-use crate::moments::MomentStates;
+use crate::moments::MomentForm;
 
 impl Layout {
     /// A stable 64-bit hash (FNV-1a) of everything that decides where a tensor's bytes
@@ -23,7 +23,7 @@ impl Layout {
         h.u64(dtype_code(c.param16_dtype));
         h.u64(u64::from(c.separate_frozen));
         // fp32 moments hash as before compact moments existed (same fingerprints).
-        if c.moments != MomentStates::F32 {
+        if c.moments != MomentForm::F32 {
             h.bytes(c.moments.as_str().as_bytes());
         }
         h.u64(self.specs.len() as u64);

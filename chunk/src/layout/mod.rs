@@ -75,7 +75,7 @@ pub(crate) use pack::{allocated_bytes, pack_counts, pack_streams, PackItem};
 use crate::dtype::DType;
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
-use crate::moments::MomentStates;
+use crate::moments::MomentForm;
 use crate::Result;
 
 /// What a chunk's allocated and moved bytes are rounded up to (a page: O_DIRECT I/O and
@@ -153,7 +153,7 @@ pub struct LayoutConfig {
     /// where every tensor is trainable, or every one frozen, are the same either way.
     pub separate_frozen: bool,
     /// The stored form of the M and V lists (`optimizer.states`); fp32 by default.
-    pub moments: MomentStates,
+    pub moments: MomentForm,
 }
 
 impl LayoutConfig {
@@ -165,12 +165,12 @@ impl LayoutConfig {
             grad_accumulation: false,
             param16_dtype: DType::BF16,
             separate_frozen: true,
-            moments: MomentStates::F32,
+            moments: MomentForm::F32,
         }
     }
 
     /// With the M and V lists stored as `moments`.
-    pub fn with_moments(mut self, moments: MomentStates) -> Self {
+    pub fn with_moments(mut self, moments: MomentForm) -> Self {
         self.moments = moments;
         self
     }
@@ -440,9 +440,7 @@ impl Layout {
     pub fn chunk_bytes(&self, list: ListKind) -> u64 {
         let c = self.config.chunk_elements;
         match list {
-            ListKind::Momentum | ListKind::Variance
-                if self.config.moments == MomentStates::Int8 =>
-            {
+            ListKind::Momentum | ListKind::Variance if self.config.moments == MomentForm::Int8 => {
                 let fullest = self.fill_moments.iter().copied().max().unwrap_or(0);
                 fullest
                     .max(DType::Q8.place_bytes(c))

@@ -166,12 +166,12 @@ impl StepLoop {
                 let grads = match e.spec.grad {
                     GradPlace::InParam16 => DeviceGrads::InPlace {
                         bytes: grad,
-                        dtype: dtype_of(e.grad_dtype),
+                        dtype: e.grad_dtype,
                     },
                     GradPlace::Separate { .. } => DeviceGrads::Separate {
                         grads: read_only(grad),
-                        dtype: dtype_of(e.grad_dtype),
-                        out: views.pop().zip(e.out_dtype.map(dtype_of)),
+                        dtype: e.grad_dtype,
+                        out: views.pop().zip(e.out_dtype),
                     },
                 };
                 let started = Instant::now();

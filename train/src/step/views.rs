@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use tidestore_chunk::{DType, TensorViewMut};
-use tidestore_optimizer::{Dtype, Grads, Moments, ParamOut, Q8Mut, StateType};
+use tidestore_optimizer::{Grads, MomentForm, Moments, ParamOut, Q8Mut};
 use tidestore_tiers::{DeviceView, DeviceViewMut};
 
 use crate::error::{Result, TrainError};
@@ -49,21 +49,12 @@ pub(super) fn param_out<'a>(
     })
 }
 
-pub(super) fn dtype_of(d: DType) -> Dtype {
-    match d {
-        DType::F32 => Dtype::F32,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::Bf16,
-        DType::Q8 => unreachable!("entry_of refuses 8-bit gradients and parameters"),
-    }
-}
-
 /// The stored form of a tensor's moments as the optimizer names it.
-pub(super) fn state_type_of(d: DType, tensor: &str) -> Result<StateType> {
+pub(super) fn state_type_of(d: DType, tensor: &str) -> Result<MomentForm> {
     match d {
-        DType::F32 => Ok(StateType::Fp32),
-        DType::BF16 => Ok(StateType::Bf16),
-        DType::Q8 => Ok(StateType::Int8),
+        DType::F32 => Ok(MomentForm::F32),
+        DType::BF16 => Ok(MomentForm::BF16),
+        DType::Q8 => Ok(MomentForm::Int8),
         DType::F16 => Err(cast_err(tensor, "moment (f16 is no moment form)")),
     }
 }

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use tidestore_chunk::MomentStates;
+use tidestore_chunk::MomentForm;
 use tidestore_io::IoConfig;
 use tidestore_optimizer::HyperParams;
 
@@ -119,7 +119,7 @@ pub struct TrainerConfig {
     /// Threads of the CPU AdamW (0: one per core).
     pub optimizer_threads: usize,
     /// How M and V are stored: fp32, bf16 or block-wise int8.
-    pub moments: MomentStates,
+    pub moments: MomentForm,
 }
 
 impl TrainerConfig {
@@ -143,7 +143,7 @@ impl TrainerConfig {
                 ..IoConfig::default()
             },
             optimizer_threads: 0,
-            moments: MomentStates::F32,
+            moments: MomentForm::F32,
         }
     }
 }
