@@ -79,23 +79,6 @@ pub enum Error {
     /// An error of the step loop or a checkpoint.
     #[error(transparent)]
     Train(tidestore_train::TrainError),
-
-    /// The GPU kernels of the bench could not be built or loaded for this GPU: NVRTC (its
-    /// version named) could write neither a cubin nor PTX the driver accepts.
-    #[error("GPU kernels: NVRTC {nvrtc}: {reason}")]
-    KernelBuild { nvrtc: String, reason: String },
-
-    /// A benchmark run that went wrong in a way none of the layers reports.
-    #[error("bench: {0}")]
-    Bench(String),
-
-    /// A model's forward or backward in candle failed, or the candle glue refused.
-    #[error(transparent)]
-    Candle(#[from] tidestore_candle::Error),
-
-    /// A fine-tuning run's input is unusable (the file and what is wrong named).
-    #[error("finetune: {0}")]
-    Finetune(String),
 }
 
 impl From<tidestore_train::TrainError> for Error {

@@ -231,7 +231,7 @@ fn capacity_error(e: ChunkError, workload: &Workload, cfg: &Config) -> Error {
 /// chunk size was chosen by the search, it says that chunks are whole multiples of
 /// `io.block_size`, the usual reason a small budget cannot hold a small model's chunks.
 /// Any other error is returned as the store's.
-pub(crate) fn budget_error(e: ChunkError, cfg: &Config) -> Error {
+pub fn budget_error(e: ChunkError, cfg: &Config) -> Error {
     let ChunkError::BudgetTooSmall {
         tier,
         what,

@@ -23,6 +23,7 @@ pub use crate::workload::WorkloadSection;
 
 mod parse;
 mod size;
+mod train;
 
 use parse::parse;
 #[cfg(test)]
@@ -30,6 +31,7 @@ use parse::{key_and_reason, locate};
 pub use size::{human_bytes, AutoSize, Size};
 #[cfg(test)]
 use size::{GIB, MIB, TIB};
+pub use train::*;
 
 /// `io.engine`: which engine moves the bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -385,7 +387,7 @@ pub struct Config {
     pub policy: PolicySection,
     pub optimizer: OptimizerSection,
     pub workload: WorkloadSection,
-    pub train: crate::finetune::TrainSection,
+    pub train: TrainSection,
 }
 
 impl Config {

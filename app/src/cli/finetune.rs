@@ -1,0 +1,264 @@
+//! `tidestore finetune`: the `[train]` section's model fine-tuned on its text through the
+//! store, a progress bar on stderr (loss, tokens/s), then a summary on stdout: the loss
+//! from first to last step, tokens/s, where each step's time went (compute, waiting on
+//! the store, optimizer), NVMe traffic, peak bytes per tier and the process's peak
+//! resident memory; `--json` prints the report as JSON instead; `--plot FILE.svg` draws
+//! the loss per step, with `--plot-with REPORT.json` the curves of earlier runs (their
+//! `--json` reports, e.g. with other `optimizer.states`) on the same axes, and prints
+//! each one's final loss against this run's.
+
+use std::path::{Path, PathBuf};
+
+use crate::finetune::{self, FinetuneProgress, FinetuneReport, StepRecord};
+use crate::loss_plot::{draw_loss_curves, final_loss, LossCurve};
+use crate::plan::human_bytes;
+use indicatif::{ProgressBar, ProgressStyle};
+use tidestore::Config;
+
+use super::Error;
+
+/// Options of `finetune`.
+#[derive(Debug, clap::Args)]
+pub struct FinetuneArgs {
+    /// Continue from the newest checkpoint in train.checkpoint_dir.
+    #[arg(long)]
+    resume: bool,
+
+    /// Steps to run in all [default: train.steps].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10000000))]
+    steps: Option<u32>,
+
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+
+    /// Draw the loss per step into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+
+    /// An earlier run's `--json` report whose loss curve is drawn with this run's (with
+    /// --plot) and whose final loss is compared with this run's; repeatable.
+    #[arg(long, value_name = "REPORT.json", requires = "plot")]
+    plot_with: Vec<PathBuf>,
+}
+
+/// Steps the final loss is averaged over (single steps are one batch each: noisy).
+const FINAL_STEPS: usize = 20;
+
+/// A run's loss curve, from this run's report or an earlier run's `--json` file.
+trait Curve: Sized {
+    fn of(r: &FinetuneReport) -> Self;
+    fn load(path: &Path) -> Result<Self, Error>;
+}
+
+impl Curve for LossCurve {
+    fn of(r: &FinetuneReport) -> LossCurve {
+        LossCurve {
+            label: format!("this run ({})", r.states),
+            points: r.steps.iter().map(|s| (s.step, s.loss)).collect(),
+        }
+    }
+
+    /// A `--json` report of `tidestore finetune`, labelled by its `states` (or, in a
+    /// report from before that field, its file name).
+    fn load(path: &Path) -> Result<LossCurve, Error> {
+        let bad = |reason: String| Error::Output {
+            what: "cannot read the loss curve of",
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if v["schema"] != finetune::SCHEMA {
+            return Err(bad(format!(
+                "schema is {}, not {} (write it with `finetune --json`)",
+                v["schema"],
+                finetune::SCHEMA
+            )));
+        }
+        let steps = v["steps"]
+            .as_array()
+            .ok_or_else(|| bad("no `steps` array".into()))?;
+        let mut points = Vec::with_capacity(steps.len());
+        for s in steps {
+            match (s["step"].as_u64(), s["loss"].as_f64()) {
+                (Some(step), Some(loss)) => points.push((step as u32, loss as f32)),
+                _ => return Err(bad(format!("a step without `step` and `loss`: {s}"))),
+            }
+        }
+        if points.is_empty() {
+            return Err(bad("no step was run".into()));
+        }
+        let name = path
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        let label = match v["states"].as_str() {
+            Some(states) => format!("{states} ({name})"),
+            None => name,
+        };
+        Ok(LossCurve { label, points })
+    }
+}
+
+/// A progress bar over the steps, with the last loss and the token rate.
+struct Bar(ProgressBar);
+
+impl FinetuneProgress for Bar {
+    fn begin(&mut self, first: u32, last: u32) {
+        self.0.set_length(u64::from(last));
+        self.0.set_position(u64::from(first.saturating_sub(1)));
+        self.0.reset_eta();
+    }
+
+    fn step(&mut self, r: &StepRecord) {
+        self.0.set_position(u64::from(r.step));
+        self.0.set_message(format!(
+            "loss {:.4}  {:.0} tok/s  lr {:.2e}",
+            r.loss,
+            r.tokens as f64 / r.seconds.max(1e-9),
+            r.lr
+        ));
+    }
+
+    fn end(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// Makes glibc serve allocations of 1 MiB and more straight from `mmap`, returned to the
+/// OS when freed. The streamed trainer allocates and frees a block's parameters and
+/// graph over and over; with glibc's default (a threshold that rises to 32 MiB after the
+/// first frees) those land in heap arenas that fragment, and the process's resident
+/// memory grows with the model's depth instead of staying at one block's working set.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn cap_heap_growth() {
+    // SAFETY: `mallopt` only sets one of glibc malloc's tunables (under its own lock); it
+    // has no pointer arguments and is called before the run allocates its buffers.
+    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20) };
+    if set != 1 {
+        tracing::warn!("mallopt(M_MMAP_THRESHOLD) refused; resident memory may grow with depth");
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn cap_heap_growth() {}
+
+/// Runs `finetune`.
+pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
+    cap_heap_growth();
+    let mut cfg = Config::load(config)?;
+    if let Some(n) = args.steps {
+        cfg.train.steps = n;
+    }
+    let style = ProgressStyle::with_template(
+        "finetune [{bar:32}] {pos}/{len} steps  {msg}  {elapsed_precise} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let bar = ProgressBar::new(0).with_style(style);
+    // Read the earlier reports first: a bad path fails before the run, not after it.
+    let others = args
+        .plot_with
+        .iter()
+        .map(|p| LossCurve::load(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(plot) = &args.plot {
+        super::check_output_writable("--plot", plot)?;
+    }
+    let report = finetune::run(&cfg, args.resume, &mut Bar(bar))?;
+    let mut curves = vec![LossCurve::of(&report)];
+    curves.extend(others);
+    if let Some(path) = &args.plot {
+        draw_loss_curves(&report.model, &curves, path).map_err(|reason| Error::Output {
+            what: "cannot draw the loss curve into",
+            path: path.clone(),
+            reason,
+        })?;
+    }
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
+            what: "cannot encode the report as JSON for",
+            path: "stdout".into(),
+            reason: e.to_string(),
+        })?;
+        out!("{text}");
+    } else {
+        print(&report);
+        compare(&curves);
+    }
+    Ok(())
+}
+
+/// Each earlier run's final loss against this run's.
+fn compare(curves: &[LossCurve]) {
+    let [this, others @ ..] = curves else {
+        return;
+    };
+    if others.is_empty() || this.points.is_empty() {
+        return;
+    }
+    let mine = final_loss(&this.points, FINAL_STEPS);
+    out!(
+        "final loss (mean of the last {FINAL_STEPS} steps): {} {mine:.4}",
+        this.label
+    );
+    for c in others {
+        let theirs = final_loss(&c.points, FINAL_STEPS);
+        out!(
+            "  {} {theirs:.4}: this run is {:+.2} % against it",
+            c.label,
+            (mine / theirs - 1.0) * 100.0
+        );
+    }
+}
+
+fn print(r: &FinetuneReport) {
+    out!("tidestore finetune: {}", r.model);
+    out!(
+        "{} params, {} trained; text of {} tokens{}",
+        r.params,
+        r.params_trainable,
+        r.text_tokens,
+        r.resumed_from
+            .map_or(String::new(), |s| format!("; resumed from step {s}"))
+    );
+    let (Some(first), Some(last)) = (r.steps.first(), r.steps.last()) else {
+        out!("no step run (train.steps already reached)");
+        return;
+    };
+    let n = r.steps.len() as f64;
+    let sum = |f: fn(&StepRecord) -> f64| r.steps.iter().map(f).sum::<f64>();
+    let secs = sum(|s| s.seconds);
+    let tokens = sum(|s| s.tokens as f64);
+    out!(
+        "steps {}..={}: loss {:.4} -> {:.4}; {:.0} tokens/s; {:.3} s per step = compute {:.3} s + \
+         store {:.3} s + optimizer {:.3} s",
+        first.step,
+        last.step,
+        first.loss,
+        last.loss,
+        tokens / secs.max(1e-9),
+        secs / n,
+        sum(|s| s.compute_seconds) / n,
+        sum(|s| s.store_seconds) / n,
+        sum(|s| s.optimizer_seconds) / n
+    );
+    let (dev, host, nvme) = r.peak_tier_bytes;
+    out!(
+        "NVMe: read {}, written {}; peak per tier: device {}, host {}, nvme {}; peak RSS {}",
+        human_bytes(r.nvme_bytes.0),
+        human_bytes(r.nvme_bytes.1),
+        human_bytes(dev),
+        human_bytes(host),
+        human_bytes(nvme),
+        r.peak_rss_bytes.map_or("n/a".into(), human_bytes)
+    );
+    for c in &r.checkpoints {
+        out!("checkpoint (kept): {}", c.display());
+    }
+    if let Some(e) = &r.export {
+        out!("exported: {}", e.display());
+    }
+    out!("swap directory (removed): {}", r.swap_dir.display());
+}

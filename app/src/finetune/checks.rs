@@ -1,0 +1,277 @@
+//! What a fine-tuning run refuses before step 1, and the non-finite checks during it:
+//! - settings `finetune` cannot honour: `device.kind = "cuda"` on a build without
+//!   CUDA or a machine without a GPU, `nvme.compression` (the trainer's swap file is uncompressed), an
+//!   `nvme.size` smaller than the swap file the model needs, and the bench-only keys of
+//!   the sections it reads, each when set to anything but its default — the error
+//!   names the key and the command;
+//! - tensors in the model's files that the model does not use (but for the two kinds
+//!   that are known to be derived: `rotary_emb.inv_freq` buffers, and `lm_head.weight`
+//!   with tied embeddings);
+//! - a weight that is NaN or infinite (naming the tensor, the index and the file);
+//! - a tokenizer without ids, and a token id the embedding has no row for (naming the
+//!   tokenizer file and both numbers);
+//! - a step whose loss or gradient is not finite: no loss scaler is configured, so
+//!   there is no overflow to skip; the run stops naming the step and the first tensor.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use tidestore_train::hf;
+
+use crate::error::{Error, Result};
+use tidestore::config::{CompressionName, Config, DeviceKindName, Size};
+
+const COMMAND: &str = "tidestore finetune";
+
+/// Refuses `key` = `value` unless it is `default`, the only value finetune runs with.
+fn only_default<T: PartialEq + std::fmt::Debug>(key: &str, value: T, default: T) -> Result<()> {
+    if value == default {
+        return Ok(());
+    }
+    Err(Error::config(
+        key,
+        format!(
+            "{value:?} is not read by `{COMMAND}`, which always runs with {default:?}; remove \
+             the key from this config (it is a `tidestore bench` setting)"
+        ),
+    ))
+}
+
+/// Refuses the settings `finetune` would otherwise ignore (see the module doc).
+pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
+    if cfg.device.kind == DeviceKindName::Cuda && !cfg!(feature = "cuda") {
+        return Err(Error::config(
+            "device.kind",
+            format!(
+                "\"cuda\", but this build of `{COMMAND}` has no CUDA support (build with \
+                 --features cuda), so it would run on the simulated device; set \"sim\" \
+                 or \"auto\""
+            ),
+        ));
+    }
+    let (d, o, p) = (
+        tidestore::config::DeviceSection::default(),
+        tidestore::config::OptimizerSection::default(),
+        tidestore::config::PolicySection::default(),
+    );
+    let c = &cfg.device;
+    only_default(
+        "nvme.compression",
+        cfg.nvme.compression,
+        CompressionName::Off,
+    )?;
+    only_default("device.tidal_margin", c.tidal_margin, d.tidal_margin)?;
+    only_default("device.sim_memory", c.sim_memory, d.sim_memory)?;
+    only_default("device.pcie_gbps", c.pcie_gbps, d.pcie_gbps)?;
+    only_default("optimizer.device", cfg.optimizer.device, o.device)?;
+    only_default("optimizer.overlap", cfg.optimizer.overlap, o.overlap)?;
+    only_default("policy.eviction", cfg.policy.eviction, p.eviction)?;
+    only_default(
+        "policy.prefetch_lookahead",
+        cfg.policy.prefetch_lookahead,
+        p.prefetch_lookahead,
+    )?;
+    only_default(
+        "policy.host_prefetch_lookahead",
+        cfg.policy.host_prefetch_lookahead,
+        p.host_prefetch_lookahead,
+    )
+}
+
+/// Refuses `device.kind = "cuda"` when the trainer's device is not a CUDA GPU (a CUDA
+/// build on a machine without one falls back to the simulation).
+pub fn check_device(asked: DeviceKindName, opened: tidestore_tiers::DeviceKind) -> Result<()> {
+    if asked == DeviceKindName::Cuda && opened != tidestore_tiers::DeviceKind::Cuda {
+        return Err(Error::config(
+            "device.kind",
+            format!(
+                "\"cuda\", but `{COMMAND}` found no CUDA GPU and opened the {opened} device; \
+                 set \"sim\" or \"auto\" to run on it"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses an `nvme.size` below the swap file the run made (`file_bytes`, at `path`).
+pub fn check_nvme_size(size: Size, file_bytes: u64, path: &Path) -> Result<()> {
+    if file_bytes > size.bytes() {
+        return Err(Error::config(
+            "nvme.size",
+            format!(
+                "{size}, but `{COMMAND}` needs a swap file of {} ({}) for this model at \
+                 these budgets; raise nvme.size, or the host budget",
+                tidestore::config::human_bytes(file_bytes),
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The first index of a value that is NaN or infinite.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    values.iter().position(|v| !v.is_finite())
+}
+
+/// Refuses a weight that is not finite, naming the tensor, the index and the file.
+pub fn check_finite_weight(name: &str, values: &[f32], file: &Path) -> Result<()> {
+    if let Some(i) = first_non_finite(values) {
+        return Err(Error::Finetune(format!(
+            "{}: tensor `{name}` holds {} at index {i} (of {}): a model with NaN or \
+             infinite weights cannot be trained",
+            file.display(),
+            values[i],
+            values.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The tensor names in a safetensors file's header (its first 8 + N bytes only).
+fn header_names(path: &Path) -> Result<Vec<String>> {
+    use std::io::Read;
+    let bad = |reason: String| Error::Finetune(format!("{}: {reason}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|e| bad(e.to_string()))?;
+    let n = u64::from_le_bytes(len);
+    let mut header = Vec::new();
+    f.take(n)
+        .read_to_end(&mut header)
+        .map_err(|e| bad(e.to_string()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    Ok(v.as_object()
+        .map(|o| {
+            o.keys()
+                .filter(|k| k.as_str() != "__metadata__")
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default())
+}
+
+/// Refuses a tensor in the model's files (or its shard index) that the model does not
+/// use, naming it and its file.
+pub fn refuse_unused_tensors(
+    dir: &Path,
+    used: &[String],
+    files: &BTreeSet<PathBuf>,
+    tied: bool,
+) -> Result<()> {
+    let used: BTreeSet<&str> = used.iter().map(String::as_str).collect();
+    let derived = |n: &str| n.ends_with("rotary_emb.inv_freq") || (tied && n == "lm_head.weight");
+    let mut listed: Vec<(String, PathBuf)> = Vec::new();
+    for file in files {
+        listed.extend(header_names(file)?.into_iter().map(|n| (n, file.clone())));
+    }
+    let index = dir.join(hf::INDEX_FILE);
+    if let Ok(text) = std::fs::read_to_string(&index) {
+        if let Some(map) = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("weight_map").and_then(|m| m.as_object()).cloned())
+        {
+            listed.extend(map.keys().map(|n| (n.clone(), index.clone())));
+        }
+    }
+    match listed
+        .into_iter()
+        .find(|(n, _)| !used.contains(n.as_str()) && !derived(n))
+    {
+        Some((name, file)) => Err(Error::Finetune(format!(
+            "{}: tensor `{name}` is not used by the model its config.json describes \
+             (a LLaMA of these dimensions): it would be silently dropped; remove it, or \
+             fix config.json",
+            file.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a tokenizer without ids, and token ids the embedding has no row for.
+pub fn check_tokens(tokens: &[u32], vocab: usize, tokenizer: &str, text: &Path) -> Result<()> {
+    if let Some((at, &id)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(Error::Finetune(format!(
+            "tokenizer {tokenizer} gives token id {id} (at token {at} of {}), but the \
+             model's vocab_size is {vocab}: ids must be below it; use the model's own \
+             tokenizer",
+            text.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a tokenizer that has no ids at all (naming its file, not the text).
+pub fn check_tokenizer(ids: usize, tokenizer: &str) -> Result<()> {
+    if ids == 0 {
+        return Err(Error::Finetune(format!(
+            "tokenizer {tokenizer} has an empty vocabulary (0 ids): it cannot tokenize \
+             any text"
+        )));
+    }
+    Ok(())
+}
+
+/// The error of step `step` whose loss or gradient was not finite.
+pub fn non_finite_step(step: u32, loss: f32, tensor: Option<&str>, applied: bool) -> Error {
+    let grad = match tensor {
+        Some(t) => format!("the first non-finite gradient is `{t}`'s"),
+        None => "every gradient was finite".into(),
+    };
+    Error::Finetune(format!(
+        "step {step}: loss {loss}, {grad}; no loss scaler is configured, so this is not an \
+         overflow to skip: the run has diverged (lower optimizer.lr, or check the data). \
+         The step was {}; the checkpoints written so far are intact, nothing is exported",
+        if applied { "applied" } else { "not applied" }
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_non_finite_weight_is_named_with_its_index() {
+        let e = check_finite_weight("w", &[0.0, 1.0, f32::NAN], Path::new("m.safetensors"));
+        let text = e.unwrap_err().to_string();
+        assert!(text.contains("`w`") && text.contains("index 2"), "{text}");
+        check_finite_weight("w", &[0.0, -1e30], Path::new("m")).unwrap();
+    }
+
+    #[test]
+    fn a_token_beyond_the_vocabulary_names_both_numbers() {
+        let e = check_tokens(&[1, 5000], 300, "tok.json", Path::new("t.txt")).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("5000") && text.contains("300") && text.contains("tok.json"));
+        check_tokens(&[299], 300, "tok.json", Path::new("t.txt")).unwrap();
+    }
+
+    #[test]
+    fn cuda_asked_and_the_simulation_opened_is_refused() {
+        use tidestore_tiers::DeviceKind;
+        let e = check_device(DeviceKindName::Cuda, DeviceKind::Sim).unwrap_err();
+        assert_eq!(e.key(), Some("device.kind"));
+        check_device(DeviceKindName::Cuda, DeviceKind::Cuda).unwrap();
+        check_device(DeviceKindName::Auto, DeviceKind::Sim).unwrap();
+    }
+
+    #[test]
+    fn unread_settings_name_the_key() {
+        let mut cfg = Config::default();
+        refuse_unread_settings(&cfg).unwrap();
+        cfg.optimizer.overlap = tidestore::config::OverlapName::Backward;
+        let e = refuse_unread_settings(&cfg).unwrap_err();
+        assert_eq!(e.key(), Some("optimizer.overlap"));
+        cfg.optimizer.overlap = tidestore::config::OverlapName::Off;
+        cfg.nvme.compression = CompressionName::Zstd;
+        assert_eq!(
+            refuse_unread_settings(&cfg).unwrap_err().key(),
+            Some("nvme.compression")
+        );
+    }
+}

@@ -1,0 +1,390 @@
+//! `tidestore finetune` as a library: a Hugging Face LLaMA directory fine-tuned on a text
+//! file, layer-streamed through the chunk store ([`tidestore_candle::train_step`]), so
+//! that neither the GPU nor the host has to hold the model: the store's budgets
+//! (`[device]`, `[host]`, `[nvme]`) bound the parameters and optimizer state, and
+//! candle holds one block's parameters and graph at a time plus the block inputs.
+//!
+//! A run: the model's `config.json` read and its weights imported into the store one
+//! tensor at a time ([`model`]); the text tokenized with the directory's
+//! `tokenizer.json` (byte-level when there is none); then `train.steps` steps of
+//! `train.accumulation` micro-batches each, the learning rate from `train.schedule`;
+//! checkpoints every `train.checkpoint_every` steps (and at the end) in the train
+//! crate's format; `--resume` continues from the newest one, bit-identical to a run
+//! never interrupted (the batches are a function of the step); at the end, the export.
+//!
+//! A run does what it says or stops, before step 1 where that can be known: settings
+//! it cannot honour and tensors or tokens the model cannot use are refused
+//! (`checks`), every output path is checked writable and the export kept out of the
+//! model directory (`paths`), and the checkpoint directory is checked against the
+//! run's identity (`identity`): a fresh run wants it free of checkpoints, a resumed
+//! one its newest checkpoint of this run. A non-finite weight, loss or gradient stops
+//! the run naming where; nothing non-finite is exported. The swap file lives in the
+//! run's own `nvme.dir/finetune.PID/`, removed however the run ends
+//! ([`crate::scratch`]); the temporaries of checkpoints and exports too.
+
+mod checks;
+mod data;
+mod identity;
+pub mod model;
+mod paths;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::Serialize;
+use tidestore_candle::{checkpoint, train_step, Budget, Precision, TideConfig, TideParams};
+use tidestore_chunk::{ChunkError, StoreStats};
+use tidestore_optimizer::StepDecision;
+use tidestore_train::{CheckpointDir, TrainError};
+
+use crate::bench::hyper_params;
+use crate::error::{Error, Result};
+use crate::scratch::{self, Scratch};
+use identity::RunIdentity;
+use tidestore::config::{AutoSize, Config, DeviceKindName};
+use tidestore_train::DeviceChoice;
+
+pub use data::Samples;
+pub use tidestore::config::{
+    ExportDtype, MicroBatchOrderName, PrecisionName, Schedule, TrainSection,
+};
+
+/// The JSON schema name of [`FinetuneReport`].
+pub const SCHEMA: &str = "tidestore.finetune.v1";
+
+/// One step, as run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct StepRecord {
+    /// 1-based.
+    pub step: u32,
+    /// Mean cross-entropy of the step's micro-batches before it.
+    pub loss: f32,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Tokens trained on.
+    pub tokens: u64,
+    /// Wall time.
+    pub seconds: f64,
+    /// Of which candle's forward, recompute and backward.
+    pub compute_seconds: f64,
+    /// Of which getting parameters from and gradients into the store.
+    pub store_seconds: f64,
+    /// Of which the optimizer step.
+    pub optimizer_seconds: f64,
+    /// Global gradient norm (0 for a skipped step).
+    pub grad_norm: f64,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct FinetuneReport {
+    /// [`SCHEMA`].
+    pub schema: String,
+    /// The model in one line.
+    pub model: String,
+    /// How Adam's moments were stored (`optimizer.states`: fp32, bf16 or int8).
+    pub states: String,
+    /// Parameters.
+    pub params: u64,
+    /// Trained parameters.
+    pub params_trainable: u64,
+    /// Tokens in the text.
+    pub text_tokens: u64,
+    /// The step a resumed run continued from (`None`: from the start).
+    pub resumed_from: Option<u64>,
+    /// Every step run.
+    pub steps: Vec<StepRecord>,
+    /// Checkpoints written by this run and still there (the last two are kept).
+    pub checkpoints: Vec<PathBuf>,
+    /// Where the model was exported.
+    pub export: Option<PathBuf>,
+    /// The run's swap directory in `nvme.dir` (removed when the run ends).
+    pub swap_dir: PathBuf,
+    /// The store's counters over the run.
+    #[serde(skip)]
+    pub store: StoreStats,
+    /// Bytes moved NVMe -> host and host -> NVMe over the run.
+    pub nvme_bytes: (u64, u64),
+    /// Most bytes in use per tier over the run: device, host, NVMe.
+    pub peak_tier_bytes: (u64, u64, u64),
+    /// Peak resident memory of the process (`VmHWM`), where the OS reports it.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl FinetuneReport {
+    fn new(
+        cfg: &Config,
+        loaded: &model::Loaded,
+        samples: &Samples,
+        resumed_from: Option<u64>,
+    ) -> FinetuneReport {
+        FinetuneReport {
+            schema: SCHEMA.into(),
+            model: loaded.describe(),
+            states: cfg.optimizer.states.moments().to_string(),
+            params: loaded.params(),
+            params_trainable: loaded.params_trainable(),
+            text_tokens: samples.len() as u64,
+            resumed_from,
+            steps: Vec::new(),
+            checkpoints: Vec::new(),
+            export: None,
+            swap_dir: PathBuf::new(),
+            store: StoreStats::default(),
+            nvme_bytes: (0, 0),
+            peak_tier_bytes: (0, 0, 0),
+            peak_rss_bytes: None,
+        }
+    }
+
+    /// The store's counters and the process's peak memory, at the end of the run.
+    fn finish(&mut self, params: &TideParams, swap_dir: PathBuf) {
+        let st = params.stats();
+        self.nvme_bytes = (st.nvme_to_host_bytes, st.host_to_nvme_bytes);
+        self.peak_tier_bytes = (st.device.peak_bytes, st.host.peak_bytes, st.nvme.peak_bytes);
+        self.store = st;
+        self.peak_rss_bytes = peak_rss_bytes();
+        self.swap_dir = swap_dir;
+    }
+}
+
+/// Progress of a run, for a progress bar.
+pub trait FinetuneProgress {
+    /// Steps `first..=last` are about to run.
+    fn begin(&mut self, first: u32, last: u32);
+    /// A step finished.
+    fn step(&mut self, record: &StepRecord);
+    /// The run ended.
+    fn end(&mut self);
+}
+
+/// No progress reporting.
+#[derive(Debug, Default)]
+pub struct NoProgress;
+
+impl FinetuneProgress for NoProgress {
+    fn begin(&mut self, _: u32, _: u32) {}
+    fn step(&mut self, _: &StepRecord) {}
+    fn end(&mut self) {}
+}
+
+/// The store's settings from the config.
+fn tide_config(cfg: &Config) -> Result<TideConfig> {
+    let t = &cfg.train;
+    let mut tc = TideConfig::new(hyper_params(cfg), swap_dir(cfg)?);
+    tc.precision = match t.precision {
+        PrecisionName::Bf16 => Precision::Bf16,
+        PrecisionName::F32 => Precision::F32,
+    };
+    tc.max_grad_norm =
+        (cfg.optimizer.max_grad_norm > 0.0).then_some(cfg.optimizer.max_grad_norm as f32);
+    tc.chunk_elements = match cfg.chunk.size {
+        AutoSize::Auto => None,
+        AutoSize::Fixed(s) => Some(s.bytes() / 4),
+    };
+    tc.device_budget = Budget::Bytes(cfg.device.budget.bytes());
+    tc.host_budget = Budget::Bytes(cfg.host.budget.bytes());
+    tc.moments = cfg.optimizer.states.moments();
+    tc.io = cfg.io_config()?;
+    tc.optimizer_threads = cfg.optimizer.threads as usize;
+    tc.device = match cfg.device.kind {
+        DeviceKindName::Sim => DeviceChoice::Sim,
+        // A CUDA build only (`checks::refuse_unread_settings` refused "cuda" elsewhere),
+        // and `checks::check_device` refuses the simulation it may fall back to.
+        DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
+    };
+    Ok(tc)
+}
+
+/// Peak resident memory of this process, from `/proc/self/status`.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Runs the fine-tuning the configuration describes (see the module doc); `resume`
+/// continues from the newest checkpoint in `train.checkpoint_dir`. Before step 1: the
+/// settings finetune cannot honour are refused, every output path is checked, the
+/// weights and tokens are checked, and the checkpoint directory is checked against
+/// the run's identity (`identity`).
+pub fn run(
+    cfg: &Config,
+    resume: bool,
+    progress: &mut dyn FinetuneProgress,
+) -> Result<FinetuneReport> {
+    let t = &cfg.train;
+    checks::refuse_unread_settings(cfg)?;
+    paths::check_outputs(t)?;
+    let swap = open_swap_dir(cfg)?;
+    let loaded = model::open(t)?;
+    let samples = model::samples(t, &loaded)?;
+    let mut params =
+        match TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu) {
+            Ok(p) => p,
+            Err(tidestore_candle::Error::Train(TrainError::Store(
+                e @ ChunkError::BudgetTooSmall { .. },
+            ))) => return Err(tidestore::session::budget_error(e, cfg).into()),
+            Err(e) => return Err(e.into()),
+        };
+    let (swap_bytes, swap_path) = params
+        .trainer()
+        .store()
+        .nvme()
+        .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
+    checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
+    checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
+    let model_fingerprint = model::import(t, &loaded, &mut params)?;
+    let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint());
+    let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
+    let first = resumed_from.map_or(1, |s| s as u32 + 1);
+    let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
+    progress.begin(first, t.steps);
+    for step in first..=t.steps {
+        let record = one_step(cfg, &loaded, &samples, &mut params, step)?;
+        progress.step(&record);
+        report.steps.push(record);
+        let due = t.checkpoint_every > 0 && (step % t.checkpoint_every == 0 || step == t.steps);
+        if let (Some(dir), true) = (&ckpt_dir, due) {
+            let path = dir.path(u64::from(step));
+            let _temps = Scratch::temps_in(dir.dir());
+            checkpoint::save_with(&mut params, &path, id.metadata())?;
+            dir.prune()?;
+            report.checkpoints.push(path);
+            report.checkpoints.retain(|p| p.exists());
+        }
+    }
+    progress.end();
+    if let Some(dir) = &t.export_dir {
+        export_checked(t, &loaded, &mut params, dir)?;
+        report.export = Some(dir.clone());
+    }
+    report.finish(&params, swap.target().to_path_buf());
+    Ok(report)
+}
+
+/// The prefix of a finetune run's swap directory in `nvme.dir`: `finetune.PID`.
+const SWAP_DIR_PREFIX: &str = "finetune.";
+
+/// This run's swap directory (`nvme.dir/finetune.PID`): made now, removed when the run
+/// ends however it ends (its guard; the binary's signal handler). What a killed run
+/// left there (`finetune.PID` of a dead process) is removed first.
+fn open_swap_dir(cfg: &Config) -> Result<Scratch> {
+    let nvme = cfg.nvme_dir()?;
+    paths::check_writable_dir("nvme.dir", nvme)?;
+    scratch::remove_dead(nvme, SWAP_DIR_PREFIX);
+    let dir = swap_dir(cfg)?;
+    let guard = Scratch::path(&dir);
+    std::fs::create_dir(&dir)
+        .map_err(|e| Error::config("nvme.dir", format!("{}: {e}", dir.display())))?;
+    Ok(guard)
+}
+
+fn swap_dir(cfg: &Config) -> Result<PathBuf> {
+    Ok(cfg.nvme_dir()?.join(scratch::own_name(SWAP_DIR_PREFIX)))
+}
+
+/// The checkpoint directory (its stale temporaries removed), checked against the run's
+/// identity, and the newest checkpoint loaded when resuming; returns its step.
+fn open_checkpoints(
+    t: &TrainSection,
+    id: &RunIdentity,
+    resume: bool,
+    params: &mut TideParams,
+) -> Result<(Option<CheckpointDir>, Option<u64>)> {
+    let Some(dir) = &t.checkpoint_dir else {
+        if resume {
+            return Err(Error::config(
+                "train.checkpoint_dir",
+                "missing: --resume continues from the newest checkpoint there",
+            ));
+        }
+        return Ok((None, None));
+    };
+    let dir = CheckpointDir::open(dir.clone(), 2)?;
+    id.check_dir(&dir, resume)?;
+    let mut resumed_from = None;
+    if let (true, Some((step, path))) = (resume, dir.latest()?) {
+        checkpoint::load(params, &path)?;
+        resumed_from = Some(step);
+    }
+    Ok((Some(dir), resumed_from))
+}
+
+/// The export, after every weight is checked finite (and within f16's range for an f16
+/// export): a model that is not is never written. Stale temporaries of a killed export
+/// to the same target are removed first; this one's are removed if it is interrupted.
+fn export_checked(
+    t: &TrainSection,
+    loaded: &model::Loaded,
+    params: &mut TideParams,
+    dir: &std::path::Path,
+) -> Result<()> {
+    let trainer = params.trainer_mut();
+    for i in 0..trainer.len() {
+        let values = trainer.values(i)?;
+        let name = trainer.spec(i)?.name.clone();
+        let limit = match t.export_dtype {
+            ExportDtype::F16 => f32::from(half::f16::MAX),
+            ExportDtype::Bf16 | ExportDtype::F32 => f32::MAX,
+        };
+        if let Some(at) = values
+            .iter()
+            .position(|v| !v.is_finite() || v.abs() > limit)
+        {
+            return Err(Error::Finetune(format!(
+                "not exported to {}: `{name}` holds {} at index {at}, which train.export_dtype \
+                 = {:?} cannot hold; the checkpoints are untouched",
+                dir.display(),
+                values[at],
+                t.export_dtype
+            )));
+        }
+    }
+    let parent = paths::parent_of(dir);
+    if let Some(name) = dir.file_name().and_then(|n| n.to_str()) {
+        scratch::remove_dead(&parent, &format!(".{name}.tmp."));
+    }
+    let _temps = Scratch::temps_in(&parent);
+    model::export(t, loaded, params, dir)
+}
+
+/// Step `step`: its micro-batches through the streamed trainer, at its learning rate.
+fn one_step(
+    cfg: &Config,
+    loaded: &model::Loaded,
+    samples: &Samples,
+    params: &mut TideParams,
+    step: u32,
+) -> Result<StepRecord> {
+    let t = &cfg.train;
+    let started = Instant::now();
+    let lr = t.lr_at(step, cfg.optimizer.lr);
+    params.set_lr(lr as f32)?;
+    let batches = (0..u64::from(t.accumulation))
+        .map(|k| samples.batch(u64::from(step), k, &Device::Cpu))
+        .collect::<Result<Vec<_>>>()?;
+    let s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
+    if !s.loss.is_finite() || matches!(s.decision, StepDecision::Skip { .. }) {
+        let tensor = params.trainer().step_loop().last_skip_tensor();
+        let applied = matches!(s.decision, StepDecision::Apply { .. });
+        return Err(checks::non_finite_step(step, s.loss, tensor, applied));
+    }
+    let tokens = u64::from(t.accumulation) * u64::from(t.micro_batch) * u64::from(t.sequence);
+    Ok(StepRecord {
+        step,
+        loss: s.loss,
+        lr,
+        tokens,
+        seconds: started.elapsed().as_secs_f64(),
+        compute_seconds: s.times.compute.as_secs_f64(),
+        store_seconds: s.times.store.as_secs_f64(),
+        optimizer_seconds: s.times.optimizer.as_secs_f64(),
+        grad_norm: match s.decision {
+            StepDecision::Apply { grad_norm, .. } => grad_norm,
+            StepDecision::Skip { .. } => 0.0,
+        },
+    })
+}

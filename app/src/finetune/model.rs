@@ -1,0 +1,253 @@
+//! The model of a fine-tuning run: a Hugging Face LLaMA directory read through the train
+//! crate's `hf` module (its `config.json` checked, its safetensors shards mapped), the
+//! candle [`Llama`] that computes it, its weights imported into the store one tensor at
+//! a time (dtype converted on the way, the whole model never in RAM), the text
+//! tokenized, and the trained weights exported.
+
+use std::path::{Path, PathBuf};
+
+use tidestore_candle::{Llama, LlamaLora, TideParams};
+use tidestore_train::hf;
+
+use tidestore_train::DType;
+
+use super::checks;
+use super::data::Samples;
+use crate::error::{Error, Result};
+use tidestore::config::{ExportDtype, TrainSection};
+use tidestore::workload::{LoraTargets, TrainMode};
+
+/// A model directory, read and checked.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The candle model.
+    pub model: Llama,
+    /// Its `config.json`.
+    pub hf: hf::LlamaConfig,
+    /// The directory.
+    pub dir: PathBuf,
+    /// Its tokenizer (byte-level when it has no `tokenizer.json`).
+    pub tokenizer: hf::Tokenizer,
+}
+
+fn targets(t: LoraTargets) -> Vec<String> {
+    t.projections()
+        .iter()
+        .map(|p| format!("{p}_proj"))
+        .collect()
+}
+
+impl Loaded {
+    /// One line: shape, parameters, what trains.
+    pub fn describe(&self) -> String {
+        let c = &self.hf;
+        let what = match &self.model.config().lora {
+            Some(l) => format!("LoRA rank {} on {}", l.rank, l.targets.join(",")),
+            None => "full fine-tuning".into(),
+        };
+        format!(
+            "{} (llama, {} layers, hidden {}, {} heads / {} kv, vocab {}), {}",
+            self.dir.display(),
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.vocab_size,
+            what
+        )
+    }
+
+    /// Parameters of the model (adapters included).
+    pub fn params(&self) -> u64 {
+        self.model.specs().iter().map(|s| s.elements() as u64).sum()
+    }
+
+    /// Trained parameters.
+    pub fn params_trainable(&self) -> u64 {
+        self.model
+            .specs()
+            .iter()
+            .filter(|s| s.trainable)
+            .map(|s| s.elements() as u64)
+            .sum()
+    }
+}
+
+/// `train.sequence` within `max_position_embeddings`, or beyond it only when the
+/// config scales RoPE (positions past the trained ones are what scaling is for).
+fn check_sequence(sequence: usize, c: &hf::LlamaConfig, dir: &Path) -> Result<()> {
+    if sequence <= c.max_position_embeddings {
+        return Ok(());
+    }
+    if c.rope.is_scaled() {
+        tracing::warn!(
+            sequence,
+            max_position_embeddings = c.max_position_embeddings,
+            "train.sequence beyond max_position_embeddings, with the config's RoPE scaling"
+        );
+        return Ok(());
+    }
+    Err(Error::Finetune(format!(
+        "train.sequence = {sequence} exceeds max_position_embeddings = {} of {} and the \
+         model has no RoPE scaling; shorten train.sequence",
+        c.max_position_embeddings,
+        dir.join(hf::CONFIG_FILE).display()
+    )))
+}
+
+/// Reads `train.model_dir`'s config and makes the model the section asks for.
+pub fn open(t: &TrainSection) -> Result<Loaded> {
+    let dir = t.model_dir()?;
+    let c = hf::LlamaConfig::load(dir)?;
+    let tokenizer = hf::Tokenizer::for_model(dir)?;
+    checks::check_tokenizer(tokenizer.vocab_size(), &tokenizer.source())?;
+    tokenizer.check_fits(&c, dir)?;
+    let weights = hf::HfWeights::open(dir, &c)?;
+    let files = weights
+        .names()
+        .iter()
+        .filter_map(|n| weights.file_of(n).map(Path::to_path_buf))
+        .collect();
+    checks::refuse_unused_tensors(dir, weights.names(), &files, c.tie_word_embeddings)?;
+    drop(weights);
+    check_sequence(t.sequence as usize, &c, dir)?;
+    let lora = (t.mode == TrainMode::Lora).then(|| LlamaLora {
+        rank: t.lora_rank as usize,
+        alpha: t.lora_alpha as f32,
+        targets: targets(t.lora_targets),
+    });
+    // The family's RoPE scaling, biases, q/k norms, head_dim and window, as read.
+    let model = Llama::from_hf(&c, lora)?;
+    Ok(Loaded {
+        model,
+        hf: c,
+        dir: dir.to_path_buf(),
+        tokenizer,
+    })
+}
+
+/// The text tokenized with the model directory's `tokenizer.json` (byte-level when it
+/// has none), cut into the section's samples; every id checked against the model's
+/// vocabulary.
+pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
+    let path = t.text()?;
+    let tokens = loaded.tokenizer.encode(&hf::read_text(path)?)?;
+    let source = loaded.tokenizer.source();
+    checks::check_tokens(&tokens, loaded.hf.vocab_size, &source, path)?;
+    Samples::new(
+        tokens,
+        t.sequence as usize,
+        t.micro_batch as usize,
+        t.seed,
+        &path.display().to_string(),
+    )
+}
+
+/// Writes the directory's weights into `params`, one tensor at a time, and fresh LoRA
+/// adapters (seeded by `train.seed`) when the section asks for them. A weight that is
+/// NaN or infinite is refused naming the tensor, the index and the file. Returns the
+/// fingerprint of the weights as imported (crc32c over `config.json`, every tensor's
+/// name and its f32 values, in order), the model part of the run's identity.
+pub fn import(t: &TrainSection, loaded: &Loaded, params: &mut TideParams) -> Result<String> {
+    let weights = hf::HfWeights::open(&loaded.dir, &loaded.hf)?;
+    let config = loaded.dir.join(hf::CONFIG_FILE);
+    let mut crc = crc32c::crc32c(&std::fs::read(&config).unwrap_or_default());
+    for name in weights.names() {
+        let values = weights.tensor_f32(name).ok_or_else(|| {
+            Error::Finetune(format!(
+                "{}: tensor `{name}` vanished",
+                loaded.dir.display()
+            ))
+        })?;
+        let file = weights.file_of(name).unwrap_or(&loaded.dir);
+        checks::check_finite_weight(name, &values, file)?;
+        crc = crc32c::crc32c_append(crc, name.as_bytes());
+        crc = crc32c::crc32c_append(crc, bytemuck::cast_slice(&values));
+        params.set_param(name, &values)?;
+        weights.release(name);
+    }
+    if loaded.model.config().lora.is_some() {
+        for (spec, values) in loaded.model.init(t.seed) {
+            if spec.name.contains(".lora_") {
+                params.set_param(&spec.name, &values)?;
+            }
+        }
+    }
+    Ok(format!("crc32c {crc:08x}"))
+}
+
+/// The LoRA setting of the run, in the `hf` module's terms.
+fn lora_spec(loaded: &Loaded) -> Result<Option<hf::LoraSpec>> {
+    let Some(l) = &loaded.model.config().lora else {
+        return Ok(None);
+    };
+    let targets = l
+        .targets
+        .iter()
+        .map(|t| t.parse::<hf::LoraTarget>())
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(Some(hf::LoraSpec::new(l.rank, l.alpha, &targets)))
+}
+
+/// Writes the trained model to `out`: Hugging Face safetensors (the imported directory's
+/// tokenizer and generation config copied along), or with LoRA the adapters in PEFT's
+/// layout. Streamed tensor by tensor, written to a temporary directory and renamed.
+pub fn export(
+    t: &TrainSection,
+    loaded: &Loaded,
+    params: &mut TideParams,
+    out: &Path,
+) -> Result<()> {
+    let dtype = match t.export_dtype {
+        ExportDtype::Bf16 => DType::BF16,
+        ExportDtype::F16 => DType::F16,
+        ExportDtype::F32 => DType::F32,
+    };
+    match lora_spec(loaded)? {
+        Some(lora) => {
+            let base = loaded.dir.display().to_string();
+            params
+                .trainer_mut()
+                .export_adapter(&loaded.hf, &lora, out, dtype, &base)?;
+        }
+        None => {
+            let opts = hf::ExportOptions {
+                dtype,
+                copy_from: Some(loaded.dir.clone()),
+                ..hf::ExportOptions::default()
+            };
+            params
+                .trainer_mut()
+                .export_model(&loaded.hf, None, out, &opts)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod sequence_tests {
+    use super::*;
+
+    fn config(rope: &str) -> hf::LlamaConfig {
+        let text = format!(
+            r#"{{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 300,
+              "max_position_embeddings": 64{rope}}}"#
+        );
+        hf::LlamaConfig::from_json(&text, Path::new("m/config.json")).unwrap()
+    }
+
+    #[test]
+    fn a_sequence_beyond_the_positions_needs_rope_scaling() {
+        let dir = Path::new("m");
+        let plain = config("");
+        assert!(check_sequence(64, &plain, dir).is_ok());
+        let e = check_sequence(65, &plain, dir).unwrap_err().to_string();
+        assert!(
+            e.contains("train.sequence") && e.contains("m/config.json"),
+            "{e}"
+        );
+        let scaled = config(r#", "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#);
+        assert!(check_sequence(128, &scaled, dir).is_ok());
+    }
+}

@@ -1,0 +1,290 @@
+//! Guards `tidestore finetune` and `tidestore init-model` end to end, as a user runs
+//! them: a random-weight LLaMA written as a Hugging Face directory, fine-tuned on the
+//! shipped text through the store; the loss falls; a run stopped at a checkpoint and
+//! resumed gives the very losses (bit for bit) of one never stopped; the export is a
+//! Hugging Face directory (with LoRA, a PEFT adapter); the README's example runs on the
+//! shipped `examples/finetune.toml`; bad input is refused naming the key or file (a
+//! budget too small for the chunks also says why they are that large), exit code 2 for
+//! configuration.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+mod common;
+
+const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
+const TEXT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../examples/data/genesis-kjv.txt"
+);
+
+fn run(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .current_dir(dir)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run the binary")
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let out = run(dir, args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+fn config(extra: &str) -> String {
+    format!(
+        "[device]\nkind = \"sim\"\nbudget = \"16MiB\"\n[host]\nbudget = \"16MiB\"\n\
+         [nvme]\ndir = \"swap\"\nsize = \"256MiB\"\n[optimizer]\nlr = 1e-3\nthreads = 1\n\
+         [train]\nmodel_dir = \"model\"\ntext = \"{TEXT}\"\nsteps = 8\nsequence = 32\n\
+         micro_batch = 2\ncheckpoint_every = 4\ncheckpoint_dir = \"ckpt\"\n{extra}"
+    )
+}
+
+/// A directory with a tiny model (two layers, grouped-query attention, sharded) and a
+/// config using it.
+fn setup(extra: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("swap")).unwrap();
+    ok(dir.path(), common::TINY_MODEL_ARGS);
+    std::fs::write(dir.path().join("tidestore.toml"), config(extra)).unwrap();
+    dir
+}
+
+fn losses(json: &str) -> Vec<String> {
+    let v: serde_json::Value = serde_json::from_str(json).expect("JSON report");
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["loss"].to_string())
+        .collect()
+}
+
+#[test]
+fn a_resumed_run_repeats_the_uninterrupted_losses_and_exports_a_model() {
+    let d = setup("export_dir = \"export\"\n");
+    assert!(
+        d.path().join("model/model.safetensors.index.json").exists(),
+        "sharded"
+    );
+    let whole = ok(d.path(), &["finetune", "--json"]);
+    let all = losses(&whole);
+    assert_eq!(all.len(), 8);
+    let (first, last): (f64, f64) = (all[0].parse().unwrap(), all[7].parse().unwrap());
+    assert!(last < first, "the loss falls: {first} -> {last}");
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        assert!(d.path().join("export").join(f).exists(), "export/{f}");
+    }
+
+    let d2 = setup("");
+    ok(d2.path(), &["finetune", "--json", "--steps", "4"]);
+    let resumed = ok(d2.path(), &["finetune", "--json", "--resume"]);
+    let v: serde_json::Value = serde_json::from_str(&resumed).unwrap();
+    assert_eq!(v["resumed_from"], 4);
+    assert_eq!(losses(&resumed), all[4..], "steps 5..8 after a resume");
+}
+
+#[test]
+fn lora_exports_a_peft_adapter() {
+    let d = setup("mode = \"lora\"\nlora_rank = 4\nexport_dir = \"adapter\"\n");
+    let out = ok(d.path(), &["finetune", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["params_trainable"].as_u64().unwrap() < v["params"].as_u64().unwrap() / 10);
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(d.path().join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 4);
+    assert!(d.path().join("adapter/adapter_model.safetensors").exists());
+}
+
+/// Runs with other moment forms are compared as a user does: the first run's `--json`
+/// report handed to the second with `--plot-with`; both curves in the SVG, each named by
+/// its `optimizer.states`, and the final losses compared on stdout. A report that is not
+/// one is refused before any step runs.
+#[test]
+fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
+    let d = setup("");
+    let fp32 = ok(d.path(), &["finetune", "--json", "--steps", "4"]);
+    let v: serde_json::Value = serde_json::from_str(&fp32).unwrap();
+    assert_eq!(v["states"], "fp32");
+
+    let d2 = setup("");
+    let toml = d2.path().join("tidestore.toml");
+    let cfg = std::fs::read_to_string(&toml).unwrap();
+    std::fs::write(
+        &toml,
+        cfg.replace("threads = 1\n", "threads = 1\nstates = \"int8\"\n"),
+    )
+    .unwrap();
+    std::fs::write(d2.path().join("fp32.json"), &fp32).unwrap();
+    let out = ok(
+        d2.path(),
+        &[
+            "finetune",
+            "--steps",
+            "4",
+            "--plot",
+            "cmp.svg",
+            "--plot-with",
+            "fp32.json",
+        ],
+    );
+    assert!(out.contains("final loss (mean of the last"), "{out}");
+    assert!(
+        out.contains("this run (int8)") && out.contains("fp32 (fp32)"),
+        "{out}"
+    );
+    let svg = std::fs::read_to_string(d2.path().join("cmp.svg")).unwrap();
+    assert!(svg.contains("this run (int8)") && svg.contains("fp32 (fp32)"));
+
+    std::fs::write(d2.path().join("junk.json"), "{\"schema\": \"other\"}").unwrap();
+    let bad = run(
+        d2.path(),
+        &[
+            "finetune",
+            "--steps",
+            "6",
+            "--plot",
+            "x.svg",
+            "--plot-with",
+            "junk.json",
+        ],
+    );
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("junk.json") && err.contains("schema"), "{err}");
+    assert!(!d2.path().join("x.svg").exists(), "refused before the run");
+}
+
+/// `finetune` run in `dir` with `config` as its tidestore.toml.
+fn finetune_with(dir: &Path, config: &str) -> Output {
+    std::fs::write(dir.join("tidestore.toml"), config).unwrap();
+    run(dir, &["finetune"])
+}
+
+#[test]
+fn bad_input_is_refused_naming_the_key_or_file() {
+    let d = setup("");
+    // No model.
+    let out = finetune_with(d.path(), &config("").replace("model_dir = \"model\"\n", ""));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("train.model_dir"));
+    // An empty text file.
+    std::fs::write(d.path().join("empty.txt"), "").unwrap();
+    let out = finetune_with(d.path(), &config("").replace(TEXT, "empty.txt"));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("empty.txt"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A device budget below the working set: the key, and why chunks are that large.
+    let out = finetune_with(
+        d.path(),
+        &config("").replace("budget = \"16MiB\"\n[host]", "budget = \"64KiB\"\n[host]"),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("device.budget") && err.contains("io.block_size"),
+        "{err}"
+    );
+    // A model directory without its weights.
+    for f in std::fs::read_dir(d.path().join("model")).unwrap() {
+        let p = f.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::remove_file(&p).unwrap();
+            break;
+        }
+    }
+    let out = finetune_with(d.path(), &config(""));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(".safetensors"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The README's complete example, run as a new user runs it: the random-weight tiny
+/// LLaMA written by `init-model` with the README's arguments, then the shipped
+/// `examples/finetune.toml` (its paths relative to itself) for two steps. The shipped
+/// config once stopped working when the default `io.block_size` grew (its chunks
+/// outgrew its small device budget) and nothing noticed; this test would.
+#[test]
+fn the_shipped_finetune_example_runs_as_the_readme_says() {
+    // A copy of the checkout's layout: examples/ (config and text) beside models/.
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("examples/data")).unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/finetune.toml"),
+        root.join("examples/finetune.toml"),
+    )
+    .unwrap();
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/data/genesis-kjv.txt"),
+        root.join("examples/data/genesis-kjv.txt"),
+    )
+    .unwrap();
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
+            .unwrap();
+    let init = [
+        "init-model",
+        "--out",
+        "models/tiny-llama",
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--intermediate",
+        "704",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--vocab",
+        "512",
+    ];
+    assert!(
+        readme.contains(
+            "init-model --out models/tiny-llama --layers 4 --hidden 256 \\\n    \
+             --intermediate 704 --heads 8 --kv-heads 4 --vocab 512"
+        ),
+        "the README's init-model command changed; update this test with it"
+    );
+    ok(root, &init);
+    let json = ok(
+        root,
+        &[
+            "--config",
+            "examples/finetune.toml",
+            "finetune",
+            "--steps",
+            "2",
+            "--json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&json).expect("JSON report");
+    let steps = v["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), 2, "{json}");
+    for s in steps {
+        let loss = s["loss"].as_f64().expect("a loss");
+        assert!(loss.is_finite() && loss > 0.0, "{s}");
+    }
+    // The budgets are small on purpose: the chunks really use all three tiers.
+    let peak = v["peak_tier_bytes"].as_array().expect("peak per tier");
+    assert!(
+        peak.iter().all(|b| b.as_u64().unwrap_or(0) > 0),
+        "device, host and NVMe all used: {peak:?}"
+    );
+}
