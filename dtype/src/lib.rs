@@ -150,9 +150,14 @@ impl MomentForm {
         }
     }
 
-    /// Parses the configuration spelling.
+    /// Parses the configuration spelling (also `float32` and `bfloat16`, as PyTorch
+    /// names the dtypes).
     pub fn parse(s: &str) -> Option<MomentForm> {
-        MomentForm::ALL.into_iter().find(|t| t.as_str() == s)
+        match s {
+            "float32" => Some(MomentForm::F32),
+            "bfloat16" => Some(MomentForm::BF16),
+            _ => MomentForm::ALL.into_iter().find(|t| t.as_str() == s),
+        }
     }
 
     /// The form a tensor of `n` elements actually uses: int8 falls back to fp32 under

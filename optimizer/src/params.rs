@@ -51,6 +51,18 @@ impl Default for HyperParams {
 }
 
 impl HyperParams {
+    /// AdamW (decoupled weight decay) with `torch.optim.AdamW`'s arguments.
+    pub fn adamw(lr: f32, betas: (f32, f32), eps: f32, weight_decay: f32) -> Self {
+        HyperParams {
+            lr,
+            beta1: betas.0,
+            beta2: betas.1,
+            eps,
+            weight_decay,
+            mode: Mode::AdamW,
+        }
+    }
+
     /// Checks every field's range; the error names the field and its value.
     pub fn validate(&self) -> Result<()> {
         fn bad(name: &'static str, value: f32, reason: &'static str) -> Result<()> {

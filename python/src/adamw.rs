@@ -27,8 +27,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tidestore_train::{
-    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, Mode, MomentForm, Overlap,
-    ParamSpec, Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
+    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, MomentForm, Overlap, ParamSpec,
+    Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
 };
 
 use crate::error::{Error, Result};
@@ -108,31 +108,8 @@ impl AdamWCore {
         self.trainer.len()
     }
 
-    /// Checks that `bytes` holds exactly parameter `i`'s elements of `dtype`.
-    fn check_len(&self, i: usize, bytes: usize, dtype: DType, what: &str) -> Result<()> {
-        let spec = self.trainer.spec(i).map_err(|_| {
-            Error::bad(
-                "param",
-                format!("index {i} out of range ({} parameters)", self.trainer.len()),
-            )
-        })?;
-        let want = spec.elements() * dtype.size_bytes() as usize;
-        if bytes != want {
-            return Err(Error::bad(
-                format!("{} ({what})", param_name(i)),
-                format!(
-                    "{bytes} bytes, expected {want} ({} elements of {dtype}, shape {:?})",
-                    spec.elements(),
-                    spec.shape
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Writes parameter `i`'s values (elements of `dtype`) as its master copy.
     pub fn set_param(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<()> {
-        self.check_len(i, src.len(), dtype, "values")?;
         Ok(self.trainer.set_master(i, bytes(src, dtype))?)
     }
 
@@ -140,28 +117,17 @@ impl AdamWCore {
     /// they differ (the caller changed the parameter outside the optimizer), the values
     /// become the master copy. Returns whether they did.
     pub fn sync_param(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<bool> {
-        self.check_len(i, src.len(), dtype, "values")?;
         Ok(self.trainer.sync_master(i, bytes(src, dtype))?)
     }
 
     /// Writes parameter `i`'s master copy, rounded to `dtype`, into `out`.
     pub fn read_param(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
-        self.check_len(i, out.len(), dtype, "output")?;
         Ok(self.trainer.read_master(i, out, dtype)?)
     }
 
     /// Parameter `i`'s gradient for this step (elements of `dtype`): into the trainer,
     /// reported final; with overlap, ready groups are stepped now.
     pub fn put_grad(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<()> {
-        self.check_len(i, src.len(), dtype, "gradient")?;
-        if self.trainer.grad_reported(i)? {
-            return Err(Error::Protocol(format!(
-                "the gradient of {} was already given in this step (with overlap=True a \
-                 parameter's gradient must be final once per step: no gradient \
-                 accumulation over several backward passes)",
-                param_name(i)
-            )));
-        }
         self.trainer.put_grad(i, bytes(src, dtype), true, true)?;
         if self.trainer.step_loop().overlap() == Overlap::Backward {
             self.trainer.step_ready(None, &mut |_| {})?;
@@ -178,14 +144,6 @@ impl AdamWCore {
     /// ends the store's iteration. Returns the global gradient norm (unclipped) and the
     /// clipping coefficient; `None` when the step was skipped (a non-finite gradient).
     pub fn step(&mut self) -> Result<Option<(f64, f64)>> {
-        for i in 0..self.trainer.len() {
-            if !self.trainer.grad_reported(i)? {
-                return Err(Error::Protocol(format!(
-                    "step() before the gradient of {} was given",
-                    param_name(i)
-                )));
-            }
-        }
         let outcome = self.trainer.step(&mut |_| {})?;
         Ok(match outcome.decision {
             StepDecision::Apply {
@@ -217,22 +175,9 @@ impl AdamWCore {
         Ok(self.trainer.moments(i)?)
     }
 
-    fn between_steps(&self, path: &Path, what: &str) -> Result<()> {
-        if self.reported() > 0 {
-            return Err(Error::Protocol(format!(
-                "checkpoint `{}` cannot be {what} after {} gradients were given and before \
-                 step(); step first",
-                path.display(),
-                self.reported()
-            )));
-        }
-        Ok(())
-    }
-
     /// Streams every parameter's master, M and V (and the step count and `metadata`)
     /// into a tidestore checkpoint at `path`, one tensor at a time, atomically.
     pub fn save(&mut self, path: &Path, metadata: BTreeMap<String, String>) -> Result<()> {
-        self.between_steps(path, "saved")?;
         Ok(self.trainer.save(path, metadata)?)
     }
 
@@ -244,27 +189,12 @@ impl AdamWCore {
     /// Loads the checkpoint at `path` (verified whole before anything changes) and the
     /// step count it holds; returns its metadata.
     pub fn load(&mut self, path: &Path) -> Result<BTreeMap<String, String>> {
-        self.between_steps(path, "loaded")?;
         Ok(self.trainer.load(path)?)
     }
 
     /// Counters of the store and the step loop, by name.
     pub fn stats(&self) -> BTreeMap<&'static str, u64> {
-        let store = self.trainer.store();
-        let s = store.stats();
-        let plan = store.capacity_plan();
-        let step = self.trainer.step_loop();
-        BTreeMap::from([
-            ("nvme_read_bytes", s.nvme_to_host_bytes),
-            ("nvme_written_bytes", s.host_to_nvme_bytes),
-            ("host_budget_bytes", plan.host_buffers * plan.slot_bytes),
-            ("host_buffers", plan.host_buffers),
-            ("chunk_elements", store.layout().chunk_elements()),
-            ("step_in_place", u64::from(step.in_place())),
-            ("steps", step.step_count()),
-            ("tensors_overlapped", step.stats().tensors_overlapped),
-            ("host_evictions", s.host_evictions),
-        ])
+        self.trainer.counters()
     }
 }
 
@@ -342,34 +272,15 @@ fn open_error(e: TrainError) -> Error {
     }
 }
 
-/// AdamW hyper-parameters as `torch.optim.AdamW` takes them (decoupled weight decay).
-pub fn hyper_params(lr: f32, betas: (f32, f32), eps: f32, weight_decay: f32) -> HyperParams {
-    HyperParams {
-        lr,
-        beta1: betas.0,
-        beta2: betas.1,
-        eps,
-        weight_decay,
-        mode: Mode::AdamW,
-    }
-}
-
 /// A Python buffer of `dtype` elements, as the trainer takes values.
 fn bytes(bytes: &[u8], dtype: DType) -> Values<'_> {
     Values::Bytes { bytes, dtype }
 }
 
-/// Parses `states` (`fp32`, `bf16`, `int8`).
+/// Parses `states` (`fp32`, `bf16`, `int8`; `float32`, `bfloat16`).
 pub fn parse_states(s: &str) -> Result<MomentForm> {
-    match s {
-        "fp32" | "float32" => Ok(MomentForm::F32),
-        "bf16" | "bfloat16" => Ok(MomentForm::BF16),
-        "int8" => Ok(MomentForm::Int8),
-        other => Err(Error::bad(
-            "states",
-            format!("`{other}` is not one of fp32, bf16, int8"),
-        )),
-    }
+    MomentForm::parse(s)
+        .ok_or_else(|| Error::bad("states", format!("`{s}` is not one of fp32, bf16, int8")))
 }
 
 #[cfg(test)]
@@ -380,7 +291,7 @@ mod tests {
     fn overlap_with_clipping_is_refused_before_the_store_opens() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = CoreConfig {
-            hp: hyper_params(1e-3, (0.9, 0.999), 1e-8, 0.0),
+            hp: HyperParams::adamw(1e-3, (0.9, 0.999), 1e-8, 0.0),
             moments: MomentForm::F32,
             nvme_dir: dir.path().to_path_buf(),
             host_budget_bytes: None,

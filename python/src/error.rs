@@ -114,7 +114,7 @@ fn chunk_class(e: &ChunkError) -> Option<Class> {
 
 fn train_class(e: &TrainError) -> Option<Class> {
     match e {
-        TrainError::Config { .. } => Some(Class::Config),
+        TrainError::Config { .. } | TrainError::Argument { .. } => Some(Class::Config),
         TrainError::Store(c) => chunk_class(c),
         TrainError::Optim(o) => optim_class(o),
         _ => None,

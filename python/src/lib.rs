@@ -23,8 +23,9 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tidestore_train::aio::{EngineChoice, IoConfig, Op};
+use tidestore_train::HyperParams;
 
-use crate::adamw::{hyper_params, parse_states, AdamWCore, CoreConfig};
+use crate::adamw::{parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};
 use crate::buffer::{parse_dtype, Bytes};
 use crate::error::{ConfigError, Error, TidestoreError, TidestoreIoError};
@@ -77,7 +78,7 @@ impl PyAdamWCore {
         chunk_elements: Option<u64>,
     ) -> PyResult<Self> {
         let cfg = CoreConfig {
-            hp: hyper_params(lr, betas, eps, weight_decay),
+            hp: HyperParams::adamw(lr, betas, eps, weight_decay),
             moments: parse_states(states)?,
             nvme_dir,
             host_budget_bytes: host_budget,

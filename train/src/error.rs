@@ -42,6 +42,17 @@ pub enum TrainError {
         reason: String,
     },
 
+    /// An argument a front end handed over that does not fit the registered parameters:
+    /// an index out of range, values, a gradient or an output of the wrong size or
+    /// dtype, a gradient for a frozen parameter. Nothing was changed.
+    #[error("tensor `{tensor}`: {reason}")]
+    Argument {
+        /// The parameter's name.
+        tensor: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A tensor of the step (or a checkpoint) that does not fit what the store holds.
     #[error("tensor `{tensor}`: {reason}")]
     Tensor {

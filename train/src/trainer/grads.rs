@@ -29,20 +29,12 @@ impl Trainer {
     /// A traced access of the gradient's place in the host pool, released
     /// `HoldAfterBwd`.
     pub fn put_grad(&mut self, i: usize, grad: Values<'_>, first: bool, last: bool) -> Result<()> {
+        self.check_values(i, &grad, "gradient")?;
         let e = self.entry(i)?;
-        let n = grad.elements()?;
-        if !e.spec.trainable || n != e.spec.elements() {
-            return Err(TrainError::Tensor {
+        if !e.spec.trainable {
+            return Err(TrainError::Argument {
                 tensor: e.spec.name.clone(),
-                reason: format!(
-                    "a gradient of {n} values for a {} parameter of {} elements",
-                    if e.spec.trainable {
-                        "trainable"
-                    } else {
-                        "frozen"
-                    },
-                    e.spec.elements()
-                ),
+                reason: "frozen: it takes no gradient".into(),
             });
         }
         if !first && e.grad_id.is_none() {
@@ -53,7 +45,8 @@ impl Trainer {
         }
         if e.reported {
             return Err(TrainError::Protocol(format!(
-                "a gradient of `{}` after its last part in this iteration",
+                "the gradient of `{}` was already given in this iteration (its last part \
+                 came before): a gradient is final once per step",
                 e.spec.name
             )));
         }

@@ -129,7 +129,7 @@ impl Trainer {
     }
 
     fn entry(&self, i: usize) -> Result<&Entry> {
-        self.entries.get(i).ok_or_else(|| TrainError::Tensor {
+        self.entries.get(i).ok_or_else(|| TrainError::Argument {
             tensor: format!("#{i}"),
             reason: format!("index out of range ({} parameters)", self.entries.len()),
         })
@@ -195,6 +195,25 @@ impl Trainer {
     /// The store's counters.
     pub fn stats(&self) -> StoreStats {
         self.store.stats()
+    }
+
+    /// Counters of the store and the step loop, by name: NVMe bytes read and written,
+    /// the host budget (bytes, buffers), the chunk size, whether the step runs in place,
+    /// steps applied, tensors stepped during backward, host evictions.
+    pub fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let s = self.store.stats();
+        let plan = self.store.capacity_plan();
+        std::collections::BTreeMap::from([
+            ("nvme_read_bytes", s.nvme_to_host_bytes),
+            ("nvme_written_bytes", s.host_to_nvme_bytes),
+            ("host_budget_bytes", plan.host_buffers * plan.slot_bytes),
+            ("host_buffers", plan.host_buffers),
+            ("chunk_elements", self.store.layout().chunk_elements()),
+            ("step_in_place", u64::from(self.step.in_place())),
+            ("steps", self.step.step_count()),
+            ("tensors_overlapped", self.step.stats().tensors_overlapped),
+            ("host_evictions", s.host_evictions),
+        ])
     }
 
     /// Bytes moved between host and NVMe per list since open (`None` for a trainer over

@@ -164,7 +164,7 @@ impl Trainer {
     /// Writes `values` as trainable parameter `i`'s master copy (in place, a traced
     /// access: see [`Trainer::with_master`]).
     pub fn set_master(&mut self, i: usize, values: Values<'_>) -> Result<()> {
-        self.check_values(i, values.elements()?)?;
+        self.check_values(i, &values, "values")?;
         self.with_master(i, |m| values.widen_into(m))
     }
 
@@ -172,7 +172,7 @@ impl Trainer {
     /// dtype; where they differ (the front end changed the parameter outside the
     /// optimizer) the values become the master copy. Returns whether they did.
     pub fn sync_master(&mut self, i: usize, values: Values<'_>) -> Result<bool> {
-        self.check_values(i, values.elements()?)?;
+        self.check_values(i, &values, "values")?;
         self.with_master(i, |m| {
             let differs = match values {
                 Values::F32(v) => v
@@ -195,20 +195,28 @@ impl Trainer {
     /// Writes trainable parameter `i`'s master copy, rounded to `dtype` (nearest even),
     /// into `out` (little-endian elements).
     pub fn read_master(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
-        let n = (Values::Bytes { bytes: out, dtype }).elements()?;
-        self.check_values(i, n)?;
+        self.check_values(i, &Values::Bytes { bytes: out, dtype }, "output")?;
         self.with_master(i, |m| typed::encode_f32(m, dtype, out))
     }
 
-    fn check_values(&self, i: usize, n: usize) -> Result<()> {
+    /// `values` are exactly parameter `i`'s elements (`what`: values, gradient,
+    /// output), or the error naming the tensor, the bytes given and the bytes expected.
+    pub(super) fn check_values(&self, i: usize, values: &Values<'_>, what: &str) -> Result<()> {
         let spec = &self.entry(i)?.spec;
-        if n != spec.elements() {
-            return Err(TrainError::Tensor {
+        let n = spec.elements();
+        let (given, want, dtype) = match *values {
+            Values::F32(v) => (4 * v.len(), 4 * n, DType::F32),
+            Values::Bytes { bytes, dtype } => {
+                values.elements()?;
+                (bytes.len(), n * dtype.size_bytes() as usize, dtype)
+            }
+        };
+        if given != want {
+            return Err(TrainError::Argument {
                 tensor: spec.name.clone(),
                 reason: format!(
-                    "{n} values for shape {:?} ({} elements)",
-                    spec.shape,
-                    spec.elements()
+                    "{what}: {given} bytes, expected {want} ({n} elements of {dtype}, shape {:?})",
+                    spec.shape
                 ),
             });
         }
