@@ -96,6 +96,18 @@ pub enum Error {
     /// A fine-tuning run's input is unusable (the file and what is wrong named).
     #[error("finetune: {0}")]
     Finetune(String),
+
+    /// A record of a fine-tuning data file is unusable: a line that is not JSON, lacks
+    /// its field, or holds a conversation the chat template cannot render.
+    #[error("training data {}{}: {reason}", path.display(), line.map_or(String::new(), |l| format!(":{l}")))]
+    Data {
+        /// The data file.
+        path: PathBuf,
+        /// The 1-based line, where the problem is one line's.
+        line: Option<usize>,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl From<tidestore_train::TrainError> for Error {

@@ -28,6 +28,8 @@ pub struct Loaded {
     pub dir: PathBuf,
     /// Its tokenizer (byte-level when it has no `tokenizer.json`).
     pub tokenizer: hf::Tokenizer,
+    /// Its `tokenizer_config.json` (empty when it has none).
+    pub tokenizer_config: hf::TokenizerConfig,
 }
 
 fn targets(t: LoraTargets) -> Vec<String> {
@@ -100,6 +102,7 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
     let dir = t.model_dir()?;
     let c = hf::LlamaConfig::load(dir)?;
     let tokenizer = hf::Tokenizer::for_model(dir)?;
+    let tokenizer_config = hf::TokenizerConfig::for_model(dir)?;
     checks::check_tokenizer(tokenizer.vocab_size(), &tokenizer.source())?;
     tokenizer.check_fits(&c, dir)?;
     let weights = hf::HfWeights::open(dir, &c)?;
@@ -123,13 +126,14 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
         hf: c,
         dir: dir.to_path_buf(),
         tokenizer,
+        tokenizer_config,
     })
 }
 
-/// The text tokenized with the model directory's `tokenizer.json` (byte-level when it
-/// has none), cut into the section's samples; every id checked against the model's
-/// vocabulary.
-pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
+/// The plain training text tokenized with the model directory's `tokenizer.json`
+/// (byte-level when it has none) and cut into windows; every id checked against the
+/// model's vocabulary.
+pub fn text_samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
     let path = t.text()?;
     let tokens = loaded.tokenizer.encode(&hf::read_text(path)?)?;
     let source = loaded.tokenizer.source();
@@ -189,38 +193,67 @@ fn lora_spec(loaded: &Loaded) -> Result<Option<hf::LoraSpec>> {
     Ok(Some(hf::LoraSpec::new(l.rank, l.alpha, &targets)))
 }
 
+/// The base model's name a PEFT adapter records: `train.base_model_name`, else the
+/// config's `_name_or_path` when it is a name (a hub id such as `org/model`) and not a
+/// filesystem path, else the model directory's own name; never a machine path unless
+/// the setting gives one.
+pub fn base_model_name(t: &TrainSection, loaded: &Loaded) -> String {
+    if let Some(name) = &t.base_model_name {
+        return name.clone();
+    }
+    let own = loaded.hf.raw.get("_name_or_path").and_then(|v| v.as_str());
+    let is_path = |n: &str| {
+        let p = Path::new(n);
+        p.is_absolute() || n.starts_with('.') || n.starts_with('~') || p.exists()
+    };
+    match own {
+        Some(n) if !n.is_empty() && !is_path(n) => n.to_string(),
+        _ => {
+            let path = Path::new(own.filter(|n| !n.is_empty()).unwrap_or_default());
+            path.file_name()
+                .or_else(|| loaded.dir.file_name())
+                .map_or_else(|| "base".into(), |n| n.to_string_lossy().into_owned())
+        }
+    }
+}
+
+fn export_dtype(t: &TrainSection) -> DType {
+    match t.export_dtype {
+        ExportDtype::Bf16 => DType::BF16,
+        ExportDtype::F16 => DType::F16,
+        ExportDtype::F32 => DType::F32,
+    }
+}
+
 /// Writes the trained model to `out`: Hugging Face safetensors (the imported directory's
-/// tokenizer and generation config copied along), or with LoRA the adapters in PEFT's
-/// layout. Streamed tensor by tensor, written to a temporary directory and renamed.
+/// tokenizer and generation config copied along, shards of `train.export_shard_size`),
+/// or with LoRA the adapters in PEFT's layout. With `merged`, a LoRA run's adapters
+/// merged into the base as a full model (`train.export_merged`). Streamed tensor by
+/// tensor, written to a temporary directory and renamed.
 pub fn export(
     t: &TrainSection,
     loaded: &Loaded,
     params: &mut TideParams,
     out: &Path,
+    merged: bool,
 ) -> Result<()> {
-    let dtype = match t.export_dtype {
-        ExportDtype::Bf16 => DType::BF16,
-        ExportDtype::F16 => DType::F16,
-        ExportDtype::F32 => DType::F32,
-    };
-    match lora_spec(loaded)? {
-        Some(lora) => {
-            let base = loaded.dir.display().to_string();
-            params
-                .trainer_mut()
-                .export_adapter(&loaded.hf, &lora, out, dtype, &base)?;
-        }
-        None => {
-            let opts = hf::ExportOptions {
-                dtype,
-                copy_from: Some(loaded.dir.clone()),
-                ..hf::ExportOptions::default()
-            };
-            params
-                .trainer_mut()
-                .export_model(&loaded.hf, None, out, &opts)?;
-        }
+    let dtype = export_dtype(t);
+    let lora = lora_spec(loaded)?;
+    if let (Some(lora), false) = (&lora, merged) {
+        let base = base_model_name(t, loaded);
+        params
+            .trainer_mut()
+            .export_adapter(&loaded.hf, lora, out, dtype, &base)?;
+        return Ok(());
     }
+    let opts = hf::ExportOptions {
+        dtype,
+        copy_from: Some(loaded.dir.clone()),
+        max_shard_bytes: t.export_shard_size.bytes(),
+    };
+    params
+        .trainer_mut()
+        .export_model(&loaded.hf, lora.as_ref(), out, &opts)?;
     Ok(())
 }
 

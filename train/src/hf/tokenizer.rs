@@ -184,6 +184,31 @@ impl Tokenizer {
         }
     }
 
+    /// The ids `tokenizer.json`'s post-processor puts before and after a text (BOS,
+    /// EOS: what transformers' `add_special_tokens=True` adds); none for byte-level.
+    pub fn special_affixes(&self) -> Result<(Vec<u32>, Vec<u32>)> {
+        let Inner::Hf { literal, path, .. } = &self.inner else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let encode = |specials: bool| {
+            literal
+                .encode("a", specials)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TrainError::Tokenizer {
+                    path: path.clone(),
+                    reason: format!("encoding: {e}"),
+                })
+        };
+        let (plain, with) = (encode(false)?, encode(true)?);
+        let at = (0..=with.len().saturating_sub(plain.len()))
+            .find(|&i| with[i..].starts_with(&plain))
+            .ok_or_else(|| TrainError::Tokenizer {
+                path: path.clone(),
+                reason: "the post-processor changes a text's own tokens".into(),
+            })?;
+        Ok((with[..at].to_vec(), with[at + plain.len()..].to_vec()))
+    }
+
     /// The text of `ids`, special tokens skipped (invalid UTF-8 from a byte-level
     /// sequence cut mid-character is replaced by U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
