@@ -301,3 +301,36 @@ fn bad_chat_input_is_refused_naming_the_file_and_line() {
         "{err}"
     );
 }
+
+#[test]
+fn jsonl_documents_get_bos_and_eos_as_the_tokenizer_config_says() {
+    let d = setup();
+    let tc = d.path().join("model/tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg["add_bos_token"] = true.into();
+    cfg["add_eos_token"] = true.into();
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    // A literal `<s>` in a document is its three bytes, not the special token.
+    let docs = ["abc", "hello world", "a <s>"];
+    let lines: Vec<String> = docs
+        .iter()
+        .map(|t| serde_json::json!({ "text": t, "id": 1 }).to_string())
+        .collect();
+    std::fs::write(d.path().join("docs.jsonl"), lines.join("\n\n")).unwrap();
+    let config = format!(
+        "{STORE}[train]\nmodel_dir = \"model\"\ndata_format = \"jsonl\"\ndata = \"docs.jsonl\"\n\
+         steps = 1\nsequence = 16\nmicro_batch = 2\n"
+    );
+    let out = finetune(d.path(), &config);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // BOS + bytes + EOS, every token but the first a target.
+    let want: usize = docs.iter().map(|t| t.len() + 1).sum();
+    assert_eq!(report["data"]["loss_tokens"].as_u64(), Some(want as u64));
+    assert_eq!(report["data"]["records"], 3);
+}
