@@ -11,7 +11,7 @@ const V: usize = 7;
 
 fn logits(seed: u32) -> Vec<f32> {
     (0..B * T * V)
-        .map(|i| (((i as u32 * 2654435761 ^ seed) % 1000) as f32 / 250.0) - 2.0)
+        .map(|i| ((((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 250.0) - 2.0)
         .collect()
 }
 
