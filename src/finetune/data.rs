@@ -14,6 +14,10 @@
 //! token see the padding, and the padded targets are [`IGNORE_TARGET`], which carry no
 //! loss and no gradient. What this costs is compute on the padding, which the summary
 //! reports ([`DataSummary::padding_tokens`]) beside the tokens that carry loss.
+//!
+//! A micro-batch's loss is the mean over its own targets that carry loss, and a step's
+//! the mean of its micro-batches': a micro-batch with few such targets weighs as much as
+//! a full one (transformers since 4.46 divides a step's sum by its total count instead).
 
 use candle_core::{Device, Tensor};
 use serde::Serialize;

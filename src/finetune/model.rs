@@ -198,22 +198,31 @@ fn lora_spec(loaded: &Loaded) -> Result<Option<hf::LoraSpec>> {
 /// filesystem path, else the model directory's own name; never a machine path unless
 /// the setting gives one.
 pub fn base_model_name(t: &TrainSection, loaded: &Loaded) -> String {
-    if let Some(name) = &t.base_model_name {
-        return name.clone();
-    }
     let own = loaded.hf.raw.get("_name_or_path").and_then(|v| v.as_str());
-    let is_path = |n: &str| {
-        let p = Path::new(n);
-        p.is_absolute() || n.starts_with('.') || n.starts_with('~') || p.exists()
+    name_of_base(t.base_model_name.as_deref(), own, &loaded.dir)
+}
+
+/// [`base_model_name`] of a setting, a config's `_name_or_path` and the model directory.
+/// A name is a hub id: `name` or `org/name`, neither absolute nor starting with `.` or
+/// `~`; a path gives its last component.
+fn name_of_base(setting: Option<&str>, own: Option<&str>, dir: &Path) -> String {
+    if let Some(name) = setting {
+        return name.to_string();
+    }
+    let own = own.filter(|n| !n.is_empty());
+    let is_name = |n: &str| {
+        !Path::new(n).is_absolute()
+            && !n.starts_with(['.', '~'])
+            && !n.contains('\\')
+            && n.matches('/').count() <= 1
+            && !n.ends_with('/')
     };
     match own {
-        Some(n) if !n.is_empty() && !is_path(n) => n.to_string(),
-        _ => {
-            let path = Path::new(own.filter(|n| !n.is_empty()).unwrap_or_default());
-            path.file_name()
-                .or_else(|| loaded.dir.file_name())
-                .map_or_else(|| "base".into(), |n| n.to_string_lossy().into_owned())
-        }
+        Some(n) if is_name(n) => n.to_string(),
+        _ => own
+            .and_then(|n| Path::new(n).file_name())
+            .or_else(|| dir.file_name())
+            .map_or_else(|| "base".into(), |n| n.to_string_lossy().into_owned()),
     }
 }
 
@@ -260,6 +269,27 @@ pub fn export(
 #[cfg(test)]
 mod sequence_tests {
     use super::*;
+
+    #[test]
+    fn the_base_model_is_named_by_name_never_by_a_machine_path() {
+        let dir = Path::new("/data/models/tiny");
+        let name = |setting, own| name_of_base(setting, own, dir);
+        assert_eq!(
+            name(Some("/my/path"), Some("org/m")),
+            "/my/path",
+            "as asked"
+        );
+        assert_eq!(
+            name(None, Some("meta-llama/Llama-3.2-1B")),
+            "meta-llama/Llama-3.2-1B"
+        );
+        assert_eq!(name(None, Some("gpt2")), "gpt2");
+        assert_eq!(name(None, Some("/home/u/models/llama")), "llama");
+        assert_eq!(name(None, Some("./models/llama")), "llama");
+        assert_eq!(name(None, Some("a/b/c")), "c");
+        assert_eq!(name(None, Some("")), "tiny");
+        assert_eq!(name(None, None), "tiny");
+    }
 
     fn config(rope: &str) -> hf::LlamaConfig {
         let text = format!(

@@ -13,7 +13,8 @@
 //! # Rendering as Jinja2 does
 //! `minijinja` with transformers' settings: `trim_blocks` and `lstrip_blocks` on, loop
 //! controls, the Python string methods templates call (`minijinja-contrib`'s
-//! `pycompat`), `raise_exception(msg)` failing the render with `msg`, `tojson`.
+//! `pycompat`), `raise_exception(msg)` failing the render with `msg`, `tojson`, and
+//! transformers' `{% generation %}` block tags rendering their content only.
 //!
 //! # The assistant's spans
 //! For an assistant message `i`, its span is what the template adds between rendering
@@ -216,7 +217,7 @@ impl ChatTemplate {
                 ))
             },
         );
-        env.add_template_owned(NAME, template)
+        env.add_template_owned(NAME, without_generation_tags(&template))
             .map_err(|e| template_error(&source, &e))?;
         Ok(ChatTemplate {
             env,
@@ -285,6 +286,54 @@ impl ChatTemplate {
     }
 }
 
+/// `template` with transformers' `{% generation %}` / `{% endgeneration %}` block tags
+/// (which mark the assistant's text for `return_assistant_tokens_mask` and render
+/// nothing) as `{% if true %}` / `{% endif %}`: minijinja knows no such tag, and the
+/// `if` keeps the tags' whitespace control (`{%- generation -%}`).
+fn without_generation_tags(template: &str) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(end) = tag.find("%}") else {
+            break;
+        };
+        let inner = &tag[2..end];
+        let (left, body, right) = trim_controls(inner);
+        let replaced = match body {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replaced {
+            Some(r) => out.push_str(&format!("{{%{left} {r} {right}%}}")),
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A tag's inside split into its leading whitespace control (`-`, `+` or none), its
+/// trimmed body, and its trailing control.
+fn trim_controls(inner: &str) -> (&str, &str, &str) {
+    let control = |c: char| c == '-' || c == '+';
+    let left = if inner.starts_with(control) {
+        &inner[..1]
+    } else {
+        ""
+    };
+    let right = if inner.ends_with(control) && inner.len() > left.len() {
+        &inner[inner.len() - 1..]
+    } else {
+        ""
+    };
+    let body = inner[left.len()..inner.len() - right.len()].trim();
+    (left, body, right)
+}
+
 /// A minijinja error as the crate's, with the template's line where it has one.
 fn template_error(source: &Path, e: &minijinja::Error) -> TrainError {
     let line = e
@@ -325,6 +374,21 @@ mod tests {
             .unwrap();
         assert_eq!(r.assistant.len(), 1);
         assert_eq!(&r.text[r.assistant[0].clone()], "hello<|im_end|>\n");
+    }
+
+    #[test]
+    fn generation_tags_render_nothing_and_keep_their_whitespace_control() {
+        let tagged = "{% for m in messages %}{% if m['role'] == 'assistant' %}A: \
+                      {%- generation %}{{ m['content'] }}|{% endgeneration -%}\n{% else %}\
+                      U: {{ m['content'] }}\n{% endif %}{% endfor %}";
+        let r = template(tagged)
+            .render_spans(&[msg("user", "hi"), msg("assistant", " yo")])
+            .unwrap();
+        assert_eq!(r.text, "U: hi\nA: yo|", "the space before the tag trimmed");
+        assert_eq!(
+            without_generation_tags("{%generation%}x{%+ endgeneration %}{% if a %}"),
+            "{% if true %}x{%+ endif %}{% if a %}"
+        );
     }
 
     #[test]
