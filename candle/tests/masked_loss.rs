@@ -120,3 +120,78 @@ fn unmasked_targets_give_candle_nn_cross_entropy_and_all_masked_gives_zero() {
         0.0
     );
 }
+
+/// Through a small LLaMA: every parameter's gradient of the masked loss is the gradient
+/// of candle_nn's cross-entropy over the unmasked positions alone.
+#[test]
+fn parameter_gradients_see_the_unmasked_positions_only() {
+    use tidestore_candle::{InMemory, LlamaConfig};
+    let model = Llama::new(LlamaConfig {
+        vocab: 64,
+        hidden: 16,
+        intermediate: 32,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        tie_embeddings: false,
+        lora: None,
+    })
+    .unwrap();
+    let dev = Device::Cpu;
+    let init = model.init(3);
+    let x = Tensor::from_vec((0..12u32).map(|i| i * 5 % 64).collect(), (2, 6), &dev).unwrap();
+    let mut y: Vec<u32> = (0..12u32).map(|i| (i * 11 + 1) % 64).collect();
+    let masked = [0usize, 1, 2, 9, 10, 11];
+    for &at in &masked {
+        y[at] = IGNORE_TARGET;
+    }
+    let kept: Vec<u32> = (0..12u32)
+        .filter(|i| !masked.contains(&(*i as usize)))
+        .collect();
+    let grads_of = |masked_loss: bool| {
+        let mut mem = InMemory::new(&init, &dev).unwrap();
+        let logits = model.forward(&mut mem, &x).unwrap();
+        let yt = Tensor::from_vec(y.clone(), (2, 6), &dev).unwrap();
+        let loss = if masked_loss {
+            Llama::loss(&logits, &yt).unwrap()
+        } else {
+            let idx = Tensor::from_vec(kept.clone(), kept.len(), &dev).unwrap();
+            let rows = logits
+                .reshape((12, 64))
+                .unwrap()
+                .index_select(&idx, 0)
+                .unwrap();
+            let targets = yt.flatten_all().unwrap().index_select(&idx, 0).unwrap();
+            candle_nn::loss::cross_entropy(&rows, &targets).unwrap()
+        };
+        let g = loss.backward().unwrap();
+        let per_param: Vec<Vec<f32>> = mem
+            .vars()
+            .iter()
+            .map(|v| {
+                g.get(v.as_tensor())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+            .collect();
+        (loss.to_scalar::<f32>().unwrap(), per_param)
+    };
+    let (loss, grads) = grads_of(true);
+    let (want_loss, want) = grads_of(false);
+    assert!((loss - want_loss).abs() < 1e-6, "{loss} vs {want_loss}");
+    for (g, w) in grads.iter().zip(&want) {
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+        let err = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err <= 1e-5 * scale, "{err} of {scale}");
+    }
+    assert!(!grads.is_empty());
+}
