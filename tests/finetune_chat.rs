@@ -334,3 +334,44 @@ fn jsonl_documents_get_bos_and_eos_as_the_tokenizer_config_says() {
     assert_eq!(report["data"]["loss_tokens"].as_u64(), Some(want as u64));
     assert_eq!(report["data"]["records"], 3);
 }
+
+#[test]
+fn too_long_samples_are_truncated_or_dropped_and_counted() {
+    let d = setup();
+    let expected: Vec<serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(chat_fixtures().join("llama3/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let masks: Vec<Vec<u64>> = expected
+        .iter()
+        .map(|e| serde_json::from_value(e["assistant_masks"].clone()).unwrap())
+        .collect();
+    let window = 65; // sequence 64 + 1
+    let longer = masks.iter().filter(|m| m.len() > window).count() as u64;
+    assert!(
+        longer >= 2,
+        "the fixture has conversations longer than the window"
+    );
+    for (mode, kept) in [("truncate", true), ("drop", false)] {
+        let config = chat_config(&format!("too_long = \"{mode}\"\n"))
+            .replace("sequence = 128", "sequence = 64");
+        let out = finetune(d.path(), &config);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let data =
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["data"].clone();
+        // The window's assistant tokens, past its first token, of each sample kept.
+        let loss: u64 = masks
+            .iter()
+            .filter(|m| kept || m.len() <= window)
+            .map(|m| m[1..m.len().min(window)].iter().sum::<u64>())
+            .sum();
+        assert_eq!(data["loss_tokens"].as_u64(), Some(loss), "{mode}: {data}");
+        let (truncated, dropped) = if kept { (longer, 0) } else { (0, longer) };
+        assert_eq!(data["truncated"].as_u64(), Some(truncated), "{mode}");
+        assert_eq!(data["dropped_too_long"].as_u64(), Some(dropped), "{mode}");
+    }
+}
