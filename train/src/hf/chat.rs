@@ -7,8 +7,11 @@
 //! `chat_template.jinja` (what `save_pretrained` writes since transformers 4.47), else
 //! the `chat_template` key of its `tokenizer_config.json` (a string, or a list of named
 //! templates of which `default` is taken). The template sees what transformers hands
-//! it: `messages`, `add_generation_prompt`, and the tokenizer's special tokens as
-//! strings (`bos_token`, `eos_token`, ... from `tokenizer_config.json`).
+//! it: `messages`, `add_generation_prompt`, `tools` and `documents` as none, and the
+//! tokenizer's special tokens as strings (`bos_token`, `eos_token`, ... from
+//! `tokenizer_config.json`). Not `strftime_now`: a template that writes today's date
+//! when it can (Llama 3.2's) falls back to its fixed one, so the tokens of a run do not
+//! change with the day it is resumed on.
 //!
 //! # Rendering as Jinja2 does
 //! `minijinja` with transformers' settings: `trim_blocks` and `lstrip_blocks` on, loop
@@ -240,6 +243,9 @@ impl ChatTemplate {
                 .unwrap_or_else(|e| unreachable!("messages always serialise: {e}")),
         );
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        // transformers passes these as None: `tools is not none` must be false.
+        ctx.insert("tools".into(), serde_json::Value::Null);
+        ctx.insert("documents".into(), serde_json::Value::Null);
         let value = minijinja::Value::from(minijinja::value::Serde(ctx));
         self.env
             .get_template(NAME)
@@ -374,6 +380,12 @@ mod tests {
             .unwrap();
         assert_eq!(r.assistant.len(), 1);
         assert_eq!(&r.text[r.assistant[0].clone()], "hello<|im_end|>\n");
+        let tools = "{% if tools is not none %}T{% endif %}{% if strftime_now is defined %}D\
+                     {% endif %}{{ messages[0]['content'] }}";
+        assert_eq!(
+            template(tools).render(&[msg("user", "x")], false).unwrap(),
+            "x"
+        );
     }
 
     #[test]
