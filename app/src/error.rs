@@ -40,6 +40,18 @@ pub enum Error {
     #[error("finetune: {0}")]
     Finetune(String),
 
+    /// A record of a fine-tuning data file is unusable: a line that is not JSON, lacks
+    /// its field, or holds a conversation the chat template cannot render.
+    #[error("training data {}{}: {reason}", path.display(), line.map_or(String::new(), |l| format!(":{l}")))]
+    Data {
+        /// The data file.
+        path: PathBuf,
+        /// The 1-based line, where the problem is one line's.
+        line: Option<usize>,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A command-line value that is well-formed but impossible.
     #[error("invalid value for {flag}: {reason}")]
     Usage {

@@ -105,6 +105,8 @@ fn shipped_config_sets_and_documents_every_key() {
         (
             "train",
             &[
+                "data_format",
+                "too_long",
                 "steps",
                 "sequence",
                 "micro_batch",
@@ -118,6 +120,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "lora_targets",
                 "precision",
                 "checkpoint_every",
+                "export_shard_size",
                 "export_dtype",
                 "seed",
             ],

@@ -46,7 +46,7 @@ pub mod tide;
 
 pub use error::{Error, Result};
 pub use gpt::{Batches, Gpt, GptConfig, LoraConfig};
-pub use llama::{Llama, LlamaArch, LlamaConfig, LlamaLora};
+pub use llama::{Llama, LlamaArch, LlamaConfig, LlamaLora, IGNORE_TARGET};
 pub use source::{InMemory, ParamSource, ParamSpec};
 pub use streamed::InMemoryTraining;
 pub use tide::{Precision, TideConfig, TideParams};

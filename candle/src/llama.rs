@@ -29,6 +29,10 @@ use crate::error::{Error, Result};
 use crate::gpt::Rng;
 use crate::source::{ParamSource, ParamSpec};
 
+/// A target that carries no loss ([`Llama::loss`]): a prompt or padding position, as
+/// PyTorch's `ignore_index = -100` in a u32 tensor.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
 /// The shape of a LLaMA model (the fields of its `config.json` that matter here).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -359,13 +363,24 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `logits` `(batch, time, vocab)` against
-    /// `targets` `(batch, time)`.
+    /// `targets` `(batch, time)` u32, over the positions whose target is not
+    /// [`IGNORE_TARGET`] only: a masked position contributes nothing to the sum nor to
+    /// the count, so its logits get a gradient of exactly zero (its term is multiplied
+    /// by 0 before the sum). With no masked position this is the plain mean; with every
+    /// position masked the loss is 0 and so is every gradient.
     pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (b, t, v) = logits.dims3()?;
-        Ok(candle_nn::loss::cross_entropy(
-            &logits.reshape((b * t, v))?,
-            &targets.reshape(b * t)?,
-        )?)
+        let targets = targets.reshape(b * t)?;
+        let ignore = Tensor::full(IGNORE_TARGET, b * t, targets.device())?;
+        let kept = targets.ne(&ignore)?;
+        // A masked target is read as id 0 (any valid id): its term is zeroed below.
+        let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
+        let log_p = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?, D::Minus1)?;
+        let picked = log_p.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let weight = kept.to_dtype(picked.dtype())?;
+        let count = weight.sum_all()?.to_scalar::<f32>()?;
+        let total = (picked * weight)?.sum_all()?;
+        Ok((total.neg()? / f64::from(count.max(1.0)))?)
     }
 
     fn linear(

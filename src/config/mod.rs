@@ -414,8 +414,11 @@ impl Config {
             &mut cfg.nvme.dir,
             &mut t.model_dir,
             &mut t.text,
+            &mut t.data,
+            &mut t.chat_template,
             &mut t.checkpoint_dir,
             &mut t.export_dir,
+            &mut t.export_merged,
         ] {
             if let Some(d) = dir.as_mut().filter(|d| d.is_relative()) {
                 *d = base.join(&*d);

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
+use crate::config::Size;
 use crate::error::{Error, Result};
 use crate::workload::{LoraTargets, TrainMode};
 
@@ -70,6 +71,33 @@ pub enum ExportDtype {
     F32,
 }
 
+/// `train.data_format`: what the training data file holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataFormat {
+    /// Plain UTF-8 text (`train.text`), cut into windows of `sequence + 1` tokens.
+    #[default]
+    Text,
+    /// JSON Lines (`train.data`), one `{"text": ...}` document a line; every token
+    /// carries loss; BOS/EOS as the tokenizer says.
+    Jsonl,
+    /// JSON Lines (`train.data`), one `{"messages": [{"role", "content"}, ...]}`
+    /// conversation a line, rendered with the model's chat template; only the
+    /// assistant's tokens carry loss.
+    Chat,
+}
+
+/// `train.too_long`: what happens to a JSONL sample longer than `train.sequence + 1`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TooLong {
+    /// Left out (counted in the summary): no answer is trained cut off.
+    #[default]
+    Drop,
+    /// Its first `sequence + 1` tokens kept (counted in the summary).
+    Truncate,
+}
+
 /// `[train]`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -78,8 +106,17 @@ pub struct TrainSection {
     /// A Hugging Face LLaMA directory (`config.json`, safetensors, optionally
     /// `tokenizer.json`), e.g. one made by `tidestore init-model`.
     pub model_dir: Option<PathBuf>,
-    /// The training text (UTF-8).
+    /// The training text (UTF-8), with `data_format = "text"`.
     pub text: Option<PathBuf>,
+    /// What the data file holds.
+    pub data_format: DataFormat,
+    /// The JSON Lines data file, with `data_format = "jsonl"` or `"chat"`.
+    pub data: Option<PathBuf>,
+    /// A Jinja chat template file used instead of the model's (`chat_template.jinja`
+    /// or `tokenizer_config.json`'s `chat_template`), with `data_format = "chat"`.
+    pub chat_template: Option<PathBuf>,
+    /// What happens to a JSONL sample longer than `sequence + 1` tokens.
+    pub too_long: TooLong,
     /// Optimizer steps, 1..=10000000.
     pub steps: u32,
     /// Tokens per sample, 1..=65536.
@@ -112,6 +149,16 @@ pub struct TrainSection {
     /// Where the trained model is exported at the end (HF safetensors; with LoRA, a
     /// PEFT adapter), when given.
     pub export_dir: Option<PathBuf>,
+    /// Where the LoRA run's adapters are also exported merged into the base (a full
+    /// Hugging Face model), beside the PEFT adapter in `export_dir`; LoRA only.
+    pub export_merged: Option<PathBuf>,
+    /// Largest safetensors shard of a full or merged export; more than one shard
+    /// writes `model.safetensors.index.json`.
+    pub export_shard_size: Size,
+    /// `base_model_name_or_path` of the PEFT adapter: by default the model's own name
+    /// (its `_name_or_path` when that is not a filesystem path, else the model
+    /// directory's name), never a machine path unless given here.
+    pub base_model_name: Option<String>,
     /// Dtype of the export.
     pub export_dtype: ExportDtype,
     /// Seed of the batches (and of fresh LoRA adapters).
@@ -123,6 +170,10 @@ impl Default for TrainSection {
         TrainSection {
             model_dir: None,
             text: None,
+            data_format: DataFormat::Text,
+            data: None,
+            chat_template: None,
+            too_long: TooLong::Drop,
             steps: 100,
             sequence: 128,
             micro_batch: 4,
@@ -138,6 +189,9 @@ impl Default for TrainSection {
             checkpoint_every: 0,
             checkpoint_dir: None,
             export_dir: None,
+            export_merged: None,
+            export_shard_size: Size::from_bytes(tidestore_train::hf::DEFAULT_MAX_SHARD_BYTES),
+            base_model_name: None,
             export_dtype: ExportDtype::Bf16,
             seed: 0,
         }
@@ -185,10 +239,62 @@ impl TrainSection {
                 format!("{} is not a number > 0", self.lora_alpha),
             ));
         }
+        self.validate_data()?;
+        self.validate_export()?;
         if self.checkpoint_every > 0 && self.checkpoint_dir.is_none() {
             return Err(Error::config(
                 "train.checkpoint_dir",
                 "missing: checkpoint_every is set",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The data keys agree with `data_format`.
+    fn validate_data(&self) -> Result<()> {
+        let (wanted, other) = match self.data_format {
+            DataFormat::Text => ("train.text", self.data.as_ref().map(|_| "train.data")),
+            DataFormat::Jsonl | DataFormat::Chat => {
+                ("train.data", self.text.as_ref().map(|_| "train.text"))
+            }
+        };
+        if let Some(key) = other {
+            return Err(Error::config(
+                key,
+                format!(
+                    "set, but data_format = {:?} reads {wanted}",
+                    self.data_format
+                ),
+            ));
+        }
+        if self.chat_template.is_some() && self.data_format != DataFormat::Chat {
+            return Err(Error::config(
+                "train.chat_template",
+                "set, but only data_format = \"chat\" renders a chat template",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The export keys agree with each other and the mode.
+    fn validate_export(&self) -> Result<()> {
+        if self.export_merged.is_some() && self.mode != TrainMode::Lora {
+            return Err(Error::config(
+                "train.export_merged",
+                "set, but only a LoRA run has adapters to merge (a full run's export_dir is \
+                 the whole model)",
+            ));
+        }
+        if self.export_shard_size.bytes() == 0 {
+            return Err(Error::config(
+                "train.export_shard_size",
+                "must be more than 0",
+            ));
+        }
+        if self.base_model_name.is_some() && self.mode != TrainMode::Lora {
+            return Err(Error::config(
+                "train.base_model_name",
+                "set, but only a LoRA run's PEFT adapter records a base model",
             ));
         }
         Ok(())
@@ -222,6 +328,19 @@ impl TrainSection {
         self.text
             .as_deref()
             .ok_or_else(|| Error::config("train.text", "missing: the training text"))
+    }
+
+    /// The JSON Lines data file, or an error naming the key.
+    pub fn data(&self) -> Result<&std::path::Path> {
+        self.data.as_deref().ok_or_else(|| {
+            Error::config(
+                "train.data",
+                format!(
+                    "missing: the data file data_format = {:?} reads",
+                    self.data_format
+                ),
+            )
+        })
     }
 }
 

@@ -248,6 +248,17 @@ pub enum TrainError {
         reason: String,
     },
 
+    /// A chat template that fails to compile or render, that leaves out a message, or
+    /// whose renders of a conversation's prefixes are not prefixes of the whole.
+    #[error("chat template `{path}`: {reason}")]
+    ChatTemplate {
+        /// Where the template was read (a `.jinja` file, `tokenizer_config.json`, or the
+        /// model directory that has none).
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+
     /// The step loop was driven out of order (a tensor stepped twice in one step, a
     /// step finished with tensors left, ...).
     #[error("step loop: {0}")]

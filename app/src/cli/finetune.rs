@@ -223,6 +223,22 @@ fn print(r: &FinetuneReport) {
         r.resumed_from
             .map_or(String::new(), |s| format!("; resumed from step {s}"))
     );
+    let d = &r.data;
+    if d.format != "text" {
+        out!(
+            "data ({}): {} records, {} samples trained on ({} truncated); left out: {} longer \
+             than train.sequence + 1, {} with no token that carries loss; {} tokens carry \
+             loss, {} padding",
+            d.format,
+            d.records,
+            d.samples,
+            d.truncated,
+            d.dropped_too_long,
+            d.dropped_no_loss,
+            d.loss_tokens,
+            d.padding_tokens
+        );
+    }
     let (Some(first), Some(last)) = (r.steps.first(), r.steps.last()) else {
         out!("no step run (train.steps already reached)");
         return;
@@ -259,6 +275,9 @@ fn print(r: &FinetuneReport) {
     }
     if let Some(e) = &r.export {
         out!("exported: {}", e.display());
+    }
+    if let Some(e) = &r.export_merged {
+        out!("exported merged: {}", e.display());
     }
     out!("swap directory (removed): {}", r.swap_dir.display());
 }

@@ -25,6 +25,7 @@
 mod checks;
 mod data;
 mod identity;
+mod jsonl;
 pub mod model;
 mod paths;
 
@@ -45,9 +46,9 @@ use identity::RunIdentity;
 use tidestore::config::{AutoSize, Config, DeviceKindName};
 use tidestore_train::DeviceChoice;
 
-pub use data::Samples;
+pub use data::{DataSummary, Samples};
 pub use tidestore::config::{
-    ExportDtype, MicroBatchOrderName, PrecisionName, Schedule, TrainSection,
+    DataFormat, ExportDtype, MicroBatchOrderName, PrecisionName, Schedule, TooLong, TrainSection,
 };
 
 /// The JSON schema name of [`FinetuneReport`].
@@ -62,8 +63,10 @@ pub struct StepRecord {
     pub loss: f32,
     /// Learning rate of the step.
     pub lr: f64,
-    /// Tokens trained on.
+    /// Token positions computed (padding included).
     pub tokens: u64,
+    /// Of which targets that carry loss.
+    pub loss_tokens: u64,
     /// Wall time.
     pub seconds: f64,
     /// Of which candle's forward, recompute and backward.
@@ -89,8 +92,11 @@ pub struct FinetuneReport {
     pub params: u64,
     /// Trained parameters.
     pub params_trainable: u64,
-    /// Tokens in the text.
+    /// Tokens in the text (input positions of padded JSONL samples).
     pub text_tokens: u64,
+    /// What the data file gave: records, samples, the dropped and truncated ones,
+    /// tokens that carry loss and padding.
+    pub data: DataSummary,
     /// The step a resumed run continued from (`None`: from the start).
     pub resumed_from: Option<u64>,
     /// Every step run.
@@ -99,6 +105,8 @@ pub struct FinetuneReport {
     pub checkpoints: Vec<PathBuf>,
     /// Where the model was exported.
     pub export: Option<PathBuf>,
+    /// Where the LoRA run was exported merged into its base.
+    pub export_merged: Option<PathBuf>,
     /// The run's swap directory in `nvme.dir` (removed when the run ends).
     pub swap_dir: PathBuf,
     /// The store's counters over the run.
@@ -126,10 +134,12 @@ impl FinetuneReport {
             params: loaded.params(),
             params_trainable: loaded.params_trainable(),
             text_tokens: samples.len() as u64,
+            data: samples.summary().clone(),
             resumed_from,
             steps: Vec::new(),
             checkpoints: Vec::new(),
             export: None,
+            export_merged: None,
             swap_dir: PathBuf::new(),
             store: StoreStats::default(),
             nvme_bytes: (0, 0),
@@ -220,7 +230,10 @@ pub fn run(
     paths::check_outputs(t)?;
     let swap = open_swap_dir(cfg)?;
     let loaded = model::open(t)?;
-    let samples = model::samples(t, &loaded)?;
+    let samples = match t.data_format {
+        DataFormat::Text => model::text_samples(t, &loaded)?,
+        DataFormat::Jsonl | DataFormat::Chat => jsonl::samples(t, &loaded)?,
+    };
     let mut params =
         match TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu) {
             Ok(p) => p,
@@ -258,8 +271,12 @@ pub fn run(
     }
     progress.end();
     if let Some(dir) = &t.export_dir {
-        export_checked(t, &loaded, &mut params, dir)?;
+        export_checked(t, &loaded, &mut params, dir, false)?;
         report.export = Some(dir.clone());
+    }
+    if let Some(dir) = &t.export_merged {
+        export_checked(t, &loaded, &mut params, dir, true)?;
+        report.export_merged = Some(dir.clone());
     }
     report.finish(&params, swap.target().to_path_buf());
     Ok(report)
@@ -321,6 +338,7 @@ fn export_checked(
     loaded: &model::Loaded,
     params: &mut TideParams,
     dir: &std::path::Path,
+    merged: bool,
 ) -> Result<()> {
     let trainer = params.trainer_mut();
     for i in 0..trainer.len() {
@@ -348,7 +366,7 @@ fn export_checked(
         scratch::remove_dead(&parent, &format!(".{name}.tmp."));
     }
     let _temps = Scratch::temps_in(&parent);
-    model::export(t, loaded, params, dir)
+    model::export(t, loaded, params, dir, merged)
 }
 
 /// Step `step`: its micro-batches through the streamed trainer, at its learning rate.
@@ -363,9 +381,13 @@ fn one_step(
     let started = Instant::now();
     let lr = t.lr_at(step, cfg.optimizer.lr);
     params.set_lr(lr as f32)?;
-    let batches = (0..u64::from(t.accumulation))
-        .map(|k| samples.batch(u64::from(step), k, &Device::Cpu))
-        .collect::<Result<Vec<_>>>()?;
+    let mut loss_tokens = 0;
+    let mut batches = Vec::with_capacity(t.accumulation as usize);
+    for k in 0..u64::from(t.accumulation) {
+        let (batch, n) = samples.batch(u64::from(step), k, &Device::Cpu)?;
+        loss_tokens += n;
+        batches.push(batch);
+    }
     let s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
     if !s.loss.is_finite() || matches!(s.decision, StepDecision::Skip { .. }) {
         let tensor = params.trainer().step_loop().last_skip_tensor();
@@ -378,6 +400,7 @@ fn one_step(
         loss: s.loss,
         lr,
         tokens,
+        loss_tokens,
         seconds: started.elapsed().as_secs_f64(),
         compute_seconds: s.times.compute.as_secs_f64(),
         store_seconds: s.times.store.as_secs_f64(),

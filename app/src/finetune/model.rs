@@ -28,6 +28,8 @@ pub struct Loaded {
     pub dir: PathBuf,
     /// Its tokenizer (byte-level when it has no `tokenizer.json`).
     pub tokenizer: hf::Tokenizer,
+    /// Its `tokenizer_config.json` (empty when it has none).
+    pub tokenizer_config: hf::TokenizerConfig,
 }
 
 fn targets(t: LoraTargets) -> Vec<String> {
@@ -100,6 +102,7 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
     let dir = t.model_dir()?;
     let c = hf::LlamaConfig::load(dir)?;
     let tokenizer = hf::Tokenizer::for_model(dir)?;
+    let tokenizer_config = hf::TokenizerConfig::for_model(dir)?;
     checks::check_tokenizer(tokenizer.vocab_size(), &tokenizer.source())?;
     tokenizer.check_fits(&c, dir)?;
     let weights = hf::HfWeights::open(dir, &c)?;
@@ -123,13 +126,14 @@ pub fn open(t: &TrainSection) -> Result<Loaded> {
         hf: c,
         dir: dir.to_path_buf(),
         tokenizer,
+        tokenizer_config,
     })
 }
 
-/// The text tokenized with the model directory's `tokenizer.json` (byte-level when it
-/// has none), cut into the section's samples; every id checked against the model's
-/// vocabulary.
-pub fn samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
+/// The plain training text tokenized with the model directory's `tokenizer.json`
+/// (byte-level when it has none) and cut into windows; every id checked against the
+/// model's vocabulary.
+pub fn text_samples(t: &TrainSection, loaded: &Loaded) -> Result<Samples> {
     let path = t.text()?;
     let tokens = loaded.tokenizer.encode(&hf::read_text(path)?)?;
     let source = loaded.tokenizer.source();
@@ -189,44 +193,103 @@ fn lora_spec(loaded: &Loaded) -> Result<Option<hf::LoraSpec>> {
     Ok(Some(hf::LoraSpec::new(l.rank, l.alpha, &targets)))
 }
 
+/// The base model's name a PEFT adapter records: `train.base_model_name`, else the
+/// config's `_name_or_path` when it is a name (a hub id such as `org/model`) and not a
+/// filesystem path, else the model directory's own name; never a machine path unless
+/// the setting gives one.
+pub fn base_model_name(t: &TrainSection, loaded: &Loaded) -> String {
+    let own = loaded.hf.raw.get("_name_or_path").and_then(|v| v.as_str());
+    name_of_base(t.base_model_name.as_deref(), own, &loaded.dir)
+}
+
+/// [`base_model_name`] of a setting, a config's `_name_or_path` and the model directory.
+/// A name is a hub id: `name` or `org/name`, neither absolute nor starting with `.` or
+/// `~`; a path gives its last component.
+fn name_of_base(setting: Option<&str>, own: Option<&str>, dir: &Path) -> String {
+    if let Some(name) = setting {
+        return name.to_string();
+    }
+    let own = own.filter(|n| !n.is_empty());
+    let is_name = |n: &str| {
+        !Path::new(n).is_absolute()
+            && !n.starts_with(['.', '~'])
+            && !n.contains('\\')
+            && n.matches('/').count() <= 1
+            && !n.ends_with('/')
+    };
+    match own {
+        Some(n) if is_name(n) => n.to_string(),
+        _ => own
+            .and_then(|n| Path::new(n).file_name())
+            .or_else(|| dir.file_name())
+            .map_or_else(|| "base".into(), |n| n.to_string_lossy().into_owned()),
+    }
+}
+
+fn export_dtype(t: &TrainSection) -> DType {
+    match t.export_dtype {
+        ExportDtype::Bf16 => DType::BF16,
+        ExportDtype::F16 => DType::F16,
+        ExportDtype::F32 => DType::F32,
+    }
+}
+
 /// Writes the trained model to `out`: Hugging Face safetensors (the imported directory's
-/// tokenizer and generation config copied along), or with LoRA the adapters in PEFT's
-/// layout. Streamed tensor by tensor, written to a temporary directory and renamed.
+/// tokenizer and generation config copied along, shards of `train.export_shard_size`),
+/// or with LoRA the adapters in PEFT's layout. With `merged`, a LoRA run's adapters
+/// merged into the base as a full model (`train.export_merged`). Streamed tensor by
+/// tensor, written to a temporary directory and renamed.
 pub fn export(
     t: &TrainSection,
     loaded: &Loaded,
     params: &mut TideParams,
     out: &Path,
+    merged: bool,
 ) -> Result<()> {
-    let dtype = match t.export_dtype {
-        ExportDtype::Bf16 => DType::BF16,
-        ExportDtype::F16 => DType::F16,
-        ExportDtype::F32 => DType::F32,
-    };
-    match lora_spec(loaded)? {
-        Some(lora) => {
-            let base = loaded.dir.display().to_string();
-            params
-                .trainer_mut()
-                .export_adapter(&loaded.hf, &lora, out, dtype, &base)?;
-        }
-        None => {
-            let opts = hf::ExportOptions {
-                dtype,
-                copy_from: Some(loaded.dir.clone()),
-                ..hf::ExportOptions::default()
-            };
-            params
-                .trainer_mut()
-                .export_model(&loaded.hf, None, out, &opts)?;
-        }
+    let dtype = export_dtype(t);
+    let lora = lora_spec(loaded)?;
+    if let (Some(lora), false) = (&lora, merged) {
+        let base = base_model_name(t, loaded);
+        params
+            .trainer_mut()
+            .export_adapter(&loaded.hf, lora, out, dtype, &base)?;
+        return Ok(());
     }
+    let opts = hf::ExportOptions {
+        dtype,
+        copy_from: Some(loaded.dir.clone()),
+        max_shard_bytes: t.export_shard_size.bytes(),
+    };
+    params
+        .trainer_mut()
+        .export_model(&loaded.hf, lora.as_ref(), out, &opts)?;
     Ok(())
 }
 
 #[cfg(test)]
 mod sequence_tests {
     use super::*;
+
+    #[test]
+    fn the_base_model_is_named_by_name_never_by_a_machine_path() {
+        let dir = Path::new("/data/models/tiny");
+        let name = |setting, own| name_of_base(setting, own, dir);
+        assert_eq!(
+            name(Some("/my/path"), Some("org/m")),
+            "/my/path",
+            "as asked"
+        );
+        assert_eq!(
+            name(None, Some("meta-llama/Llama-3.2-1B")),
+            "meta-llama/Llama-3.2-1B"
+        );
+        assert_eq!(name(None, Some("gpt2")), "gpt2");
+        assert_eq!(name(None, Some("/home/u/models/llama")), "llama");
+        assert_eq!(name(None, Some("./models/llama")), "llama");
+        assert_eq!(name(None, Some("a/b/c")), "c");
+        assert_eq!(name(None, Some("")), "tiny");
+        assert_eq!(name(None, None), "tiny");
+    }
 
     fn config(rope: &str) -> hf::LlamaConfig {
         let text = format!(

@@ -60,14 +60,14 @@ fn resolved(path: &Path) -> PathBuf {
     out
 }
 
-/// Refuses an export directory equal to the model directory or inside it: the export
-/// replaces its target whole, and would replace (or write into) the base model.
-pub fn check_export_dir(export: &Path, model: &Path) -> Result<()> {
+/// Refuses an export directory (`key`) equal to the model directory or inside it: the
+/// export replaces its target whole, and would replace (or write into) the base model.
+pub fn check_export_dir(key: &str, export: &Path, model: &Path) -> Result<()> {
     let (e, m) = (resolved(export), resolved(model));
     if e.starts_with(&m) {
         let how = if e == m { "is" } else { "is inside" };
         return Err(Error::config(
-            "train.export_dir",
+            key,
             format!(
                 "{} {how} train.model_dir {}: the export would overwrite the model it \
                  starts from; choose a directory outside it",
@@ -84,13 +84,28 @@ pub fn check_outputs(t: &super::TrainSection) -> Result<()> {
     if let Some(dir) = &t.checkpoint_dir {
         check_writable_dir("train.checkpoint_dir", dir)?;
     }
-    if let Some(export) = &t.export_dir {
-        check_export_dir(export, t.model_dir()?)?;
-        check_writable_dir("train.export_dir", &parent_of(export))?;
+    for (key, export) in [
+        ("train.export_dir", &t.export_dir),
+        ("train.export_merged", &t.export_merged),
+    ] {
+        let Some(export) = export else { continue };
+        check_export_dir(key, export, t.model_dir()?)?;
+        check_writable_dir(key, &parent_of(export))?;
         if export.exists() && !export.is_dir() {
             return Err(Error::config(
-                "train.export_dir",
+                key,
                 format!("{} exists and is not a directory", export.display()),
+            ));
+        }
+    }
+    if let (Some(a), Some(m)) = (&t.export_dir, &t.export_merged) {
+        if resolved(a) == resolved(m) {
+            return Err(Error::config(
+                "train.export_merged",
+                format!(
+                    "{} is train.export_dir too: each export replaces its directory whole",
+                    m.display()
+                ),
             ));
         }
     }
@@ -111,10 +126,10 @@ mod tests {
             model.join("out"),
             d.path().join("x/../model/."),
         ] {
-            let e = check_export_dir(&bad, &model).unwrap_err();
+            let e = check_export_dir("train.export_dir", &bad, &model).unwrap_err();
             assert_eq!(e.key(), Some("train.export_dir"), "{bad:?}");
         }
-        check_export_dir(&d.path().join("model-out"), &model).unwrap();
-        check_export_dir(&d.path().join("export"), &model).unwrap();
+        check_export_dir("train.export_dir", &d.path().join("model-out"), &model).unwrap();
+        check_export_dir("train.export_merged", &d.path().join("export"), &model).unwrap();
     }
 }

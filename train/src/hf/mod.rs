@@ -17,9 +17,10 @@
 //! ```
 //!
 //! One concept per file: [`config`], [`names`], [`import`](mod@import), [`export`], [`peft`],
-//! [`init`], [`tokenizer`], [`rope`]. Every refusal is a [`crate::TrainError`] naming the file and
+//! [`init`], [`tokenizer`], [`chat`], [`rope`]. Every refusal is a [`crate::TrainError`] naming the file and
 //! the tensor or key.
 
+pub mod chat;
 pub mod config;
 pub mod export;
 pub mod import;
@@ -29,6 +30,7 @@ pub mod peft;
 pub mod rope;
 pub mod tokenizer;
 
+pub use chat::{ChatTemplate, Message, Rendered, TokenizerConfig};
 pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
 pub use export::{export_model, merge_into, ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
 pub use import::{import, HfWeights, ImportReport, INDEX_FILE, SINGLE_FILE};

@@ -12,7 +12,11 @@
 //! mapping as a `tokenizer.json` (GPT-2 byte-level BPE with no merges), so a model made
 //! by [`crate::hf::init_model`] tokenizes the same with or without its file.
 //!
-//! Encoding never adds special tokens; the caller places BOS/EOS where it wants them.
+//! [`Tokenizer::encode`] never adds special tokens and reads a special token's text in
+//! the training text (a literal `<s>`) as text, as the byte-level tokenizer does (the
+//! `tokenizers` crate's `encode_special_tokens`, transformers' `split_special_tokens`);
+//! the caller places BOS/EOS where it wants them. [`Tokenizer::encode_rendered`], for a
+//! chat template's output, reads them as the special tokens the template wrote.
 
 use std::path::{Path, PathBuf};
 
@@ -39,7 +43,10 @@ pub struct Tokenizer {
 #[derive(Debug)]
 enum Inner {
     Hf {
+        /// Special tokens' texts read as the special tokens.
         tokenizer: Box<tokenizers::Tokenizer>,
+        /// The same, reading them as text.
+        literal: Box<tokenizers::Tokenizer>,
         path: PathBuf,
     },
     Bytes,
@@ -64,9 +71,12 @@ impl Tokenizer {
                 path: path.to_path_buf(),
                 reason: e.to_string(),
             })?;
+        let mut literal = tokenizer.clone();
+        literal.set_encode_special_tokens(true);
         Ok(Tokenizer {
             inner: Inner::Hf {
                 tokenizer: Box::new(tokenizer),
+                literal: Box::new(literal),
                 path: path.to_path_buf(),
             },
         })
@@ -130,14 +140,15 @@ impl Tokenizer {
         }
     }
 
-    /// The ids of `text`, without special tokens. A text longer than
+    /// The ids of `text`, without special tokens, a special token's text read as text.
+    /// A text longer than
     /// [`ENCODE_PIECE_BYTES`] is encoded in pieces cut just after a newline (bounded
     /// memory; a SentencePiece-style tokenizer may then tokenize the first word of a
     /// piece as the start of a text).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let (tokenizer, path) = match &self.inner {
             Inner::Bytes => return Ok(text.bytes().map(u32::from).collect()),
-            Inner::Hf { tokenizer, path } => (tokenizer, path),
+            Inner::Hf { literal, path, .. } => (literal, path),
         };
         let mut ids = Vec::with_capacity(text.len() / 3);
         for piece in pieces(text, ENCODE_PIECE_BYTES) {
@@ -152,18 +163,64 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The ids of a chat template's output `text` with the byte offset in `text` where
+    /// each token starts: special tokens' texts are the special tokens (as transformers
+    /// tokenizes `apply_chat_template`'s text), nothing added.
+    pub fn encode_rendered(&self, text: &str) -> Result<(Vec<u32>, Vec<usize>)> {
+        match &self.inner {
+            Inner::Hf {
+                tokenizer, path, ..
+            } => {
+                let enc = tokenizer
+                    .encode(text, false)
+                    .map_err(|e| TrainError::Tokenizer {
+                        path: path.clone(),
+                        reason: format!("encoding: {e}"),
+                    })?;
+                let starts = enc.get_offsets().iter().map(|o| o.0).collect();
+                Ok((enc.get_ids().to_vec(), starts))
+            }
+            Inner::Bytes => Ok(byte_level_rendered(text)),
+        }
+    }
+
+    /// The ids `tokenizer.json`'s post-processor puts before and after a text (BOS,
+    /// EOS: what transformers' `add_special_tokens=True` adds); none for byte-level.
+    pub fn special_affixes(&self) -> Result<(Vec<u32>, Vec<u32>)> {
+        let Inner::Hf { literal, path, .. } = &self.inner else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let encode = |specials: bool| {
+            literal
+                .encode("a", specials)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| TrainError::Tokenizer {
+                    path: path.clone(),
+                    reason: format!("encoding: {e}"),
+                })
+        };
+        let (plain, with) = (encode(false)?, encode(true)?);
+        let at = (0..=with.len().saturating_sub(plain.len()))
+            .find(|&i| with[i..].starts_with(&plain))
+            .ok_or_else(|| TrainError::Tokenizer {
+                path: path.clone(),
+                reason: "the post-processor changes a text's own tokens".into(),
+            })?;
+        Ok((with[..at].to_vec(), with[at + plain.len()..].to_vec()))
+    }
+
     /// The text of `ids`, special tokens skipped (invalid UTF-8 from a byte-level
     /// sequence cut mid-character is replaced by U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         match &self.inner {
-            Inner::Hf { tokenizer, path } => {
-                tokenizer
-                    .decode(ids, true)
-                    .map_err(|e| TrainError::Tokenizer {
-                        path: path.clone(),
-                        reason: format!("decoding: {e}"),
-                    })
-            }
+            Inner::Hf {
+                tokenizer, path, ..
+            } => tokenizer
+                .decode(ids, true)
+                .map_err(|e| TrainError::Tokenizer {
+                    path: path.clone(),
+                    reason: format!("decoding: {e}"),
+                }),
             Inner::Bytes => {
                 let mut bytes = Vec::with_capacity(ids.len());
                 for &id in ids {
@@ -182,6 +239,31 @@ impl Tokenizer {
             }
         }
     }
+}
+
+/// [`Tokenizer::encode_rendered`] of the byte-level tokenizer: `<s>` and `</s>` are
+/// its special tokens, every other byte itself.
+fn byte_level_rendered(text: &str) -> (Vec<u32>, Vec<usize>) {
+    let bytes = text.as_bytes();
+    let (mut ids, mut starts) = (
+        Vec::with_capacity(bytes.len()),
+        Vec::with_capacity(bytes.len()),
+    );
+    let mut at = 0;
+    while at < bytes.len() {
+        starts.push(at);
+        if bytes[at..].starts_with(b"<s>") {
+            ids.push(BYTE_LEVEL_BOS);
+            at += 3;
+        } else if bytes[at..].starts_with(b"</s>") {
+            ids.push(BYTE_LEVEL_EOS);
+            at += 4;
+        } else {
+            ids.push(u32::from(bytes[at]));
+            at += 1;
+        }
+    }
+    (ids, starts)
 }
 
 /// `text` cut into pieces of about `max` bytes, each ending just after a newline where
@@ -312,6 +394,24 @@ mod tests {
         Tokenizer::byte_level()
             .check_fits(&cfg, Path::new("m"))
             .unwrap();
+    }
+
+    #[test]
+    fn a_literal_special_token_in_the_text_is_text_with_or_without_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(TOKENIZER_FILE);
+        std::fs::write(&path, byte_level_tokenizer_json()).unwrap();
+        let file = Tokenizer::from_file(&path).unwrap();
+        let text = "a <s> b </s>";
+        let bytes: Vec<u32> = text.bytes().map(u32::from).collect();
+        assert_eq!(file.encode(text).unwrap(), bytes);
+        assert_eq!(Tokenizer::byte_level().encode(text).unwrap(), bytes);
+        // A chat template's output: the special tokens it wrote are special.
+        for t in [file, Tokenizer::byte_level()] {
+            let (ids, starts) = t.encode_rendered("<s>hi</s>").unwrap();
+            assert_eq!(ids, [BYTE_LEVEL_BOS, 104, 105, BYTE_LEVEL_EOS]);
+            assert_eq!(starts, [0, 3, 4, 5]);
+        }
     }
 
     #[test]
