@@ -11,7 +11,7 @@
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::TierKind;
 
-use super::{remove_from, stopped, tier_err, Mover, Pending, Slot};
+use super::{remove_from, stopped, tier_err, Cause, Mover, Pending, Slot};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -35,6 +35,7 @@ impl Mover {
         &mut self,
         chunk: ChunkId,
         room: HostRoom<'_>,
+        cause: Cause,
     ) -> Result<AlignedBuf> {
         let d = chunk.dense();
         loop {
@@ -45,7 +46,7 @@ impl Mover {
                 // A write-back in flight gives a buffer back: wait for it rather than
                 // evicting more (the prefetcher never waits). Queued prefetch reads do
                 // not take it first: this chunk is needed sooner.
-                if room.not_before.is_none() && self.wait_for_demand()? {
+                if room.not_before.is_none() && self.wait_for_demand(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -66,14 +67,14 @@ impl Mover {
                         && match (room.not_before, &schedule) {
                             (None, _) => true,
                             (Some(n), Some(s)) => s
-                                .next_use_from(*w, self.moment + 1, Horizon::Cyclic)
+                                .next_use_from(*w, cause.moment + 1, Horizon::Cyclic)
                                 .is_none_or(|u| u > n),
                             (Some(_), None) => false,
                         }
                 })
                 .collect();
             if candidates.is_empty() {
-                if room.not_before.is_none() && self.wait_any()? {
+                if room.not_before.is_none() && self.wait_any(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -83,14 +84,14 @@ impl Mover {
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
-            let Some(victim) = self.host_policy.choose(&candidates, self.moment) else {
+            let Some(victim) = self.host_policy.choose(&candidates, cause.moment) else {
                 return Err(ChunkError::NoVictim {
-                    moment: self.moment,
+                    moment: cause.moment,
                     chunk,
                     policy: "host",
                 });
             };
-            self.evict_host(victim, room.not_before.is_none())?;
+            self.evict_host(victim, room.not_before.is_none(), cause)?;
         }
     }
 
@@ -98,7 +99,7 @@ impl Mover {
     /// chunk's only current copy. On a failed write the copy stays where it was. With
     /// `may_wait` (a demand load makes room), a swap file whose slots are all held by
     /// transfers in flight is waited on rather than reported full.
-    pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
+    pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool, cause: Cause) -> Result<()> {
         let d = w.dense();
         let slot = &self.slots[d];
         if slot.host.is_none() {
@@ -106,7 +107,7 @@ impl Mover {
         }
         if slot.dev.is_none() && !slot.nvme_valid {
             // Found before the copy leaves its slot: waiting routes other transfers.
-            self.ensure_nvme_slot(w, may_wait)?;
+            self.ensure_nvme_slot(w, may_wait, cause)?;
         }
         let Some(buf) = self.slots[d].host.take() else {
             return Ok(());
@@ -120,8 +121,8 @@ impl Mover {
             drop(buf);
             self.stats.host_evictions += 1;
             self.stats.host_clean_evictions += 1;
-            self.host_policy.on_evict(w, self.moment);
-            self.emit(MoveKind::DropHost, w, 0);
+            self.host_policy.on_evict(w, cause.moment);
+            self.emit(cause, MoveKind::DropHost, w, 0);
             return Ok(());
         }
         let len = self.len(w);
@@ -135,7 +136,7 @@ impl Mover {
             self.note_nvme_in_flight(false);
             self.stats.async_writes += 1;
             self.stats.host_evictions += 1;
-            self.host_policy.on_evict(w, self.moment);
+            self.host_policy.on_evict(w, cause.moment);
             // Start it now (submitted requests start at the next poll).
             let first = self.nvme.poll();
             if let Some(c) = first {
@@ -159,8 +160,8 @@ impl Mover {
         self.stats.host_to_nvme_bytes += len as u64;
         self.stats.nvme_writes += 1;
         self.stats.host_evictions += 1;
-        self.host_policy.on_evict(w, self.moment);
-        self.emit(MoveKind::HostToNvme, w, len as u64);
+        self.host_policy.on_evict(w, cause.moment);
+        self.emit(cause, MoveKind::HostToNvme, w, len as u64);
         Ok(())
     }
 
@@ -169,7 +170,12 @@ impl Mover {
     /// read holds its slot until the read lands (then its copy is current elsewhere
     /// too): with `may_wait`, transfers in flight are waited for rather than the file
     /// reported full.
-    pub(super) fn ensure_nvme_slot(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
+    pub(super) fn ensure_nvme_slot(
+        &mut self,
+        w: ChunkId,
+        may_wait: bool,
+        cause: Cause,
+    ) -> Result<()> {
         let d = w.dense();
         if self.slots[d].nvme_stored {
             return Ok(());
@@ -193,7 +199,7 @@ impl Mover {
                 .min_by_key(|&i| self.slots[i].nvme_valid);
             match pick {
                 Some(r) => break r,
-                None if may_wait && self.wait_for_demand()? => {}
+                None if may_wait && self.wait_for_demand(cause)? => {}
                 None => {
                     return Err(ChunkError::TierFull {
                         tier: TierKind::Nvme,
@@ -211,7 +217,7 @@ impl Mover {
         let s = &mut self.slots[r];
         s.nvme_stored = false;
         s.nvme_valid = false;
-        self.emit(MoveKind::ReclaimNvme, rc, 0);
+        self.emit(cause, MoveKind::ReclaimNvme, rc, 0);
         Ok(())
     }
 
@@ -221,6 +227,7 @@ impl Mover {
         need: u64,
         protect: ChunkId,
         not_before: Option<u64>,
+        cause: Cause,
     ) -> Result<()> {
         loop {
             let used = self.device_used();
@@ -234,24 +241,24 @@ impl Mover {
                 .filter(|&v| v != protect && self.slots[v.dense()].dev_pins == 0)
                 .collect();
             if candidates.is_empty() {
-                if not_before.is_none() && self.wait_any()? {
+                if not_before.is_none() && self.wait_any(cause)? {
                     continue;
                 }
                 return Err(ChunkError::WorkingSetTooLarge {
-                    moment: self.moment,
+                    moment: cause.moment,
                     needed_bytes: used + need,
                     capacity_bytes: self.dev_cap,
                     short_bytes: used + need - self.dev_cap,
                 });
             }
-            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
+            let Some(victim) = self.dev_policy.choose(&candidates, cause.moment) else {
                 return Err(ChunkError::NoVictim {
-                    moment: self.moment,
+                    moment: cause.moment,
                     chunk: protect,
                     policy: "device",
                 });
             };
-            self.evict_device(victim, not_before, protect)?;
+            self.evict_device(victim, not_before, protect, cause)?;
         }
     }
 
@@ -263,6 +270,7 @@ impl Mover {
         v: ChunkId,
         not_before: Option<u64>,
         keep: ChunkId,
+        cause: Cause,
     ) -> Result<()> {
         let d = v.dense();
         if self.slots[d].dev.is_none() {
@@ -276,6 +284,7 @@ impl Mover {
                     protect: &[v, keep],
                     not_before,
                 },
+                cause,
             )?;
             let Some(mem) = self.slots[d].dev.take() else {
                 return Err(ChunkError::tier(
@@ -286,7 +295,7 @@ impl Mover {
             };
             let len = self.len(v);
             let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, v)?;
+            let done = self.wait_copy_id(id, v, cause)?;
             if let Err(e) = done.result {
                 self.slots[d].dev = Some(done.mem);
                 return Err(ChunkError::tier("copy device->host", Some(v), e));
@@ -294,7 +303,7 @@ impl Mover {
             drop(done.mem);
             self.slots[d].host = Some(done.host);
             self.host_list.push(v);
-            self.host_policy.on_insert(v, self.moment);
+            self.host_policy.on_insert(v, cause.moment);
             self.stats.device_to_host_bytes += len as u64;
             self.stats.device_to_host_copies += 1;
         } else {
@@ -308,20 +317,20 @@ impl Mover {
             self.stats.prefetch_wasted += 1;
         }
         self.stats.device_evictions += 1;
-        self.dev_policy.on_evict(v, self.moment);
+        self.dev_policy.on_evict(v, cause.moment);
         if clean {
             self.stats.device_clean_evictions += 1;
-            self.emit(MoveKind::DropDevice, v, 0);
+            self.emit(cause, MoveKind::DropDevice, v, 0);
         } else {
             let len = self.len_bytes[d];
-            self.emit(MoveKind::DeviceToHost, v, len);
+            self.emit(cause, MoveKind::DeviceToHost, v, len);
         }
         Ok(())
     }
 
     /// Evicts device chunks not in use until the device holds at most `cap` bytes;
     /// returns the bytes it still holds.
-    pub(crate) fn shrink_device(&mut self, cap: u64) -> Result<u64> {
+    pub(crate) fn shrink_device(&mut self, cap: u64, cause: Cause) -> Result<u64> {
         loop {
             let used = self.device_used();
             if used <= cap {
@@ -333,13 +342,13 @@ impl Mover {
                 .copied()
                 .filter(|&v| self.slots[v.dense()].dev_pins == 0)
                 .collect();
-            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
-                if self.wait_any()? {
+            let Some(victim) = self.dev_policy.choose(&candidates, cause.moment) else {
+                if self.wait_any(cause)? {
                     continue;
                 }
                 return Ok(used);
             };
-            self.evict_device(victim, None, victim)?;
+            self.evict_device(victim, None, victim, cause)?;
         }
     }
 }

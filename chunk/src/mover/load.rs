@@ -12,7 +12,7 @@ use tidestore_io::AlignedBuf;
 use tidestore_tiers::{TierError, TierKind};
 
 use super::evict::HostRoom;
-use super::{remove_from, stopped, tier_err, Mover, Pending};
+use super::{remove_from, stopped, tier_err, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -20,18 +20,18 @@ use crate::Result;
 
 impl Mover {
     /// Makes `c` current on the device (demand). Returns whether it already was.
-    pub(crate) fn ensure_device(&mut self, c: ChunkId) -> Result<bool> {
+    pub(crate) fn ensure_device(&mut self, c: ChunkId, cause: Cause) -> Result<bool> {
         let d = c.dense();
         // Where it is: a transfer in flight lands first; a device copy is a hit.
         if self.slots[d].pending != Pending::None {
-            self.wait_pending(c)?;
+            self.wait_pending(c, cause)?;
         }
         if self.slots[d].dev.is_some() {
-            self.dev_policy.on_access(c, self.moment);
+            self.dev_policy.on_access(c, cause.moment);
             return Ok(true);
         }
         // Make room under the tide, then take the device memory.
-        self.make_room_device(self.dev_bytes[d], c, None)?;
+        self.make_room_device(self.dev_bytes[d], c, None, cause)?;
         let mem = self
             .device
             .alloc(d as u64, self.len(c))
@@ -41,7 +41,7 @@ impl Mover {
             protect: &[c],
             not_before: None,
         };
-        let buf = match self.host_copy_for_load(c, room) {
+        let buf = match self.host_copy_for_load(c, room, cause) {
             Ok(b) => b,
             Err(e) => {
                 drop(mem);
@@ -53,18 +53,18 @@ impl Mover {
         self.host_list.push(c);
         self.start_h2d(c, mem)?;
         self.stats.demand_loads += 1;
-        self.wait_pending(c)?;
-        self.dev_policy.on_insert(c, self.moment);
+        self.wait_pending(c, cause)?;
+        self.dev_policy.on_insert(c, cause.moment);
         Ok(false)
     }
 
     /// Makes `c` current in the host pool (from the device, NVMe or zeros). Returns
     /// whether it already was.
-    pub(crate) fn ensure_host(&mut self, c: ChunkId) -> Result<bool> {
-        self.wait_pending(c)?;
+    pub(crate) fn ensure_host(&mut self, c: ChunkId, cause: Cause) -> Result<bool> {
+        self.wait_pending(c, cause)?;
         let d = c.dense();
         if self.slots[d].host.is_some() {
-            self.host_policy.on_access(c, self.moment);
+            self.host_policy.on_access(c, cause.moment);
             return Ok(true);
         }
         let room = HostRoom {
@@ -72,7 +72,7 @@ impl Mover {
             not_before: None,
         };
         if self.slots[d].dev.is_some() {
-            let buf = self.take_host_buffer(c, room)?;
+            let buf = self.take_host_buffer(c, room, cause)?;
             let Some(mem) = self.slots[d].dev.take() else {
                 return Err(ChunkError::tier(
                     "loading",
@@ -82,7 +82,7 @@ impl Mover {
             };
             let len = self.len(c);
             let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, c)?;
+            let done = self.wait_copy_id(id, c, cause)?;
             // The device copy stays: both are current now.
             self.slots[d].dev = Some(done.mem);
             if let Err(e) = done.result {
@@ -91,26 +91,31 @@ impl Mover {
             }
             self.slots[d].host = Some(done.host);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.device_to_host_bytes += len as u64;
             self.stats.device_to_host_copies += 1;
-            self.emit(MoveKind::DeviceToHost, c, len as u64);
+            self.emit(cause, MoveKind::DeviceToHost, c, len as u64);
         } else {
-            self.fill_host(c, room)?;
+            self.fill_host(c, room, cause)?;
         }
         Ok(false)
     }
 
     /// A host buffer holding `c`'s current bytes, taken out of its slot (it goes back
     /// with the copy that uses it): its host copy, a read from NVMe, or zeros.
-    fn host_copy_for_load(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<AlignedBuf> {
+    fn host_copy_for_load(
+        &mut self,
+        c: ChunkId,
+        room: HostRoom<'_>,
+        cause: Cause,
+    ) -> Result<AlignedBuf> {
         let d = c.dense();
         if let Some(buf) = self.slots[d].host.take() {
             remove_from(&mut self.host_list, c);
             self.slots[d].host_prefetched = false;
             return Ok(buf);
         }
-        self.fill_host(c, room)?;
+        self.fill_host(c, room, cause)?;
         remove_from(&mut self.host_list, c);
         self.slots[d]
             .host
@@ -119,9 +124,9 @@ impl Mover {
     }
 
     /// Gives `c` a current host copy (from NVMe, or zeros), not from the device.
-    pub(super) fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<()> {
+    pub(super) fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>, cause: Cause) -> Result<()> {
         let d = c.dense();
-        let buf = self.take_host_buffer(c, room)?;
+        let buf = self.take_host_buffer(c, room, cause)?;
         let len = self.len(c);
         if self.slots[d].nvme_valid {
             self.note_nvme_in_flight(true);
@@ -146,18 +151,18 @@ impl Mover {
             }
             self.slots[d].host = Some(buf);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.nvme_to_host_bytes += len as u64;
             self.stats.nvme_reads += 1;
-            self.emit(MoveKind::NvmeToHost, c, len as u64);
+            self.emit(cause, MoveKind::NvmeToHost, c, len as u64);
         } else {
             let mut buf = buf;
             buf[..len].fill(0);
             self.slots[d].host = Some(buf);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.materialized_chunks += 1;
-            self.emit(MoveKind::Materialize, c, 0);
+            self.emit(cause, MoveKind::Materialize, c, 0);
         }
         Ok(())
     }

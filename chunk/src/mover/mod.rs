@@ -89,6 +89,16 @@ pub(crate) enum Pending {
     NvmeWrite,
 }
 
+/// Why a move happens and when: every call that may move a chunk takes one, and every
+/// [`MoveEvent`] it reports carries it. The moment dates the policies' inserts, accesses
+/// and evictions; it is the store's (the latest access or release, or the next moment
+/// for untraced I/O).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Cause {
+    pub(crate) moment: u64,
+    pub(crate) reason: MoveReason,
+}
+
 /// Where one chunk's bytes are.
 #[derive(Debug)]
 pub(crate) struct Slot {
@@ -179,8 +189,6 @@ pub(crate) struct Mover {
     pub(crate) async_writes: bool,
     pub(crate) stats: StoreStats,
     pub(crate) hook: Option<MoveHook>,
-    pub(crate) reason: MoveReason,
-    pub(crate) moment: u64,
     pub(crate) dev_policy: Policies,
     pub(crate) host_policy: Policies,
     /// The schedule, for the prefetcher's host-victim rule.
@@ -285,8 +293,6 @@ impl Mover {
             async_writes: false,
             stats: StoreStats::default(),
             hook: None,
-            reason: MoveReason::Demand,
-            moment: 0,
             dev_policy,
             host_policy,
             schedule: None,
@@ -307,7 +313,7 @@ impl Mover {
         }
     }
 
-    fn emit(&mut self, kind: MoveKind, chunk: ChunkId, bytes: u64) {
+    fn emit(&mut self, cause: Cause, kind: MoveKind, chunk: ChunkId, bytes: u64) {
         if self.hook.is_none() && !cfg!(debug_assertions) {
             return;
         }
@@ -320,8 +326,8 @@ impl Mover {
             kind,
             chunk,
             bytes,
-            reason: self.reason,
-            moment: self.moment,
+            reason: cause.reason,
+            moment: cause.moment,
             usage,
         };
         if let Some(hook) = &mut self.hook {

@@ -33,7 +33,7 @@ impl ChunkStore {
         self.check_access(tensor, list, local, chunk, place)?;
         // A moment of the trace, and the device budget at it.
         let moment = self.observe(tensor, chunk, MomentKind::Access);
-        self.mover.moment = moment;
+        self.moment = moment;
         self.mover.stats.accesses += 1;
         self.update_tide(moment)?;
         // Where the chunk is; where it is not, room is made and it is loaded.
@@ -112,13 +112,13 @@ impl ChunkStore {
             self.mover.stats.hits += 1;
             match place {
                 Place::Device => self.mover.dev_policy.on_access(chunk, moment),
-                Place::Host => self.mover.ensure_host(chunk).map(|_| ())?,
+                Place::Host => self.mover.ensure_host(chunk, self.demand()).map(|_| ())?,
             }
         } else {
             let started = Instant::now();
             let r = match place {
-                Place::Device => self.mover.ensure_device(chunk),
-                Place::Host => self.mover.ensure_host(chunk),
+                Place::Device => self.mover.ensure_device(chunk, self.demand()),
+                Place::Host => self.mover.ensure_host(chunk, self.demand()),
             };
             self.mover.stats.stall_ns += started.elapsed().as_nanos() as u64;
             if r? {
@@ -250,7 +250,7 @@ impl ChunkStore {
         ls.table.transition(TensorId(local), to)?;
         ls.place[local as usize] = None;
         let moment = self.observe(tensor, chunk, MomentKind::Release(to));
-        self.mover.moment = moment;
+        self.moment = moment;
         let slot = &mut self.mover.slots[d];
         match place {
             Some(Place::Device) => {

@@ -41,9 +41,9 @@ impl ChunkStore {
                 pinned_on: TierKind::Device,
             });
         }
-        self.mover.moment = self.current_moment();
-        self.mover.ensure_host(chunk)?;
-        self.mover.dirty_on_host(chunk);
+        self.moment = self.current_moment();
+        self.mover.ensure_host(chunk, self.demand())?;
+        self.mover.dirty_on_host(chunk, self.demand());
         let off = loc.offset_bytes() as usize;
         let buf = self.mover.slots[chunk.dense()]
             .host
@@ -63,8 +63,8 @@ impl ChunkStore {
     pub fn read(&mut self, tensor: TensorId, list: ListKind) -> Result<Vec<u8>> {
         let loc = self.location(tensor, list)?;
         let chunk = loc.chunk;
-        self.mover.moment = self.current_moment();
-        self.mover.ensure_host(chunk)?;
+        self.moment = self.current_moment();
+        self.mover.ensure_host(chunk, self.demand())?;
         let off = loc.offset_bytes() as usize;
         let len = loc.bytes() as usize;
         let buf = self.mover.slots[chunk.dense()]

@@ -72,11 +72,12 @@ use std::sync::Arc;
 
 use tidestore_tiers::{Device, NvmeTier};
 
+use crate::accounting::MoveReason;
 use crate::accounting::{MoveHook, StoreStats, TierSnapshot};
 use crate::config::CapacityPlan;
 use crate::id::ChunkId;
 use crate::layout::Layout;
-use crate::mover::{Mover, Pending};
+use crate::mover::{Cause, Mover, Pending};
 use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Schedule};
 
@@ -153,6 +154,9 @@ pub struct ChunkStore {
     /// the device's `lifetime` policy and the prefetcher read.
     device_schedule: Option<Arc<Schedule>>,
     pinned_device_bytes: u64,
+    /// The moment the mover's moves are dated at (see [`Cause`]): the latest access or
+    /// release, or the next moment for untraced reads and writes.
+    moment: u64,
     non_model_reported_bytes: u64,
     device_total_bytes: u64,
 }
@@ -225,6 +229,19 @@ impl ChunkStore {
         self.mover.device.reset_peak();
         self.mover.host.reset_peak();
         self.mover.nvme.reset_peak();
+    }
+
+    /// The cause of the moves the store asks of the mover now, for `reason`.
+    fn cause(&self, reason: MoveReason) -> Cause {
+        Cause {
+            moment: self.moment,
+            reason,
+        }
+    }
+
+    /// A demand move now (an access, a read or write, waiting for transfers).
+    fn demand(&self) -> Cause {
+        self.cause(MoveReason::Demand)
     }
 
     /// Calls `hook` after every move and eviction (`None` removes it); see

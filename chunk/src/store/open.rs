@@ -139,6 +139,7 @@ impl ChunkStore {
             host_schedule: None,
             device_schedule: None,
             pinned_device_bytes: 0,
+            moment: 0,
             non_model_reported_bytes: 0,
             device_total_bytes,
         }

@@ -33,11 +33,10 @@ impl ChunkStore {
         if let Err(e) = self.prefetch_planned(&s, now) {
             tracing::warn!(error = %e, "chunk store: prefetch stopped; demand loads will retry");
         }
-        self.mover.reason = MoveReason::Demand;
     }
 
     fn prefetch_planned(&mut self, s: &Schedule, now: u64) -> Result<()> {
-        self.mover.harvest()?;
+        self.mover.harvest(self.demand())?;
         let evictable: Vec<ChunkId> = self
             .mover
             .dev_list
@@ -58,15 +57,21 @@ impl ChunkStore {
         )?;
         for step in plan {
             for &v in &step.evict {
-                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
-                match self.mover.evict_device(v, Some(step.needed_at), step.chunk) {
+                let cause = self.cause(prefetch_reason(&step, Some((s, v, now))));
+                match self
+                    .mover
+                    .evict_device(v, Some(step.needed_at), step.chunk, cause)
+                {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = prefetch_reason(&step, None);
-            if !self.mover.prefetch_device(step.chunk, step.needed_at)? {
+            let cause = self.cause(prefetch_reason(&step, None));
+            if !self
+                .mover
+                .prefetch_device(step.chunk, step.needed_at, cause)?
+            {
                 break;
             }
         }
@@ -114,7 +119,6 @@ impl ChunkStore {
         if let Err(e) = result {
             tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
         }
-        self.mover.reason = MoveReason::Demand;
     }
 
     /// Plans and starts the host pool's reads of the chunks `needs` asks for. With
@@ -127,7 +131,7 @@ impl ChunkStore {
         now: u64,
         shadows_only: Option<&Schedule>,
     ) -> Result<()> {
-        self.mover.harvest()?;
+        self.mover.harvest(self.demand())?;
         let resident: Vec<bool> = (0..self.mover.slots.len())
             .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
             .collect();
@@ -166,31 +170,43 @@ impl ChunkStore {
             &held,
             shadows_only.map(|hs| (&shadow[..], hs)),
         )?;
+        let uses = shadows_only.unwrap_or(s);
+        if self.start_host_plan(plan, uses, now)? {
+            // Submitted requests start at the engine's next poll.
+            self.mover.harvest(self.demand())?;
+        }
+        Ok(())
+    }
+
+    /// Starts the host pool's planned reads, each after its victims' evictions (`uses`:
+    /// the schedule their next uses are read from). Whether any read started and the
+    /// plan ran to its end (a victim that finds no room stops it quietly).
+    fn start_host_plan(
+        &mut self,
+        plan: Vec<PrefetchStep>,
+        uses: &Schedule,
+        now: u64,
+    ) -> Result<bool> {
         let mut started = false;
         for step in plan {
             for &v in &step.evict {
-                let uses = match shadows_only {
-                    Some(hs) => hs,
-                    None => s,
-                };
-                self.mover.reason = prefetch_reason(&step, Some((uses, v, now)));
-                match self.mover.evict_host(v, false) {
+                let cause = self.cause(prefetch_reason(&step, Some((uses, v, now))));
+                match self.mover.evict_host(v, false, cause) {
                     Ok(()) => {}
-                    Err(e) if is_no_room(&e) => return Ok(()),
+                    Err(e) if is_no_room(&e) => return Ok(false),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = prefetch_reason(&step, None);
-            if !self.mover.prefetch_host(step.chunk, step.needed_at)? {
+            let cause = self.cause(prefetch_reason(&step, None));
+            if !self
+                .mover
+                .prefetch_host(step.chunk, step.needed_at, cause)?
+            {
                 break;
             }
             started = true;
         }
-        if started {
-            // Submitted requests start at the engine's next poll.
-            self.mover.harvest()?;
-        }
-        Ok(())
+        Ok(started)
     }
 }
 

@@ -110,10 +110,9 @@ impl ChunkStore {
 
     fn set_device_cap(&mut self, cap: u64) -> Result<()> {
         let cap = if cap < self.mover.dev_cap {
-            self.mover.reason = MoveReason::Tide;
-            let held = self.mover.shrink_device(cap);
-            self.mover.reason = MoveReason::Demand;
-            let held = held?;
+            let held = self
+                .mover
+                .shrink_device(cap, self.cause(MoveReason::Tide))?;
             if held > cap {
                 tracing::debug!(
                     cap,

@@ -78,8 +78,8 @@ impl ChunkStore {
         self.check_guard(g)?;
         let c = g.chunk;
         match g.place {
-            Place::Host => self.mover.dirty_on_host(c),
-            Place::Device => self.mover.dirty_on_device(c),
+            Place::Host => self.mover.dirty_on_host(c, self.demand()),
+            Place::Device => self.mover.dirty_on_device(c, self.demand()),
         }
         let lost = self.lost(g);
         let slot = &mut self.mover.slots[c.dense()];
@@ -148,8 +148,8 @@ impl ChunkStore {
         let lost = self.lost_any(guards);
         for g in guards {
             match g.place {
-                Place::Host => self.mover.dirty_on_host(g.chunk),
-                Place::Device => self.mover.dirty_on_device(g.chunk),
+                Place::Host => self.mover.dirty_on_host(g.chunk, self.demand()),
+                Place::Device => self.mover.dirty_on_device(g.chunk, self.demand()),
             }
         }
         let (slots, pump) = self.mover.pump_parts();

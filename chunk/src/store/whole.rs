@@ -20,19 +20,19 @@ impl ChunkStore {
     /// advances only inside its calls, so a caller whose own work runs for a while (a
     /// device computing) calls this now and then to keep the disk busy.
     pub fn poll_io(&mut self) -> Result<()> {
-        self.mover.harvest()
+        self.mover.harvest(self.demand())
     }
 
     /// Waits for every transfer in flight.
     pub fn sync(&mut self) -> Result<()> {
-        self.mover.wait_all()
+        self.mover.wait_all(self.demand())
     }
 
     /// Moves every chunk not in use off the device (written back where the device copy
     /// is the only current one).
     pub fn evict_device_all(&mut self) -> Result<()> {
-        self.mover.wait_all()?;
-        self.mover.reason = MoveReason::Explicit;
+        self.mover.wait_all(self.demand())?;
+        let cause = self.cause(MoveReason::Explicit);
         let victims: Vec<ChunkId> = self
             .mover
             .dev_list
@@ -42,12 +42,11 @@ impl ChunkStore {
             .collect();
         let mut result = Ok(());
         for v in victims {
-            if let Err(e) = self.mover.evict_device(v, None, v) {
+            if let Err(e) = self.mover.evict_device(v, None, v, cause) {
                 result = Err(e);
                 break;
             }
         }
-        self.mover.reason = MoveReason::Demand;
         result
     }
 
@@ -59,7 +58,7 @@ impl ChunkStore {
     /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file
     /// stays not clean; so does a store dropped without `close`.
     pub fn close(mut self) -> Result<()> {
-        self.mover.wait_all()?;
+        self.mover.wait_all(self.demand())?;
         self.verify()?;
         let n = self.mover.slots.len();
         let kept: Vec<ChunkId> = (0..n)
@@ -80,11 +79,11 @@ impl ChunkStore {
                 capacity_bytes: slot_count as u64 * slot_bytes,
             });
         }
-        self.mover.reason = MoveReason::Explicit;
+        let cause = self.cause(MoveReason::Explicit);
         for &c in &kept {
-            self.mover.write_back(c)?;
+            self.mover.write_back(c, cause)?;
         }
-        self.mover.wait_all()?;
+        self.mover.wait_all(cause)?;
         for &c in &kept {
             if !self.mover.slots[c.dense()].nvme_valid {
                 return Err(ChunkError::Invariant {
@@ -104,7 +103,7 @@ impl ChunkStore {
 
 impl Drop for ChunkStore {
     fn drop(&mut self) {
-        if let Err(e) = self.mover.wait_all() {
+        if let Err(e) = self.mover.wait_all(self.demand()) {
             tracing::warn!(error = %e, "chunk store: a transfer failed while closing");
         }
     }
