@@ -13,8 +13,12 @@ use crate::Result;
 
 impl Mover {
     /// `c` is about to change on the device: its host and NVMe copies become stale.
-    pub(crate) fn dirty_on_device(&mut self, c: ChunkId, cause: Cause) {
+    pub(super) fn dirty_on_device(&mut self, c: ChunkId, cause: Cause) {
         let d = c.dense();
+        debug_assert_eq!(
+            self.slots[d].host_pins, 0,
+            "dropping {c}'s host copy, where it is pinned"
+        );
         self.slots[d].nvme_valid = false;
         if let Some(buf) = self.slots[d].host.take() {
             drop(buf);
@@ -26,8 +30,12 @@ impl Mover {
     }
 
     /// `c` is about to change in the host pool: its device and NVMe copies become stale.
-    pub(crate) fn dirty_on_host(&mut self, c: ChunkId, cause: Cause) {
+    pub(super) fn dirty_on_host(&mut self, c: ChunkId, cause: Cause) {
         let d = c.dense();
+        debug_assert_eq!(
+            self.slots[d].dev_pins, 0,
+            "dropping {c}'s device copy, where it is pinned"
+        );
         self.slots[d].nvme_valid = false;
         if let Some(mem) = self.slots[d].dev.take() {
             drop(mem);

@@ -102,6 +102,10 @@ impl Mover {
     pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool, cause: Cause) -> Result<()> {
         let d = w.dense();
         let slot = &self.slots[d];
+        debug_assert_eq!(
+            slot.host_pins, 0,
+            "evicting {w} from the host pool, where it is pinned"
+        );
         if slot.host.is_none() {
             return Ok(());
         }
@@ -273,6 +277,10 @@ impl Mover {
         cause: Cause,
     ) -> Result<()> {
         let d = v.dense();
+        debug_assert_eq!(
+            self.slots[d].dev_pins, 0,
+            "evicting {v} from the device, where it is pinned"
+        );
         if self.slots[d].dev.is_none() {
             return Ok(());
         }
@@ -325,6 +333,39 @@ impl Mover {
             let len = self.len_bytes[d];
             self.emit(cause, MoveKind::DeviceToHost, v, len);
         }
+        Ok(())
+    }
+
+    /// Moves every chunk not pinned off the device, in the device list's order (written
+    /// back where the device copy is the only current one); stops at the first error.
+    pub(crate) fn evict_device_unpinned(&mut self, cause: Cause) -> Result<()> {
+        for v in self.device_evictable() {
+            self.evict_device(v, None, v, cause)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the device budget's capacity (the tide) to `cap`. A falling tide first
+    /// evicts what no longer fits; chunks in use or in flight hold it above `cap`
+    /// (logged).
+    pub(crate) fn set_device_cap(&mut self, cap: u64, cause: Cause) -> Result<()> {
+        let cap = if cap < self.dev_cap {
+            let held = self.shrink_device(cap, cause)?;
+            if held > cap {
+                tracing::debug!(
+                    cap,
+                    held,
+                    "tidal budget held above target by chunks in use or in flight"
+                );
+            }
+            cap.max(held)
+        } else {
+            cap
+        };
+        self.device
+            .set_budget_capacity(cap)
+            .map_err(|e| ChunkError::tier("setting the tidal device budget", None, e))?;
+        self.dev_cap = cap;
         Ok(())
     }
 

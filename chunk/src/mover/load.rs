@@ -8,6 +8,8 @@
 //! that fed the copy stays current beside it; a load that fails gives back the device
 //! memory it took and leaves the chunk's other copies as they were.
 
+use std::time::Instant;
+
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::{TierError, TierKind};
 
@@ -16,9 +18,38 @@ use super::{remove_from, stopped, tier_err, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
+use crate::place::Place;
 use crate::Result;
 
 impl Mover {
+    /// Makes `c` current at `place` for an access (a hit when it already is), counting
+    /// the time a load stalls the caller. After it, `c` is current there with nothing
+    /// in flight for it ([`Mover::is_current`]): the store may pin it.
+    pub(crate) fn make_current(&mut self, c: ChunkId, place: Place, cause: Cause) -> Result<()> {
+        if self.is_current(c, place) {
+            self.stats.hits += 1;
+            match place {
+                Place::Device => self.dev_policy.on_access(c, cause.moment),
+                Place::Host => self.ensure_host(c, cause).map(|_| ())?,
+            }
+        } else {
+            let started = Instant::now();
+            let r = match place {
+                Place::Device => self.ensure_device(c, cause),
+                Place::Host => self.ensure_host(c, cause),
+            };
+            self.stats.stall_ns += started.elapsed().as_nanos() as u64;
+            if r? {
+                self.stats.hits += 1;
+            }
+        }
+        debug_assert!(
+            self.is_current(c, place),
+            "{c} not current on the {place:?} tier after loading it there"
+        );
+        Ok(())
+    }
+
     /// Makes `c` current on the device (demand). Returns whether it already was.
     pub(crate) fn ensure_device(&mut self, c: ChunkId, cause: Cause) -> Result<bool> {
         let d = c.dense();

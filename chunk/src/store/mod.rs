@@ -59,7 +59,6 @@ mod list_states;
 mod lists;
 mod mode;
 mod open;
-mod place;
 mod prefetch;
 mod scope;
 mod tide;
@@ -77,32 +76,20 @@ use crate::accounting::{MoveHook, StoreStats, TierSnapshot};
 use crate::config::CapacityPlan;
 use crate::id::ChunkId;
 use crate::layout::Layout;
-use crate::mover::{Cause, Mover, Pending};
+pub use crate::mover::ChunkResidency;
+use crate::mover::{Cause, Mover};
 use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Schedule};
 
+pub use crate::place::Place;
 pub use guard::Guard;
 use list_states::ListStates;
 use mode::Mode;
-pub use place::Place;
 pub use tide::Phase;
 pub use views::{TensorView, TensorViewMut};
 
 /// The swap file's name inside [`NvmeSource::Dir`](crate::config::NvmeSource::Dir).
 pub const SWAP_FILE_NAME: &str = "tidestore-chunks.swap";
-
-/// Where a chunk's current copies are (for tests and reports).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkResidency {
-    /// Current on the device.
-    pub device: bool,
-    /// Current in the host pool.
-    pub host: bool,
-    /// Current on NVMe.
-    pub nvme: bool,
-    /// A transfer is in flight.
-    pub in_flight: bool,
-}
 
 /// Store ids, so that a guard of one store is stale in every other.
 static NEXT_STORE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -153,7 +140,6 @@ pub struct ChunkStore {
     /// The schedule of device accesses only (same moments as the followed one): what
     /// the device's `lifetime` policy and the prefetcher read.
     device_schedule: Option<Arc<Schedule>>,
-    pinned_device_bytes: u64,
     /// The moment the mover's moves are dated at (see [`Cause`]): the latest access or
     /// release, or the next moment for untraced reads and writes.
     moment: u64,
@@ -186,12 +172,12 @@ impl ChunkStore {
 
     /// The device.
     pub fn device(&self) -> &Device {
-        &self.mover.device
+        self.mover.device()
     }
 
     /// The NVMe tier (its swap file and io engine), for reports and tests.
     pub fn nvme(&self) -> &NvmeTier {
-        &self.mover.nvme
+        self.mover.nvme()
     }
 
     /// Every tier's use now.
@@ -201,21 +187,12 @@ impl ChunkStore {
 
     /// Where `chunk`'s current copies are.
     pub fn residency(&self, chunk: ChunkId) -> Option<ChunkResidency> {
-        let s = self.mover.slots.get(chunk.dense())?;
-        if self.mover.len_bytes[chunk.dense()] == 0 {
-            return None;
-        }
-        Some(ChunkResidency {
-            device: s.dev.is_some(),
-            host: s.host.is_some(),
-            nvme: s.nvme_valid,
-            in_flight: s.pending != Pending::None,
-        })
+        self.mover.residency(chunk)
     }
 
     /// The accounting, with every tier's capacity, use and peak now.
     pub fn stats(&self) -> StoreStats {
-        let mut s = self.mover.stats;
+        let mut s = self.mover.stats();
         let u = self.mover.snapshot();
         s.device = u.device;
         s.host = u.host;
@@ -225,10 +202,7 @@ impl ChunkStore {
 
     /// Zeroes the counters and restarts peak tracking from what is in use now.
     pub fn reset_stats(&mut self) {
-        self.mover.stats = StoreStats::default();
-        self.mover.device.reset_peak();
-        self.mover.host.reset_peak();
-        self.mover.nvme.reset_peak();
+        self.mover.reset_stats();
     }
 
     /// The cause of the moves the store asks of the mover now, for `reason`.
@@ -247,6 +221,6 @@ impl ChunkStore {
     /// Calls `hook` after every move and eviction (`None` removes it); see
     /// [`crate::accounting`].
     pub fn set_move_hook(&mut self, hook: Option<MoveHook>) {
-        self.mover.hook = hook;
+        self.mover.set_hook(hook);
     }
 }

@@ -91,7 +91,7 @@ impl ChunkStore {
             slack_bytes: non_model_slack_bytes,
         };
         let mut mover = build_mover(device, host, nvme, len_bytes, &settings, device_total_bytes)?;
-        mover.async_writes = async_write_back;
+        mover.set_async_writes(async_write_back);
         for c in &adopted {
             mover.adopt_nvme(*c);
         }
@@ -138,7 +138,6 @@ impl ChunkStore {
             host_moments: Vec::new(),
             host_schedule: None,
             device_schedule: None,
-            pinned_device_bytes: 0,
             moment: 0,
             non_model_reported_bytes: 0,
             device_total_bytes,

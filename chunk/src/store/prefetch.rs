@@ -25,7 +25,7 @@ impl ChunkStore {
         let Some(s) = &self.device_schedule else {
             return;
         };
-        let dev_mark = &self.mover.dev_mark;
+        let dev_mark = self.mover.device_marks();
         if !needs_any(s, now, self.settings.lookahead, |c| !dev_mark[c.dense()]) {
             return;
         }
@@ -37,20 +37,14 @@ impl ChunkStore {
 
     fn prefetch_planned(&mut self, s: &Schedule, now: u64) -> Result<()> {
         self.mover.harvest(self.demand())?;
-        let evictable: Vec<ChunkId> = self
-            .mover
-            .dev_list
-            .iter()
-            .copied()
-            .filter(|c| self.mover.slots[c.dense()].dev_pins == 0)
-            .collect();
+        let evictable = self.mover.device_evictable();
         let plan = self.planner.plan(
             s,
             now,
             Residency {
-                resident: &self.mover.dev_mark,
+                resident: self.mover.device_marks(),
                 evictable: &evictable,
-                chunk_bytes: &self.mover.dev_bytes,
+                chunk_bytes: self.mover.device_chunk_bytes(),
                 free_bytes: self.mover.device_free(),
                 pool: None,
             },
@@ -96,7 +90,7 @@ impl ChunkStore {
         let (Some(hs), Some(ds), Some(s)) = (
             &self.host_schedule,
             &self.device_schedule,
-            &self.mover.schedule,
+            self.mover.schedule(),
         ) else {
             return;
         };
@@ -132,19 +126,15 @@ impl ChunkStore {
         shadows_only: Option<&Schedule>,
     ) -> Result<()> {
         self.mover.harvest(self.demand())?;
-        let resident: Vec<bool> = (0..self.mover.slots.len())
+        let resident: Vec<bool> = (0..self.mover.chunk_count())
             .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
             .collect();
         // Chunks in use cannot go now, but may be what Belady's rule would evict when a
         // load is needed (see `plan_split`).
-        let (mut held, mut evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
-            .mover
-            .host_list
-            .iter()
-            .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
+        let (mut held, mut evictable) = self.mover.host_copies_by_pin();
         // Host copies of chunks current on the device (only the device pass reads them).
         let shadow: Vec<bool> = match shadows_only {
-            Some(_) => self.mover.slots.iter().map(|s| s.dev.is_some()).collect(),
+            Some(_) => self.mover.device_copies(),
             None => Vec::new(),
         };
         if shadows_only.is_some() {
@@ -159,7 +149,7 @@ impl ChunkStore {
             Residency {
                 resident: &resident,
                 evictable: &evictable,
-                chunk_bytes: &self.mover.host_bytes,
+                chunk_bytes: self.mover.host_chunk_bytes(),
                 // The pool serves sizes: whole buffers, or parts split for one size
                 // (`PoolRoom`). Buffers of write-backs in flight count as free: they
                 // return soon, and evicting more instead would write (and later read)

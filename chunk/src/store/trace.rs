@@ -73,7 +73,7 @@ impl ChunkStore {
 
     fn diverge(&mut self, why: &'static str) {
         self.diverged = true;
-        self.mover.stats.divergences += 1;
+        self.mover.stats_mut().divergences += 1;
         self.sync_policies();
         tracing::info!(
             moment = self.position.saturating_sub(1),
@@ -86,8 +86,7 @@ impl ChunkStore {
     fn sync_policies(&mut self) {
         let following = matches!(self.mode, Mode::Following(_)) && !self.diverged;
         let use_main = self.settings.policy != PolicyKind::Lifetime || following;
-        self.mover.dev_policy.use_main = use_main;
-        self.mover.host_policy.use_main = use_main;
+        self.mover.use_main_policies(use_main);
     }
 
     /// The absolute moment the next observation will get.
@@ -103,12 +102,12 @@ impl ChunkStore {
     /// [`ChunkError::WorkingSetTooLarge`], returned after the schedule is installed).
     /// After a followed one that diverged (or ended early), the next one is traced.
     pub fn end_iteration(&mut self) -> Result<()> {
-        self.mover.stats.iterations += 1;
+        self.mover.stats_mut().iterations += 1;
         self.position = 0;
         let mode = std::mem::replace(&mut self.mode, Mode::Tracing(Tracer::new()));
         let result = match mode {
             Mode::Tracing(t) => {
-                self.mover.stats.traced_iterations += 1;
+                self.mover.stats_mut().traced_iterations += 1;
                 if t.moments().is_empty() {
                     self.warmup.clear();
                     self.device_moments.clear();
@@ -148,14 +147,12 @@ impl ChunkStore {
             &non_model,
         ));
         if self.settings.policy == PolicyKind::Lifetime {
-            self.mover
-                .dev_policy
-                .set_main(Box::new(Lifetime::new(ds, Horizon::Cyclic)));
-            self.mover
-                .host_policy
-                .set_main(Box::new(Lifetime::new(s.clone(), Horizon::Cyclic)));
+            self.mover.set_main_policies(
+                Box::new(Lifetime::new(ds, Horizon::Cyclic)),
+                Box::new(Lifetime::new(s.clone(), Horizon::Cyclic)),
+            );
         }
-        self.mover.schedule = Some(s.clone());
+        self.mover.set_schedule(Some(s.clone()));
         self.follower = Follower::new(self.settings.slack_bytes);
         self.cycles = 0;
         self.mode = Mode::Following(s);
@@ -167,11 +164,11 @@ impl ChunkStore {
     fn end_followed(&mut self, s: Arc<Schedule>) {
         let early = self.follower.end_iteration(&s);
         if early.is_some() {
-            self.mover.stats.divergences += 1;
+            self.mover.stats_mut().divergences += 1;
         }
         if self.diverged || early.is_some() {
             tracing::info!("chunk store: access sequence changed; re-tracing this iteration");
-            self.mover.schedule = None;
+            self.mover.set_schedule(None);
             self.device_schedule = None;
             self.host_schedule = None;
             self.warmup.clear();
