@@ -225,44 +225,48 @@ impl Mover {
         Ok(())
     }
 
-    /// Evicts device chunks until `need` more bytes fit under the tidal budget.
+    /// The device's one make-room loop: evicts chunks not pinned, as the device policy
+    /// chooses, until `need` more bytes fit under `cap` — for a load (`for_chunk`, never
+    /// a victim, whose host copy stays while write-backs make room) and for a falling
+    /// tide (`None`). With no victim it waits for a transfer in flight; with none in
+    /// flight a load is refused (the working set does not fit) and a tide is held
+    /// where it is. Returns the device bytes in use after it.
     pub(super) fn make_room_device(
         &mut self,
         need: u64,
-        protect: ChunkId,
-        not_before: Option<u64>,
+        cap: u64,
+        for_chunk: Option<ChunkId>,
         cause: Cause,
-    ) -> Result<()> {
+    ) -> Result<u64> {
         loop {
             let used = self.device_used();
-            if used + need <= self.dev_cap {
-                return Ok(());
+            if used + need <= cap {
+                return Ok(used);
             }
-            let candidates: Vec<ChunkId> = self
-                .dev_list
-                .iter()
-                .copied()
-                .filter(|&v| v != protect && self.slots[v.dense()].dev_pins == 0)
-                .collect();
-            if candidates.is_empty() {
-                if not_before.is_none() && self.wait_any(cause)? {
-                    continue;
+            let mut candidates = self.device_evictable();
+            candidates.retain(|&v| Some(v) != for_chunk);
+            match (self.dev_policy.choose(&candidates, cause.moment), for_chunk) {
+                (Some(victim), _) => {
+                    self.evict_device(victim, None, for_chunk.unwrap_or(victim), cause)?;
                 }
-                return Err(ChunkError::WorkingSetTooLarge {
-                    moment: cause.moment,
-                    needed_bytes: used + need,
-                    capacity_bytes: self.dev_cap,
-                    short_bytes: used + need - self.dev_cap,
-                });
+                (None, Some(chunk)) if !candidates.is_empty() => {
+                    return Err(ChunkError::NoVictim {
+                        moment: cause.moment,
+                        chunk,
+                        policy: "device",
+                    });
+                }
+                (None, _) if self.wait_any(cause)? => {}
+                (None, None) => return Ok(used),
+                (None, Some(_)) => {
+                    return Err(ChunkError::WorkingSetTooLarge {
+                        moment: cause.moment,
+                        needed_bytes: used + need,
+                        capacity_bytes: cap,
+                        short_bytes: used + need - cap,
+                    });
+                }
             }
-            let Some(victim) = self.dev_policy.choose(&candidates, cause.moment) else {
-                return Err(ChunkError::NoVictim {
-                    moment: cause.moment,
-                    chunk: protect,
-                    policy: "device",
-                });
-            };
-            self.evict_device(victim, not_before, protect, cause)?;
         }
     }
 
@@ -350,7 +354,7 @@ impl Mover {
     /// (logged).
     pub(crate) fn set_device_cap(&mut self, cap: u64, cause: Cause) -> Result<()> {
         let cap = if cap < self.dev_cap {
-            let held = self.shrink_device(cap, cause)?;
+            let held = self.make_room_device(0, cap, None, cause)?;
             if held > cap {
                 tracing::debug!(
                     cap,
@@ -367,29 +371,5 @@ impl Mover {
             .map_err(|e| ChunkError::tier("setting the tidal device budget", None, e))?;
         self.dev_cap = cap;
         Ok(())
-    }
-
-    /// Evicts device chunks not in use until the device holds at most `cap` bytes;
-    /// returns the bytes it still holds.
-    pub(crate) fn shrink_device(&mut self, cap: u64, cause: Cause) -> Result<u64> {
-        loop {
-            let used = self.device_used();
-            if used <= cap {
-                return Ok(used);
-            }
-            let candidates: Vec<ChunkId> = self
-                .dev_list
-                .iter()
-                .copied()
-                .filter(|&v| self.slots[v.dense()].dev_pins == 0)
-                .collect();
-            let Some(victim) = self.dev_policy.choose(&candidates, cause.moment) else {
-                if self.wait_any(cause)? {
-                    continue;
-                }
-                return Ok(used);
-            };
-            self.evict_device(victim, None, victim, cause)?;
-        }
     }
 }

@@ -62,7 +62,7 @@ impl Mover {
             return Ok(true);
         }
         // Make room under the tide, then take the device memory.
-        self.make_room_device(self.dev_bytes[d], c, None, cause)?;
+        self.make_room_device(self.dev_bytes[d], self.dev_cap, Some(c), cause)?;
         let mem = self
             .device
             .alloc(d as u64, self.len(c))
