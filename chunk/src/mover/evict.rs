@@ -15,17 +15,27 @@ use super::{remove_from, stopped, tier_err, Cause, Mover, Pending, Slot};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
-use crate::tracer::Horizon;
+use crate::tracer::{Horizon, Schedule};
 use crate::Result;
+
+/// The prefetcher's rule for the room it makes: only host copies next used (on
+/// `schedule`, every access's) after `needed_at` may go, and nothing is waited for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ahead<'a> {
+    /// The absolute moment the chunk being prefetched is needed at.
+    pub(crate) needed_at: u64,
+    /// The schedule followed now.
+    pub(crate) schedule: &'a Schedule,
+}
 
 /// Where a host buffer may come from when none is free.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct HostRoom<'a> {
     /// Chunks whose host copies must stay.
     pub(super) protect: &'a [ChunkId],
-    /// Only evict host copies next used after this absolute moment, and never wait
-    /// for transfers in flight (the prefetcher's rule); `None`: any victim, may wait.
-    pub(super) not_before: Option<u64>,
+    /// The prefetcher's rule ([`Ahead`]); `None`: any victim, and transfers in flight
+    /// may be waited for.
+    pub(super) ahead: Option<Ahead<'a>>,
 }
 
 impl Mover {
@@ -46,7 +56,7 @@ impl Mover {
                 // A write-back in flight gives a buffer back: wait for it rather than
                 // evicting more (the prefetcher never waits). Queued prefetch reads do
                 // not take it first: this chunk is needed sooner.
-                if room.not_before.is_none() && self.wait_for_demand(cause)? {
+                if room.ahead.is_none() && self.wait_for_demand(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -56,7 +66,6 @@ impl Mover {
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
-            let schedule = self.schedule.clone();
             let candidates: Vec<ChunkId> = self
                 .host_list
                 .iter()
@@ -64,17 +73,15 @@ impl Mover {
                 .filter(|w| {
                     self.slots[w.dense()].host_pins == 0
                         && !room.protect.contains(w)
-                        && match (room.not_before, &schedule) {
-                            (None, _) => true,
-                            (Some(n), Some(s)) => s
+                        && room.ahead.is_none_or(|a| {
+                            a.schedule
                                 .next_use_from(*w, cause.moment + 1, Horizon::Cyclic)
-                                .is_none_or(|u| u > n),
-                            (Some(_), None) => false,
-                        }
+                                .is_none_or(|u| u > a.needed_at)
+                        })
                 })
                 .collect();
             if candidates.is_empty() {
-                if room.not_before.is_none() && self.wait_any(cause)? {
+                if room.ahead.is_none() && self.wait_any(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -91,7 +98,7 @@ impl Mover {
                     policy: "host",
                 });
             };
-            self.evict_host(victim, room.not_before.is_none(), cause)?;
+            self.evict_host(victim, room.ahead.is_none(), cause)?;
         }
     }
 
@@ -276,7 +283,7 @@ impl Mover {
     pub(crate) fn evict_device(
         &mut self,
         v: ChunkId,
-        not_before: Option<u64>,
+        ahead: Option<Ahead<'_>>,
         keep: ChunkId,
         cause: Cause,
     ) -> Result<()> {
@@ -294,7 +301,7 @@ impl Mover {
                 v,
                 HostRoom {
                     protect: &[v, keep],
-                    not_before,
+                    ahead,
                 },
                 cause,
             )?;

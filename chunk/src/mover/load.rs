@@ -70,7 +70,7 @@ impl Mover {
         // Load: the host copy the device copy is made from (from NVMe, or zeros).
         let room = HostRoom {
             protect: &[c],
-            not_before: None,
+            ahead: None,
         };
         let buf = match self.host_copy_for_load(c, room, cause) {
             Ok(b) => b,
@@ -100,7 +100,7 @@ impl Mover {
         }
         let room = HostRoom {
             protect: &[c],
-            not_before: None,
+            ahead: None,
         };
         if self.slots[d].dev.is_some() {
             let buf = self.take_host_buffer(c, room, cause)?;

@@ -60,7 +60,6 @@ mod verify;
 mod wait;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
 
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::nvme::NvmeCompletion;
@@ -69,9 +68,9 @@ use tidestore_tiers::{CopyId, Device, DeviceMem, HostTier, NvmeTier, TierError, 
 use crate::accounting::{MoveEvent, MoveHook, MoveKind, StoreStats, TierSnapshot};
 use crate::error::ChunkError;
 use crate::id::ChunkId;
-use crate::tracer::Schedule;
 use crate::Result;
 
+pub(crate) use evict::Ahead;
 pub use nvme::IoPump;
 pub(crate) use policies::Policies;
 pub(crate) use seam::Cause;
@@ -188,8 +187,6 @@ pub(crate) struct Mover {
     pinned_device_bytes: u64,
     dev_policy: Policies,
     host_policy: Policies,
-    /// The schedule, for the prefetcher's host-victim rule.
-    schedule: Option<Arc<Schedule>>,
 }
 
 fn tier_err(op: &'static str, chunk: ChunkId) -> impl FnOnce(TierError) -> ChunkError {
@@ -293,7 +290,6 @@ impl Mover {
             pinned_device_bytes: 0,
             dev_policy,
             host_policy,
-            schedule: None,
         }
     }
 

@@ -6,21 +6,23 @@
 //! planners evict by their rule first) or with a buffer a write-back in flight owes the
 //! read queue; a prefetch that finds no room reports `false` and changes nothing.
 
-use super::evict::HostRoom;
+use super::evict::{Ahead, HostRoom};
 use super::{is_no_room, Cause, Mover, Pending};
 use crate::id::ChunkId;
 use crate::policy::PoolRoom;
 use crate::Result;
 
 impl Mover {
-    /// Starts loading `c` to the device ahead of need (at `needed_at`). Returns false
-    /// when there is no room for it now without breaking the prefetch rule.
+    /// Starts loading `c` to the device ahead of need (at `ahead.needed_at`; host copies
+    /// that make room for its staging buffer follow `ahead`'s rule). Returns false when
+    /// there is no room for it now without breaking the prefetch rule.
     pub(crate) fn prefetch_device(
         &mut self,
         c: ChunkId,
-        needed_at: u64,
+        ahead: Ahead<'_>,
         cause: Cause,
     ) -> Result<bool> {
+        let needed_at = ahead.needed_at;
         let d = c.dense();
         if self.dev_mark[d] || self.slots[d].pending != Pending::None {
             return Ok(true);
@@ -34,7 +36,7 @@ impl Mover {
         };
         let room = HostRoom {
             protect: &[c],
-            not_before: Some(needed_at),
+            ahead: Some(ahead),
         };
         if self.slots[d].host.is_none() {
             if self.slots[d].nvme_valid {

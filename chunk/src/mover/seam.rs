@@ -14,8 +14,6 @@
 //! - the device bytes pinned are those of the chunks pinned on the device, counted once
 //!   per chunk.
 
-use std::sync::Arc;
-
 use tidestore_tiers::{Device, DeviceMem, NvmeTier};
 
 use super::{Mover, Pending, Slot};
@@ -24,7 +22,6 @@ use crate::error::ChunkError;
 use crate::id::ChunkId;
 use crate::place::Place;
 use crate::policy::EvictionPolicy;
-use crate::tracer::Schedule;
 use crate::Result;
 
 /// Why a move happens and when: every call that may move a chunk takes one, and every
@@ -112,17 +109,6 @@ impl Mover {
     /// Whether write-backs forced by eviction run asynchronously.
     pub(crate) fn set_async_writes(&mut self, on: bool) {
         self.async_writes = on;
-    }
-
-    /// The schedule followed now (`None` while tracing), for the prefetcher's rule on
-    /// host victims.
-    pub(crate) fn set_schedule(&mut self, s: Option<Arc<Schedule>>) {
-        self.schedule = s;
-    }
-
-    /// The schedule followed now.
-    pub(crate) fn schedule(&self) -> Option<&Arc<Schedule>> {
-        self.schedule.as_ref()
     }
 
     /// Both tiers' main policies (after a traced iteration: `lifetime` over its

@@ -67,8 +67,6 @@ mod verify;
 mod views;
 mod whole;
 
-use std::sync::Arc;
-
 use tidestore_tiers::{Device, NvmeTier};
 
 use crate::accounting::MoveReason;
@@ -79,7 +77,7 @@ use crate::layout::Layout;
 pub use crate::mover::ChunkResidency;
 use crate::mover::{Cause, Mover};
 use crate::policy::{PolicyKind, PrefetchPlanner};
-use crate::tracer::{Follower, Schedule};
+use crate::tracer::Follower;
 
 pub use crate::place::Place;
 pub use guard::Guard;
@@ -134,12 +132,6 @@ pub struct ChunkStore {
     device_moments: Vec<Option<ChunkId>>,
     /// During tracing, per moment: the chunk accessed on the host, if any.
     host_moments: Vec<Option<ChunkId>>,
-    /// The schedule of host accesses (same moments): when a host copy is needed as
-    /// such, rather than for a copy to the device (see `prefetch_host`).
-    host_schedule: Option<Arc<Schedule>>,
-    /// The schedule of device accesses only (same moments as the followed one): what
-    /// the device's `lifetime` policy and the prefetcher read.
-    device_schedule: Option<Arc<Schedule>>,
     /// The moment the mover's moves are dated at (see [`Cause`]): the latest access or
     /// release, or the next moment for untraced reads and writes.
     moment: u64,

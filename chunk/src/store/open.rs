@@ -136,8 +136,6 @@ impl ChunkStore {
             warmup: Vec::new(),
             device_moments: Vec::new(),
             host_moments: Vec::new(),
-            host_schedule: None,
-            device_schedule: None,
             moment: 0,
             non_model_reported_bytes: 0,
             device_total_bytes,

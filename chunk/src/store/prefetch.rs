@@ -10,11 +10,12 @@
 
 use crate::accounting::MoveReason;
 use crate::id::ChunkId;
-use crate::mover::is_no_room;
+use crate::mover::{is_no_room, Ahead};
 use crate::policy::{PrefetchStep, Residency};
 use crate::tracer::{Horizon, Schedule};
 use crate::Result;
 
+use super::mode::{Mode, Schedules};
 use super::ChunkStore;
 
 impl ChunkStore {
@@ -22,11 +23,13 @@ impl ChunkStore {
         if self.settings.lookahead == 0 || self.diverged || self.is_tracing() {
             return;
         }
-        let Some(s) = &self.device_schedule else {
+        let Mode::Following(s) = &self.mode else {
             return;
         };
         let dev_mark = self.mover.device_marks();
-        if !needs_any(s, now, self.settings.lookahead, |c| !dev_mark[c.dense()]) {
+        if !needs_any(&s.device, now, self.settings.lookahead, |c| {
+            !dev_mark[c.dense()]
+        }) {
             return;
         }
         let s = s.clone();
@@ -35,7 +38,10 @@ impl ChunkStore {
         }
     }
 
-    fn prefetch_planned(&mut self, s: &Schedule, now: u64) -> Result<()> {
+    /// Plans the device's loads of the next moments on the device schedule and starts
+    /// them, each after its victims' evictions.
+    fn prefetch_planned(&mut self, schedules: &Schedules, now: u64) -> Result<()> {
+        let s = &*schedules.device;
         self.mover.harvest(self.demand())?;
         let evictable = self.mover.device_evictable();
         let plan = self.planner.plan(
@@ -52,20 +58,22 @@ impl ChunkStore {
         for step in plan {
             for &v in &step.evict {
                 let cause = self.cause(prefetch_reason(&step, Some((s, v, now))));
-                match self
-                    .mover
-                    .evict_device(v, Some(step.needed_at), step.chunk, cause)
-                {
+                let ahead = Ahead {
+                    needed_at: step.needed_at,
+                    schedule: &schedules.all,
+                };
+                match self.mover.evict_device(v, Some(ahead), step.chunk, cause) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             }
             let cause = self.cause(prefetch_reason(&step, None));
-            if !self
-                .mover
-                .prefetch_device(step.chunk, step.needed_at, cause)?
-            {
+            let ahead = Ahead {
+                needed_at: step.needed_at,
+                schedule: &schedules.all,
+            };
+            if !self.mover.prefetch_device(step.chunk, ahead, cause)? {
                 break;
             }
         }
@@ -87,11 +95,12 @@ impl ChunkStore {
         if self.settings.host_lookahead == 0 || self.diverged || self.is_tracing() {
             return;
         }
-        let (Some(hs), Some(ds), Some(s)) = (
-            &self.host_schedule,
-            &self.device_schedule,
-            self.mover.schedule(),
-        ) else {
+        let Mode::Following(Schedules {
+            all: s,
+            device: ds,
+            host: hs,
+        }) = &self.mode
+        else {
             return;
         };
         let lookahead = self.settings.host_lookahead;

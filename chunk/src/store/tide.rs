@@ -97,7 +97,7 @@ impl ChunkStore {
 
     pub(super) fn update_tide(&mut self, moment: u64) -> Result<()> {
         let s = match &self.mode {
-            Mode::Following(s) if !self.diverged => Some(&**s),
+            Mode::Following(s) if !self.diverged => Some(&*s.all),
             _ => None,
         };
         let cap = self.cap_for(s, moment, self.phase, self.non_model_now());
