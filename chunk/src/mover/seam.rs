@@ -83,14 +83,10 @@ impl Mover {
             .map_err(|e| ChunkError::tier("marking the swap file clean", None, e))
     }
 
-    /// The counters (the tiers' use is the caller's to add: see [`Mover::snapshot`]).
+    /// The counters of the moves (the tiers' use is the caller's to add: see
+    /// [`Mover::snapshot`]; the store adds its own).
     pub(crate) fn stats(&self) -> StoreStats {
         self.stats
-    }
-
-    /// The counters, for those the store keeps (accesses, iterations, divergences).
-    pub(crate) fn stats_mut(&mut self) -> &mut StoreStats {
-        &mut self.stats
     }
 
     /// Zeroes the counters and restarts every tier's peak from its use now.

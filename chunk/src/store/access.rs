@@ -29,7 +29,7 @@ impl ChunkStore {
         // A moment of the trace, and the device budget at it.
         let moment = self.observe(tensor, chunk, MomentKind::Access);
         self.moment = moment;
-        self.mover.stats_mut().accesses += 1;
+        self.counts.accesses += 1;
         self.update_tide(moment)?;
         // Where the chunk is; where it is not, room is made and it is loaded.
         self.mover.make_current(chunk, place, self.demand())?;

@@ -104,6 +104,16 @@ struct Settings {
     slack_bytes: u64,
 }
 
+/// The counters the store keeps itself; the mover keeps those of the moves, and
+/// [`ChunkStore::stats`] reports both.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
+    accesses: u64,
+    iterations: u64,
+    traced_iterations: u64,
+    divergences: u64,
+}
+
 /// Tensors in chunks on three tiers; see the module doc.
 pub struct ChunkStore {
     /// This store's id, carried by its guards.
@@ -132,6 +142,7 @@ pub struct ChunkStore {
     device_moments: Vec<Option<ChunkId>>,
     /// During tracing, per moment: the chunk accessed on the host, if any.
     host_moments: Vec<Option<ChunkId>>,
+    counts: Counts,
     /// The moment the mover's moves are dated at (see [`Cause`]): the latest access or
     /// release, or the next moment for untraced reads and writes.
     moment: u64,
@@ -185,6 +196,10 @@ impl ChunkStore {
     /// The accounting, with every tier's capacity, use and peak now.
     pub fn stats(&self) -> StoreStats {
         let mut s = self.mover.stats();
+        s.accesses = self.counts.accesses;
+        s.iterations = self.counts.iterations;
+        s.traced_iterations = self.counts.traced_iterations;
+        s.divergences = self.counts.divergences;
         let u = self.mover.snapshot();
         s.device = u.device;
         s.host = u.host;
@@ -194,6 +209,7 @@ impl ChunkStore {
 
     /// Zeroes the counters and restarts peak tracking from what is in use now.
     pub fn reset_stats(&mut self) {
+        self.counts = Counts::default();
         self.mover.reset_stats();
     }
 

@@ -20,7 +20,7 @@ use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Horizon, Schedule, Tracer};
 use crate::Result;
 
-use super::{ChunkStore, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
+use super::{ChunkStore, Counts, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
 
 impl ChunkStore {
     /// Opens a store for `layout` on `device` (see the module doc). Impossible budgets
@@ -136,6 +136,7 @@ impl ChunkStore {
             warmup: Vec::new(),
             device_moments: Vec::new(),
             host_moments: Vec::new(),
+            counts: Counts::default(),
             moment: 0,
             non_model_reported_bytes: 0,
             device_total_bytes,

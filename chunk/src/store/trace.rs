@@ -76,7 +76,7 @@ impl ChunkStore {
 
     fn diverge(&mut self, why: &'static str) {
         self.diverged = true;
-        self.mover.stats_mut().divergences += 1;
+        self.counts.divergences += 1;
         self.sync_policies();
         tracing::info!(
             moment = self.position.saturating_sub(1),
@@ -105,12 +105,12 @@ impl ChunkStore {
     /// [`ChunkError::WorkingSetTooLarge`], returned after the schedule is installed).
     /// After a followed one that diverged (or ended early), the next one is traced.
     pub fn end_iteration(&mut self) -> Result<()> {
-        self.mover.stats_mut().iterations += 1;
+        self.counts.iterations += 1;
         self.position = 0;
         let mode = std::mem::replace(&mut self.mode, Mode::Tracing(Tracer::new()));
         let result = match mode {
             Mode::Tracing(t) => {
-                self.mover.stats_mut().traced_iterations += 1;
+                self.counts.traced_iterations += 1;
                 if t.moments().is_empty() {
                     self.warmup.clear();
                     self.device_moments.clear();
@@ -165,7 +165,7 @@ impl ChunkStore {
     fn end_followed(&mut self, s: Schedules) {
         let early = self.follower.end_iteration(&s.all);
         if early.is_some() {
-            self.mover.stats_mut().divergences += 1;
+            self.counts.divergences += 1;
         }
         if self.diverged || early.is_some() {
             tracing::info!("chunk store: access sequence changed; re-tracing this iteration");
