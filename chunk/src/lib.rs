@@ -37,6 +37,7 @@ pub mod id;
 pub mod layout;
 pub mod moments;
 mod mover;
+mod place;
 pub mod policy;
 pub mod search;
 pub mod sim;

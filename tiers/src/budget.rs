@@ -18,27 +18,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::error::{Result, TierError};
-
-/// The three tiers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum TierKind {
-    /// GPU memory (or its host simulation).
-    Device,
-    /// Pinned host memory.
-    Host,
-    /// The NVMe swap file.
-    Nvme,
-}
-
-impl std::fmt::Display for TierKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            TierKind::Device => "device",
-            TierKind::Host => "host",
-            TierKind::Nvme => "nvme",
-        })
-    }
-}
+pub use crate::kind::TierKind;
 
 /// A tier's byte budget. Plain data: copy it to look at it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

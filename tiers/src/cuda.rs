@@ -34,13 +34,15 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use tidestore_io::BufferPool;
 
-use crate::budget::Lease;
-use crate::device::{
-    CopyDir, CopyId, CopyRequest, CudaSpan, CudaSpanMut, DeviceBackend, DeviceConfig, DeviceCore,
-    DeviceMem, DeviceView, DeviceViewMut, MemInfo, PinnedRegion, RawDone, SlabPlace,
+use crate::backend::{
+    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone, SlabPlace,
 };
+use crate::budget::Lease;
+use crate::copy::{CopyDir, CopyId};
 use crate::error::{Result, TierError};
 use crate::slab::{OverflowLease, Placement, SlabBlock};
+use crate::span::{CudaSpan, CudaSpanMut};
+use crate::view::{DeviceView, DeviceViewMut};
 
 /// The granularity `cuMemAlloc` rounds large allocations to on current GPUs (2 MiB): the
 /// slab's footprint and an overflow allocation's are counted in it.
@@ -461,7 +463,7 @@ impl Drop for CudaPinnedRegion {
 
 struct InFlight {
     id: CopyId,
-    req: CopyRequest,
+    req: CopyOf<CudaMem>,
     /// Recorded after the copy; `None` when recording failed, then the copy's stream is
     /// synchronized instead.
     event: Option<CopyEvent>,
@@ -556,16 +558,10 @@ impl CudaDevice {
     }
 
     /// Queue the copy of `req` on the copy stream.
-    fn enqueue(&self, id: CopyId, req: &mut CopyRequest) -> std::result::Result<(), TierError> {
+    fn enqueue(&self, id: CopyId, req: &mut CopyOf<CudaMem>) -> std::result::Result<(), TierError> {
         let len = req.len_bytes;
         let (chunk, bytes) = (req.chunk, len as u64);
-        let DeviceMem::Cuda(mem) = &req.mem else {
-            return Err(TierError::BadCopy {
-                id,
-                chunk,
-                reason: "simulated memory handed to a CUDA device".into(),
-            });
-        };
+        let mem = &req.mem;
         if len > mem.bytes {
             return Err(TierError::BadCopy {
                 id,
@@ -619,6 +615,9 @@ impl CudaDevice {
 }
 
 impl DeviceBackend for CudaDevice {
+    type Mem = CudaMem;
+    type Pinned = CudaPinnedRegion;
+
     fn core(&self) -> &DeviceCore {
         &self.core
     }
@@ -627,11 +626,11 @@ impl DeviceBackend for CudaDevice {
         &mut self.core
     }
 
-    fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<DeviceMem> {
+    fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<CudaMem> {
         let accounting = match self.core.slab.take(chunk, bytes as u64) {
             Placement::Slab(block) => {
                 assert_eq!(block.bytes(), lease.bytes(), "a block is its lease's bytes");
-                return Ok(DeviceMem::Cuda(CudaMem {
+                return Ok(CudaMem {
                     ptr: self.slab.ptr + block.offset_bytes(),
                     bytes,
                     chunk,
@@ -641,7 +640,7 @@ impl DeviceBackend for CudaDevice {
                         _block: block,
                     }),
                     lease: Some(lease),
-                }));
+                });
             }
             Placement::Overflow(accounting) => accounting,
         };
@@ -662,7 +661,7 @@ impl DeviceBackend for CudaDevice {
                 TierError::cuda("cuMemAlloc", Some(chunk), bytes as u64, e)
             }
         })?;
-        Ok(DeviceMem::Cuda(CudaMem {
+        Ok(CudaMem {
             ptr,
             bytes,
             chunk,
@@ -672,10 +671,14 @@ impl DeviceBackend for CudaDevice {
                 accounting,
             }),
             lease: Some(lease),
-        }))
+        })
     }
 
-    fn start_copy(&mut self, id: CopyId, mut req: CopyRequest) -> Option<(TierError, CopyRequest)> {
+    fn start_copy(
+        &mut self,
+        id: CopyId,
+        mut req: CopyOf<CudaMem>,
+    ) -> Option<(TierError, CopyOf<CudaMem>)> {
         let (chunk, bytes) = (req.chunk, req.len_bytes as u64);
         if let Err(e) = self.ctx.bind_to_thread() {
             return Some((
@@ -718,7 +721,7 @@ impl DeviceBackend for CudaDevice {
         self.in_flight.len()
     }
 
-    fn next_done(&mut self, block: bool) -> Option<RawDone> {
+    fn next_done(&mut self, block: bool) -> Option<RawDone<CudaMem>> {
         let front = self.in_flight.front()?;
         if let Err(e) = self.ctx.bind_to_thread() {
             tracing::error!(error = %e, "CUDA: cannot bind the context to wait for a copy");
@@ -775,7 +778,7 @@ impl DeviceBackend for CudaDevice {
         })
     }
 
-    fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion> {
+    fn pin_pool(&self, pool: &BufferPool) -> Result<Option<CudaPinnedRegion>> {
         let (ptr, bytes) = pool.region();
         self.ctx
             .bind_to_thread()
@@ -785,13 +788,12 @@ impl DeviceBackend for CudaDevice {
         // before releasing it. The context was bound just above.
         unsafe { register_host(ptr, bytes) }
             .map_err(|e| TierError::cuda("cuMemHostRegister", None, bytes as u64, e))?;
-        Ok(CudaPinnedRegion {
+        Ok(Some(CudaPinnedRegion {
             addr: ptr as usize,
             bytes,
             ctx: Arc::clone(&self.ctx),
             pool: Some(pool.clone()),
-        }
-        .into())
+        }))
     }
 }
 

@@ -2,7 +2,9 @@
 //!
 //! Everything above (the chunk store, the optimizer) uses [`Device`] and never asks which
 //! backend it is: enum dispatch over [`SimDevice`] and [`CudaDevice`], as candle's
-//! `Storage`. Without the `cuda` feature `CudaDevice` is an uninhabited stand-in, so no
+//! `Storage`. Each backend implements the crate's backend trait (`backend`, a leaf it
+//! imports) over its own memory type, which [`DeviceMem`] wraps; no backend names this
+//! module. Without the `cuda` feature `CudaDevice` is an uninhabited stand-in, so no
 //! code above needs a `cfg`.
 //!
 //! Invariants:
@@ -30,166 +32,28 @@
 #![deny(unsafe_code)]
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use tidestore_io::{align_up, AlignedBuf, BufferPool};
 
-use crate::budget::{Budget, SharedBudget, TierKind};
+use crate::backend::{align_down_page, CopyOf, DeviceBackend, DeviceCore, RawDone};
+use crate::budget::Budget;
 use crate::error::{Result, TierError};
-use crate::slab::{SharedSlab, SlabStats};
+use crate::kind::TierKind;
+use crate::slab::SlabStats;
 use crate::stats::LinkStats;
 
+pub use crate::backend::{
+    DeviceConfig, DeviceKind, MemInfo, COPY_QUEUE_DEPTH_MAX, SIM_ALLOC_GRANULARITY_BYTES_DEFAULT,
+};
+pub use crate::copy::{CopyDir, CopyId};
 pub use crate::cuda::{CudaDevice, CudaMem, CudaPinnedRegion};
 pub use crate::sim::{SimDevice, SimMem};
 pub use crate::span::{CudaSpan, CudaSpanMut};
-
-/// Id of a copy, unique per device, handed out by [`Device::submit_copy`] and carried by
-/// its completion.
-pub type CopyId = u64;
-
-/// The simulated driver's allocation granularity unless configured (CUDA's usual one).
-pub const SIM_ALLOC_GRANULARITY_BYTES_DEFAULT: u64 = 2 << 20;
-
-/// Most copies one device keeps in flight.
-pub const COPY_QUEUE_DEPTH_MAX: usize = 1024;
-
-static NEXT_DEVICE_ID: AtomicU32 = AtomicU32::new(1);
-
-pub(crate) fn next_device_id() -> u32 {
-    NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Which backend a [`Device`] is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DeviceKind {
-    /// Device memory simulated in host memory.
-    Sim,
-    /// A CUDA GPU.
-    Cuda,
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DeviceKind::Sim => "sim",
-            DeviceKind::Cuda => "cuda",
-        })
-    }
-}
-
-/// How to open the device tier.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceConfig {
-    /// Bytes of device memory chunks may use at first (changed later with
-    /// [`Device::set_budget_capacity`]).
-    pub budget_bytes: u64,
-    /// CUDA device ordinal.
-    pub ordinal: usize,
-    /// Most copies in flight at once; 1 ..= [`COPY_QUEUE_DEPTH_MAX`].
-    pub copy_queue_depth: usize,
-    /// Total memory of the simulated device; `None`: the budget.
-    pub sim_total_bytes: Option<u64>,
-    /// Bandwidth of the simulated host↔device link (each direction); `None`: as fast as
-    /// `memcpy`.
-    pub sim_link_bytes_per_s: Option<u64>,
-    /// Bytes of the chunk slab allocated when the device opens; the budget can never be
-    /// set above it. `None`: the simulated device's whole memory, or on a GPU the initial
-    /// budget (`budget_bytes`).
-    pub slab_bytes: Option<u64>,
-    /// Allocation granularity of the simulated driver (a power of two, at least 4096):
-    /// the slab occupies its size rounded up to it, as on a GPU (2 MiB by default).
-    pub sim_alloc_granularity_bytes: u64,
-}
-
-impl DeviceConfig {
-    /// Defaults around a budget: device 0, 16 copies in flight, a simulated device as
-    /// large as the budget, copies as fast as `memcpy`.
-    pub fn new(budget_bytes: u64) -> Self {
-        DeviceConfig {
-            budget_bytes,
-            ordinal: 0,
-            copy_queue_depth: 16,
-            sim_total_bytes: None,
-            sim_link_bytes_per_s: None,
-            slab_bytes: None,
-            sim_alloc_granularity_bytes: SIM_ALLOC_GRANULARITY_BYTES_DEFAULT,
-        }
-    }
-
-    /// Check every value; the error names the first bad key.
-    pub fn validate(&self) -> Result<()> {
-        if self.copy_queue_depth == 0 || self.copy_queue_depth > COPY_QUEUE_DEPTH_MAX {
-            return Err(TierError::Config {
-                key: "device.copy_queue_depth",
-                reason: format!(
-                    "{} is outside 1..={COPY_QUEUE_DEPTH_MAX}",
-                    self.copy_queue_depth
-                ),
-            });
-        }
-        let g = self.sim_alloc_granularity_bytes;
-        if !g.is_power_of_two() || g < 4096 {
-            return Err(TierError::Config {
-                key: "device.sim_alloc_granularity",
-                reason: format!("{g} is not a power of two of at least 4096"),
-            });
-        }
-        if let Some(slab) = self.slab_bytes {
-            if slab < self.budget_bytes {
-                return Err(TierError::Config {
-                    key: "device.slab_bytes",
-                    reason: format!(
-                        "a slab of {slab} bytes cannot hold the budget of {} bytes",
-                        self.budget_bytes
-                    ),
-                });
-            }
-        }
-        if self.sim_link_bytes_per_s == Some(0) {
-            return Err(TierError::Config {
-                key: "device.sim_link_bandwidth",
-                reason: "a link of zero bytes per second moves nothing".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// Memory of the device as its driver (or the simulation) sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemInfo {
-    pub total_bytes: u64,
-    pub free_bytes: u64,
-}
-
-/// Direction of a copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CopyDir {
-    HostToDevice,
-    DeviceToHost,
-}
-
-impl std::fmt::Display for CopyDir {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            CopyDir::HostToDevice => "host->device",
-            CopyDir::DeviceToHost => "device->host",
-        })
-    }
-}
+pub use crate::view::{DeviceView, DeviceViewMut};
 
 /// One asynchronous copy between a host buffer and device memory. Both move into the
 /// copy and come back in its [`CopyCompletion`].
-#[derive(Debug)]
-pub struct CopyRequest {
-    pub dir: CopyDir,
-    /// The chunk being moved; for error context and echoed in the completion.
-    pub chunk: u64,
-    pub host: AlignedBuf,
-    pub mem: DeviceMem,
-    /// Bytes to move from the start of each end; `1 ..= min(host capacity, mem bytes)`.
-    pub len_bytes: usize,
-}
+pub type CopyRequest = CopyOf<DeviceMem>;
 
 /// A finished copy: both ends back, and whether every byte moved.
 #[derive(Debug)]
@@ -217,30 +81,12 @@ impl CopyCompletion {
     }
 }
 
-/// A copy the backend has finished, before the device has accounted for it.
-pub(crate) type RawDone = (CopyId, CopyRequest, Result<()>);
-
 /// Device memory holding one chunk: simulated (host memory) or on a GPU. No `Clone`
 /// (a copy may not fit in the budget). Dropping it frees it and releases its budget.
 #[derive(Debug)]
 pub enum DeviceMem {
     Sim(SimMem),
     Cuda(CudaMem),
-}
-
-/// A read-only view of device memory for compute: host bytes in the simulation, a span
-/// of GPU memory (see [`CudaSpan`]) on a GPU.
-#[derive(Debug)]
-pub enum DeviceView<'a> {
-    Host(&'a [u8]),
-    Cuda(CudaSpan<'a>),
-}
-
-/// A writable view of device memory for compute.
-#[derive(Debug)]
-pub enum DeviceViewMut<'a> {
-    Host(&'a mut [u8]),
-    Cuda(CudaSpanMut<'a>),
 }
 
 macro_rules! mem_dispatch {
@@ -326,120 +172,52 @@ impl From<CudaPinnedRegion> for PinnedRegion {
     }
 }
 
-/// `bytes` rounded down to the budget's unit (a page, 4096).
-fn align_down_page(bytes: u64) -> u64 {
-    bytes - bytes % crate::slab::BLOCK_ALIGN_BYTES
+macro_rules! dispatch {
+    ($backend:expr, $d:ident => $e:expr) => {
+        match $backend {
+            Backend::Sim($d) => $e,
+            Backend::Cuda($d) => $e,
+        }
+    };
 }
 
-/// Where a backend put its slab: its size, the device memory it occupies (rounded up to
-/// the allocation granularity) and its first byte's address.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SlabPlace {
-    pub(crate) bytes: u64,
-    pub(crate) footprint_bytes: u64,
-    pub(crate) base_addr: u64,
-    /// The driver's allocation granularity (overflow allocations are rounded to it).
-    pub(crate) granularity_bytes: u64,
-}
-
-/// What both backends share: the budget, the slab, the copy ids, the queue of finished
-/// copies, the reported non-model memory and the link counters.
+/// The device tier: a CUDA GPU or its simulation in host memory, behind one type, with
+/// the queue of finished copies (accounted, in submission order) both share.
 #[derive(Debug)]
-pub(crate) struct DeviceCore {
-    pub(crate) device_id: u32,
-    pub(crate) budget: SharedBudget,
-    pub(crate) total_bytes: u64,
-    pub(crate) queue_depth: usize,
-    pub(crate) slab: SharedSlab,
-    /// Device memory the slab occupies (its size rounded up to the allocation granularity).
-    pub(crate) slab_footprint_bytes: u64,
-    slab_base_addr: u64,
-    non_model_reported_bytes: u64,
+pub struct Device {
+    backend: Backend,
     next_copy_id: CopyId,
     ready: VecDeque<CopyCompletion>,
     links: LinkStats,
 }
 
-impl DeviceCore {
-    /// Checks the budget against the device and the slab the backend allocated.
-    pub(crate) fn new(cfg: &DeviceConfig, total_bytes: u64, slab: SlabPlace) -> Result<Self> {
-        let SlabPlace {
-            bytes: slab_bytes,
-            footprint_bytes: slab_footprint_bytes,
-            base_addr: slab_base_addr,
-            granularity_bytes: slab_granularity_bytes,
-        } = slab;
-        cfg.validate()?;
-        if cfg.budget_bytes > total_bytes {
-            return Err(TierError::BudgetExceedsDevice {
-                budget_bytes: cfg.budget_bytes,
-                total_bytes,
-            });
-        }
-        let slab = SharedSlab::new(slab_bytes, slab_granularity_bytes);
-        // Leases are whole pages: a budget's last partial page can never be used.
-        if align_down_page(cfg.budget_bytes) > align_down_page(slab_bytes) {
-            return Err(TierError::BudgetExceedsSlab {
-                budget_bytes: cfg.budget_bytes,
-                slab_bytes,
-            });
-        }
-        Ok(DeviceCore {
-            device_id: next_device_id(),
-            budget: SharedBudget::new(TierKind::Device, cfg.budget_bytes),
-            total_bytes,
-            queue_depth: cfg.copy_queue_depth,
-            slab,
-            slab_footprint_bytes,
-            slab_base_addr,
-            non_model_reported_bytes: 0,
-            next_copy_id: 1,
-            ready: VecDeque::with_capacity(cfg.copy_queue_depth * 2),
-            links: LinkStats::default(),
-        })
-    }
-
-    /// The non-model bytes reported last.
-    pub(crate) fn non_model_reported_bytes(&self) -> u64 {
-        self.non_model_reported_bytes
-    }
-
-    /// Account for a finished copy and queue it for the caller.
-    fn finish(&mut self, (id, req, result): RawDone) {
-        if result.is_ok() {
-            self.links.record(req.dir, req.len_bytes as u64);
-        } else {
-            self.links.failed_copies += 1;
-        }
-        self.ready.push_back(CopyCompletion::new(id, req, result));
-    }
-}
-
-macro_rules! dispatch {
-    ($self:expr, $d:ident => $e:expr) => {
-        match $self {
-            Device::Sim($d) => $e,
-            Device::Cuda($d) => $e,
-        }
-    };
-}
-
-/// The device tier: a CUDA GPU or its simulation in host memory, behind one type.
+/// The backends [`Device`] dispatches over; each has its own memory type, which
+/// [`DeviceMem`] wraps.
 #[derive(Debug)]
-pub enum Device {
+enum Backend {
     Sim(SimDevice),
     Cuda(CudaDevice),
 }
 
 impl Device {
+    fn over(backend: Backend) -> Self {
+        let queue_depth = dispatch!(&backend, d => d.core().queue_depth);
+        Device {
+            backend,
+            next_copy_id: 1,
+            ready: VecDeque::with_capacity(queue_depth * 2),
+            links: LinkStats::default(),
+        }
+    }
+
     /// The host simulation.
     pub fn sim(cfg: &DeviceConfig) -> Result<Self> {
-        Ok(Device::Sim(SimDevice::new(cfg)?))
+        Ok(Device::over(Backend::Sim(SimDevice::new(cfg)?)))
     }
 
     /// A CUDA GPU, or [`TierError::NoGpu`] / [`TierError::NotCompiledWithCuda`].
     pub fn cuda(cfg: &DeviceConfig) -> Result<Self> {
-        Ok(Device::Cuda(CudaDevice::new(cfg)?))
+        Ok(Device::over(Backend::Cuda(CudaDevice::new(cfg)?)))
     }
 
     /// A CUDA GPU where there is one, otherwise the simulation (logged). Errors other
@@ -447,7 +225,7 @@ impl Device {
     /// the GPU) are returned, not papered over.
     pub fn auto(cfg: &DeviceConfig) -> Result<Self> {
         match CudaDevice::new(cfg) {
-            Ok(d) => Ok(Device::Cuda(d)),
+            Ok(d) => Ok(Device::over(Backend::Cuda(d))),
             Err(e @ (TierError::NoGpu { .. } | TierError::NotCompiledWithCuda)) => {
                 tracing::info!(reason = %e, "device tier: no CUDA GPU; simulating the device in host memory");
                 Device::sim(cfg)
@@ -458,23 +236,23 @@ impl Device {
 
     /// Which backend this is.
     pub fn kind(&self) -> DeviceKind {
-        match self {
-            Device::Sim(_) => DeviceKind::Sim,
-            Device::Cuda(_) => DeviceKind::Cuda,
+        match self.backend {
+            Backend::Sim(_) => DeviceKind::Sim,
+            Backend::Cuda(_) => DeviceKind::Cuda,
         }
     }
 
     /// A process-unique id; memory remembers the device it came from by it.
     pub fn id(&self) -> u32 {
-        dispatch!(self, d => d.core().device_id)
+        dispatch!(&self.backend, d => d.core().device_id)
     }
 
     fn core(&self) -> &DeviceCore {
-        dispatch!(self, d => d.core())
+        dispatch!(&self.backend, d => d.core())
     }
 
     fn core_mut(&mut self) -> &mut DeviceCore {
-        dispatch!(self, d => d.core_mut())
+        dispatch!(&mut self.backend, d => d.core_mut())
     }
 
     /// The chunk budget as it is now (capacity, used, peak).
@@ -548,23 +326,20 @@ impl Device {
             });
         }
         let lease = self.core().budget.try_lease(align_up(bytes) as u64)?;
-        dispatch!(self, d => d.alloc(chunk, bytes, lease))
+        match &self.backend {
+            Backend::Sim(d) => d.alloc(chunk, bytes, lease).map(DeviceMem::Sim),
+            Backend::Cuda(d) => d.alloc(chunk, bytes, lease).map(DeviceMem::Cuda),
+        }
     }
 
     /// Start a copy. Never blocks unless `copy_queue_depth` copies are in flight (then it
     /// first waits for the oldest). The result, with both buffers, comes back through
     /// [`Device::poll_copy`], [`Device::wait_copy`] or [`Device::wait_copy_id`].
     pub fn submit_copy(&mut self, req: CopyRequest) -> CopyId {
-        let id = {
-            let core = self.core_mut();
-            let id = core.next_copy_id;
-            core.next_copy_id += 1;
-            id
-        };
+        let id = self.next_copy_id;
+        self.next_copy_id += 1;
         if let Err(e) = self.check(id, &req) {
-            self.core_mut()
-                .ready
-                .push_back(CopyCompletion::new(id, req, Err(e)));
+            self.ready.push_back(CopyCompletion::new(id, req, Err(e)));
             return id;
         }
         while self.in_flight() >= self.core().queue_depth {
@@ -572,13 +347,32 @@ impl Device {
                 break;
             }
         }
-        let refused = dispatch!(self, d => d.start_copy(id, req));
-        if let Some((e, req)) = refused {
-            self.core_mut()
-                .ready
-                .push_back(CopyCompletion::new(id, req, Err(e)));
+        if let Some((e, req)) = self.start_copy(id, req) {
+            self.ready.push_back(CopyCompletion::new(id, req, Err(e)));
         }
         id
+    }
+
+    /// Hands a checked copy to the backend, over its own memory; `Some` when it was
+    /// refused, with the request back. (Without the `cuda` feature `CudaMem` is
+    /// uninhabited: the CUDA arm is provably dead.)
+    #[cfg_attr(not(feature = "cuda"), allow(unreachable_code))]
+    fn start_copy(&mut self, id: CopyId, req: CopyRequest) -> Option<(TierError, CopyRequest)> {
+        let (mem, req) = req.take_mem();
+        match (&mut self.backend, mem) {
+            (Backend::Sim(d), DeviceMem::Sim(mem)) => d
+                .start_copy(id, req.with_mem(mem))
+                .map(|(e, r)| (e, r.map_mem(DeviceMem::Sim))),
+            (Backend::Cuda(d), DeviceMem::Cuda(mem)) => d
+                .start_copy(id, req.with_mem(mem))
+                .map(|(e, r)| (e, r.map_mem(DeviceMem::Cuda))),
+            // `check` refuses memory of another backend first.
+            (_, mem) => {
+                let reason = "memory of another backend".into();
+                let chunk = req.chunk;
+                Some((TierError::BadCopy { id, chunk, reason }, req.with_mem(mem)))
+            }
+        }
     }
 
     /// Copy the first `len_bytes` of `host` into `mem`.
@@ -656,41 +450,54 @@ impl Device {
 
     /// Copies submitted and not yet handed back (in flight or finished and queued).
     pub fn copies_outstanding(&self) -> usize {
-        self.in_flight() + self.core().ready.len()
+        self.in_flight() + self.ready.len()
     }
 
     fn in_flight(&self) -> usize {
-        dispatch!(self, d => d.in_flight())
+        dispatch!(&self.backend, d => d.in_flight())
     }
 
     /// Move one finished copy from the backend to the ready queue; false when none could
     /// be had (none in flight, or, with `block` false, none finished yet).
     fn reap(&mut self, block: bool) -> bool {
-        let done = dispatch!(self, d => d.next_done(block));
+        let done = match &mut self.backend {
+            Backend::Sim(d) => d.next_done(block).map(|raw| wrap(raw, DeviceMem::Sim)),
+            Backend::Cuda(d) => d.next_done(block).map(|raw| wrap(raw, DeviceMem::Cuda)),
+        };
         match done {
             Some(raw) => {
-                self.core_mut().finish(raw);
+                self.finish(raw);
                 true
             }
             None => false,
         }
     }
 
+    /// Account for a finished copy and queue it for the caller.
+    fn finish(&mut self, (id, req, result): RawDone<DeviceMem>) {
+        if result.is_ok() {
+            self.links.record(req.dir, req.len_bytes as u64);
+        } else {
+            self.links.failed_copies += 1;
+        }
+        self.ready.push_back(CopyCompletion::new(id, req, result));
+    }
+
     /// A finished copy if there is one, without waiting.
     pub fn poll_copy(&mut self) -> Option<CopyCompletion> {
-        if self.core().ready.is_empty() {
+        if self.ready.is_empty() {
             while self.reap(false) {}
         }
-        self.core_mut().ready.pop_front()
+        self.ready.pop_front()
     }
 
     /// The next finished copy (in submission order), waiting for it; `None` when nothing
     /// is outstanding.
     pub fn wait_copy(&mut self) -> Option<CopyCompletion> {
-        if self.core().ready.is_empty() {
+        if self.ready.is_empty() {
             self.reap(true);
         }
-        self.core_mut().ready.pop_front()
+        self.ready.pop_front()
     }
 
     /// Wait for copy `id`; other copies that finish meanwhile stay queued. `None` when
@@ -698,7 +505,7 @@ impl Device {
     /// stopped copy engine).
     pub fn wait_copy_id(&mut self, id: CopyId) -> Option<CopyCompletion> {
         loop {
-            let ready = &mut self.core_mut().ready;
+            let ready = &mut self.ready;
             if let Some(pos) = ready.iter().position(|c| c.id == id) {
                 return ready.remove(pos);
             }
@@ -718,14 +525,14 @@ impl Device {
                 });
             }
         }
-        dispatch!(self, d => d.synchronize())
+        dispatch!(&mut self.backend, d => d.synchronize())
     }
 
     /// Total device memory, and what neither chunks nor non-model memory use: the
     /// driver's free memory (`cuMemGetInfo`, or the simulated driver's) plus the slab's
     /// free blocks, less the reported non-model bytes.
     pub fn mem_info(&self) -> Result<MemInfo> {
-        let driver = dispatch!(self, d => d.driver_mem_info())?;
+        let driver = dispatch!(&self.backend, d => d.driver_mem_info())?;
         let core = self.core();
         let slab = core.slab.stats();
         Ok(MemInfo {
@@ -746,7 +553,7 @@ impl Device {
     /// footprint being the slab's plus that of any overflow allocation (zero in the
     /// simulation, whose driver holds only those).
     pub fn non_model_bytes(&self) -> Result<u64> {
-        let driver = dispatch!(self, d => d.driver_mem_info())?;
+        let driver = dispatch!(&self.backend, d => d.driver_mem_info())?;
         let core = self.core();
         let chunk_footprint_bytes =
             core.slab_footprint_bytes + core.slab.stats().overflow_footprint_bytes;
@@ -763,28 +570,23 @@ impl Device {
     /// Page-lock `pool`'s region for fast asynchronous copies (a GPU), or do nothing
     /// (the simulation). Keep the returned region as long as the pool is used for copies.
     pub fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion> {
-        dispatch!(self, d => d.pin_pool(pool))
+        Ok(match &self.backend {
+            Backend::Sim(d) => d
+                .pin_pool(pool)?
+                .map_or_else(PinnedRegion::unpinned, |p| match p {}),
+            Backend::Cuda(d) => d
+                .pin_pool(pool)?
+                .map_or_else(PinnedRegion::unpinned, PinnedRegion::from),
+        })
     }
 
     /// Bytes and copies moved per direction of the host↔device link.
     pub fn link_stats(&self) -> LinkStats {
-        self.core().links
+        self.links
     }
 }
 
-/// What each backend provides to [`Device`] (the uninhabited CUDA stand-in too), so the
-/// dispatch above compiles against either. Crate-private: the public seam is [`Device`].
-pub(crate) trait DeviceBackend {
-    fn core(&self) -> &DeviceCore;
-    fn core_mut(&mut self) -> &mut DeviceCore;
-    fn alloc(&self, chunk: u64, bytes: usize, lease: crate::budget::Lease) -> Result<DeviceMem>;
-    /// Start a copy; `Some` when it was refused, with the request back.
-    fn start_copy(&mut self, id: CopyId, req: CopyRequest) -> Option<(TierError, CopyRequest)>;
-    fn in_flight(&self) -> usize;
-    fn next_done(&mut self, block: bool) -> Option<RawDone>;
-    fn synchronize(&mut self) -> Result<()>;
-    /// Total and free memory as the driver (or the simulated driver) sees it: the slab
-    /// counts as used whole.
-    fn driver_mem_info(&self) -> Result<MemInfo>;
-    fn pin_pool(&self, pool: &BufferPool) -> Result<PinnedRegion>;
+/// A backend's finished copy over device memory `M`, its memory wrapped.
+fn wrap<M>((id, req, result): RawDone<M>, f: impl FnOnce(M) -> DeviceMem) -> RawDone<DeviceMem> {
+    (id, req.map_mem(f), result)
 }

@@ -8,12 +8,11 @@
 
 use tidestore_io::BufferPool;
 
+use crate::backend::{CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone};
 use crate::budget::Lease;
-use crate::device::{
-    CopyId, CopyRequest, DeviceBackend, DeviceConfig, DeviceCore, DeviceMem, DeviceView,
-    DeviceViewMut, MemInfo, PinnedRegion, RawDone,
-};
+use crate::copy::CopyId;
 use crate::error::{Result, TierError};
+use crate::view::{DeviceView, DeviceViewMut};
 
 /// A CUDA GPU; cannot exist in a build without the `cuda` feature.
 #[derive(Debug)]
@@ -63,6 +62,9 @@ impl CudaPinnedRegion {
 }
 
 impl DeviceBackend for CudaDevice {
+    type Mem = CudaMem;
+    type Pinned = CudaPinnedRegion;
+
     fn core(&self) -> &DeviceCore {
         match *self {}
     }
@@ -71,11 +73,15 @@ impl DeviceBackend for CudaDevice {
         match *self {}
     }
 
-    fn alloc(&self, _chunk: u64, _bytes: usize, _lease: Lease) -> Result<DeviceMem> {
+    fn alloc(&self, _chunk: u64, _bytes: usize, _lease: Lease) -> Result<CudaMem> {
         match *self {}
     }
 
-    fn start_copy(&mut self, _id: CopyId, _req: CopyRequest) -> Option<(TierError, CopyRequest)> {
+    fn start_copy(
+        &mut self,
+        _id: CopyId,
+        _req: CopyOf<CudaMem>,
+    ) -> Option<(TierError, CopyOf<CudaMem>)> {
         match *self {}
     }
 
@@ -83,7 +89,7 @@ impl DeviceBackend for CudaDevice {
         match *self {}
     }
 
-    fn next_done(&mut self, _block: bool) -> Option<RawDone> {
+    fn next_done(&mut self, _block: bool) -> Option<RawDone<CudaMem>> {
         match *self {}
     }
 
@@ -95,7 +101,7 @@ impl DeviceBackend for CudaDevice {
         match *self {}
     }
 
-    fn pin_pool(&self, _pool: &BufferPool) -> Result<PinnedRegion> {
+    fn pin_pool(&self, _pool: &BufferPool) -> Result<Option<CudaPinnedRegion>> {
         match *self {}
     }
 }

@@ -7,8 +7,8 @@
 
 #![deny(unsafe_code)]
 
-use crate::budget::TierKind;
-use crate::device::CopyId;
+use crate::copy::CopyId;
+use crate::kind::TierKind;
 
 /// A boxed backend error (CUDA driver errors, in practice).
 pub type BoxedError = Box<dyn std::error::Error + Send + Sync + 'static>;

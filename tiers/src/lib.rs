@@ -9,22 +9,32 @@
 //!   and its block allocator (both backends);
 //! - [`host`]: the pinned host pool, fixed at start-up;
 //! - [`nvme`]: the NVMe tier over the io crate's swap file;
-//! - [`stats`]: peaks per tier and bytes moved per link.
+//! - [`stats`]: peaks per tier and bytes moved per link ([`TierStats`] gathers them).
+//!
+//! Imports point one way: leaves (`kind`, `copy`, `view`, `span`, `budget`, `error`,
+//! `slab`, `stats`) below the backend seam (`backend`: the trait each backend
+//! implements over its own memory type), the backends (`sim`, `cuda`) above it,
+//! [`device`] above them, dispatching; `host`, `nvme` and the gathered stats on top.
 //!
 //! Nothing here prints; everything is logged with `tracing`. FFI lives only in the CUDA
 //! backend; every other module denies `unsafe` (but for the two `unsafe fn` constructors
 //! of GPU spans, which promise an address is device memory, and the simulation's slab
 //! region in [`slab`], which hands out disjoint blocks of one host mapping).
 
+mod backend;
 pub mod budget;
+mod copy;
 pub mod device;
 pub mod error;
 pub mod host;
+mod kind;
 pub mod nvme;
 mod sim;
 pub mod slab;
 mod span;
 pub mod stats;
+mod tier_stats;
+mod view;
 
 #[cfg(feature = "cuda")]
 #[path = "cuda.rs"]
@@ -43,7 +53,8 @@ pub use error::{Result, TierError};
 pub use host::HostTier;
 pub use nvme::{NvmeActivity, NvmeTier, PUMP_INTERVAL};
 pub use slab::{SlabAllocator, SlabStats};
-pub use stats::{LinkStats, NvmeLinkStats, TierStats, TierUsage};
+pub use stats::{LinkStats, NvmeLinkStats, TierUsage};
+pub use tier_stats::TierStats;
 
 #[cfg(test)]
 mod tests {

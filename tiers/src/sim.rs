@@ -28,13 +28,14 @@ use std::time::{Duration, Instant};
 
 use tidestore_io::{AlignedBuf, BufferPool};
 
-use crate::budget::{Lease, TierKind};
-use crate::device::{
-    CopyDir, CopyId, CopyRequest, DeviceBackend, DeviceConfig, DeviceCore, DeviceMem, DeviceView,
-    DeviceViewMut, MemInfo, PinnedRegion, RawDone, SlabPlace,
+use crate::backend::{
+    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone, SlabPlace,
 };
+use crate::budget::{Lease, TierKind};
+use crate::copy::{CopyDir, CopyId};
 use crate::error::{Result, TierError};
 use crate::slab::{HostRegion, OverflowLease, Placement, SlabBlock};
+use crate::view::{DeviceView, DeviceViewMut};
 
 /// Simulated device memory holding one chunk: a block of the simulated slab (or, when
 /// the slab was too fragmented, a buffer of its own).
@@ -87,14 +88,14 @@ enum SimStore {
     },
 }
 
-type Job = (CopyId, CopyRequest);
+type Job = (CopyId, CopyOf<SimMem>);
 
 /// One direction's copy worker and its channels.
 #[derive(Debug)]
 struct CopyLane {
     /// `None` only while dropping.
     jobs: Option<SyncSender<Job>>,
-    done: Receiver<RawDone>,
+    done: Receiver<RawDone<SimMem>>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -204,7 +205,7 @@ impl SimDevice {
         }
     }
 
-    fn lost(&mut self) -> Option<RawDone> {
+    fn lost(&mut self) -> Option<RawDone<SimMem>> {
         tracing::error!(
             in_flight = self.order.len(),
             "simulated copy worker stopped; its copies are lost"
@@ -215,6 +216,10 @@ impl SimDevice {
 }
 
 impl DeviceBackend for SimDevice {
+    type Mem = SimMem;
+    /// Host memory needs no pinning for the simulation.
+    type Pinned = std::convert::Infallible;
+
     fn core(&self) -> &DeviceCore {
         &self.core
     }
@@ -223,7 +228,7 @@ impl DeviceBackend for SimDevice {
         &mut self.core
     }
 
-    fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<DeviceMem> {
+    fn alloc(&self, chunk: u64, bytes: usize, lease: Lease) -> Result<SimMem> {
         // Like a real device: room is what the chunks and the non-model memory leave.
         let used_bytes = self.core.budget.snapshot().used_bytes(); // includes `lease`
         let free_bytes = self
@@ -252,16 +257,20 @@ impl DeviceBackend for SimDevice {
                 _accounting: accounting,
             },
         };
-        Ok(DeviceMem::Sim(SimMem {
+        Ok(SimMem {
             store,
             bytes,
             chunk,
             device_id: self.core.device_id,
             _lease: lease,
-        }))
+        })
     }
 
-    fn start_copy(&mut self, id: CopyId, req: CopyRequest) -> Option<(TierError, CopyRequest)> {
+    fn start_copy(
+        &mut self,
+        id: CopyId,
+        req: CopyOf<SimMem>,
+    ) -> Option<(TierError, CopyOf<SimMem>)> {
         let dir = req.dir;
         let Some(jobs) = &self.lane(dir).jobs else {
             return Some((stopped("the device is closing"), req));
@@ -283,7 +292,7 @@ impl DeviceBackend for SimDevice {
         self.order.len()
     }
 
-    fn next_done(&mut self, block: bool) -> Option<RawDone> {
+    fn next_done(&mut self, block: bool) -> Option<RawDone<SimMem>> {
         // The oldest copy is the next one its direction's worker finishes.
         let dir = *self.order.front()?;
         let done = &self.lane(dir).done;
@@ -317,8 +326,8 @@ impl DeviceBackend for SimDevice {
         })
     }
 
-    fn pin_pool(&self, _pool: &BufferPool) -> Result<PinnedRegion> {
-        Ok(PinnedRegion::unpinned())
+    fn pin_pool(&self, _pool: &BufferPool) -> Result<Option<Self::Pinned>> {
+        Ok(None)
     }
 }
 
@@ -335,7 +344,11 @@ fn stopped(reason: &str) -> TierError {
     }
 }
 
-fn copy_worker(jobs: Receiver<Job>, done: SyncSender<RawDone>, link_bytes_per_s: Option<u64>) {
+fn copy_worker(
+    jobs: Receiver<Job>,
+    done: SyncSender<RawDone<SimMem>>,
+    link_bytes_per_s: Option<u64>,
+) {
     while let Ok((id, mut req)) = jobs.recv() {
         let started = Instant::now();
         let result = copy_bytes(id, &mut req);
@@ -351,16 +364,10 @@ fn copy_worker(jobs: Receiver<Job>, done: SyncSender<RawDone>, link_bytes_per_s:
     }
 }
 
-fn copy_bytes(id: CopyId, req: &mut CopyRequest) -> Result<()> {
+fn copy_bytes(id: CopyId, req: &mut CopyOf<SimMem>) -> Result<()> {
     let len = req.len_bytes;
     let chunk = req.chunk;
-    let DeviceMem::Sim(mem) = &mut req.mem else {
-        return Err(TierError::BadCopy {
-            id,
-            chunk,
-            reason: "CUDA memory handed to the simulated device".into(),
-        });
-    };
+    let mem = &mut req.mem;
     // Lengths were checked at submit; `get` keeps a bad one an error, not a panic.
     let DeviceViewMut::Host(dev) = mem.view_mut() else {
         return Err(TierError::BadCopy {

@@ -1,13 +1,13 @@
-//! Accounting per tier and per link, as plain data the binary prints.
+//! Accounting per tier and per link, as plain data the binary prints (gathered from the
+//! three tiers into [`TierStats`](crate::TierStats)).
 //!
 //! Peaks come from the tiers' budgets; bytes moved are counted when a transfer has
 //! finished successfully (a failed copy counts only in `failed_copies`).
 
 #![deny(unsafe_code)]
 
-use crate::device::{CopyDir, Device};
-use crate::host::HostTier;
-use crate::nvme::NvmeTier;
+use crate::budget::Budget;
+use crate::copy::CopyDir;
 
 /// Traffic over the host↔device link.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -52,74 +52,12 @@ pub struct TierUsage {
     pub peak_bytes: u64,
 }
 
-impl From<crate::budget::Budget> for TierUsage {
-    fn from(b: crate::budget::Budget) -> Self {
+impl From<Budget> for TierUsage {
+    fn from(b: Budget) -> Self {
         TierUsage {
             capacity_bytes: b.capacity_bytes(),
             used_bytes: b.used_bytes(),
             peak_bytes: b.peak_bytes(),
         }
-    }
-}
-
-/// Everything the tiers count, in one plain struct.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TierStats {
-    pub device: TierUsage,
-    pub host: TierUsage,
-    pub nvme: TierUsage,
-    pub device_link: LinkStats,
-    pub nvme_link: NvmeLinkStats,
-}
-
-impl TierStats {
-    /// Gather the counters of the three tiers.
-    pub fn collect(device: &Device, host: &HostTier, nvme: &NvmeTier) -> Self {
-        TierStats {
-            device: device.budget().into(),
-            host: host.budget().into(),
-            nvme: nvme.budget().into(),
-            device_link: device.link_stats(),
-            nvme_link: nvme.link_stats(),
-        }
-    }
-}
-
-impl std::fmt::Display for TierStats {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const MIB: f64 = (1u64 << 20) as f64;
-        for (name, u) in [
-            ("device", self.device),
-            ("host", self.host),
-            ("nvme", self.nvme),
-        ] {
-            writeln!(
-                f,
-                "{name:>6}: peak {:>10.1} MiB, in use {:>10.1} MiB of {:>10.1} MiB",
-                u.peak_bytes as f64 / MIB,
-                u.used_bytes as f64 / MIB,
-                u.capacity_bytes as f64 / MIB
-            )?;
-        }
-        let d = &self.device_link;
-        writeln!(
-            f,
-            "host->device {:.1} MiB in {} copies, device->host {:.1} MiB in {} copies, {} failed",
-            d.host_to_device_bytes as f64 / MIB,
-            d.host_to_device_copies,
-            d.device_to_host_bytes as f64 / MIB,
-            d.device_to_host_copies,
-            d.failed_copies
-        )?;
-        let n = &self.nvme_link;
-        write!(
-            f,
-            "host->nvme {:.1} MiB in {} writes, nvme->host {:.1} MiB in {} reads, {} failed",
-            n.host_to_nvme_bytes as f64 / MIB,
-            n.writes,
-            n.nvme_to_host_bytes as f64 / MIB,
-            n.reads,
-            n.failed
-        )
     }
 }

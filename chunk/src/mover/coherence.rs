@@ -5,7 +5,7 @@
 //! Invariants: a present copy is current; a chunk ever materialised keeps at least one
 //! current copy; pins are never touched here.
 
-use super::{remove_from, Mover};
+use super::{remove_from, Cause, Mover};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -13,29 +13,37 @@ use crate::Result;
 
 impl Mover {
     /// `c` is about to change on the device: its host and NVMe copies become stale.
-    pub(crate) fn dirty_on_device(&mut self, c: ChunkId) {
+    pub(super) fn dirty_on_device(&mut self, c: ChunkId, cause: Cause) {
         let d = c.dense();
+        debug_assert_eq!(
+            self.slots[d].host_pins, 0,
+            "dropping {c}'s host copy, where it is pinned"
+        );
         self.slots[d].nvme_valid = false;
         if let Some(buf) = self.slots[d].host.take() {
             drop(buf);
             self.slots[d].host_prefetched = false;
             remove_from(&mut self.host_list, c);
-            self.host_policy.on_evict(c, self.moment);
-            self.emit(MoveKind::Invalidate, c, 0);
+            self.host_policy.on_evict(c, cause.moment);
+            self.emit(cause, MoveKind::Invalidate, c, 0);
         }
     }
 
     /// `c` is about to change in the host pool: its device and NVMe copies become stale.
-    pub(crate) fn dirty_on_host(&mut self, c: ChunkId) {
+    pub(super) fn dirty_on_host(&mut self, c: ChunkId, cause: Cause) {
         let d = c.dense();
+        debug_assert_eq!(
+            self.slots[d].dev_pins, 0,
+            "dropping {c}'s device copy, where it is pinned"
+        );
         self.slots[d].nvme_valid = false;
         if let Some(mem) = self.slots[d].dev.take() {
             drop(mem);
             remove_from(&mut self.dev_list, c);
             self.dev_mark[d] = false;
             self.slots[d].prefetched = false;
-            self.dev_policy.on_evict(c, self.moment);
-            self.emit(MoveKind::Invalidate, c, 0);
+            self.dev_policy.on_evict(c, cause.moment);
+            self.emit(cause, MoveKind::Invalidate, c, 0);
         }
     }
 
@@ -43,8 +51,8 @@ impl Mover {
     /// its other copies (a device-only copy is copied to the host first): after it,
     /// a chunk ever materialised has a current NVMe copy. Synchronous. Pins are not
     /// touched: a chunk in use stays where it is.
-    pub(crate) fn write_back(&mut self, c: ChunkId) -> Result<()> {
-        self.wait_pending(c)?;
+    pub(crate) fn write_back(&mut self, c: ChunkId, cause: Cause) -> Result<()> {
+        self.wait_pending(c, cause)?;
         let d = c.dense();
         let slot = &self.slots[d];
         if self.len_bytes[d] == 0 || slot.nvme_valid || (slot.host.is_none() && slot.dev.is_none())
@@ -53,9 +61,9 @@ impl Mover {
         }
         if slot.host.is_none() {
             // Both copies are current after it.
-            self.ensure_host(c)?;
+            self.ensure_host(c, cause)?;
         }
-        self.ensure_nvme_slot(c, true)?;
+        self.ensure_nvme_slot(c, true, cause)?;
         let Some(buf) = self.slots[d].host.take() else {
             return Err(ChunkError::Invariant {
                 chunk: Some(c),
@@ -76,7 +84,7 @@ impl Mover {
         slot.nvme_valid = true;
         self.stats.host_to_nvme_bytes += len as u64;
         self.stats.nvme_writes += 1;
-        self.emit(MoveKind::HostToNvme, c, len as u64);
+        self.emit(cause, MoveKind::HostToNvme, c, len as u64);
         Ok(())
     }
 

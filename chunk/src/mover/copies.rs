@@ -7,7 +7,7 @@
 
 use tidestore_tiers::{CopyCompletion, CopyDir, CopyId, DeviceMem, TierError};
 
-use super::{count_down, remove_from, Mover, Pending};
+use super::{count_down, remove_from, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -35,7 +35,7 @@ impl Mover {
     }
 
     /// Puts a finished host->device copy's buffers back into its chunk's slot.
-    pub(super) fn route_copy(&mut self, c: CopyCompletion) -> Result<()> {
+    pub(super) fn route_copy(&mut self, c: CopyCompletion, cause: Cause) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
         match c.dir {
@@ -52,7 +52,7 @@ impl Mover {
                         self.dev_list.push(chunk);
                         self.stats.host_to_device_bytes += c.len_bytes as u64;
                         self.stats.host_to_device_copies += 1;
-                        self.emit(MoveKind::HostToDevice, chunk, c.len_bytes as u64);
+                        self.emit(cause, MoveKind::HostToDevice, chunk, c.len_bytes as u64);
                         counted
                     }
                     Err(e) => {
@@ -79,7 +79,12 @@ impl Mover {
     }
 
     /// Waits for copy `id`, routing every other completion that comes first.
-    pub(super) fn wait_copy_id(&mut self, id: CopyId, chunk: ChunkId) -> Result<CopyCompletion> {
+    pub(super) fn wait_copy_id(
+        &mut self,
+        id: CopyId,
+        chunk: ChunkId,
+        cause: Cause,
+    ) -> Result<CopyCompletion> {
         let mut first_err = None;
         loop {
             let Some(c) = self.device.wait_copy() else {
@@ -95,13 +100,13 @@ impl Mover {
                 return match first_err {
                     Some(e) => {
                         // Our own completion still goes back where it belongs.
-                        self.route_copy(c)?;
+                        self.route_copy(c, cause)?;
                         Err(e)
                     }
                     None => Ok(c),
                 };
             }
-            if let Err(e) = self.route_copy(c) {
+            if let Err(e) = self.route_copy(c, cause) {
                 first_err.get_or_insert(e);
             }
         }

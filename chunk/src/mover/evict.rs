@@ -11,21 +11,31 @@
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::TierKind;
 
-use super::{remove_from, stopped, tier_err, Mover, Pending, Slot};
+use super::{remove_from, stopped, tier_err, Cause, Mover, Pending, Slot};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
-use crate::tracer::Horizon;
+use crate::tracer::{Horizon, Schedule};
 use crate::Result;
+
+/// The prefetcher's rule for the room it makes: only host copies next used (on
+/// `schedule`, every access's) after `needed_at` may go, and nothing is waited for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ahead<'a> {
+    /// The absolute moment the chunk being prefetched is needed at.
+    pub(crate) needed_at: u64,
+    /// The schedule followed now.
+    pub(crate) schedule: &'a Schedule,
+}
 
 /// Where a host buffer may come from when none is free.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct HostRoom<'a> {
     /// Chunks whose host copies must stay.
     pub(super) protect: &'a [ChunkId],
-    /// Only evict host copies next used after this absolute moment, and never wait
-    /// for transfers in flight (the prefetcher's rule); `None`: any victim, may wait.
-    pub(super) not_before: Option<u64>,
+    /// The prefetcher's rule ([`Ahead`]); `None`: any victim, and transfers in flight
+    /// may be waited for.
+    pub(super) ahead: Option<Ahead<'a>>,
 }
 
 impl Mover {
@@ -35,6 +45,7 @@ impl Mover {
         &mut self,
         chunk: ChunkId,
         room: HostRoom<'_>,
+        cause: Cause,
     ) -> Result<AlignedBuf> {
         let d = chunk.dense();
         loop {
@@ -45,7 +56,7 @@ impl Mover {
                 // A write-back in flight gives a buffer back: wait for it rather than
                 // evicting more (the prefetcher never waits). Queued prefetch reads do
                 // not take it first: this chunk is needed sooner.
-                if room.not_before.is_none() && self.wait_for_demand()? {
+                if room.ahead.is_none() && self.wait_for_demand(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -55,7 +66,6 @@ impl Mover {
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
-            let schedule = self.schedule.clone();
             let candidates: Vec<ChunkId> = self
                 .host_list
                 .iter()
@@ -63,17 +73,15 @@ impl Mover {
                 .filter(|w| {
                     self.slots[w.dense()].host_pins == 0
                         && !room.protect.contains(w)
-                        && match (room.not_before, &schedule) {
-                            (None, _) => true,
-                            (Some(n), Some(s)) => s
-                                .next_use_from(*w, self.moment + 1, Horizon::Cyclic)
-                                .is_none_or(|u| u > n),
-                            (Some(_), None) => false,
-                        }
+                        && room.ahead.is_none_or(|a| {
+                            a.schedule
+                                .next_use_from(*w, cause.moment + 1, Horizon::Cyclic)
+                                .is_none_or(|u| u > a.needed_at)
+                        })
                 })
                 .collect();
             if candidates.is_empty() {
-                if room.not_before.is_none() && self.wait_any()? {
+                if room.ahead.is_none() && self.wait_any(cause)? {
                     continue;
                 }
                 return Err(ChunkError::TierFull {
@@ -83,14 +91,14 @@ impl Mover {
                     capacity_bytes: self.host.budget().capacity_bytes(),
                 });
             }
-            let Some(victim) = self.host_policy.choose(&candidates, self.moment) else {
+            let Some(victim) = self.host_policy.choose(&candidates, cause.moment) else {
                 return Err(ChunkError::NoVictim {
-                    moment: self.moment,
+                    moment: cause.moment,
                     chunk,
                     policy: "host",
                 });
             };
-            self.evict_host(victim, room.not_before.is_none())?;
+            self.evict_host(victim, room.ahead.is_none(), cause)?;
         }
     }
 
@@ -98,15 +106,19 @@ impl Mover {
     /// chunk's only current copy. On a failed write the copy stays where it was. With
     /// `may_wait` (a demand load makes room), a swap file whose slots are all held by
     /// transfers in flight is waited on rather than reported full.
-    pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
+    pub(crate) fn evict_host(&mut self, w: ChunkId, may_wait: bool, cause: Cause) -> Result<()> {
         let d = w.dense();
         let slot = &self.slots[d];
+        debug_assert_eq!(
+            slot.host_pins, 0,
+            "evicting {w} from the host pool, where it is pinned"
+        );
         if slot.host.is_none() {
             return Ok(());
         }
         if slot.dev.is_none() && !slot.nvme_valid {
             // Found before the copy leaves its slot: waiting routes other transfers.
-            self.ensure_nvme_slot(w, may_wait)?;
+            self.ensure_nvme_slot(w, may_wait, cause)?;
         }
         let Some(buf) = self.slots[d].host.take() else {
             return Ok(());
@@ -120,8 +132,8 @@ impl Mover {
             drop(buf);
             self.stats.host_evictions += 1;
             self.stats.host_clean_evictions += 1;
-            self.host_policy.on_evict(w, self.moment);
-            self.emit(MoveKind::DropHost, w, 0);
+            self.host_policy.on_evict(w, cause.moment);
+            self.emit(cause, MoveKind::DropHost, w, 0);
             return Ok(());
         }
         let len = self.len(w);
@@ -135,7 +147,7 @@ impl Mover {
             self.note_nvme_in_flight(false);
             self.stats.async_writes += 1;
             self.stats.host_evictions += 1;
-            self.host_policy.on_evict(w, self.moment);
+            self.host_policy.on_evict(w, cause.moment);
             // Start it now (submitted requests start at the next poll).
             let first = self.nvme.poll();
             if let Some(c) = first {
@@ -159,8 +171,8 @@ impl Mover {
         self.stats.host_to_nvme_bytes += len as u64;
         self.stats.nvme_writes += 1;
         self.stats.host_evictions += 1;
-        self.host_policy.on_evict(w, self.moment);
-        self.emit(MoveKind::HostToNvme, w, len as u64);
+        self.host_policy.on_evict(w, cause.moment);
+        self.emit(cause, MoveKind::HostToNvme, w, len as u64);
         Ok(())
     }
 
@@ -169,7 +181,12 @@ impl Mover {
     /// read holds its slot until the read lands (then its copy is current elsewhere
     /// too): with `may_wait`, transfers in flight are waited for rather than the file
     /// reported full.
-    pub(super) fn ensure_nvme_slot(&mut self, w: ChunkId, may_wait: bool) -> Result<()> {
+    pub(super) fn ensure_nvme_slot(
+        &mut self,
+        w: ChunkId,
+        may_wait: bool,
+        cause: Cause,
+    ) -> Result<()> {
         let d = w.dense();
         if self.slots[d].nvme_stored {
             return Ok(());
@@ -193,7 +210,7 @@ impl Mover {
                 .min_by_key(|&i| self.slots[i].nvme_valid);
             match pick {
                 Some(r) => break r,
-                None if may_wait && self.wait_for_demand()? => {}
+                None if may_wait && self.wait_for_demand(cause)? => {}
                 None => {
                     return Err(ChunkError::TierFull {
                         tier: TierKind::Nvme,
@@ -211,47 +228,52 @@ impl Mover {
         let s = &mut self.slots[r];
         s.nvme_stored = false;
         s.nvme_valid = false;
-        self.emit(MoveKind::ReclaimNvme, rc, 0);
+        self.emit(cause, MoveKind::ReclaimNvme, rc, 0);
         Ok(())
     }
 
-    /// Evicts device chunks until `need` more bytes fit under the tidal budget.
+    /// The device's one make-room loop: evicts chunks not pinned, as the device policy
+    /// chooses, until `need` more bytes fit under `cap` — for a load (`for_chunk`, never
+    /// a victim, whose host copy stays while write-backs make room) and for a falling
+    /// tide (`None`). With no victim it waits for a transfer in flight; with none in
+    /// flight a load is refused (the working set does not fit) and a tide is held
+    /// where it is. Returns the device bytes in use after it.
     pub(super) fn make_room_device(
         &mut self,
         need: u64,
-        protect: ChunkId,
-        not_before: Option<u64>,
-    ) -> Result<()> {
+        cap: u64,
+        for_chunk: Option<ChunkId>,
+        cause: Cause,
+    ) -> Result<u64> {
         loop {
             let used = self.device_used();
-            if used + need <= self.dev_cap {
-                return Ok(());
+            if used + need <= cap {
+                return Ok(used);
             }
-            let candidates: Vec<ChunkId> = self
-                .dev_list
-                .iter()
-                .copied()
-                .filter(|&v| v != protect && self.slots[v.dense()].dev_pins == 0)
-                .collect();
-            if candidates.is_empty() {
-                if not_before.is_none() && self.wait_any()? {
-                    continue;
+            let mut candidates = self.device_evictable();
+            candidates.retain(|&v| Some(v) != for_chunk);
+            match (self.dev_policy.choose(&candidates, cause.moment), for_chunk) {
+                (Some(victim), _) => {
+                    self.evict_device(victim, None, for_chunk.unwrap_or(victim), cause)?;
                 }
-                return Err(ChunkError::WorkingSetTooLarge {
-                    moment: self.moment,
-                    needed_bytes: used + need,
-                    capacity_bytes: self.dev_cap,
-                    short_bytes: used + need - self.dev_cap,
-                });
+                (None, Some(chunk)) if !candidates.is_empty() => {
+                    return Err(ChunkError::NoVictim {
+                        moment: cause.moment,
+                        chunk,
+                        policy: "device",
+                    });
+                }
+                (None, _) if self.wait_any(cause)? => {}
+                (None, None) => return Ok(used),
+                (None, Some(_)) => {
+                    return Err(ChunkError::WorkingSetTooLarge {
+                        moment: cause.moment,
+                        needed_bytes: used + need,
+                        capacity_bytes: cap,
+                        short_bytes: used + need - cap,
+                    });
+                }
             }
-            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
-                return Err(ChunkError::NoVictim {
-                    moment: self.moment,
-                    chunk: protect,
-                    policy: "device",
-                });
-            };
-            self.evict_device(victim, not_before, protect)?;
         }
     }
 
@@ -261,10 +283,15 @@ impl Mover {
     pub(crate) fn evict_device(
         &mut self,
         v: ChunkId,
-        not_before: Option<u64>,
+        ahead: Option<Ahead<'_>>,
         keep: ChunkId,
+        cause: Cause,
     ) -> Result<()> {
         let d = v.dense();
+        debug_assert_eq!(
+            self.slots[d].dev_pins, 0,
+            "evicting {v} from the device, where it is pinned"
+        );
         if self.slots[d].dev.is_none() {
             return Ok(());
         }
@@ -274,8 +301,9 @@ impl Mover {
                 v,
                 HostRoom {
                     protect: &[v, keep],
-                    not_before,
+                    ahead,
                 },
+                cause,
             )?;
             let Some(mem) = self.slots[d].dev.take() else {
                 return Err(ChunkError::tier(
@@ -286,7 +314,7 @@ impl Mover {
             };
             let len = self.len(v);
             let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, v)?;
+            let done = self.wait_copy_id(id, v, cause)?;
             if let Err(e) = done.result {
                 self.slots[d].dev = Some(done.mem);
                 return Err(ChunkError::tier("copy device->host", Some(v), e));
@@ -294,7 +322,7 @@ impl Mover {
             drop(done.mem);
             self.slots[d].host = Some(done.host);
             self.host_list.push(v);
-            self.host_policy.on_insert(v, self.moment);
+            self.host_policy.on_insert(v, cause.moment);
             self.stats.device_to_host_bytes += len as u64;
             self.stats.device_to_host_copies += 1;
         } else {
@@ -308,38 +336,47 @@ impl Mover {
             self.stats.prefetch_wasted += 1;
         }
         self.stats.device_evictions += 1;
-        self.dev_policy.on_evict(v, self.moment);
+        self.dev_policy.on_evict(v, cause.moment);
         if clean {
             self.stats.device_clean_evictions += 1;
-            self.emit(MoveKind::DropDevice, v, 0);
+            self.emit(cause, MoveKind::DropDevice, v, 0);
         } else {
             let len = self.len_bytes[d];
-            self.emit(MoveKind::DeviceToHost, v, len);
+            self.emit(cause, MoveKind::DeviceToHost, v, len);
         }
         Ok(())
     }
 
-    /// Evicts device chunks not in use until the device holds at most `cap` bytes;
-    /// returns the bytes it still holds.
-    pub(crate) fn shrink_device(&mut self, cap: u64) -> Result<u64> {
-        loop {
-            let used = self.device_used();
-            if used <= cap {
-                return Ok(used);
-            }
-            let candidates: Vec<ChunkId> = self
-                .dev_list
-                .iter()
-                .copied()
-                .filter(|&v| self.slots[v.dense()].dev_pins == 0)
-                .collect();
-            let Some(victim) = self.dev_policy.choose(&candidates, self.moment) else {
-                if self.wait_any()? {
-                    continue;
-                }
-                return Ok(used);
-            };
-            self.evict_device(victim, None, victim)?;
+    /// Moves every chunk not pinned off the device, in the device list's order (written
+    /// back where the device copy is the only current one); stops at the first error.
+    pub(crate) fn evict_device_unpinned(&mut self, cause: Cause) -> Result<()> {
+        for v in self.device_evictable() {
+            self.evict_device(v, None, v, cause)?;
         }
+        Ok(())
+    }
+
+    /// Sets the device budget's capacity (the tide) to `cap`. A falling tide first
+    /// evicts what no longer fits; chunks in use or in flight hold it above `cap`
+    /// (logged).
+    pub(crate) fn set_device_cap(&mut self, cap: u64, cause: Cause) -> Result<()> {
+        let cap = if cap < self.dev_cap {
+            let held = self.make_room_device(0, cap, None, cause)?;
+            if held > cap {
+                tracing::debug!(
+                    cap,
+                    held,
+                    "tidal budget held above target by chunks in use or in flight"
+                );
+            }
+            cap.max(held)
+        } else {
+            cap
+        };
+        self.device
+            .set_budget_capacity(cap)
+            .map_err(|e| ChunkError::tier("setting the tidal device budget", None, e))?;
+        self.dev_cap = cap;
+        Ok(())
     }
 }

@@ -8,30 +8,61 @@
 //! that fed the copy stays current beside it; a load that fails gives back the device
 //! memory it took and leaves the chunk's other copies as they were.
 
+use std::time::Instant;
+
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::{TierError, TierKind};
 
 use super::evict::HostRoom;
-use super::{remove_from, stopped, tier_err, Mover, Pending};
+use super::{remove_from, stopped, tier_err, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
+use crate::place::Place;
 use crate::Result;
 
 impl Mover {
+    /// Makes `c` current at `place` for an access (a hit when it already is), counting
+    /// the time a load stalls the caller. After it, `c` is current there with nothing
+    /// in flight for it ([`Mover::is_current`]): the store may pin it.
+    pub(crate) fn make_current(&mut self, c: ChunkId, place: Place, cause: Cause) -> Result<()> {
+        if self.is_current(c, place) {
+            self.stats.hits += 1;
+            match place {
+                Place::Device => self.dev_policy.on_access(c, cause.moment),
+                Place::Host => self.ensure_host(c, cause).map(|_| ())?,
+            }
+        } else {
+            let started = Instant::now();
+            let r = match place {
+                Place::Device => self.ensure_device(c, cause),
+                Place::Host => self.ensure_host(c, cause),
+            };
+            self.stats.stall_ns += started.elapsed().as_nanos() as u64;
+            if r? {
+                self.stats.hits += 1;
+            }
+        }
+        debug_assert!(
+            self.is_current(c, place),
+            "{c} not current on the {place:?} tier after loading it there"
+        );
+        Ok(())
+    }
+
     /// Makes `c` current on the device (demand). Returns whether it already was.
-    pub(crate) fn ensure_device(&mut self, c: ChunkId) -> Result<bool> {
+    pub(crate) fn ensure_device(&mut self, c: ChunkId, cause: Cause) -> Result<bool> {
         let d = c.dense();
         // Where it is: a transfer in flight lands first; a device copy is a hit.
         if self.slots[d].pending != Pending::None {
-            self.wait_pending(c)?;
+            self.wait_pending(c, cause)?;
         }
         if self.slots[d].dev.is_some() {
-            self.dev_policy.on_access(c, self.moment);
+            self.dev_policy.on_access(c, cause.moment);
             return Ok(true);
         }
         // Make room under the tide, then take the device memory.
-        self.make_room_device(self.dev_bytes[d], c, None)?;
+        self.make_room_device(self.dev_bytes[d], self.dev_cap, Some(c), cause)?;
         let mem = self
             .device
             .alloc(d as u64, self.len(c))
@@ -39,9 +70,9 @@ impl Mover {
         // Load: the host copy the device copy is made from (from NVMe, or zeros).
         let room = HostRoom {
             protect: &[c],
-            not_before: None,
+            ahead: None,
         };
-        let buf = match self.host_copy_for_load(c, room) {
+        let buf = match self.host_copy_for_load(c, room, cause) {
             Ok(b) => b,
             Err(e) => {
                 drop(mem);
@@ -53,26 +84,26 @@ impl Mover {
         self.host_list.push(c);
         self.start_h2d(c, mem)?;
         self.stats.demand_loads += 1;
-        self.wait_pending(c)?;
-        self.dev_policy.on_insert(c, self.moment);
+        self.wait_pending(c, cause)?;
+        self.dev_policy.on_insert(c, cause.moment);
         Ok(false)
     }
 
     /// Makes `c` current in the host pool (from the device, NVMe or zeros). Returns
     /// whether it already was.
-    pub(crate) fn ensure_host(&mut self, c: ChunkId) -> Result<bool> {
-        self.wait_pending(c)?;
+    pub(crate) fn ensure_host(&mut self, c: ChunkId, cause: Cause) -> Result<bool> {
+        self.wait_pending(c, cause)?;
         let d = c.dense();
         if self.slots[d].host.is_some() {
-            self.host_policy.on_access(c, self.moment);
+            self.host_policy.on_access(c, cause.moment);
             return Ok(true);
         }
         let room = HostRoom {
             protect: &[c],
-            not_before: None,
+            ahead: None,
         };
         if self.slots[d].dev.is_some() {
-            let buf = self.take_host_buffer(c, room)?;
+            let buf = self.take_host_buffer(c, room, cause)?;
             let Some(mem) = self.slots[d].dev.take() else {
                 return Err(ChunkError::tier(
                     "loading",
@@ -82,7 +113,7 @@ impl Mover {
             };
             let len = self.len(c);
             let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, c)?;
+            let done = self.wait_copy_id(id, c, cause)?;
             // The device copy stays: both are current now.
             self.slots[d].dev = Some(done.mem);
             if let Err(e) = done.result {
@@ -91,26 +122,31 @@ impl Mover {
             }
             self.slots[d].host = Some(done.host);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.device_to_host_bytes += len as u64;
             self.stats.device_to_host_copies += 1;
-            self.emit(MoveKind::DeviceToHost, c, len as u64);
+            self.emit(cause, MoveKind::DeviceToHost, c, len as u64);
         } else {
-            self.fill_host(c, room)?;
+            self.fill_host(c, room, cause)?;
         }
         Ok(false)
     }
 
     /// A host buffer holding `c`'s current bytes, taken out of its slot (it goes back
     /// with the copy that uses it): its host copy, a read from NVMe, or zeros.
-    fn host_copy_for_load(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<AlignedBuf> {
+    fn host_copy_for_load(
+        &mut self,
+        c: ChunkId,
+        room: HostRoom<'_>,
+        cause: Cause,
+    ) -> Result<AlignedBuf> {
         let d = c.dense();
         if let Some(buf) = self.slots[d].host.take() {
             remove_from(&mut self.host_list, c);
             self.slots[d].host_prefetched = false;
             return Ok(buf);
         }
-        self.fill_host(c, room)?;
+        self.fill_host(c, room, cause)?;
         remove_from(&mut self.host_list, c);
         self.slots[d]
             .host
@@ -119,9 +155,9 @@ impl Mover {
     }
 
     /// Gives `c` a current host copy (from NVMe, or zeros), not from the device.
-    pub(super) fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>) -> Result<()> {
+    pub(super) fn fill_host(&mut self, c: ChunkId, room: HostRoom<'_>, cause: Cause) -> Result<()> {
         let d = c.dense();
-        let buf = self.take_host_buffer(c, room)?;
+        let buf = self.take_host_buffer(c, room, cause)?;
         let len = self.len(c);
         if self.slots[d].nvme_valid {
             self.note_nvme_in_flight(true);
@@ -146,18 +182,18 @@ impl Mover {
             }
             self.slots[d].host = Some(buf);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.nvme_to_host_bytes += len as u64;
             self.stats.nvme_reads += 1;
-            self.emit(MoveKind::NvmeToHost, c, len as u64);
+            self.emit(cause, MoveKind::NvmeToHost, c, len as u64);
         } else {
             let mut buf = buf;
             buf[..len].fill(0);
             self.slots[d].host = Some(buf);
             self.host_list.push(c);
-            self.host_policy.on_insert(c, self.moment);
+            self.host_policy.on_insert(c, cause.moment);
             self.stats.materialized_chunks += 1;
-            self.emit(MoveKind::Materialize, c, 0);
+            self.emit(cause, MoveKind::Materialize, c, 0);
         }
         Ok(())
     }

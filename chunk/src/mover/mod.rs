@@ -31,6 +31,8 @@
 //! submission order; one routing function puts each completion's buffers back into its
 //!
 //! # Files, one concept each
+//! - `seam`: what the store asks of the mover — the [`Cause`] of each move, pins,
+//!   queries of where chunks are — and what each side promises the other;
 //! - `load`: the demand load path (where is the chunk, make room, load, copy), read top
 //!   to bottom: [`Mover::ensure_device`] and [`Mover::ensure_host`];
 //! - `evict`: making room on each tier (victims, clean drops, write-backs one tier
@@ -53,28 +55,30 @@ mod nvme;
 mod policies;
 mod prefetch;
 mod queue;
+mod seam;
 mod verify;
 mod wait;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
 
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::nvme::NvmeCompletion;
 use tidestore_tiers::{CopyId, Device, DeviceMem, HostTier, NvmeTier, TierError, TierUsage};
 
-use crate::accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
+use crate::accounting::{MoveEvent, MoveHook, MoveKind, StoreStats, TierSnapshot};
 use crate::error::ChunkError;
 use crate::id::ChunkId;
-use crate::tracer::Schedule;
 use crate::Result;
 
+pub(crate) use evict::Ahead;
 pub use nvme::IoPump;
 pub(crate) use policies::Policies;
+pub(crate) use seam::Cause;
+pub use seam::ChunkResidency;
 
 /// What is in flight for a chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pending {
+enum Pending {
     None,
     /// A host->device copy: the host buffer and device memory are inside it.
     HostToDevice(CopyId),
@@ -92,29 +96,29 @@ pub(crate) enum Pending {
 /// Where one chunk's bytes are.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    pub(crate) dev: Option<DeviceMem>,
-    pub(crate) host: Option<AlignedBuf>,
+    dev: Option<DeviceMem>,
+    host: Option<AlignedBuf>,
     /// The swap file holds a slot for this chunk (current or stale).
-    pub(crate) nvme_stored: bool,
+    nvme_stored: bool,
     /// The swap file's copy is current.
-    pub(crate) nvme_valid: bool,
-    pub(crate) pending: Pending,
+    nvme_valid: bool,
+    pending: Pending,
     /// Device memory held for a prefetch whose NVMe read is in flight.
-    pub(super) reserved_dev: Option<DeviceMem>,
+    reserved_dev: Option<DeviceMem>,
     /// Loaded by the prefetcher and not accessed since.
-    pub(crate) prefetched: bool,
+    prefetched: bool,
     /// Read into the host pool by the host-tier prefetcher and not accessed since.
-    pub(crate) host_prefetched: bool,
+    host_prefetched: bool,
     /// Tensors of this chunk in COMPUTE on the device.
-    pub(crate) dev_pins: u32,
+    dev_pins: u32,
     /// Tensors of this chunk in COMPUTE on the host.
-    pub(crate) host_pins: u32,
+    host_pins: u32,
     /// The moment a prefetch started (or queued) the NVMe read of the host copy now
     /// on its way or landed, until an access uses it (for the read-ahead counters).
-    pub(crate) read_started_at: Option<u64>,
+    read_started_at: Option<u64>,
     /// The moment a prefetch read is needed at: its order among the NVMe requests
     /// waiting to start (`NvmeTier::submit_read_ordered`).
-    pub(crate) read_needed_at: u64,
+    read_needed_at: u64,
 }
 
 impl Slot {
@@ -138,27 +142,27 @@ impl Slot {
 
 /// The tiers and every chunk's slot; see the module doc.
 pub(crate) struct Mover {
-    pub(crate) device: Device,
-    pub(crate) host: HostTier,
-    pub(crate) nvme: NvmeTier,
-    pub(crate) slots: Vec<Slot>,
+    device: Device,
+    host: HostTier,
+    nvme: NvmeTier,
+    slots: Vec<Slot>,
     /// Chunk length in bytes per dense id (0: no such chunk).
-    pub(crate) len_bytes: Vec<u64>,
+    len_bytes: Vec<u64>,
     /// Device bytes per dense id (length rounded up to 4096, as the budget counts).
-    pub(crate) dev_bytes: Vec<u64>,
+    dev_bytes: Vec<u64>,
     /// Host pool bytes per dense id: the buffer, or the part of one, its host copy
     /// holds (see [`HostTier::take_class`]).
-    pub(crate) host_bytes: Vec<u64>,
+    host_bytes: Vec<u64>,
     /// The pool's part sizes the chunks use: held bytes -> parts per buffer.
     host_part_sizes: BTreeMap<u64, u64>,
     /// Chunks present on the device (not in flight).
-    pub(crate) dev_list: Vec<ChunkId>,
+    dev_list: Vec<ChunkId>,
     /// Chunks present in the host pool (not in flight).
-    pub(crate) host_list: Vec<ChunkId>,
+    host_list: Vec<ChunkId>,
     /// Per dense id: present on the device or on its way there (the planner's view).
-    pub(crate) dev_mark: Vec<bool>,
+    dev_mark: Vec<bool>,
     /// The device budget's capacity now (the tidal budget).
-    pub(crate) dev_cap: u64,
+    dev_cap: u64,
     pending_h2d: usize,
     /// NVMe requests in flight (reads and writes).
     pending_nvme: usize,
@@ -176,15 +180,13 @@ pub(crate) struct Mover {
     /// NVMe completions taken by an [`IoPump`] and not routed yet.
     nvme_stash: VecDeque<NvmeCompletion>,
     /// Write-backs forced by eviction do not wait (see [`Pending::NvmeWrite`]).
-    pub(crate) async_writes: bool,
-    pub(crate) stats: StoreStats,
-    pub(crate) hook: Option<MoveHook>,
-    pub(crate) reason: MoveReason,
-    pub(crate) moment: u64,
-    pub(crate) dev_policy: Policies,
-    pub(crate) host_policy: Policies,
-    /// The schedule, for the prefetcher's host-victim rule.
-    pub(crate) schedule: Option<Arc<Schedule>>,
+    async_writes: bool,
+    stats: StoreStats,
+    hook: Option<MoveHook>,
+    /// The device bytes of the chunks pinned on the device (`dev_pins > 0`).
+    pinned_device_bytes: u64,
+    dev_policy: Policies,
+    host_policy: Policies,
 }
 
 fn tier_err(op: &'static str, chunk: ChunkId) -> impl FnOnce(TierError) -> ChunkError {
@@ -285,11 +287,9 @@ impl Mover {
             async_writes: false,
             stats: StoreStats::default(),
             hook: None,
-            reason: MoveReason::Demand,
-            moment: 0,
+            pinned_device_bytes: 0,
             dev_policy,
             host_policy,
-            schedule: None,
         }
     }
 
@@ -307,7 +307,7 @@ impl Mover {
         }
     }
 
-    fn emit(&mut self, kind: MoveKind, chunk: ChunkId, bytes: u64) {
+    fn emit(&mut self, cause: Cause, kind: MoveKind, chunk: ChunkId, bytes: u64) {
         if self.hook.is_none() && !cfg!(debug_assertions) {
             return;
         }
@@ -320,8 +320,8 @@ impl Mover {
             kind,
             chunk,
             bytes,
-            reason: self.reason,
-            moment: self.moment,
+            reason: cause.reason,
+            moment: cause.moment,
             usage,
         };
         if let Some(hook) = &mut self.hook {

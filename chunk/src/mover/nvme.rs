@@ -15,16 +15,16 @@ use tidestore_io::Op;
 use tidestore_tiers::nvme::NvmeCompletion;
 use tidestore_tiers::NvmeTier;
 
-use super::{count_down, Mover, Pending, Slot};
+use super::{count_down, Cause, Mover, Pending, Slot};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
 use crate::Result;
 
 impl Mover {
-    pub(super) fn route_nvme(&mut self, c: NvmeCompletion) -> Result<()> {
+    pub(super) fn route_nvme(&mut self, c: NvmeCompletion, cause: Cause) -> Result<()> {
         if c.op == Op::Write {
-            return self.route_nvme_write(c);
+            return self.route_nvme_write(c, cause);
         }
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
@@ -36,10 +36,10 @@ impl Mover {
             Ok(()) => {
                 slot.host = Some(c.buf);
                 self.host_list.push(chunk);
-                self.host_policy.on_insert(chunk, self.moment);
+                self.host_policy.on_insert(chunk, cause.moment);
                 self.stats.nvme_to_host_bytes += c.len_bytes as u64;
                 self.stats.nvme_reads += 1;
-                self.emit(MoveKind::NvmeToHost, chunk, c.len_bytes as u64);
+                self.emit(cause, MoveKind::NvmeToHost, chunk, c.len_bytes as u64);
                 if let Some(mem) = reserved {
                     self.start_h2d(chunk, mem)?;
                 }
@@ -61,7 +61,7 @@ impl Mover {
     /// An asynchronous write-back finished: the NVMe copy is current and the buffer
     /// goes back to the pool; on failure the buffer goes back into the slot (still the
     /// chunk's only current copy).
-    fn route_nvme_write(&mut self, c: NvmeCompletion) -> Result<()> {
+    fn route_nvme_write(&mut self, c: NvmeCompletion, cause: Cause) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
         let counted =
@@ -77,7 +77,7 @@ impl Mover {
                 slot.nvme_valid = true;
                 self.stats.host_to_nvme_bytes += c.len_bytes as u64;
                 self.stats.nvme_writes += 1;
-                self.emit(MoveKind::HostToNvme, chunk, c.len_bytes as u64);
+                self.emit(cause, MoveKind::HostToNvme, chunk, c.len_bytes as u64);
                 // Its buffer is back: the read owed it starts now.
                 self.settle_queue();
                 counted
@@ -86,7 +86,7 @@ impl Mover {
                 slot.nvme_stored = still_stored;
                 slot.host = Some(c.buf);
                 self.host_list.push(chunk);
-                self.host_policy.on_insert(chunk, self.moment);
+                self.host_policy.on_insert(chunk, cause.moment);
                 // One buffer fewer comes back than the queue was promised.
                 self.settle_queue();
                 counted?;

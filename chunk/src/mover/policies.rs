@@ -11,7 +11,7 @@ use crate::policy::{EvictionPolicy, Lru};
 pub(crate) struct Policies {
     main: Box<dyn EvictionPolicy + Send>,
     lru: Lru,
-    pub(crate) use_main: bool,
+    pub(super) use_main: bool,
 }
 
 impl Policies {

@@ -6,16 +6,23 @@
 //! planners evict by their rule first) or with a buffer a write-back in flight owes the
 //! read queue; a prefetch that finds no room reports `false` and changes nothing.
 
-use super::evict::HostRoom;
-use super::{is_no_room, Mover, Pending};
+use super::evict::{Ahead, HostRoom};
+use super::{is_no_room, Cause, Mover, Pending};
 use crate::id::ChunkId;
 use crate::policy::PoolRoom;
 use crate::Result;
 
 impl Mover {
-    /// Starts loading `c` to the device ahead of need (at `needed_at`). Returns false
-    /// when there is no room for it now without breaking the prefetch rule.
-    pub(crate) fn prefetch_device(&mut self, c: ChunkId, needed_at: u64) -> Result<bool> {
+    /// Starts loading `c` to the device ahead of need (at `ahead.needed_at`; host copies
+    /// that make room for its staging buffer follow `ahead`'s rule). Returns false when
+    /// there is no room for it now without breaking the prefetch rule.
+    pub(crate) fn prefetch_device(
+        &mut self,
+        c: ChunkId,
+        ahead: Ahead<'_>,
+        cause: Cause,
+    ) -> Result<bool> {
+        let needed_at = ahead.needed_at;
         let d = c.dense();
         if self.dev_mark[d] || self.slots[d].pending != Pending::None {
             return Ok(true);
@@ -29,14 +36,14 @@ impl Mover {
         };
         let room = HostRoom {
             protect: &[c],
-            not_before: Some(needed_at),
+            ahead: Some(ahead),
         };
         if self.slots[d].host.is_none() {
             if self.slots[d].nvme_valid {
                 // A staging buffer now, or one a write-back in flight (perhaps the one
                 // just started to make room) gives back: the read then waits in the
                 // queue, and the copy to the reserved memory follows it.
-                let buf = match self.take_host_buffer(c, room) {
+                let buf = match self.take_host_buffer(c, room, cause) {
                     Ok(b) => Some(b),
                     Err(e) if is_no_room(&e) && self.writes_owing(c) > 0 => None,
                     Err(e) if is_no_room(&e) => return Ok(false),
@@ -45,11 +52,11 @@ impl Mover {
                 let slot = &mut self.slots[d];
                 slot.reserved_dev = Some(mem);
                 slot.prefetched = true;
-                slot.read_started_at = Some(self.moment);
+                slot.read_started_at = Some(cause.moment);
                 slot.read_needed_at = needed_at;
                 self.dev_mark[d] = true;
                 self.stats.prefetch_loads += 1;
-                self.dev_policy.on_insert(c, self.moment);
+                self.dev_policy.on_insert(c, cause.moment);
                 match buf {
                     Some(buf) => {
                         self.nvme.submit_read_ordered(d as u64, buf, needed_at);
@@ -66,7 +73,7 @@ impl Mover {
                 }
                 return Ok(true);
             }
-            match self.fill_host(c, room) {
+            match self.fill_host(c, room, cause) {
                 Ok(()) => {}
                 Err(e) if is_no_room(&e) => return Ok(false),
                 Err(e) => return Err(e),
@@ -75,7 +82,7 @@ impl Mover {
         self.start_h2d(c, mem)?;
         self.slots[d].prefetched = true;
         self.stats.prefetch_loads += 1;
-        self.dev_policy.on_insert(c, self.moment);
+        self.dev_policy.on_insert(c, cause.moment);
         Ok(true)
     }
 
@@ -85,7 +92,12 @@ impl Mover {
     /// asynchronous write-backs; it never evicts here). Returns false when no buffer is
     /// free or owed. Chunks with nothing to read (a host or device copy, a transfer in
     /// flight or queued, never written) are done.
-    pub(crate) fn prefetch_host(&mut self, c: ChunkId, needed_at: u64) -> Result<bool> {
+    pub(crate) fn prefetch_host(
+        &mut self,
+        c: ChunkId,
+        needed_at: u64,
+        cause: Cause,
+    ) -> Result<bool> {
         let d = c.dense();
         let s = &self.slots[d];
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
@@ -97,7 +109,7 @@ impl Mover {
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::NvmeRead;
                 slot.host_prefetched = true;
-                slot.read_started_at = Some(self.moment);
+                slot.read_started_at = Some(cause.moment);
                 self.pending_nvme += 1;
                 self.note_nvme_in_flight(false);
                 self.stats.prefetch_loads += 1;
@@ -112,7 +124,7 @@ impl Mover {
         let slot = &mut self.slots[d];
         slot.pending = Pending::NvmeReadQueued;
         slot.host_prefetched = true;
-        slot.read_started_at = Some(self.moment);
+        slot.read_started_at = Some(cause.moment);
         slot.read_needed_at = needed_at;
         self.stats.prefetch_loads += 1;
         self.stats.host_prefetch_loads += 1;

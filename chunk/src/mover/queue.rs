@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{count_down, Mover, Pending};
+use super::{count_down, Cause, Mover, Pending};
 use crate::id::ChunkId;
 use crate::Result;
 
@@ -154,9 +154,9 @@ impl Mover {
     /// Waits for one transfer in flight on behalf of a demand load (false when none is):
     /// a buffer it brings back goes to the load, not to the queued prefetch reads, which
     /// are then owed one fewer.
-    pub(super) fn wait_for_demand(&mut self) -> Result<bool> {
+    pub(super) fn wait_for_demand(&mut self, cause: Cause) -> Result<bool> {
         self.hold_queue = true;
-        let waited = self.wait_any();
+        let waited = self.wait_any(cause);
         self.hold_queue = false;
         self.trim_read_queue();
         waited

@@ -39,9 +39,28 @@ impl Mover {
         for d in 0..self.slots.len() {
             self.verify_slot(d, &mut t)?;
         }
+        self.verify_pinned_bytes()?;
         self.verify_in_flight(&t)?;
         self.verify_budgets(&t)?;
         self.verify_swap_claims()
+    }
+
+    /// The device bytes counted pinned are those of the chunks pinned on the device.
+    fn verify_pinned_bytes(&self) -> Result<()> {
+        let pinned: u64 = (0..self.slots.len())
+            .filter(|&d| self.slots[d].dev_pins > 0)
+            .map(|d| self.dev_bytes[d])
+            .sum();
+        if pinned != self.pinned_device_bytes {
+            return Err(ChunkError::Invariant {
+                chunk: None,
+                what: format!(
+                    "{} device bytes counted pinned, the pinned chunks take {pinned}",
+                    self.pinned_device_bytes
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// The counts of transfers in flight and of queued reads agree with the slots.

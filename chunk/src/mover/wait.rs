@@ -5,25 +5,25 @@
 //! the first error is returned after every other completion has been routed; a count of
 //! transfers in flight with none outstanding is a broken invariant, not a hang.
 
-use super::{Mover, Pending};
+use super::{Cause, Mover, Pending};
 use crate::error::ChunkError;
 use crate::id::ChunkId;
 use crate::Result;
 
 impl Mover {
     /// Collects finished transfers without waiting.
-    pub(crate) fn harvest(&mut self) -> Result<()> {
+    pub(crate) fn harvest(&mut self, cause: Cause) -> Result<()> {
         let mut first_err = None;
         if self.pending_h2d > 0 {
             while let Some(c) = self.device.poll_copy() {
-                if let Err(e) = self.route_copy(c) {
+                if let Err(e) = self.route_copy(c, cause) {
                     first_err.get_or_insert(e);
                 }
             }
         }
         if self.pending_nvme > 0 {
             while let Some(c) = self.nvme_poll() {
-                if let Err(e) = self.route_nvme(c) {
+                if let Err(e) = self.route_nvme(c, cause) {
                     first_err.get_or_insert(e);
                 }
             }
@@ -33,10 +33,10 @@ impl Mover {
     }
 
     /// Waits for one transfer in flight; false when none is.
-    pub(super) fn wait_any(&mut self) -> Result<bool> {
+    pub(super) fn wait_any(&mut self, cause: Cause) -> Result<bool> {
         if self.pending_nvme > 0 {
             if let Some(c) = self.nvme_wait() {
-                self.route_nvme(c)?;
+                self.route_nvme(c, cause)?;
                 return Ok(true);
             }
             return Err(ChunkError::Invariant {
@@ -49,7 +49,7 @@ impl Mover {
         }
         if self.pending_h2d > 0 {
             if let Some(c) = self.device.wait_copy() {
-                self.route_copy(c)?;
+                self.route_copy(c, cause)?;
                 return Ok(true);
             }
             return Err(ChunkError::Invariant {
@@ -64,16 +64,16 @@ impl Mover {
     }
 
     /// Waits until nothing is in flight for `c`.
-    pub(super) fn wait_pending(&mut self, c: ChunkId) -> Result<()> {
+    pub(super) fn wait_pending(&mut self, c: ChunkId, cause: Cause) -> Result<()> {
         loop {
             match self.slots[c.dense()].pending {
                 Pending::None => return Ok(()),
                 Pending::HostToDevice(id) => {
-                    let done = self.wait_copy_id(id, c)?;
-                    self.route_copy(done)?;
+                    let done = self.wait_copy_id(id, c, cause)?;
+                    self.route_copy(done, cause)?;
                 }
                 Pending::NvmeRead | Pending::NvmeWrite => {
-                    if !self.wait_any()? {
+                    if !self.wait_any(cause)? {
                         return Err(ChunkError::Invariant {
                             chunk: Some(c),
                             what: "an NVMe transfer is pending but nothing is in flight".into(),
@@ -85,7 +85,7 @@ impl Mover {
                     // nothing left in flight, the read is not coming: load on demand.
                     self.settle_queue();
                     if self.slots[c.dense()].pending == Pending::NvmeReadQueued
-                        && !self.wait_any()?
+                        && !self.wait_any(cause)?
                     {
                         self.cancel_queued(c);
                     }
@@ -97,10 +97,10 @@ impl Mover {
     /// Waits for every transfer in flight. Queued reads start as write-backs finish and
     /// are waited for too; any that still find no buffer at the end are dropped (loaded
     /// on demand later).
-    pub(crate) fn wait_all(&mut self) -> Result<()> {
+    pub(crate) fn wait_all(&mut self, cause: Cause) -> Result<()> {
         let mut first_err = None;
         loop {
-            match self.wait_any() {
+            match self.wait_any(cause) {
                 Ok(true) => {}
                 Ok(false) => break,
                 Err(e) => {

@@ -7,13 +7,8 @@
 //! tensor in COMPUTE is pinned where it is (never evicted) and in use on one tier at a
 //! time; the device bytes pinned are counted once per pinned chunk.
 
-use std::time::Instant;
-
-use tidestore_tiers::TierKind;
-
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
-use crate::mover::Pending;
 use crate::state::TensorState;
 use crate::tracer::MomentKind;
 use crate::Result;
@@ -33,13 +28,13 @@ impl ChunkStore {
         self.check_access(tensor, list, local, chunk, place)?;
         // A moment of the trace, and the device budget at it.
         let moment = self.observe(tensor, chunk, MomentKind::Access);
-        self.mover.moment = moment;
-        self.mover.stats.accesses += 1;
+        self.moment = moment;
+        self.counts.accesses += 1;
         self.update_tide(moment)?;
         // Where the chunk is; where it is not, room is made and it is loaded.
-        self.make_current(chunk, place, moment)?;
-        self.count_read_ahead(chunk, moment);
-        self.pin(chunk, place);
+        self.mover.make_current(chunk, place, self.demand())?;
+        self.mover.count_read_ahead(chunk, moment);
+        self.mover.pin(chunk, place);
         let generation = self.enter_compute(list, local, place)?;
         self.record_warmup(moment, chunk, place);
         if place == Place::Device {
@@ -69,7 +64,6 @@ impl ChunkStore {
         chunk: ChunkId,
         place: Place,
     ) -> Result<()> {
-        let d = chunk.dense();
         {
             let ls = self.list_states(list);
             let from = ls.table.state(TensorId(local)).unwrap_or(TensorState::Free);
@@ -82,91 +76,13 @@ impl ChunkStore {
                 });
             }
         }
-        let slot = &self.mover.slots[d];
-        let elsewhere = match place {
-            Place::Device if slot.host_pins > 0 => Some(TierKind::Host),
-            Place::Host if slot.dev_pins > 0 => Some(TierKind::Device),
-            _ => None,
-        };
-        if let Some(pinned_on) = elsewhere {
-            return Err(ChunkError::PinnedElsewhere {
+        match self.mover.pinned_on(chunk) {
+            Some(elsewhere) if elsewhere != place => Err(ChunkError::PinnedElsewhere {
                 tensor: self.name(tensor),
                 chunk,
-                pinned_on,
-            });
-        }
-        Ok(())
-    }
-
-    /// Makes `chunk` current at `place` (a hit when it already is), counting the time
-    /// a load stalls the caller.
-    fn make_current(&mut self, chunk: ChunkId, place: Place, moment: u64) -> Result<()> {
-        let d = chunk.dense();
-        let slot = &self.mover.slots[d];
-        let ready = slot.pending == Pending::None
-            && match place {
-                Place::Device => slot.dev.is_some(),
-                Place::Host => slot.host.is_some(),
-            };
-        if ready {
-            self.mover.stats.hits += 1;
-            match place {
-                Place::Device => self.mover.dev_policy.on_access(chunk, moment),
-                Place::Host => self.mover.ensure_host(chunk).map(|_| ())?,
-            }
-        } else {
-            let started = Instant::now();
-            let r = match place {
-                Place::Device => self.mover.ensure_device(chunk),
-                Place::Host => self.mover.ensure_host(chunk),
-            };
-            self.mover.stats.stall_ns += started.elapsed().as_nanos() as u64;
-            if r? {
-                self.mover.stats.hits += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Counts the NVMe read a prefetch started for `chunk` before `moment`, now used.
-    fn count_read_ahead(&mut self, chunk: ChunkId, moment: u64) {
-        let Some(at) = self.mover.slots[chunk.dense()].read_started_at.take() else {
-            return;
-        };
-        let lead = moment.saturating_sub(at);
-        let s = &mut self.mover.stats;
-        s.nvme_reads_ahead += 1;
-        s.nvme_read_lead_min = match s.nvme_read_lead_min {
-            0 => lead,
-            m => m.min(lead),
-        };
-    }
-
-    /// One more tensor of `chunk` in COMPUTE at `place` (a prefetch that brought it
-    /// there counts as a hit).
-    fn pin(&mut self, chunk: ChunkId, place: Place) {
-        let d = chunk.dense();
-        let dev_bytes = self.mover.dev_bytes[d];
-        let slot = &mut self.mover.slots[d];
-        match place {
-            Place::Device => {
-                if slot.prefetched {
-                    slot.prefetched = false;
-                    self.mover.stats.prefetch_hits += 1;
-                }
-                slot.dev_pins += 1;
-                if slot.dev_pins == 1 {
-                    self.pinned_device_bytes += dev_bytes;
-                }
-            }
-            Place::Host => {
-                if slot.host_prefetched {
-                    slot.host_prefetched = false;
-                    self.mover.stats.prefetch_hits += 1;
-                    self.mover.stats.host_prefetch_hits += 1;
-                }
-                slot.host_pins += 1;
-            }
+                pinned_on: elsewhere.tier(),
+            }),
+            _ => Ok(()),
         }
     }
 
@@ -186,7 +102,8 @@ impl ChunkStore {
     fn record_warmup(&mut self, moment: u64, chunk: ChunkId, place: Place) {
         if let Mode::Tracing(_) = self.mode {
             if let Ok(m) = u32::try_from(moment) {
-                self.warmup.push((m, self.pinned_device_bytes, self.phase));
+                let pinned = self.mover.pinned_device_bytes();
+                self.warmup.push((m, pinned, self.phase));
                 self.device_moments.resize(m as usize, None);
                 self.device_moments
                     .push((place == Place::Device).then_some(chunk));
@@ -229,15 +146,7 @@ impl ChunkStore {
         // A tensor in COMPUTE has a place, and its chunk a pin there: checked before
         // anything changes.
         let place = ls.place[local as usize];
-        let d = chunk.dense();
-        let slot = &self.mover.slots[d];
-        let pins = match place {
-            Some(Place::Device) => slot.dev_pins,
-            Some(Place::Host) => slot.host_pins,
-            None => 0,
-        };
-        let dev_bytes = self.mover.dev_bytes[d];
-        if pins == 0 || (place == Some(Place::Device) && self.pinned_device_bytes < dev_bytes) {
+        let Some(place) = place.filter(|&p| self.mover.can_unpin(chunk, p)) else {
             return Err(ChunkError::Invariant {
                 chunk: Some(chunk),
                 what: format!(
@@ -245,24 +154,13 @@ impl ChunkStore {
                     self.name(tensor)
                 ),
             });
-        }
+        };
         let ls = self.list_states(list);
         ls.table.transition(TensorId(local), to)?;
         ls.place[local as usize] = None;
         let moment = self.observe(tensor, chunk, MomentKind::Release(to));
-        self.mover.moment = moment;
-        let slot = &mut self.mover.slots[d];
-        match place {
-            Some(Place::Device) => {
-                slot.dev_pins -= 1;
-                if slot.dev_pins == 0 {
-                    self.pinned_device_bytes -= dev_bytes;
-                }
-            }
-            Some(Place::Host) => slot.host_pins -= 1,
-            None => unreachable!("checked above: a tensor released has a place"),
-        }
-        Ok(())
+        self.moment = moment;
+        self.mover.unpin(chunk, place)
     }
 
     /// Moves a tensor that is not in COMPUTE to another state that is not COMPUTE

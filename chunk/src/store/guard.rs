@@ -87,6 +87,14 @@ impl ChunkStore {
                     && ls.generation.get(local) == Some(&g.generation)
             });
         if current {
+            // What the mover promised the access: the chunk stays pinned and current
+            // where the guard is until the tensor is released.
+            debug_assert!(
+                self.mover.pins(g.chunk, g.place) > 0 && self.mover.is_current(g.chunk, g.place),
+                "a current guard's chunk {} is not pinned and current on the {:?} tier",
+                g.chunk,
+                g.place
+            );
             Ok(())
         } else {
             Err(ChunkError::StaleGuard {

@@ -11,7 +11,7 @@ use crate::id::{ListKind, TensorId};
 use crate::state::TensorState;
 use crate::Result;
 
-use super::ChunkStore;
+use super::{ChunkStore, Place};
 
 impl ChunkStore {
     /// Puts `data` (the tensor's bytes in `list`) into a tensor not in COMPUTE, through
@@ -34,20 +34,20 @@ impl ChunkStore {
                 reason: "the tensor is in COMPUTE: write through its guard",
             });
         }
-        if self.mover.slots[chunk.dense()].dev_pins > 0 {
+        if self.mover.pinned_on(chunk) == Some(Place::Device) {
             return Err(ChunkError::PinnedElsewhere {
                 tensor: self.name(tensor),
                 chunk,
                 pinned_on: TierKind::Device,
             });
         }
-        self.mover.moment = self.current_moment();
-        self.mover.ensure_host(chunk)?;
-        self.mover.dirty_on_host(chunk);
+        self.moment = self.current_moment();
+        self.mover.ensure_host(chunk, self.demand())?;
+        self.mover.mark_changed(chunk, Place::Host, self.demand());
         let off = loc.offset_bytes() as usize;
-        let buf = self.mover.slots[chunk.dense()]
-            .host
-            .as_mut()
+        let buf = self
+            .mover
+            .host_copy_mut(chunk)
             .ok_or_else(host_copy_missing)?;
         buf[off..off + data.len()].copy_from_slice(data);
         if from == Some(TensorState::Free) {
@@ -63,14 +63,11 @@ impl ChunkStore {
     pub fn read(&mut self, tensor: TensorId, list: ListKind) -> Result<Vec<u8>> {
         let loc = self.location(tensor, list)?;
         let chunk = loc.chunk;
-        self.mover.moment = self.current_moment();
-        self.mover.ensure_host(chunk)?;
+        self.moment = self.current_moment();
+        self.mover.ensure_host(chunk, self.demand())?;
         let off = loc.offset_bytes() as usize;
         let len = loc.bytes() as usize;
-        let buf = self.mover.slots[chunk.dense()]
-            .host
-            .as_ref()
-            .ok_or_else(host_copy_missing)?;
+        let buf = self.mover.host_copy(chunk).ok_or_else(host_copy_missing)?;
         Ok(buf[off..off + len].to_vec())
     }
 }

@@ -8,7 +8,7 @@ use crate::id::{ListKind, TensorId};
 use crate::layout::Layout;
 use crate::state::StateTable;
 
-use super::place::Place;
+use crate::place::Place;
 
 pub(super) struct ListStates {
     pub(super) table: StateTable,

@@ -59,7 +59,6 @@ mod list_states;
 mod lists;
 mod mode;
 mod open;
-mod place;
 mod prefetch;
 mod scope;
 mod tide;
@@ -68,40 +67,27 @@ mod verify;
 mod views;
 mod whole;
 
-use std::sync::Arc;
-
 use tidestore_tiers::{Device, NvmeTier};
 
+use crate::accounting::MoveReason;
 use crate::accounting::{MoveHook, StoreStats, TierSnapshot};
 use crate::config::CapacityPlan;
 use crate::id::ChunkId;
 use crate::layout::Layout;
-use crate::mover::{Mover, Pending};
+pub use crate::mover::ChunkResidency;
+use crate::mover::{Cause, Mover};
 use crate::policy::{PolicyKind, PrefetchPlanner};
-use crate::tracer::{Follower, Schedule};
+use crate::tracer::Follower;
 
+pub use crate::place::Place;
 pub use guard::Guard;
 use list_states::ListStates;
 use mode::Mode;
-pub use place::Place;
 pub use tide::Phase;
 pub use views::{TensorView, TensorViewMut};
 
 /// The swap file's name inside [`NvmeSource::Dir`](crate::config::NvmeSource::Dir).
 pub const SWAP_FILE_NAME: &str = "tidestore-chunks.swap";
-
-/// Where a chunk's current copies are (for tests and reports).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChunkResidency {
-    /// Current on the device.
-    pub device: bool,
-    /// Current in the host pool.
-    pub host: bool,
-    /// Current on NVMe.
-    pub nvme: bool,
-    /// A transfer is in flight.
-    pub in_flight: bool,
-}
 
 /// Store ids, so that a guard of one store is stale in every other.
 static NEXT_STORE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -116,6 +102,16 @@ struct Settings {
     margin_bytes: u64,
     window: u32,
     slack_bytes: u64,
+}
+
+/// The counters the store keeps itself; the mover keeps those of the moves, and
+/// [`ChunkStore::stats`] reports both.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
+    accesses: u64,
+    iterations: u64,
+    traced_iterations: u64,
+    divergences: u64,
 }
 
 /// Tensors in chunks on three tiers; see the module doc.
@@ -146,13 +142,10 @@ pub struct ChunkStore {
     device_moments: Vec<Option<ChunkId>>,
     /// During tracing, per moment: the chunk accessed on the host, if any.
     host_moments: Vec<Option<ChunkId>>,
-    /// The schedule of host accesses (same moments): when a host copy is needed as
-    /// such, rather than for a copy to the device (see `prefetch_host`).
-    host_schedule: Option<Arc<Schedule>>,
-    /// The schedule of device accesses only (same moments as the followed one): what
-    /// the device's `lifetime` policy and the prefetcher read.
-    device_schedule: Option<Arc<Schedule>>,
-    pinned_device_bytes: u64,
+    counts: Counts,
+    /// The moment the mover's moves are dated at (see [`Cause`]): the latest access or
+    /// release, or the next moment for untraced reads and writes.
+    moment: u64,
     non_model_reported_bytes: u64,
     device_total_bytes: u64,
 }
@@ -182,12 +175,12 @@ impl ChunkStore {
 
     /// The device.
     pub fn device(&self) -> &Device {
-        &self.mover.device
+        self.mover.device()
     }
 
     /// The NVMe tier (its swap file and io engine), for reports and tests.
     pub fn nvme(&self) -> &NvmeTier {
-        &self.mover.nvme
+        self.mover.nvme()
     }
 
     /// Every tier's use now.
@@ -197,21 +190,16 @@ impl ChunkStore {
 
     /// Where `chunk`'s current copies are.
     pub fn residency(&self, chunk: ChunkId) -> Option<ChunkResidency> {
-        let s = self.mover.slots.get(chunk.dense())?;
-        if self.mover.len_bytes[chunk.dense()] == 0 {
-            return None;
-        }
-        Some(ChunkResidency {
-            device: s.dev.is_some(),
-            host: s.host.is_some(),
-            nvme: s.nvme_valid,
-            in_flight: s.pending != Pending::None,
-        })
+        self.mover.residency(chunk)
     }
 
     /// The accounting, with every tier's capacity, use and peak now.
     pub fn stats(&self) -> StoreStats {
-        let mut s = self.mover.stats;
+        let mut s = self.mover.stats();
+        s.accesses = self.counts.accesses;
+        s.iterations = self.counts.iterations;
+        s.traced_iterations = self.counts.traced_iterations;
+        s.divergences = self.counts.divergences;
         let u = self.mover.snapshot();
         s.device = u.device;
         s.host = u.host;
@@ -221,15 +209,26 @@ impl ChunkStore {
 
     /// Zeroes the counters and restarts peak tracking from what is in use now.
     pub fn reset_stats(&mut self) {
-        self.mover.stats = StoreStats::default();
-        self.mover.device.reset_peak();
-        self.mover.host.reset_peak();
-        self.mover.nvme.reset_peak();
+        self.counts = Counts::default();
+        self.mover.reset_stats();
+    }
+
+    /// The cause of the moves the store asks of the mover now, for `reason`.
+    fn cause(&self, reason: MoveReason) -> Cause {
+        Cause {
+            moment: self.moment,
+            reason,
+        }
+    }
+
+    /// A demand move now (an access, a read or write, waiting for transfers).
+    fn demand(&self) -> Cause {
+        self.cause(MoveReason::Demand)
     }
 
     /// Calls `hook` after every move and eviction (`None` removes it); see
     /// [`crate::accounting`].
     pub fn set_move_hook(&mut self, hook: Option<MoveHook>) {
-        self.mover.hook = hook;
+        self.mover.set_hook(hook);
     }
 }

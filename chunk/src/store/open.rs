@@ -20,7 +20,7 @@ use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Horizon, Schedule, Tracer};
 use crate::Result;
 
-use super::{ChunkStore, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
+use super::{ChunkStore, Counts, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
 
 impl ChunkStore {
     /// Opens a store for `layout` on `device` (see the module doc). Impossible budgets
@@ -91,7 +91,7 @@ impl ChunkStore {
             slack_bytes: non_model_slack_bytes,
         };
         let mut mover = build_mover(device, host, nvme, len_bytes, &settings, device_total_bytes)?;
-        mover.async_writes = async_write_back;
+        mover.set_async_writes(async_write_back);
         for c in &adopted {
             mover.adopt_nvme(*c);
         }
@@ -136,9 +136,8 @@ impl ChunkStore {
             warmup: Vec::new(),
             device_moments: Vec::new(),
             host_moments: Vec::new(),
-            host_schedule: None,
-            device_schedule: None,
-            pinned_device_bytes: 0,
+            counts: Counts::default(),
+            moment: 0,
             non_model_reported_bytes: 0,
             device_total_bytes,
         }

@@ -10,11 +10,12 @@
 
 use crate::accounting::MoveReason;
 use crate::id::ChunkId;
-use crate::mover::is_no_room;
+use crate::mover::{is_no_room, Ahead};
 use crate::policy::{PrefetchStep, Residency};
 use crate::tracer::{Horizon, Schedule};
 use crate::Result;
 
+use super::mode::{Mode, Schedules};
 use super::ChunkStore;
 
 impl ChunkStore {
@@ -22,51 +23,57 @@ impl ChunkStore {
         if self.settings.lookahead == 0 || self.diverged || self.is_tracing() {
             return;
         }
-        let Some(s) = &self.device_schedule else {
+        let Mode::Following(s) = &self.mode else {
             return;
         };
-        let dev_mark = &self.mover.dev_mark;
-        if !needs_any(s, now, self.settings.lookahead, |c| !dev_mark[c.dense()]) {
+        let dev_mark = self.mover.device_marks();
+        if !needs_any(&s.device, now, self.settings.lookahead, |c| {
+            !dev_mark[c.dense()]
+        }) {
             return;
         }
         let s = s.clone();
         if let Err(e) = self.prefetch_planned(&s, now) {
             tracing::warn!(error = %e, "chunk store: prefetch stopped; demand loads will retry");
         }
-        self.mover.reason = MoveReason::Demand;
     }
 
-    fn prefetch_planned(&mut self, s: &Schedule, now: u64) -> Result<()> {
-        self.mover.harvest()?;
-        let evictable: Vec<ChunkId> = self
-            .mover
-            .dev_list
-            .iter()
-            .copied()
-            .filter(|c| self.mover.slots[c.dense()].dev_pins == 0)
-            .collect();
+    /// Plans the device's loads of the next moments on the device schedule and starts
+    /// them, each after its victims' evictions.
+    fn prefetch_planned(&mut self, schedules: &Schedules, now: u64) -> Result<()> {
+        let s = &*schedules.device;
+        self.mover.harvest(self.demand())?;
+        let evictable = self.mover.device_evictable();
         let plan = self.planner.plan(
             s,
             now,
             Residency {
-                resident: &self.mover.dev_mark,
+                resident: self.mover.device_marks(),
                 evictable: &evictable,
-                chunk_bytes: &self.mover.dev_bytes,
+                chunk_bytes: self.mover.device_chunk_bytes(),
                 free_bytes: self.mover.device_free(),
                 pool: None,
             },
         )?;
         for step in plan {
             for &v in &step.evict {
-                self.mover.reason = prefetch_reason(&step, Some((s, v, now)));
-                match self.mover.evict_device(v, Some(step.needed_at), step.chunk) {
+                let cause = self.cause(prefetch_reason(&step, Some((s, v, now))));
+                let ahead = Ahead {
+                    needed_at: step.needed_at,
+                    schedule: &schedules.all,
+                };
+                match self.mover.evict_device(v, Some(ahead), step.chunk, cause) {
                     Ok(()) => {}
                     Err(e) if is_no_room(&e) => return Ok(()),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = prefetch_reason(&step, None);
-            if !self.mover.prefetch_device(step.chunk, step.needed_at)? {
+            let cause = self.cause(prefetch_reason(&step, None));
+            let ahead = Ahead {
+                needed_at: step.needed_at,
+                schedule: &schedules.all,
+            };
+            if !self.mover.prefetch_device(step.chunk, ahead, cause)? {
                 break;
             }
         }
@@ -88,11 +95,12 @@ impl ChunkStore {
         if self.settings.host_lookahead == 0 || self.diverged || self.is_tracing() {
             return;
         }
-        let (Some(hs), Some(ds), Some(s)) = (
-            &self.host_schedule,
-            &self.device_schedule,
-            &self.mover.schedule,
-        ) else {
+        let Mode::Following(Schedules {
+            all: s,
+            device: ds,
+            host: hs,
+        }) = &self.mode
+        else {
             return;
         };
         let lookahead = self.settings.host_lookahead;
@@ -114,7 +122,6 @@ impl ChunkStore {
         if let Err(e) = result {
             tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
         }
-        self.mover.reason = MoveReason::Demand;
     }
 
     /// Plans and starts the host pool's reads of the chunks `needs` asks for. With
@@ -127,20 +134,16 @@ impl ChunkStore {
         now: u64,
         shadows_only: Option<&Schedule>,
     ) -> Result<()> {
-        self.mover.harvest()?;
-        let resident: Vec<bool> = (0..self.mover.slots.len())
+        self.mover.harvest(self.demand())?;
+        let resident: Vec<bool> = (0..self.mover.chunk_count())
             .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
             .collect();
         // Chunks in use cannot go now, but may be what Belady's rule would evict when a
         // load is needed (see `plan_split`).
-        let (mut held, mut evictable): (Vec<ChunkId>, Vec<ChunkId>) = self
-            .mover
-            .host_list
-            .iter()
-            .partition(|c| self.mover.slots[c.dense()].host_pins > 0);
+        let (mut held, mut evictable) = self.mover.host_copies_by_pin();
         // Host copies of chunks current on the device (only the device pass reads them).
         let shadow: Vec<bool> = match shadows_only {
-            Some(_) => self.mover.slots.iter().map(|s| s.dev.is_some()).collect(),
+            Some(_) => self.mover.device_copies(),
             None => Vec::new(),
         };
         if shadows_only.is_some() {
@@ -155,7 +158,7 @@ impl ChunkStore {
             Residency {
                 resident: &resident,
                 evictable: &evictable,
-                chunk_bytes: &self.mover.host_bytes,
+                chunk_bytes: self.mover.host_chunk_bytes(),
                 // The pool serves sizes: whole buffers, or parts split for one size
                 // (`PoolRoom`). Buffers of write-backs in flight count as free: they
                 // return soon, and evicting more instead would write (and later read)
@@ -166,31 +169,43 @@ impl ChunkStore {
             &held,
             shadows_only.map(|hs| (&shadow[..], hs)),
         )?;
+        let uses = shadows_only.unwrap_or(s);
+        if self.start_host_plan(plan, uses, now)? {
+            // Submitted requests start at the engine's next poll.
+            self.mover.harvest(self.demand())?;
+        }
+        Ok(())
+    }
+
+    /// Starts the host pool's planned reads, each after its victims' evictions (`uses`:
+    /// the schedule their next uses are read from). Whether any read started and the
+    /// plan ran to its end (a victim that finds no room stops it quietly).
+    fn start_host_plan(
+        &mut self,
+        plan: Vec<PrefetchStep>,
+        uses: &Schedule,
+        now: u64,
+    ) -> Result<bool> {
         let mut started = false;
         for step in plan {
             for &v in &step.evict {
-                let uses = match shadows_only {
-                    Some(hs) => hs,
-                    None => s,
-                };
-                self.mover.reason = prefetch_reason(&step, Some((uses, v, now)));
-                match self.mover.evict_host(v, false) {
+                let cause = self.cause(prefetch_reason(&step, Some((uses, v, now))));
+                match self.mover.evict_host(v, false, cause) {
                     Ok(()) => {}
-                    Err(e) if is_no_room(&e) => return Ok(()),
+                    Err(e) if is_no_room(&e) => return Ok(false),
                     Err(e) => return Err(e),
                 }
             }
-            self.mover.reason = prefetch_reason(&step, None);
-            if !self.mover.prefetch_host(step.chunk, step.needed_at)? {
+            let cause = self.cause(prefetch_reason(&step, None));
+            if !self
+                .mover
+                .prefetch_host(step.chunk, step.needed_at, cause)?
+            {
                 break;
             }
             started = true;
         }
-        if started {
-            // Submitted requests start at the engine's next poll.
-            self.mover.harvest()?;
-        }
-        Ok(())
+        Ok(started)
     }
 }
 

@@ -9,7 +9,6 @@
 use tidestore_tiers::DeviceKind;
 
 use crate::accounting::MoveReason;
-use crate::error::ChunkError;
 use crate::tracer::Schedule;
 use crate::Result;
 
@@ -32,14 +31,14 @@ impl ChunkStore {
 
     /// The device budget for chunks now (the tide).
     pub fn device_budget_bytes(&self) -> u64 {
-        self.mover.dev_cap
+        self.mover.device_cap()
     }
 
     /// Reports the device memory used by everything but chunks now (activations,
     /// workspace). On a GPU it is measured instead; this value is the fallback.
     pub fn report_non_model_bytes(&mut self, bytes: u64) {
         self.non_model_reported_bytes = bytes;
-        self.mover.device.report_non_model_bytes(bytes);
+        self.mover.report_non_model_bytes(bytes);
     }
 
     /// Lets chunks use nearly the whole device (less the margin and the non-model
@@ -64,11 +63,11 @@ impl ChunkStore {
     }
 
     pub(super) fn non_model_now(&self) -> u64 {
-        match self.mover.device.kind() {
+        match self.mover.device().kind() {
             DeviceKind::Sim => self.non_model_reported_bytes,
             DeviceKind::Cuda => self
                 .mover
-                .device
+                .device()
                 .non_model_bytes()
                 .unwrap_or(self.non_model_reported_bytes),
         }
@@ -98,38 +97,14 @@ impl ChunkStore {
 
     pub(super) fn update_tide(&mut self, moment: u64) -> Result<()> {
         let s = match &self.mode {
-            Mode::Following(s) if !self.diverged => Some(&**s),
+            Mode::Following(s) if !self.diverged => Some(&*s.all),
             _ => None,
         };
         let cap = self.cap_for(s, moment, self.phase, self.non_model_now());
-        if cap != self.mover.dev_cap {
-            self.set_device_cap(cap)?;
+        if cap != self.mover.device_cap() {
+            self.mover
+                .set_device_cap(cap, self.cause(MoveReason::Tide))?;
         }
-        Ok(())
-    }
-
-    fn set_device_cap(&mut self, cap: u64) -> Result<()> {
-        let cap = if cap < self.mover.dev_cap {
-            self.mover.reason = MoveReason::Tide;
-            let held = self.mover.shrink_device(cap);
-            self.mover.reason = MoveReason::Demand;
-            let held = held?;
-            if held > cap {
-                tracing::debug!(
-                    cap,
-                    held,
-                    "tidal budget held above target by chunks in use or in flight"
-                );
-            }
-            cap.max(held)
-        } else {
-            cap
-        };
-        self.mover
-            .device
-            .set_budget_capacity(cap)
-            .map_err(|e| ChunkError::tier("setting the tidal device budget", None, e))?;
-        self.mover.dev_cap = cap;
         Ok(())
     }
 }

@@ -16,7 +16,7 @@ use crate::policy::{Lifetime, PolicyKind};
 use crate::tracer::{Follow, Follower, Horizon, MomentKind, Schedule, Tracer};
 use crate::Result;
 
-use super::mode::Mode;
+use super::mode::{Mode, Schedules};
 use super::ChunkStore;
 
 impl ChunkStore {
@@ -28,7 +28,7 @@ impl ChunkStore {
     /// The schedule being followed, if any.
     pub fn schedule(&self) -> Option<&Arc<Schedule>> {
         match &self.mode {
-            Mode::Following(s) => Some(s),
+            Mode::Following(s) => Some(&s.all),
             Mode::Tracing(_) => None,
         }
     }
@@ -36,7 +36,10 @@ impl ChunkStore {
     /// The schedule of device accesses (what `lifetime` and the prefetcher read on the
     /// device tier), if one is followed.
     pub fn device_schedule(&self) -> Option<&Arc<Schedule>> {
-        self.device_schedule.as_ref()
+        match &self.mode {
+            Mode::Following(s) => Some(&s.device),
+            Mode::Tracing(_) => None,
+        }
     }
 
     /// Records or follows one moment and returns its absolute moment.
@@ -48,7 +51,7 @@ impl ChunkStore {
                 self.position = i.saturating_add(1);
                 return u64::from(i);
             }
-            Mode::Following(s) => {
+            Mode::Following(Schedules { all: s, .. }) => {
                 let moment = self.cycles * u64::from(s.len()) + u64::from(self.position);
                 self.position = self.position.saturating_add(1);
                 if self.diverged {
@@ -73,7 +76,7 @@ impl ChunkStore {
 
     fn diverge(&mut self, why: &'static str) {
         self.diverged = true;
-        self.mover.stats.divergences += 1;
+        self.counts.divergences += 1;
         self.sync_policies();
         tracing::info!(
             moment = self.position.saturating_sub(1),
@@ -86,15 +89,14 @@ impl ChunkStore {
     fn sync_policies(&mut self) {
         let following = matches!(self.mode, Mode::Following(_)) && !self.diverged;
         let use_main = self.settings.policy != PolicyKind::Lifetime || following;
-        self.mover.dev_policy.use_main = use_main;
-        self.mover.host_policy.use_main = use_main;
+        self.mover.use_main_policies(use_main);
     }
 
     /// The absolute moment the next observation will get.
     pub(super) fn current_moment(&self) -> u64 {
         match &self.mode {
             Mode::Tracing(t) => t.moments().len() as u64,
-            Mode::Following(s) => self.cycles * u64::from(s.len()) + u64::from(self.position),
+            Mode::Following(s) => self.cycles * u64::from(s.all.len()) + u64::from(self.position),
         }
     }
 
@@ -103,12 +105,12 @@ impl ChunkStore {
     /// [`ChunkError::WorkingSetTooLarge`], returned after the schedule is installed).
     /// After a followed one that diverged (or ended early), the next one is traced.
     pub fn end_iteration(&mut self) -> Result<()> {
-        self.mover.stats.iterations += 1;
+        self.counts.iterations += 1;
         self.position = 0;
         let mode = std::mem::replace(&mut self.mode, Mode::Tracing(Tracer::new()));
         let result = match mode {
             Mode::Tracing(t) => {
-                self.mover.stats.traced_iterations += 1;
+                self.counts.traced_iterations += 1;
                 if t.moments().is_empty() {
                     self.warmup.clear();
                     self.device_moments.clear();
@@ -141,39 +143,32 @@ impl ChunkStore {
         let result = self.check_traced(&s);
         self.warmup.clear();
         let non_model: Vec<u64> = (0..moments as u32).map(|m| s.non_model_bytes(m)).collect();
-        let ds = tier_schedule(std::mem::take(&mut self.device_moments), &non_model);
-        self.device_schedule = Some(ds.clone());
-        self.host_schedule = Some(tier_schedule(
-            std::mem::take(&mut self.host_moments),
-            &non_model,
-        ));
+        let schedules = Schedules {
+            device: tier_schedule(std::mem::take(&mut self.device_moments), &non_model),
+            host: tier_schedule(std::mem::take(&mut self.host_moments), &non_model),
+            all: s,
+        };
         if self.settings.policy == PolicyKind::Lifetime {
-            self.mover
-                .dev_policy
-                .set_main(Box::new(Lifetime::new(ds, Horizon::Cyclic)));
-            self.mover
-                .host_policy
-                .set_main(Box::new(Lifetime::new(s.clone(), Horizon::Cyclic)));
+            self.mover.set_main_policies(
+                Box::new(Lifetime::new(schedules.device.clone(), Horizon::Cyclic)),
+                Box::new(Lifetime::new(schedules.all.clone(), Horizon::Cyclic)),
+            );
         }
-        self.mover.schedule = Some(s.clone());
         self.follower = Follower::new(self.settings.slack_bytes);
         self.cycles = 0;
-        self.mode = Mode::Following(s);
+        self.mode = Mode::Following(schedules);
         result
     }
 
     /// After a followed iteration: the next one is followed too, or traced again when
     /// this one diverged or ended early.
-    fn end_followed(&mut self, s: Arc<Schedule>) {
-        let early = self.follower.end_iteration(&s);
+    fn end_followed(&mut self, s: Schedules) {
+        let early = self.follower.end_iteration(&s.all);
         if early.is_some() {
-            self.mover.stats.divergences += 1;
+            self.counts.divergences += 1;
         }
         if self.diverged || early.is_some() {
             tracing::info!("chunk store: access sequence changed; re-tracing this iteration");
-            self.mover.schedule = None;
-            self.device_schedule = None;
-            self.host_schedule = None;
             self.warmup.clear();
             self.device_moments.clear();
             self.host_moments.clear();

@@ -52,15 +52,17 @@ impl ChunkStore {
     /// A read-only view of an accessed tensor.
     pub fn view(&self, g: &Guard) -> Result<TensorView<'_>> {
         self.check_guard(g)?;
-        let slot = &self.mover.slots[g.chunk.dense()];
         let range = g.offset_bytes..g.offset_bytes + g.len_bytes;
         match g.place {
             Place::Host => {
-                let buf = slot.host.as_ref().ok_or_else(|| self.lost(g))?;
+                let buf = self.mover.host_copy(g.chunk).ok_or_else(|| self.lost(g))?;
                 Ok(TensorView::Host(&buf[range]))
             }
             Place::Device => {
-                let mem = slot.dev.as_ref().ok_or_else(|| self.lost(g))?;
+                let mem = self
+                    .mover
+                    .device_copy(g.chunk)
+                    .ok_or_else(|| self.lost(g))?;
                 Ok(TensorView::Device(match mem.view() {
                     DeviceView::Host(bytes) => DeviceView::Host(&bytes[range]),
                     DeviceView::Cuda(span) => {
@@ -77,20 +79,16 @@ impl ChunkStore {
     pub fn view_mut(&mut self, g: &Guard) -> Result<TensorViewMut<'_>> {
         self.check_guard(g)?;
         let c = g.chunk;
-        match g.place {
-            Place::Host => self.mover.dirty_on_host(c),
-            Place::Device => self.mover.dirty_on_device(c),
-        }
+        self.mover.mark_changed(c, g.place, self.demand());
         let lost = self.lost(g);
-        let slot = &mut self.mover.slots[c.dense()];
         let range = g.offset_bytes..g.offset_bytes + g.len_bytes;
         match g.place {
             Place::Host => {
-                let buf = slot.host.as_mut().ok_or(lost)?;
+                let buf = self.mover.host_copy_mut(c).ok_or(lost)?;
                 Ok(TensorViewMut::Host(&mut buf[range]))
             }
             Place::Device => {
-                let mem = slot.dev.as_mut().ok_or(lost.clone())?;
+                let mem = self.mover.device_copy_mut(c).ok_or(lost.clone())?;
                 Ok(TensorViewMut::Device(match mem.view_mut() {
                     DeviceViewMut::Host(bytes) => DeviceViewMut::Host(&mut bytes[range]),
                     DeviceViewMut::Cuda(span) => DeviceViewMut::Cuda(span.get(range).ok_or(lost)?),
@@ -115,7 +113,7 @@ impl ChunkStore {
     pub fn views_mut_with_io(&mut self, guards: &[&Guard]) -> Result<(Vec<&mut [u8]>, IoPump<'_>)> {
         for g in guards {
             self.check_guard(g)?;
-            if g.place == Place::Device && self.mover.device.kind() == DeviceKind::Cuda {
+            if g.place == Place::Device && self.mover.device().kind() == DeviceKind::Cuda {
                 return Err(self.not_addressable(g));
             }
         }
@@ -147,10 +145,7 @@ impl ChunkStore {
         let order = self.disjoint_order(guards)?;
         let lost = self.lost_any(guards);
         for g in guards {
-            match g.place {
-                Place::Host => self.mover.dirty_on_host(g.chunk),
-                Place::Device => self.mover.dirty_on_device(g.chunk),
-            }
+            self.mover.mark_changed(g.chunk, g.place, self.demand());
         }
         let (slots, pump) = self.mover.pump_parts();
         let views = cut_views(slots, guards, &order, lost)?;
@@ -259,11 +254,11 @@ fn cut_views<'a>(
         }
         // A chunk's guards all name one place (a chunk is accessed where it is).
         let mut rest: Region<'_> = match first.place {
-            Place::Host => match slot.host.as_mut() {
-                Some(buf) => Region::Host(&mut buf[..], false),
+            Place::Host => match slot.host_mut() {
+                Some(buf) => Region::Host(buf, false),
                 None => return Err(lost),
             },
-            Place::Device => match slot.dev.as_mut().map(|m| m.view_mut()) {
+            Place::Device => match slot.dev_mut().map(|m| m.view_mut()) {
                 Some(DeviceViewMut::Host(bytes)) => Region::Host(bytes, true),
                 Some(DeviceViewMut::Cuda(span)) => Region::Cuda(Some(span)),
                 None => return Err(lost),

@@ -9,7 +9,6 @@ use tidestore_tiers::TierKind;
 
 use crate::accounting::MoveReason;
 use crate::error::ChunkError;
-use crate::id::ChunkId;
 use crate::Result;
 
 use super::ChunkStore;
@@ -20,35 +19,20 @@ impl ChunkStore {
     /// advances only inside its calls, so a caller whose own work runs for a while (a
     /// device computing) calls this now and then to keep the disk busy.
     pub fn poll_io(&mut self) -> Result<()> {
-        self.mover.harvest()
+        self.mover.harvest(self.demand())
     }
 
     /// Waits for every transfer in flight.
     pub fn sync(&mut self) -> Result<()> {
-        self.mover.wait_all()
+        self.mover.wait_all(self.demand())
     }
 
     /// Moves every chunk not in use off the device (written back where the device copy
     /// is the only current one).
     pub fn evict_device_all(&mut self) -> Result<()> {
-        self.mover.wait_all()?;
-        self.mover.reason = MoveReason::Explicit;
-        let victims: Vec<ChunkId> = self
-            .mover
-            .dev_list
-            .iter()
-            .copied()
-            .filter(|c| self.mover.slots[c.dense()].dev_pins == 0)
-            .collect();
-        let mut result = Ok(());
-        for v in victims {
-            if let Err(e) = self.mover.evict_device(v, None, v) {
-                result = Err(e);
-                break;
-            }
-        }
-        self.mover.reason = MoveReason::Demand;
-        result
+        self.mover.wait_all(self.demand())?;
+        self.mover
+            .evict_device_unpinned(self.cause(MoveReason::Explicit))
     }
 
     /// Closes the store cleanly: waits for every transfer, writes every chunk whose NVMe
@@ -59,20 +43,12 @@ impl ChunkStore {
     /// ([`ChunkError::TierFull`] for the NVMe tier otherwise). On any error the file
     /// stays not clean; so does a store dropped without `close`.
     pub fn close(mut self) -> Result<()> {
-        self.mover.wait_all()?;
+        self.mover.wait_all(self.demand())?;
         self.verify()?;
-        let n = self.mover.slots.len();
-        let kept: Vec<ChunkId> = (0..n)
-            .filter(|&d| {
-                let s = &self.mover.slots[d];
-                self.mover.len_bytes[d] > 0
-                    && (s.nvme_stored || s.host.is_some() || s.dev.is_some())
-            })
-            .map(ChunkId::from_dense)
-            .collect();
-        let slot_count = self.mover.nvme.slot_count() as usize;
+        let kept = self.mover.materialised();
+        let slot_count = self.mover.nvme().slot_count() as usize;
         if kept.len() > slot_count {
-            let slot_bytes = self.mover.nvme.slot_bytes() as u64;
+            let slot_bytes = self.mover.nvme().slot_bytes() as u64;
             return Err(ChunkError::TierFull {
                 tier: TierKind::Nvme,
                 chunk: kept[slot_count],
@@ -80,23 +56,20 @@ impl ChunkStore {
                 capacity_bytes: slot_count as u64 * slot_bytes,
             });
         }
-        self.mover.reason = MoveReason::Explicit;
+        let cause = self.cause(MoveReason::Explicit);
         for &c in &kept {
-            self.mover.write_back(c)?;
+            self.mover.write_back(c, cause)?;
         }
-        self.mover.wait_all()?;
+        self.mover.wait_all(cause)?;
         for &c in &kept {
-            if !self.mover.slots[c.dense()].nvme_valid {
+            if !self.mover.nvme_current(c) {
                 return Err(ChunkError::Invariant {
                     chunk: Some(c),
                     what: "NVMe copy not current after writing every chunk back".into(),
                 });
             }
         }
-        self.mover
-            .nvme
-            .mark_clean()
-            .map_err(|e| ChunkError::tier("marking the swap file clean", None, e))?;
+        self.mover.mark_swap_clean()?;
         tracing::info!(chunks = kept.len(), "chunk store closed cleanly");
         Ok(())
     }
@@ -104,7 +77,7 @@ impl ChunkStore {
 
 impl Drop for ChunkStore {
     fn drop(&mut self) {
-        if let Err(e) = self.mover.wait_all() {
+        if let Err(e) = self.mover.wait_all(self.demand()) {
             tracing::warn!(error = %e, "chunk store: a transfer failed while closing");
         }
     }
