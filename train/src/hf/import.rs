@@ -33,23 +33,18 @@
 //! Tensors in the files that the model does not use (an `lm_head.weight` with tied
 //! embeddings, old `rotary_emb.inv_freq` buffers) are ignored.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use tidestore_chunk::typed::{decode_f32, encode_f32};
+use tidestore_chunk::typed::decode_f32;
 use tidestore_chunk::{ChunkStore, DType, ListKind, TensorId};
 
 use crate::checkpoint::{map_file, parse, HEADER_LEN_BYTES};
 use crate::error::{Result, TrainError};
 use crate::hf::config::{dtype_to_torch, LlamaConfig};
-use crate::hf::init::SplitMix64;
+use crate::hf::files::{convert, encode, F16_MAX, INDEX_FILE, SINGLE_FILE};
 use crate::hf::names::{base_tensors, llama_tensors, lora_adapters, LoraSpec};
-
-/// The single-file weights of a model directory.
-pub const SINGLE_FILE: &str = "model.safetensors";
-/// The shard index of a sharded model directory.
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+use crate::hf::rng::SplitMix64;
 
 /// One mapped safetensors file.
 struct MappedFile {
@@ -332,23 +327,6 @@ fn release_pages(file: &MappedFile, offset: usize, len: usize) {
     }
 }
 
-/// `src` (elements of `from`) as elements of `to`: borrowed when they agree.
-pub(crate) fn convert(src: &[u8], from: DType, to: DType) -> Cow<'_, [u8]> {
-    if from == to {
-        return Cow::Borrowed(src);
-    }
-    let mut values = vec![0f32; src.len() / from.size_bytes() as usize];
-    decode_f32(src, from, &mut values);
-    Cow::Owned(encode(&values, to))
-}
-
-/// f32 values as little-endian elements of `to`.
-pub(crate) fn encode(values: &[f32], to: DType) -> Vec<u8> {
-    let mut out = vec![0u8; values.len() * to.size_bytes() as usize];
-    encode_f32(values, to, &mut out);
-    out
-}
-
 /// One place to write: tensor, list and the dtype there.
 struct Place {
     tensor: TensorId,
@@ -404,9 +382,6 @@ fn check_store(store: &ChunkStore, cfg: &LlamaConfig, lora: Option<&LoraSpec>) -
     }
     Ok(())
 }
-
-/// The largest finite f16.
-pub(crate) const F16_MAX: f32 = 65504.0;
 
 /// Refuses a tensor whose values do not fit the store's f16 copy of it (an F32 or BF16
 /// file into an f16 layout would otherwise turn them into infinities). Reads only the

@@ -23,22 +23,28 @@
 pub mod chat;
 pub mod config;
 pub mod export;
+pub mod files;
 pub mod import;
 pub mod init;
 pub mod names;
 pub mod peft;
+pub mod rng;
 pub mod rope;
+pub mod shards;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message, Rendered, TokenizerConfig};
 pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
-pub use export::{export_model, merge_into, ExportOptions, ExportReport, DEFAULT_MAX_SHARD_BYTES};
-pub use import::{import, HfWeights, ImportReport, INDEX_FILE, SINGLE_FILE};
-pub use init::{init_model, InitOptions, SplitMix64};
+pub use export::{export_model, merge_into, ExportOptions};
+pub use files::{ADAPTER_CONFIG_FILE, ADAPTER_FILE, COPIED_FILES, INDEX_FILE, SINGLE_FILE};
+pub use import::{import, HfWeights, ImportReport};
+pub use init::{init_model, InitOptions};
 pub use names::{
     base_tensors, llama_blocks, llama_tensors, lora_adapters, Adapter, BlockKind, BlockSpec,
     LoraSpec, LoraTarget,
 };
-pub use peft::{adapter_config, export_adapter, peft_key, ADAPTER_CONFIG_FILE, ADAPTER_FILE};
+pub use peft::{adapter_config, export_adapter, peft_key};
+pub use rng::SplitMix64;
 pub use rope::{Rope, RopeScaling};
+pub use shards::{ExportReport, DEFAULT_MAX_SHARD_BYTES};
 pub use tokenizer::{read_text, Tokenizer, TOKENIZER_FILE};

@@ -20,14 +20,11 @@ use tidestore_chunk::{ChunkStore, DType};
 use crate::checkpoint::io_err;
 use crate::error::{Result, TrainError};
 use crate::hf::config::LlamaConfig;
-use crate::hf::export::{read_f32, write_dir_atomically, ExportReport, OutTensor};
-use crate::hf::import::encode;
+use crate::hf::export::read_f32;
+use crate::hf::files::{encode, ADAPTER_CONFIG_FILE, ADAPTER_FILE};
 use crate::hf::names::{lora_adapters, LoraSpec};
+use crate::hf::shards::{write_dir_atomically, write_shards, ExportReport, OutTensor};
 
-/// The adapter weights' file name.
-pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
-/// The adapter config's file name.
-pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 /// The prefix PEFT puts before a module's name.
 pub const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -91,10 +88,10 @@ pub fn export_adapter(
         let text = serde_json::to_string_pretty(&config)
             .unwrap_or_else(|e| unreachable!("a JSON value always serialises: {e}"));
         std::fs::write(&path, text + "\n").map_err(io_err("writing", &path))?;
-        let mut report = crate::hf::export::write_shards(tmp, &tensors, dtype, u64::MAX, |key| {
+        let mut report = write_shards(tmp, &tensors, dtype, u64::MAX, |key| {
             let name = key.strip_prefix(PEFT_PREFIX).unwrap_or(key);
             let values = read_f32(store, name)?;
-            crate::hf::export::check_fits(name, &values, dtype)?;
+            crate::hf::files::check_fits(name, &values, dtype)?;
             Ok(encode(&values, dtype))
         })?;
         // One shard is always `model.safetensors`: PEFT names it otherwise.
