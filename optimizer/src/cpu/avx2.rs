@@ -26,8 +26,9 @@ pub(crate) unsafe fn bf16_bits8(p: __m256) -> __m256i {
     // SAFETY: register-only intrinsics; the caller guarantees AVX2.
     unsafe {
         let x = _mm256_castps_si256(p);
-        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+        // One unordered compare (the integer form, `|x| > 0x7F80_0000`, compiles to three
+        // instructions on AVX2, which has no unsigned compare).
+        let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(p, p));
         let hi = _mm256_srli_epi32::<16>(x);
         let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
         let biased = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
