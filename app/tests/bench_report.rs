@@ -133,6 +133,7 @@ fn json_has_the_documented_fields_and_the_svg_parses_with_every_series() {
         "simulated",
         "placement_reason",
         "simd",
+        "simd_reason",
         "threads",
         "params_per_step",
         "steps_applied",

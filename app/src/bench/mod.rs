@@ -717,14 +717,14 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     let st = r.trainer.store().stats();
     let opt_seconds = m.phases[2].seconds;
     let trainable_params = r.s.workload.params_trainable();
-    let step_stats = r.trainer.step_loop().stats();
-    let steps = m.steps_applied;
+    let (step_stats, steps) = (r.trainer.step_loop().stats(), m.steps_applied);
     let cpu = r.trainer.step_loop().optimizer().cpu();
     let optimizer = OptimizerReport {
         placement: if r.placement.on_device { "gpu" } else { "cpu" }.into(),
         simulated: step_stats.simulated,
         placement_reason: r.placement.reason.clone(),
         simd: format!("{:?}", cpu.simd_level()).to_lowercase(),
+        simd_reason: cpu.simd_reason().describe(),
         threads: cpu.threads(),
         params_per_step: trainable_params,
         steps_applied: steps,

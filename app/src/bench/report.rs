@@ -200,6 +200,8 @@ pub struct OptimizerReport {
     pub placement_reason: String,
     /// SIMD level of the CPU kernel.
     pub simd: String,
+    /// Why that level: the best the CPU supports, or forced (`TIDESTORE_SIMD`).
+    pub simd_reason: String,
     /// CPU threads of the CPU kernel.
     pub threads: usize,
     /// Parameters updated per step.
@@ -218,6 +220,14 @@ pub struct OptimizerReport {
     pub overlap: String,
     /// Tensor steps made during backward, over the measured iterations.
     pub tensors_overlapped: u64,
+}
+
+impl OptimizerReport {
+    /// The CPU kernel in words: its SIMD level, why that level, its threads.
+    pub fn cpu_kernel(&self) -> String {
+        let (simd, why, threads) = (&self.simd, &self.simd_reason, self.threads);
+        format!("CPU kernel {simd} ({why}), {threads} threads")
+    }
 }
 
 /// An iteration's time against what bounds it: the slowest of the device's compute,

@@ -339,7 +339,7 @@ fn print_table(r: &BenchReport) {
         human_bytes(r.peak.nvme_bytes)
     );
     let o = &r.optimizer;
-    let kernel = format!("CPU kernel {}, {} threads", o.simd, o.threads);
+    let kernel = o.cpu_kernel();
     let place = match (o.placement.as_str(), o.simulated) {
         ("gpu", false) => "gpu".to_string(),
         ("gpu", true) => format!("gpu simulated on the host ({kernel})"),

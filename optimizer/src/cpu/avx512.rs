@@ -9,9 +9,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{load8, RNE};
 use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
 use super::scalar;
+use super::x86::{load8, prefetch, RNE};
 use crate::params::Consts;
 
 /// Loads 16 gradient elements of the `GK` dtype at `g + i` as f32 (exact; bf16 by a
@@ -129,20 +129,6 @@ pub(crate) unsafe fn store16_out<const OK: u8, const HW: bool>(
 #[inline(always)]
 pub(crate) fn out_streamable<const OK: u8>(out: *mut u16) -> bool {
     OK != O_NONE && out.addr().is_multiple_of(32)
-}
-
-/// Prefetch distance of the step and probe loops, in bytes ahead on each f32 stream.
-/// Measured on the 2-core AVX-512 Xeon (20M params, medians of 9): 0 -> ~0.90 of the
-/// probe's bytes/s, 1-8 KiB -> ~0.98-1.0; 4 KiB chosen. The probe prefetches alike, so
-/// the roofline is not understated.
-pub(crate) const PREFETCH_BYTES: usize = 4096;
-
-/// Prefetches the line `PREFETCH_BYTES` ahead of element `i` of an f32 stream.
-#[inline(always)]
-pub(crate) fn prefetch(p: *const f32, i: usize) {
-    // SAFETY: a prefetch is a hint that never faults, whatever the address (SSE is part
-    // of x86_64); `wrapping_add` forms the address without claiming it is in bounds.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }
 }
 
 /// `x` with every NaN lane replaced by the canonical NaN (the crate's NaN policy).

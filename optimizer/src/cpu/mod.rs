@@ -23,6 +23,8 @@ pub(crate) mod scalar;
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86;
 
 use std::sync::Arc;
 

@@ -10,8 +10,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::{load8, prefetch, store8_out};
+use super::super::avx2::store8_out;
 use super::super::raw::{G_BF16, G_F32, O_BF16, O_NONE};
+use super::super::x86::{load8, prefetch};
 use super::scalar::{self as cs, Q8Block};
 use super::CompactPtrs;
 use crate::params::Consts;

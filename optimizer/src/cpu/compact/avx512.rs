@@ -21,8 +21,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx512::{load16, out_streamable, prefetch, store16_out};
+use super::super::avx512::{load16, out_streamable, store16_out};
 use super::super::raw::{G_BF16, G_F32, O_BF16};
+use super::super::x86::prefetch;
 use super::scalar::{self as cs, Q8Block};
 use super::CompactPtrs;
 use crate::params::Consts;
