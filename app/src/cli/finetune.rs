@@ -125,19 +125,32 @@ impl FinetuneProgress for Bar {
     }
 }
 
-/// Makes glibc serve allocations of 1 MiB and more straight from `mmap`, returned to the
-/// OS when freed. The streamed trainer allocates and frees a block's parameters and
-/// graph over and over; with glibc's default (a threshold that rises to 32 MiB after the
-/// first frees) those land in heap arenas that fragment, and the process's resident
-/// memory grows with the model's depth instead of staying at one block's working set.
+/// Sets glibc malloc so that the streamed trainer reuses its heap instead of asking the
+/// OS for fresh pages on every op, while resident memory stays at one block's working set.
+///
+/// The trainer allocates and frees the same sizes block after block (a block's
+/// parameters, activations, gradients; the logits). Served from `mmap` (the earlier
+/// 1 MiB threshold), each of those is zero-filled page by page when first touched and
+/// unmapped when freed: on the 2-layer 0.23B model at sequence 512 that was 8.0 million
+/// page faults and more system time than user time. Here nothing below 512 MiB is
+/// mapped on its own, freed memory is kept for the next block (the heap's top is given
+/// back only past 1 GiB free), and at most two arenas exist, so the rayon workers do not
+/// each grow (and fragment) an arena of their own, which
+/// could make resident memory grow with depth.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn cap_heap_growth() {
-    // SAFETY: `mallopt` only sets one of glibc malloc's tunables (under its own lock); it
-    // has no pointer arguments and is called before the run allocates its buffers.
-    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20) };
-    if set != 1 {
-        tracing::warn!("mallopt(M_MMAP_THRESHOLD) refused; resident memory may grow with depth");
+    let tunables = [
+        ("M_MMAP_THRESHOLD", libc::M_MMAP_THRESHOLD, 512 << 20),
+        ("M_TRIM_THRESHOLD", libc::M_TRIM_THRESHOLD, 1 << 30),
+        ("M_ARENA_MAX", libc::M_ARENA_MAX, 2),
+    ];
+    for (name, param, value) in tunables {
+        // SAFETY: `mallopt` only sets one of glibc malloc's tunables (under its own lock);
+        // it has no pointer arguments and is called before the run allocates its buffers.
+        if unsafe { libc::mallopt(param, value) } != 1 {
+            tracing::warn!("mallopt({name}) refused; the heap may grow or fault more");
+        }
     }
 }
 
