@@ -169,20 +169,7 @@ impl fmt::Display for StoreStats {
             "iterations {} ({} traced, {} divergences)",
             self.iterations, self.traced_iterations, self.divergences
         )?;
-        for (name, u) in [
-            ("device", self.device),
-            ("host", self.host),
-            ("nvme", self.nvme),
-        ] {
-            writeln!(
-                f,
-                "{name:>6}: peak {:>10.1} MiB, in use {:>10.1} MiB of {:>10.1} MiB",
-                mib(u.peak_bytes),
-                mib(u.used_bytes),
-                mib(u.capacity_bytes)
-            )?;
-        }
-        Ok(())
+        tidestore_tiers::write_usage_lines(f, self.device, self.host, self.nvme)
     }
 }
 

@@ -73,6 +73,26 @@ pub fn compress_bound(len_bytes: usize) -> usize {
     zstd::zstd_safe::compress_bound(len_bytes)
 }
 
+/// The part of [`shuffle`] and [`unshuffle`] that is the same both ways: copies the tail
+/// (`src.len() % word_bytes` bytes) unchanged and returns the whole words of `src`, the
+/// matching bytes of `dst` and `n`, the number of words.
+///
+/// # Panics
+/// If `dst` is shorter than `src` or `word_bytes` is 0 (caller bugs, not data errors).
+fn copy_tail<'s, 'd>(
+    src: &'s [u8],
+    dst: &'d mut [u8],
+    word_bytes: usize,
+) -> (&'s [u8], &'d mut [u8], usize) {
+    assert!(word_bytes > 0, "word_bytes must be positive");
+    let dst = &mut dst[..src.len()];
+    let n = src.len() / word_bytes;
+    let body_bytes = n * word_bytes;
+    let (body, tail) = dst.split_at_mut(body_bytes);
+    tail.copy_from_slice(&src[body_bytes..]);
+    (&src[..body_bytes], body, n)
+}
+
 /// Put byte `k` of every `word_bytes`-byte word of `src` together, for `k` in order:
 /// `dst[k * n + i] = src[i * word_bytes + k]` with `n = src.len() / word_bytes`. The tail
 /// (`src.len() % word_bytes` bytes) is copied to the end unchanged.
@@ -80,13 +100,7 @@ pub fn compress_bound(len_bytes: usize) -> usize {
 /// # Panics
 /// If `dst` is shorter than `src` or `word_bytes` is 0 (caller bugs, not data errors).
 pub fn shuffle(src: &[u8], dst: &mut [u8], word_bytes: usize) {
-    assert!(word_bytes > 0, "word_bytes must be positive");
-    let dst = &mut dst[..src.len()];
-    let n = src.len() / word_bytes;
-    let body_bytes = n * word_bytes;
-    let (body, tail) = dst.split_at_mut(body_bytes);
-    tail.copy_from_slice(&src[body_bytes..]);
-    let src = &src[..body_bytes];
+    let (src, body, n) = copy_tail(src, dst, word_bytes);
     match word_bytes {
         1 => body.copy_from_slice(src),
         2 => {
@@ -122,13 +136,7 @@ pub fn shuffle(src: &[u8], dst: &mut [u8], word_bytes: usize) {
 /// # Panics
 /// If `dst` is shorter than `src` or `word_bytes` is 0 (caller bugs, not data errors).
 pub fn unshuffle(src: &[u8], dst: &mut [u8], word_bytes: usize) {
-    assert!(word_bytes > 0, "word_bytes must be positive");
-    let dst = &mut dst[..src.len()];
-    let n = src.len() / word_bytes;
-    let body_bytes = n * word_bytes;
-    let (body, tail) = dst.split_at_mut(body_bytes);
-    tail.copy_from_slice(&src[body_bytes..]);
-    let src = &src[..body_bytes];
+    let (src, body, n) = copy_tail(src, dst, word_bytes);
     match word_bytes {
         1 => body.copy_from_slice(src),
         2 => {

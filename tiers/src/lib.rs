@@ -53,7 +53,7 @@ pub use error::{Result, TierError};
 pub use host::HostTier;
 pub use nvme::{NvmeActivity, NvmeTier, PUMP_INTERVAL};
 pub use slab::{SlabAllocator, SlabStats};
-pub use stats::{LinkStats, NvmeLinkStats, TierUsage};
+pub use stats::{write_usage_lines, LinkStats, NvmeLinkStats, TierUsage};
 pub use tier_stats::TierStats;
 
 #[cfg(test)]

@@ -52,6 +52,27 @@ pub struct TierUsage {
     pub peak_bytes: u64,
 }
 
+/// Writes one line per tier (device, host, NVMe): its peak, bytes in use and capacity in
+/// MiB, as the binary prints them ([`crate::TierStats`] and the chunk store's stats).
+pub fn write_usage_lines(
+    f: &mut std::fmt::Formatter<'_>,
+    device: TierUsage,
+    host: TierUsage,
+    nvme: TierUsage,
+) -> std::fmt::Result {
+    const MIB: f64 = (1u64 << 20) as f64;
+    for (name, u) in [("device", device), ("host", host), ("nvme", nvme)] {
+        writeln!(
+            f,
+            "{name:>6}: peak {:>10.1} MiB, in use {:>10.1} MiB of {:>10.1} MiB",
+            u.peak_bytes as f64 / MIB,
+            u.used_bytes as f64 / MIB,
+            u.capacity_bytes as f64 / MIB
+        )?;
+    }
+    Ok(())
+}
+
 impl From<Budget> for TierUsage {
     fn from(b: Budget) -> Self {
         TierUsage {

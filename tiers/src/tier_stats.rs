@@ -6,7 +6,7 @@
 use crate::device::Device;
 use crate::host::HostTier;
 use crate::nvme::NvmeTier;
-use crate::stats::{LinkStats, NvmeLinkStats, TierUsage};
+use crate::stats::{write_usage_lines, LinkStats, NvmeLinkStats, TierUsage};
 
 /// Everything the tiers count, in one plain struct.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -34,19 +34,7 @@ impl TierStats {
 impl std::fmt::Display for TierStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         const MIB: f64 = (1u64 << 20) as f64;
-        for (name, u) in [
-            ("device", self.device),
-            ("host", self.host),
-            ("nvme", self.nvme),
-        ] {
-            writeln!(
-                f,
-                "{name:>6}: peak {:>10.1} MiB, in use {:>10.1} MiB of {:>10.1} MiB",
-                u.peak_bytes as f64 / MIB,
-                u.used_bytes as f64 / MIB,
-                u.capacity_bytes as f64 / MIB
-            )?;
-        }
+        write_usage_lines(f, self.device, self.host, self.nvme)?;
         let d = &self.device_link;
         writeln!(
             f,

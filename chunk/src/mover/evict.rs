@@ -39,6 +39,16 @@ pub(super) struct HostRoom<'a> {
 }
 
 impl Mover {
+    /// The error for `chunk` finding no host buffer: the host tier is full.
+    fn host_full(&self, chunk: ChunkId) -> ChunkError {
+        ChunkError::TierFull {
+            tier: TierKind::Host,
+            chunk,
+            needed_bytes: self.host_bytes[chunk.dense()],
+            capacity_bytes: self.host.budget().capacity_bytes(),
+        }
+    }
+
     /// A free host buffer for `chunk`, evicting host copies (to NVMe where they are the
     /// only current copy) as needed.
     pub(super) fn take_host_buffer(
@@ -59,12 +69,7 @@ impl Mover {
                 if room.ahead.is_none() && self.wait_for_demand(cause)? {
                     continue;
                 }
-                return Err(ChunkError::TierFull {
-                    tier: TierKind::Host,
-                    chunk,
-                    needed_bytes: self.host_bytes[d],
-                    capacity_bytes: self.host.budget().capacity_bytes(),
-                });
+                return Err(self.host_full(chunk));
             }
             let candidates: Vec<ChunkId> = self
                 .host_list
@@ -84,12 +89,7 @@ impl Mover {
                 if room.ahead.is_none() && self.wait_any(cause)? {
                     continue;
                 }
-                return Err(ChunkError::TierFull {
-                    tier: TierKind::Host,
-                    chunk,
-                    needed_bytes: self.host_bytes[d],
-                    capacity_bytes: self.host.budget().capacity_bytes(),
-                });
+                return Err(self.host_full(chunk));
             }
             let Some(victim) = self.host_policy.choose(&candidates, cause.moment) else {
                 return Err(ChunkError::NoVictim {
