@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tidestore_train::aio::{EngineChoice, IoConfig, Op};
-use tidestore_train::HyperParams;
+use tidestore_train::{DType, HyperParams};
 
 use crate::adamw::{parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};
@@ -45,6 +45,23 @@ impl PyAdamWCore {
             Ok(c) => c,
             Err(p) => p.into_inner(),
         }
+    }
+
+    /// Runs `f` over the read-only uint8 buffer `buf` of `dtype` elements (named `what`
+    /// in errors) with the GIL released: how every method that takes values reads them.
+    fn with_input<R: Send>(
+        &mut self,
+        py: Python<'_>,
+        what: &str,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        f: impl FnOnce(&mut AdamWCore, &[u8], DType) -> Result<R, Error> + Send,
+    ) -> PyResult<R> {
+        let dtype = parse_dtype("dtype", dtype)?;
+        let bytes = Bytes::new(buf, what, false)?;
+        let src = bytes.as_slice();
+        let core = self.core();
+        Ok(py.allow_threads(|| f(core, src, dtype))?)
     }
 }
 
@@ -111,11 +128,9 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<()> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, &adamw::param_name(i), false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| core.set_param(i, src, dtype))?)
+        self.with_input(py, &adamw::param_name(i), buf, dtype, |c, src, d| {
+            c.set_param(i, src, d)
+        })
     }
 
     /// Replaces parameter `i`'s master with its values when they differ from the master
@@ -127,11 +142,9 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<bool> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, &adamw::param_name(i), false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| core.sync_param(i, src, dtype))?)
+        self.with_input(py, &adamw::param_name(i), buf, dtype, |c, src, d| {
+            c.sync_param(i, src, d)
+        })
     }
 
     /// Writes parameter `i`'s master, rounded to `dtype`, into `out` (a writable uint8
@@ -158,11 +171,13 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<()> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, &format!("{}.grad", adamw::param_name(i)), false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| core.put_grad(i, src, dtype))?)
+        self.with_input(
+            py,
+            &format!("{}.grad", adamw::param_name(i)),
+            buf,
+            dtype,
+            |c, src, d| c.put_grad(i, src, d),
+        )
     }
 
     /// Gradients given since the last step.
