@@ -134,6 +134,10 @@ fn a_chat_lora_run_trains_on_assistant_tokens_and_its_two_exports_agree() {
         .map(|e| e["assistant_tokens"].as_u64().unwrap())
         .sum();
     let data = &report["data"];
+    eprintln!(
+        "loss tokens: tidestore {}, transformers' assistant masks {assistant}",
+        data["loss_tokens"]
+    );
     assert_eq!(data["loss_tokens"].as_u64(), Some(assistant), "{data}");
     assert_eq!(data["records"], 4);
     assert_eq!(data["samples"], 3);
@@ -177,6 +181,11 @@ fn a_chat_lora_run_trains_on_assistant_tokens_and_its_two_exports_agree() {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max)
     };
+    eprintln!(
+        "logits: adapter vs merged max |diff| {}, adapter vs base {}",
+        diff(&via_adapter, &via_merged),
+        diff(&via_adapter, &base)
+    );
     assert!(
         diff(&via_adapter, &via_merged) <= 1e-5,
         "{}",
@@ -227,6 +236,7 @@ fn a_sharded_export_round_trips_byte_identical() {
     assert!(names.len() > 3, "several shards: {names:?}");
     assert!(names.iter().any(|n| n == hf::INDEX_FILE));
     assert_eq!(names, files("two"));
+    eprintln!("sharded export: {} files, compared byte for byte", names.len());
     for n in names {
         let (a, b) = (d.path().join("one").join(&n), d.path().join("two").join(&n));
         assert!(
