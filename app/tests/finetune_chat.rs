@@ -9,7 +9,7 @@
 //! file and line.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use candle_core::{Device, Tensor};
 use tidestore::train::hf;
@@ -17,29 +17,10 @@ use tidestore_candle::{InMemory, Llama, LlamaLora};
 
 mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
+use common::{ok, run};
 
 fn chat_fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../train/tests/fixtures/chat")
-}
-
-fn run(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .current_dir(dir)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run the binary")
-}
-
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let out = run(dir, args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 const STORE: &str = "[device]\nkind = \"sim\"\nbudget = \"16MiB\"\n[host]\nbudget = \"16MiB\"\n\
@@ -236,7 +217,10 @@ fn a_sharded_export_round_trips_byte_identical() {
     assert!(names.len() > 3, "several shards: {names:?}");
     assert!(names.iter().any(|n| n == hf::INDEX_FILE));
     assert_eq!(names, files("two"));
-    eprintln!("sharded export: {} files, compared byte for byte", names.len());
+    eprintln!(
+        "sharded export: {} files, compared byte for byte",
+        names.len()
+    );
     for n in names {
         let (a, b) = (d.path().join("one").join(&n), d.path().join("two").join(&n));
         assert!(

@@ -8,34 +8,16 @@
 //! configuration.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_tidestore");
+use common::{ok, run};
+
 const TEXT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../examples/data/genesis-kjv.txt"
 );
-
-fn run(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .current_dir(dir)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run the binary")
-}
-
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let out = run(dir, args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
 
 fn config(extra: &str) -> String {
     format!(

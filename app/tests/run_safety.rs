@@ -21,34 +21,15 @@ use std::process::{Command, Output, Stdio};
 
 mod common;
 
+use common::{bin, ok, run};
+
 const TEXT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../examples/data/genesis-kjv.txt"
 );
 
-fn bin() -> PathBuf {
-    std::env::var_os("TIDESTORE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tidestore")))
-}
-
-fn run(dir: &Path, args: &[&str]) -> Output {
-    Command::new(bin())
-        .current_dir(dir)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run the binary")
-}
-
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let out = run(dir, args);
-    assert!(out.status.success(), "{args:?}: {}", stderr(&out));
-    String::from_utf8(out.stdout).expect("utf-8")
 }
 
 fn config(extra: &str) -> String {
