@@ -292,6 +292,11 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
         DeviceKindName::Cuda => Error::config("device.kind", format!("no CUDA device: {e}")),
         _ => Error::Tier(e),
     })?;
+    // On a GPU, the card's memory (the simulated device's is the one given above).
+    let device_memory_bytes = match device.kind() {
+        tidestore_tiers::DeviceKind::Cuda => device.mem_info()?.total_bytes,
+        tidestore_tiers::DeviceKind::Sim => device_memory_bytes,
+    };
     let dir = cfg.nvme_dir()?.to_path_buf();
     let io = cfg.io_config()?;
     // The bench's swap file is scratch: one of another shape (an earlier run, another

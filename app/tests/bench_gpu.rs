@@ -64,17 +64,22 @@ mod on_gpu {
     }
 
     const SMALL: &str = "[io]\nblock_size = 4096\nqueue_depth = 8\n\
-[device]\nkind = \"{kind}\"\nbudget = \"512KiB\"\nsim_memory = \"8MiB\"\n\
+[device]\nkind = \"{kind}\"\nbudget = \"{budget}\"\nsim_memory = \"8MiB\"\n\
 [host]\nbudget = \"2MiB\"\n\
 [nvme]\ndir = \"swap\"\nsize = \"16MiB\"\n\
 [optimizer]\ndevice = \"{device}\"\n\
 [workload]\nmodel = \"custom\"\narch = \"gpt2\"\nlayers = 4\nhidden = 64\nheads = 4\n\
 intermediate = 256\nvocab = 512\nsequence = 64\niterations = 3\n";
 
-    fn run(kind: &str, device: &str) -> tidestore_app::Result<BenchReport> {
+    /// The bench on `kind` with `optimizer.device = device` and `device.budget = budget`
+    /// (on a GPU the chunk slab: the step's four chunks of a tensor must fit it).
+    fn run(kind: &str, device: &str, budget: &str) -> tidestore_app::Result<BenchReport> {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("tidestore.toml");
-        let body = SMALL.replace("{kind}", kind).replace("{device}", device);
+        let body = SMALL
+            .replace("{kind}", kind)
+            .replace("{device}", device)
+            .replace("{budget}", budget);
         std::fs::write(&path, body).expect("write config");
         let cfg = Config::load(&path).expect("config loads");
         bench::run(&cfg, &mut NoProgress)
@@ -86,9 +91,11 @@ intermediate = 256\nvocab = 512\nsequence = 64\niterations = 3\n";
             println!("skipped: {why}");
             return;
         }
-        let reference = run("sim", "cpu").expect("sim + cpu bench");
-        for device in ["gpu", "auto"] {
-            let r = run("cuda", device).expect("cuda bench");
+        let reference = run("sim", "cpu", "512KiB").expect("sim + cpu bench");
+        // "gpu" with a slab that holds one tensor's four chunks (evicting the rest),
+        // "auto" with one that holds all the trainable state.
+        for (device, budget) in [("gpu", "2MiB"), ("auto", "8MiB")] {
+            let r = run("cuda", device, budget).expect("cuda bench");
             assert_eq!(r.budgets.device_kind, "cuda");
             assert_eq!(
                 r.optimizer.placement, "gpu",
@@ -107,7 +114,7 @@ intermediate = 256\nvocab = 512\nsequence = 64\niterations = 3\n";
             );
         }
         // The host step on the GPU device: forward/backward through the kernels only.
-        let r = run("cuda", "cpu").expect("cuda + cpu bench");
+        let r = run("cuda", "cpu", "512KiB").expect("cuda + cpu bench");
         assert_eq!(r.optimizer.placement, "cpu");
         assert_eq!(r.checksum, reference.checksum, "cpu step: checksum");
     }

@@ -119,6 +119,38 @@ fn tidal_budget_follows_traced_non_model_memory_and_opens_for_the_step() {
     assert_eq!(s.stats().divergences, 0);
 }
 
+/// On a GPU the slab holds the chunks and everything else (the context, activations)
+/// lives beside it: non-model memory is subtracted from the device's total, never from
+/// the slab. (Subtracting it from the slab gave a CUDA context larger than the budget a
+/// device budget of zero.)
+#[test]
+fn non_model_memory_beside_the_slab_leaves_the_budget_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = layout(2048, &[(2048, false); 8], DType::F16);
+    let cfg = config(8 * CHUNK, 10 * CHUNK, nvme_dir(&dir, 4 * CHUNK));
+    let mut dev = tidestore_tiers::DeviceConfig::new(8 * CHUNK);
+    dev.sim_total_bytes = Some(64 * CHUNK);
+    dev.slab_bytes = Some(16 * CHUNK);
+    let device = tidestore_tiers::Device::sim(&dev).unwrap();
+    let mut s = ChunkStore::open(layout, cfg, device).unwrap();
+    // 40 chunks' worth beside a 16-chunk slab on a 64-chunk device: the budget holds.
+    s.report_non_model_bytes(40 * CHUNK);
+    for t in 0..8 {
+        touch(&mut s, t).unwrap();
+        assert_eq!(s.device_budget_bytes(), 8 * CHUNK);
+    }
+    // 60 chunks' worth leaves the chunks 4: the tide follows the device, not the slab.
+    s.report_non_model_bytes(60 * CHUNK);
+    touch(&mut s, 0).unwrap();
+    assert_eq!(s.device_budget_bytes(), 4 * CHUNK);
+    // The step may use the whole slab, never more.
+    s.report_non_model_bytes(0);
+    s.end_iteration().unwrap();
+    s.begin_optimizer_step().unwrap();
+    assert_eq!(s.device_budget_bytes(), 16 * CHUNK);
+    s.end_optimizer_step().unwrap();
+}
+
 #[test]
 fn traced_working_set_above_the_tide_is_reported() {
     let dir = tempfile::tempdir().unwrap();

@@ -283,7 +283,7 @@ impl Device {
     }
 
     /// Bytes of the chunk slab: the most the chunk budget can ever be. A store sizes its
-    /// budgets by `min(total memory, slab)`.
+    /// budgets by the slab and the tide by the whole device (see `ChunkStore::open`).
     pub fn slab_bytes(&self) -> u64 {
         self.core().slab.stats().slab_bytes
     }

@@ -30,33 +30,38 @@ const STEP_LISTS: [ListKind; 4] = [
 
 /// The device budget for chunks during the optimizer step, as the store sets it then:
 /// the device's memory less what is not chunks (measured on a GPU; on the simulated
-/// device the bench reports none during the step) less `device.tidal_margin`.
+/// device the bench reports none during the step) less `device.tidal_margin`, and never
+/// more than the chunk slab (on a GPU, `device.budget`; on the simulated device, its
+/// whole memory).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StepBudget {
     bytes: u64,
     total_bytes: u64,
     non_model_bytes: u64,
     margin_bytes: u64,
+    slab_bytes: u64,
 }
 
 impl StepBudget {
-    fn new(cfg: &Config, total_bytes: u64, non_model_bytes: u64) -> Self {
+    fn new(cfg: &Config, total_bytes: u64, non_model_bytes: u64, slab_bytes: u64) -> Self {
         let margin_bytes = cfg.device.tidal_margin.bytes();
         StepBudget {
             bytes: total_bytes
                 .saturating_sub(non_model_bytes)
-                .saturating_sub(margin_bytes),
+                .saturating_sub(margin_bytes)
+                .min(slab_bytes),
             total_bytes,
             non_model_bytes,
             margin_bytes,
+            slab_bytes,
         }
     }
 
     /// The simulated device's, known before it is made (the memory `session::open`
-    /// gives it).
+    /// gives it, all of it the slab).
     pub(super) fn simulated(cfg: &Config, prepared: &session::Prepared) -> Self {
         let total = prepared.device_memory_bytes.max(cfg.device.budget.bytes());
-        StepBudget::new(cfg, total, 0)
+        StepBudget::new(cfg, total, 0, total)
     }
 
     /// The opened device's (on a GPU, less the memory in use by others now).
@@ -68,7 +73,25 @@ impl StepBudget {
         } else {
             0
         };
-        Ok(StepBudget::new(cfg, total, non_model))
+        Ok(StepBudget::new(cfg, total, non_model, device.slab_bytes()))
+    }
+
+    /// How the budget is made, for messages.
+    fn describe(&self) -> String {
+        let free = format!(
+            "{} of device memory less {} in use by others less {} tidal_margin",
+            human(self.total_bytes),
+            human(self.non_model_bytes),
+            human(self.margin_bytes)
+        );
+        if self.slab_bytes < self.total_bytes {
+            format!(
+                "the chunk slab (device.budget, {}) within {free}",
+                human(self.slab_bytes)
+            )
+        } else {
+            free
+        }
     }
 }
 
@@ -152,9 +175,8 @@ pub(super) fn choose_placement(
                     format!(
                         "\"gpu\" steps each trainable tensor with its four chunks on the \
                          device at once: tensor `{}` needs {} (param16 {}, master {}, m {}, \
-                         v {}), but the device budget during the step is {} ({} of device \
-                         memory less {} in use by others less {} tidal_margin), {} short; \
-                         use \"cpu\" or \"auto\", or more device memory{}",
+                         v {}), but the device budget during the step is {} ({}), {} \
+                         short; use \"cpu\" or \"auto\", or more device memory{}",
                         needs.largest_tensor,
                         human(needs.largest_bytes),
                         human(p16),
@@ -162,9 +184,7 @@ pub(super) fn choose_placement(
                         human(m),
                         human(v),
                         human(budget.bytes),
-                        human(budget.total_bytes),
-                        human(budget.non_model_bytes),
-                        human(budget.margin_bytes),
+                        budget.describe(),
                         human(needs.largest_bytes - budget.bytes),
                         if on_gpu { "" } else { " (device.sim_memory)" }
                     ),
@@ -231,4 +251,40 @@ pub fn cpu_optimizer(cfg: &Config) -> Result<AdamW> {
         threads: cfg.optimizer.threads as usize,
         ..CpuConfig::default()
     })?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a GPU the slab is `device.budget`: the step's budget is bounded by it, not by
+    /// the card's free memory (an 80 GB card with a 128 MiB slab placed a 176 MB step on
+    /// the device, which then failed mid-step).
+    #[test]
+    fn the_step_budget_never_exceeds_the_slab() {
+        let cfg = Config::from_toml_str("[device]\nbudget = \"128MiB\"\n[nvme]\ndir = \"swap\"\n")
+            .unwrap();
+        let gib = 1u64 << 30;
+        let slab = 128 << 20;
+        let b = StepBudget::new(&cfg, 80 * gib, gib / 2, slab);
+        assert_eq!(b.bytes, slab);
+        assert!(b
+            .describe()
+            .contains("chunk slab (device.budget, 128.00 MiB)"));
+        let needs = StepNeeds {
+            largest_bytes: 176 << 20,
+            largest_tensor: "embed_tokens".into(),
+            largest_chunks: [32 << 20, 48 << 20, 48 << 20, 48 << 20],
+            all_bytes: 2 * gib,
+        };
+        let auto = choose_placement(&cfg, true, b, &needs, Ok(())).unwrap();
+        assert!(!auto.on_device, "{}", auto.reason);
+        let mut gpu = cfg.clone();
+        gpu.optimizer.device = OptimizerDevice::Gpu;
+        let e = choose_placement(&gpu, true, b, &needs, Ok(())).unwrap_err();
+        assert!(e.to_string().contains("embed_tokens"), "{e}");
+        // Where the slab is the whole device (the simulation), free memory bounds it.
+        let b = StepBudget::new(&cfg, 8 << 20, 1 << 20, 8 << 20);
+        assert_eq!(b.bytes, 7 << 20);
+    }
 }

@@ -147,7 +147,16 @@ pub struct ChunkStore {
     /// release, or the next moment for untraced reads and writes.
     moment: u64,
     non_model_reported_bytes: u64,
-    device_total_bytes: u64,
+    device_bytes: DeviceBytes,
+}
+
+/// The device's memory as the tide sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DeviceBytes {
+    /// The whole device (the driver's total), which non-model memory shares with chunks.
+    pub(super) total: u64,
+    /// The slab chunks live in (at most `total`): no budget for chunks exceeds it.
+    pub(super) slab: u64,
 }
 
 impl std::fmt::Debug for ChunkStore {

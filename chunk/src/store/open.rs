@@ -20,19 +20,21 @@ use crate::policy::{PolicyKind, PrefetchPlanner};
 use crate::tracer::{Follower, Horizon, Schedule, Tracer};
 use crate::Result;
 
-use super::{ChunkStore, Counts, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
+use super::{ChunkStore, Counts, DeviceBytes, ListStates, Mode, Phase, Settings, NEXT_STORE_ID};
 
 impl ChunkStore {
     /// Opens a store for `layout` on `device` (see the module doc). Impossible budgets
     /// are refused here, before the host pool or the swap file is allocated, with the
     /// bytes needed and available.
     pub fn open(layout: Layout, config: StoreConfig, device: Device) -> Result<Self> {
-        // Chunks live in the device's slab: it bounds every device budget.
+        // Chunks live in the device's slab: it bounds every device budget. Non-model
+        // memory (the context, activations, other processes) is measured over the whole
+        // device, beside the slab, so the tide subtracts it from the device's total.
         let device_total_bytes = device
             .mem_info()
             .map_err(|e| ChunkError::tier("reading the device's memory", None, e))?
-            .total_bytes
-            .min(device.slab_bytes());
+            .total_bytes;
+        let device_slab_bytes = device.slab_bytes().min(device_total_bytes);
         let len_bytes = layout.dense_chunk_bytes();
         let max_chunk = len_bytes.iter().copied().max().unwrap_or(0);
         if max_chunk == 0 {
@@ -63,7 +65,7 @@ impl ChunkStore {
             host_budget_bytes,
             working_set_chunks,
             nvme_slots,
-            device_total_bytes,
+            device_slab_bytes,
         )?;
         if prefetch_lookahead_bytes_max == 0 {
             return Err(ChunkError::Config {
@@ -90,7 +92,11 @@ impl ChunkStore {
             window: tidal_window,
             slack_bytes: non_model_slack_bytes,
         };
-        let mut mover = build_mover(device, host, nvme, len_bytes, &settings, device_total_bytes)?;
+        let device_bytes = DeviceBytes {
+            total: device_total_bytes,
+            slab: device_slab_bytes,
+        };
+        let mut mover = build_mover(device, host, nvme, len_bytes, &settings, device_bytes)?;
         mover.set_async_writes(async_write_back);
         for c in &adopted {
             mover.adopt_nvme(*c);
@@ -102,7 +108,7 @@ impl ChunkStore {
             settings,
             mover,
             prefetch_lookahead_bytes_max,
-            device_total_bytes,
+            device_bytes,
         ))
     }
 
@@ -113,7 +119,7 @@ impl ChunkStore {
         settings: Settings,
         mover: Mover,
         lookahead_bytes_max: u64,
-        device_total_bytes: u64,
+        device_bytes: DeviceBytes,
     ) -> ChunkStore {
         let lists = ListStates::for_layout(&layout);
         ChunkStore {
@@ -139,7 +145,7 @@ impl ChunkStore {
             counts: Counts::default(),
             moment: 0,
             non_model_reported_bytes: 0,
-            device_total_bytes,
+            device_bytes,
         }
     }
 }
@@ -206,15 +212,16 @@ fn build_mover(
     mut nvme: NvmeTier,
     len_bytes: Vec<u64>,
     settings: &Settings,
-    device_total_bytes: u64,
+    device_bytes: DeviceBytes,
 ) -> Result<Mover> {
     let policy = settings.policy;
     let use_main = policy != PolicyKind::Lifetime;
     let dev_policy = Policies::new(policy.build(empty_schedule(), Horizon::Cyclic), use_main);
     let host_policy = Policies::new(policy.build(empty_schedule(), Horizon::Cyclic), use_main);
     let non_model = device.non_model_bytes().unwrap_or(0);
-    let cap = settings.device_budget_bytes.min(
-        device_total_bytes
+    let cap = settings.device_budget_bytes.min(device_bytes.slab).min(
+        device_bytes
+            .total
             .saturating_sub(non_model)
             .saturating_sub(settings.margin_bytes),
     );

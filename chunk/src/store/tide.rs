@@ -12,7 +12,7 @@ use crate::accounting::MoveReason;
 use crate::tracer::Schedule;
 use crate::Result;
 
-use super::{ChunkStore, Mode};
+use super::{ChunkStore, DeviceBytes, Mode};
 
 /// Which device budget applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,17 +82,18 @@ impl ChunkStore {
         non_model: u64,
     ) -> u64 {
         let st = &self.settings;
-        let total = self.device_total_bytes;
+        let DeviceBytes { total, slab } = self.device_bytes;
         let now = total
             .saturating_sub(non_model)
             .saturating_sub(st.margin_bytes);
-        match phase {
+        let cap = match phase {
             Phase::ForwardBackward => st.device_budget_bytes.min(match s {
                 Some(s) => s.tidal_budget_bytes(total, moment, st.window, st.margin_bytes),
                 None => now,
             }),
             Phase::OptimizerStep => st.step_device_budget_bytes.unwrap_or(total).min(now),
-        }
+        };
+        cap.min(slab)
     }
 
     pub(super) fn update_tide(&mut self, moment: u64) -> Result<()> {
