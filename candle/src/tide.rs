@@ -80,6 +80,18 @@ impl TideParams {
         })
     }
 
+    /// Makes the candle tensors handed out from now on on `device` (where the blocks
+    /// compute: the CPU, or candle's CUDA device on the GPU the store's device tier is
+    /// on).
+    pub fn set_compute_device(&mut self, device: &Device) {
+        self.device = device.clone();
+    }
+
+    /// The device the candle tensors handed out are made on.
+    pub fn compute_device(&self) -> &Device {
+        &self.device
+    }
+
     /// Writes parameter `name`'s values (untraced; see [`TideParams::open_specs`]).
     pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
         let i = self.trainer.index(name)?;

@@ -229,10 +229,11 @@ fn compare(curves: &[LossCurve]) {
 fn print(r: &FinetuneReport) {
     out!("tidestore finetune: {}", r.model);
     out!(
-        "{} params, {} trained; text of {} tokens{}",
+        "{} params, {} trained; text of {} tokens; blocks compute on {}{}",
         r.params,
         r.params_trainable,
         r.text_tokens,
+        r.compute,
         r.resumed_from
             .map_or(String::new(), |s| format!("; resumed from step {s}"))
     );

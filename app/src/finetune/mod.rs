@@ -23,6 +23,7 @@
 //! ([`crate::scratch`]); the temporaries of checkpoints and exports too.
 
 mod checks;
+mod compute;
 mod data;
 mod identity;
 mod jsonl;
@@ -88,6 +89,8 @@ pub struct FinetuneReport {
     pub model: String,
     /// How Adam's moments were stored (`optimizer.states`: fp32, bf16 or int8).
     pub states: String,
+    /// Where the blocks computed: `cpu`, or `cuda` (candle's CUDA backend).
+    pub compute: String,
     /// Parameters.
     pub params: u64,
     /// Trained parameters.
@@ -131,6 +134,7 @@ impl FinetuneReport {
             schema: SCHEMA.into(),
             model: loaded.describe(),
             states: cfg.optimizer.states.moments().to_string(),
+            compute: "cpu".into(),
             params: loaded.params(),
             params_trainable: loaded.params_trainable(),
             text_tokens: samples.len() as u64,
@@ -249,11 +253,14 @@ pub fn run(
         .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
     checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
     checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
+    let compute = compute::compute_device(params.trainer().store().device().kind())?;
+    params.set_compute_device(&compute);
     let model_fingerprint = model::import(t, &loaded, &mut params)?;
     let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint());
     let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
+    report.compute = compute::name(&compute).into();
     progress.begin(first, t.steps);
     for step in first..=t.steps {
         let record = one_step(cfg, &loaded, &samples, &mut params, step)?;
@@ -383,8 +390,9 @@ fn one_step(
     params.set_lr(lr as f32)?;
     let mut loss_tokens = 0;
     let mut batches = Vec::with_capacity(t.accumulation as usize);
+    let device = params.compute_device().clone();
     for k in 0..u64::from(t.accumulation) {
-        let (batch, n) = samples.batch(u64::from(step), k, &Device::Cpu)?;
+        let (batch, n) = samples.batch(u64::from(step), k, &device)?;
         loss_tokens += n;
         batches.push(batch);
     }

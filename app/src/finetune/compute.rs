@@ -1,0 +1,61 @@
+//! Where the blocks compute: candle's CUDA device on the GPU the store's device tier is
+//! on (a `gpu` build, `device.kind` `cuda` or `auto`, a GPU found), else the CPU.
+//!
+//! Parameters reach candle through host memory today: the trainer fetches a tensor's
+//! values into a `Vec<f32>` and candle uploads it; gradients come back the same way.
+//! The blocks' arithmetic runs on the GPU; the copies through the host are counted in
+//! the store time of each step.
+
+use candle_core::Device;
+use tidestore_tiers::DeviceKind;
+
+use crate::error::Result;
+
+/// The compute device for a store whose device tier is `store_device`.
+pub(super) fn compute_device(store_device: DeviceKind) -> Result<Device> {
+    match store_device {
+        DeviceKind::Sim => Ok(Device::Cpu),
+        DeviceKind::Cuda => cuda(),
+    }
+}
+
+#[cfg(feature = "gpu")]
+fn cuda() -> Result<Device> {
+    // The store's device tier opened the GPU, so libcuda is there (cudarc panics
+    // without it; the tier checked `is_culib_present` first).
+    match Device::new_cuda(tidestore::session::DEVICE_ORDINAL) {
+        Ok(d) => {
+            tracing::info!(
+                ordinal = tidestore::session::DEVICE_ORDINAL,
+                "finetune: blocks compute on the GPU (candle's CUDA backend)"
+            );
+            Ok(d)
+        }
+        Err(e) => Err(crate::error::Error::config(
+            "device.kind",
+            format!(
+                "the store's device tier is on GPU {}, but candle's CUDA backend cannot \
+                 open it: {e}",
+                tidestore::session::DEVICE_ORDINAL
+            ),
+        )),
+    }
+}
+
+#[cfg(not(feature = "gpu"))]
+fn cuda() -> Result<Device> {
+    tracing::warn!(
+        "finetune: the store's device tier is a GPU, but this build has no candle CUDA \
+         backend (build with --features gpu): blocks compute on the CPU"
+    );
+    Ok(Device::Cpu)
+}
+
+/// The device in a word, for the report.
+pub(super) fn name(device: &Device) -> &'static str {
+    match device {
+        Device::Cpu => "cpu",
+        Device::Cuda(_) => "cuda",
+        Device::Metal(_) => "metal",
+    }
+}
