@@ -8,7 +8,7 @@
 //! cargo run --release --example finetune -- --steps 300 --resume    # continue from the checkpoint
 //! cargo run --release --example finetune -- --lora 8 --base target/finetune/ckpt.safetensors
 //! cargo run --release --example finetune -- --steps 300 --states fp32,bf16,int8 --plot states.svg
-//! cargo run --release --example finetune --features tidestore-candle/candle-cuda -- ...   # GPU (needs nvcc)
+//! cargo run --release --example finetune --features gpu -- ...   # GPU (README: "GPU build")
 //! ```
 //!
 //! `--optimizer candle` trains the same model, same data and hyper-parameters with

@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg,
 };
 use tidestore_optimizer::gpu::nvrtc as kernels_nvrtc;
@@ -54,10 +54,18 @@ fn cuda_err(op: &str, e: impl std::fmt::Display) -> Error {
 // FFI, one call per function.
 
 /// Whether libcuda can be loaded.
+#[cfg(not(feature = "gpu"))]
 pub fn cuda_available() -> bool {
     // SAFETY: only tries to `dlopen` the driver library under its known names; its
     // initialisers run as in any CUDA program; no memory of ours is touched.
-    unsafe { sys::is_culib_present() }
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether libcuda is loaded: with `gpu` cudarc links it, so a process that runs has it
+/// (the dynamic loader would not have started the binary without libcuda.so.1).
+#[cfg(feature = "gpu")]
+pub fn cuda_available() -> bool {
+    true
 }
 
 /// Whether libnvrtc can be loaded (the kernels can be compiled, GPU or not).

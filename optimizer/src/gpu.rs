@@ -30,7 +30,7 @@ pub use nvrtc::{cubin_sm, nvrtc_available, nvrtc_version, nvrtc_version_text, Ke
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig,
     PushKernelArg,
 };
 
@@ -89,10 +89,18 @@ impl From<&Consts> for AdamConstsRepr {
 // FFI, one call per function.
 
 /// Whether libcuda can be loaded.
+#[cfg(not(feature = "cuda-linked"))]
 fn culib_present() -> bool {
     // SAFETY: only tries to `dlopen` the driver library under its known names; its
     // initialisers run as in any CUDA program; no memory of ours is touched.
-    unsafe { sys::is_culib_present() }
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether libcuda is loaded: with `cuda-linked` cudarc links it, so a process that runs
+/// has it (the dynamic loader would not have started the binary without libcuda.so.1).
+#[cfg(feature = "cuda-linked")]
+fn culib_present() -> bool {
+    true
 }
 
 /// Queue one launch of `func` over `n` elements on `stream`.

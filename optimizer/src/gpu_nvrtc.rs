@@ -29,10 +29,18 @@ pub const BASE_OPTIONS: [&str; 4] = [
 ];
 
 /// Whether libnvrtc can be loaded (the kernels can be compiled, GPU or not).
+#[cfg(not(feature = "cuda-linked"))]
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to `dlopen` libnvrtc under its known names; its initialisers run
     // as in any CUDA program; no memory of ours is touched.
     unsafe { sys::is_culib_present() }
+}
+
+/// Whether libnvrtc is loaded: with `cuda-linked` cudarc links it, so a process that runs
+/// has it (the dynamic loader would not have started the binary without libnvrtc.so).
+#[cfg(feature = "cuda-linked")]
+pub fn nvrtc_available() -> bool {
+    true
 }
 
 fn nvrtc_err(op: &'static str, reason: impl std::fmt::Display) -> OptimError {

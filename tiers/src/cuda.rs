@@ -52,11 +52,19 @@ pub const ALLOC_GRANULARITY_BYTES: u64 = 2 << 20;
 // FFI, one call per function.
 
 /// Whether libcuda can be loaded.
+#[cfg(not(feature = "cuda-linked"))]
 fn culib_present() -> bool {
     // SAFETY: this only tries to `dlopen` the CUDA driver library under its known names;
     // loading it runs the library's initialisers, which is what every CUDA program does,
     // and it touches no memory of ours.
     unsafe { sys::is_culib_present() }
+}
+
+/// Whether libcuda is loaded: with `cuda-linked` cudarc links it, so a process that runs
+/// has it (the dynamic loader would not have started the binary without libcuda.so.1).
+#[cfg(feature = "cuda-linked")]
+fn culib_present() -> bool {
+    true
 }
 
 /// Allocate `bytes` of device memory in the current context.
