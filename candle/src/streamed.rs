@@ -67,7 +67,11 @@ impl Blocks for Llama {
             backward: false,
             handed: Vec::new(),
         };
-        Ok(self.block(block, &mut src, input)?.detach())
+        let y = self.block(block, &mut src, input)?.detach();
+        // A GPU runs the block asynchronously: wait here, so that its time counts as
+        // compute and not as the store's (whose next copy would wait for it).
+        y.device().synchronize()?;
+        Ok(y)
     }
 
     fn backward(
@@ -112,6 +116,7 @@ impl Blocks for Llama {
             })
             .collect::<Result<Vec<_>>>()?;
         let input = input_var.and_then(|v| grads.get(v.as_tensor()).map(Tensor::detach));
+        objective.device().synchronize()?;
         Ok(BlockGrads {
             input,
             params,
