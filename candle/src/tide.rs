@@ -144,14 +144,26 @@ impl TideParams {
     /// variable.
     pub fn fetch(&mut self, name: &str, as_var: bool, to: TensorState) -> Result<(Tensor, bool)> {
         let i = self.trainer.index(name)?;
-        let values = self.trainer.fetch(i, to)?;
         let spec = self.trainer.spec(i)?;
         let var = as_var && spec.trainable;
-        // `from_vec` takes the vector over: no copy on the CPU, one upload on a GPU.
-        let t = if var {
-            Var::from_vec(values, spec.shape.as_slice(), &self.device)?.into_inner()
+        let shape = spec.shape.clone();
+        let t = if self.device.is_cpu() {
+            // `from_vec` takes the vector over: no copy.
+            let values = self.trainer.fetch(i, to)?;
+            Tensor::from_vec(values, shape.as_slice(), &self.device)?
         } else {
-            Tensor::from_vec(values, spec.shape.as_slice(), &self.device)?
+            // The stored elements go up as they are (bf16: half of f32's bytes) and
+            // become f32 on the device.
+            let device = &self.device;
+            let up = self.trainer.fetch_with(i, to, |bytes, dtype| {
+                upload(bytes, dtype, shape.as_slice(), device)
+            })??;
+            up.to_dtype(candle_core::DType::F32)?
+        };
+        let t = if var {
+            Var::from_tensor(&t)?.into_inner()
+        } else {
+            t
         };
         Ok((t, var))
     }
@@ -257,5 +269,85 @@ impl ParamSource for TideParams {
         let (t, _) = self.fetch(name, true, TensorState::HoldAfterFwd)?;
         self.live[i] = Some(t.clone());
         Ok(t)
+    }
+}
+
+/// `bytes` (little-endian elements of `dtype`) as a tensor of `shape` on `device`.
+fn upload(
+    bytes: &[u8],
+    dtype: tidestore_train::DType,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    use tidestore_train::DType as Stored;
+    match dtype {
+        Stored::F32 => upload_as::<f32>(bytes, shape, device),
+        Stored::BF16 => upload_as::<half::bf16>(bytes, shape, device),
+        Stored::F16 => upload_as::<half::f16>(bytes, shape, device),
+        other => Err(Error::BadParam {
+            name: String::new(),
+            reason: format!("a parameter stored as {other:?} cannot be computed with"),
+        }),
+    }
+}
+
+/// [`upload`] for one element type: copied to the device straight from the slice when
+/// it is aligned for `T`, else through one aligned copy.
+fn upload_as<T: bytemuck::Pod + candle_core::WithDType>(
+    bytes: &[u8],
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    Ok(match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(v) => Tensor::from_slice(v, shape, device)?,
+        Err(_) => {
+            let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+            Tensor::from_vec(v, shape, device)?
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stored elements become the tensor the f32 path makes, from an aligned slice
+    /// and from one that is not (the bytes one past an aligned start).
+    #[test]
+    fn upload_gives_the_stored_values_aligned_or_not() {
+        let values: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.37).collect();
+        for (dtype, bytes) in [
+            (
+                tidestore_train::DType::BF16,
+                values
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            ),
+            (
+                tidestore_train::DType::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        ] {
+            let want: Vec<f32> = match dtype {
+                tidestore_train::DType::BF16 => values
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect(),
+                _ => values.clone(),
+            };
+            let mut shifted = vec![0u8; bytes.len() + 1];
+            shifted[1..].copy_from_slice(&bytes);
+            for b in [&bytes[..], &shifted[1..]] {
+                let t = upload(b, dtype, &[37], &Device::Cpu).unwrap();
+                let got = t
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>();
+                assert_eq!(got.unwrap(), want, "{dtype:?}");
+            }
+        }
+        assert!(upload(&[0; 4], tidestore_train::DType::Q8, &[4], &Device::Cpu).is_err());
     }
 }

@@ -132,6 +132,33 @@ impl Trainer {
         self.checked_len(i, values?)
     }
 
+    /// As [`Trainer::fetch`], handing `f` the stored elements and their dtype instead
+    /// (bf16 for a trainable parameter in `Bf16`, f32 otherwise) while the tensor is
+    /// accessed: for a front end that converts on its own device (a GPU then uploads
+    /// the 16-bit bytes, half of f32's, and no f32 vector is made in host memory).
+    pub fn fetch_with<R>(
+        &mut self,
+        i: usize,
+        to: TensorState,
+        f: impl FnOnce(&[u8], DType) -> R,
+    ) -> Result<R> {
+        let e = self.entry(i)?;
+        let (id, list) = (e.id, self.compute_list(e.spec.trainable));
+        let elements = e.spec.elements() as u64;
+        let g = self.store.access(id, list, self.compute_place)?;
+        let out = self.store.bytes(&g).map(|b| {
+            (b.len() as u64 == elements * g.dtype().size_bytes()).then(|| f(b, g.dtype()))
+        });
+        self.store.release(g, to)?;
+        out?.ok_or_else(|| TrainError::Tensor {
+            tensor: self.entries[i].spec.name.clone(),
+            reason: format!(
+                "the store holds a different size than shape {:?}",
+                self.entries[i].spec.shape
+            ),
+        })
+    }
+
     fn checked_len(&self, i: usize, v: Vec<f32>) -> Result<Vec<f32>> {
         let spec = &self.entries[i].spec;
         if v.len() != spec.elements() {
