@@ -97,6 +97,8 @@ fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
     let fp32 = ok(d.path(), &["finetune", "--json", "--steps", "4"]);
     let v: serde_json::Value = serde_json::from_str(&fp32).unwrap();
     assert_eq!(v["states"], "fp32");
+    // The simulated device tier: the blocks compute on the CPU, and the report says so.
+    assert_eq!(v["compute"], "cpu");
 
     let d2 = setup("");
     let toml = d2.path().join("tidestore.toml");
