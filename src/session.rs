@@ -266,6 +266,29 @@ pub fn budget_error(e: ChunkError, cfg: &Config) -> Error {
     )
 }
 
+/// The device `device.kind` names (a simulated one of `sim_memory_bytes`), and its
+/// memory: on a GPU the card's.
+fn open_device(cfg: &Config, sim_memory_bytes: u64) -> Result<(Device, u64)> {
+    let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
+    dcfg.ordinal = DEVICE_ORDINAL;
+    dcfg.sim_total_bytes = Some(sim_memory_bytes.max(cfg.device.budget.bytes()));
+    dcfg.sim_link_bytes_per_s = Some((cfg.device.pcie_gbps * 1e9) as u64);
+    let device = match cfg.device.kind {
+        DeviceKindName::Sim => Device::sim(&dcfg),
+        DeviceKindName::Cuda => Device::cuda(&dcfg),
+        DeviceKindName::Auto => Device::auto(&dcfg),
+    }
+    .map_err(|e| match cfg.device.kind {
+        DeviceKindName::Cuda => Error::config("device.kind", format!("no CUDA device: {e}")),
+        _ => Error::Tier(e),
+    })?;
+    let memory_bytes = match device.kind() {
+        tidestore_tiers::DeviceKind::Cuda => device.mem_info()?.total_bytes,
+        tidestore_tiers::DeviceKind::Sim => sim_memory_bytes,
+    };
+    Ok((device, memory_bytes))
+}
+
 /// Opens the device, the host pool and the swap file for a prepared workload: the store,
 /// and what the bench keeps of the preparation.
 pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
@@ -279,24 +302,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
         device_memory_bytes,
         ..
     } = prepared;
-    let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
-    dcfg.ordinal = DEVICE_ORDINAL;
-    dcfg.sim_total_bytes = Some(device_memory_bytes.max(cfg.device.budget.bytes()));
-    dcfg.sim_link_bytes_per_s = Some((cfg.device.pcie_gbps * 1e9) as u64);
-    let device = match cfg.device.kind {
-        DeviceKindName::Sim => Device::sim(&dcfg),
-        DeviceKindName::Cuda => Device::cuda(&dcfg),
-        DeviceKindName::Auto => Device::auto(&dcfg),
-    }
-    .map_err(|e| match cfg.device.kind {
-        DeviceKindName::Cuda => Error::config("device.kind", format!("no CUDA device: {e}")),
-        _ => Error::Tier(e),
-    })?;
-    // On a GPU, the card's memory (the simulated device's is the one given above).
-    let device_memory_bytes = match device.kind() {
-        tidestore_tiers::DeviceKind::Cuda => device.mem_info()?.total_bytes,
-        tidestore_tiers::DeviceKind::Sim => device_memory_bytes,
-    };
+    let (device, device_memory_bytes) = open_device(cfg, device_memory_bytes)?;
     let dir = cfg.nvme_dir()?.to_path_buf();
     let io = cfg.io_config()?;
     // The bench's swap file is scratch: one of another shape (an earlier run, another

@@ -27,14 +27,7 @@ impl ChunkStore {
     /// are refused here, before the host pool or the swap file is allocated, with the
     /// bytes needed and available.
     pub fn open(layout: Layout, config: StoreConfig, device: Device) -> Result<Self> {
-        // Chunks live in the device's slab: it bounds every device budget. Non-model
-        // memory (the context, activations, other processes) is measured over the whole
-        // device, beside the slab, so the tide subtracts it from the device's total.
-        let device_total_bytes = device
-            .mem_info()
-            .map_err(|e| ChunkError::tier("reading the device's memory", None, e))?
-            .total_bytes;
-        let device_slab_bytes = device.slab_bytes().min(device_total_bytes);
+        let device_bytes = DeviceBytes::of(&device)?;
         let len_bytes = layout.dense_chunk_bytes();
         let max_chunk = len_bytes.iter().copied().max().unwrap_or(0);
         if max_chunk == 0 {
@@ -65,7 +58,7 @@ impl ChunkStore {
             host_budget_bytes,
             working_set_chunks,
             nvme_slots,
-            device_slab_bytes,
+            device_bytes.slab,
         )?;
         if prefetch_lookahead_bytes_max == 0 {
             return Err(ChunkError::Config {
@@ -91,10 +84,6 @@ impl ChunkStore {
             margin_bytes: tidal_margin_bytes,
             window: tidal_window,
             slack_bytes: non_model_slack_bytes,
-        };
-        let device_bytes = DeviceBytes {
-            total: device_total_bytes,
-            slab: device_slab_bytes,
         };
         let mut mover = build_mover(device, host, nvme, len_bytes, &settings, device_bytes)?;
         mover.set_async_writes(async_write_back);
@@ -250,4 +239,20 @@ fn build_mover(
         dev_policy,
         host_policy,
     ))
+}
+
+impl DeviceBytes {
+    /// Chunks live in the device's slab: it bounds every device budget. Non-model
+    /// memory (the context, activations, other processes) is measured over the whole
+    /// device, beside the slab, so the tide subtracts it from the device's total.
+    fn of(device: &Device) -> Result<DeviceBytes> {
+        let total = device
+            .mem_info()
+            .map_err(|e| ChunkError::tier("reading the device's memory", None, e))?
+            .total_bytes;
+        Ok(DeviceBytes {
+            total,
+            slab: device.slab_bytes().min(total),
+        })
+    }
 }
