@@ -37,6 +37,8 @@
 //! Nothing here prints; it logs through `tracing`.
 
 pub mod checkpoint;
+#[cfg(feature = "gpu")]
+mod cuda;
 pub mod error;
 pub mod gpt;
 pub mod llama;

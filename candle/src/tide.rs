@@ -85,6 +85,8 @@ impl TideParams {
     /// on).
     pub fn set_compute_device(&mut self, device: &Device) {
         self.device = device.clone();
+        // On a GPU the parameters are then read from the device tier, never the host.
+        self.trainer.set_compute_on_device(device.is_cuda());
     }
 
     /// The device the candle tensors handed out are made on.
@@ -152,11 +154,12 @@ impl TideParams {
             let values = self.trainer.fetch(i, to)?;
             Tensor::from_vec(values, shape.as_slice(), &self.device)?
         } else {
-            // The stored elements go up as they are (bf16: half of f32's bytes) and
-            // become f32 on the device.
+            // The stored elements reach the device as they are (bf16: half of f32's
+            // bytes) — copied there from the device tier when the parameter is on the
+            // GPU, else uploaded from the host pool — and become f32 there.
             let device = &self.device;
-            let up = self.trainer.fetch_with(i, to, |bytes, dtype| {
-                upload(bytes, dtype, shape.as_slice(), device)
+            let up = self.trainer.fetch_view(i, to, |view, dtype| {
+                to_device(view, dtype, shape.as_slice(), device)
             })??;
             up.to_dtype(candle_core::DType::F32)?
         };
@@ -269,6 +272,31 @@ impl ParamSource for TideParams {
         let (t, _) = self.fetch(name, true, TensorState::HoldAfterFwd)?;
         self.live[i] = Some(t.clone());
         Ok(t)
+    }
+}
+
+/// A parameter's stored elements, wherever the trainer read them, as a tensor of
+/// `shape` on `device` (in their stored dtype).
+fn to_device(
+    view: tidestore_train::TensorView<'_>,
+    dtype: tidestore_train::DType,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    use tidestore_train::{DeviceView, TensorView};
+    match view {
+        TensorView::Host(bytes) | TensorView::Device(DeviceView::Host(bytes)) => {
+            upload(bytes, dtype, shape, device)
+        }
+        #[cfg(feature = "gpu")]
+        TensorView::Device(DeviceView::Cuda(span)) => {
+            crate::cuda::tensor_from_span(&span, dtype, shape, device)
+        }
+        #[cfg(not(feature = "gpu"))]
+        TensorView::Device(DeviceView::Cuda(_)) => Err(Error::BadParam {
+            name: String::new(),
+            reason: "a parameter on the GPU, in a build without candle's CUDA backend".into(),
+        }),
     }
 }
 

@@ -3,7 +3,8 @@
 //! moments (decoded from their stored form: the one decoder of bf16 and int8 moments)
 //! read back.
 
-use tidestore_chunk::{typed, DType, ListKind, TensorState};
+use tidestore_chunk::{typed, DType, ListKind, Place, TensorState, TensorView};
+use tidestore_tiers::{DeviceKind, DeviceView};
 
 use super::{Precision, Trainer};
 use crate::error::{Result, TrainError};
@@ -132,22 +133,24 @@ impl Trainer {
         self.checked_len(i, values?)
     }
 
-    /// As [`Trainer::fetch`], handing `f` the stored elements and their dtype instead
-    /// (bf16 for a trainable parameter in `Bf16`, f32 otherwise) while the tensor is
-    /// accessed: for a front end that converts on its own device (a GPU then uploads
-    /// the 16-bit bytes, half of f32's, and no f32 vector is made in host memory).
-    pub fn fetch_with<R>(
+    /// As [`Trainer::fetch`], handing `f` a view of the stored elements and their
+    /// dtype instead (bf16 for a trainable parameter in `Bf16`, f32 otherwise) while
+    /// the tensor is accessed: host bytes, or on a GPU whose memory compute reads (see
+    /// [`Trainer::set_compute_on_device`]) a device pointer. For a front end that
+    /// converts on its own device: no f32 vector is made in host memory, and from the
+    /// device tier nothing crosses the host at all.
+    pub fn fetch_view<R>(
         &mut self,
         i: usize,
         to: TensorState,
-        f: impl FnOnce(&[u8], DType) -> R,
+        f: impl FnOnce(TensorView<'_>, DType) -> R,
     ) -> Result<R> {
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
         let elements = e.spec.elements() as u64;
         let g = self.store.access(id, list, self.compute_place)?;
-        let out = self.store.bytes(&g).map(|b| {
-            (b.len() as u64 == elements * g.dtype().size_bytes()).then(|| f(b, g.dtype()))
+        let out = self.store.view(&g).map(|v| {
+            (view_len(&v) as u64 == elements * g.dtype().size_bytes()).then(|| f(v, g.dtype()))
         });
         self.store.release(g, to)?;
         out?.ok_or_else(|| TrainError::Tensor {
@@ -168,6 +171,19 @@ impl Trainer {
             });
         }
         Ok(v)
+    }
+
+    /// Whether compute reads parameters from the device tier's memory. The simulated
+    /// device is host memory, so there it always does; on a GPU only a front end that
+    /// computes on that GPU asks for it (the parameters then stay on the device, and
+    /// [`Trainer::fetch_view`] hands out device pointers; [`Trainer::fetch`] cannot
+    /// read them). Set before the first step: the warm-up iteration traces the place.
+    pub fn set_compute_on_device(&mut self, on_device: bool) {
+        self.compute_place = match self.store.device().kind() {
+            DeviceKind::Sim => Place::Device,
+            DeviceKind::Cuda if on_device => Place::Device,
+            DeviceKind::Cuda => Place::Host,
+        };
     }
 
     /// Runs `f` on trainable parameter `i`'s fp32 master copy, in place in the host
@@ -340,5 +356,13 @@ mod tests {
         }
         .elements()
         .is_err());
+    }
+}
+
+/// Bytes a view spans.
+fn view_len(v: &TensorView<'_>) -> usize {
+    match v {
+        TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b.len(),
+        TensorView::Device(DeviceView::Cuda(span)) => span.len_bytes(),
     }
 }
