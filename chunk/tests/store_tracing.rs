@@ -151,6 +151,37 @@ fn non_model_memory_beside_the_slab_leaves_the_budget_alone() {
     s.end_optimizer_step().unwrap();
 }
 
+/// Non-model memory above the trace re-traces only where it cuts the chunks' budget: on
+/// a GPU far larger than the slab, the allocator's growth by a few MiB (seen on an H100
+/// every iteration) kept the store from ever following its schedule.
+#[test]
+fn non_model_growth_beside_a_slab_that_still_fits_is_no_divergence() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = layout(2048, &[(2048, false); 8], DType::F16);
+    let mut cfg = config(8 * CHUNK, 10 * CHUNK, nvme_dir(&dir, 4 * CHUNK));
+    cfg.non_model_slack_bytes = CHUNK;
+    let mut dev = tidestore_tiers::DeviceConfig::new(8 * CHUNK);
+    dev.sim_total_bytes = Some(64 * CHUNK);
+    dev.slab_bytes = Some(16 * CHUNK);
+    let device = tidestore_tiers::Device::sim(&dev).unwrap();
+    let mut s = ChunkStore::open(layout, cfg, device).unwrap();
+    let iteration = |s: &mut ChunkStore, non_model: u64| {
+        s.report_non_model_bytes(non_model);
+        for t in 0..8 {
+            touch(s, t).unwrap();
+        }
+        s.end_iteration().unwrap();
+    };
+    iteration(&mut s, 10 * CHUNK);
+    // 20 chunks beside the slab on a 64-chunk device: the budget of 8 is untouched.
+    iteration(&mut s, 20 * CHUNK);
+    assert_eq!(s.stats().divergences, 0);
+    assert!(!s.is_tracing());
+    // 60 chunks leave 4: that cuts the budget, and the store re-traces.
+    iteration(&mut s, 60 * CHUNK);
+    assert_eq!(s.stats().divergences, 1);
+}
+
 #[test]
 fn traced_working_set_above_the_tide_is_reported() {
     let dir = tempfile::tempdir().unwrap();

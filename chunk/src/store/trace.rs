@@ -57,7 +57,20 @@ impl ChunkStore {
                 if self.diverged {
                     return moment;
                 }
-                let why = match self.follower.observe(s, tensor, kind, non_model) {
+                // Non-model memory above the trace is a divergence only where it can
+                // cut the chunks' budget: beside a slab that still fits whole (a GPU
+                // much larger than `device.budget`), its growth changes nothing.
+                let squeezes = self
+                    .device_bytes
+                    .total
+                    .saturating_sub(non_model)
+                    .saturating_sub(self.settings.margin_bytes)
+                    < self
+                        .device_bytes
+                        .slab
+                        .min(self.settings.device_budget_bytes);
+                let observed = if squeezes { non_model } else { 0 };
+                let why = match self.follower.observe(s, tensor, kind, observed) {
                     Follow::OnSchedule { moment: m } => {
                         (s.events()[m as usize].chunk != chunk).then_some("another list")
                     }
