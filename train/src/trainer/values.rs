@@ -316,6 +316,14 @@ pub(crate) fn f32_view_mut(bytes: &mut [u8]) -> Result<&mut [f32]> {
         .map_err(|e| TrainError::Protocol(format!("an fp32 place in the store is misaligned: {e}")))
 }
 
+/// Bytes a view spans.
+fn view_len(v: &TensorView<'_>) -> usize {
+    match v {
+        TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b.len(),
+        TensorView::Device(DeviceView::Cuda(span)) => span.len_bytes(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,13 +364,5 @@ mod tests {
         }
         .elements()
         .is_err());
-    }
-}
-
-/// Bytes a view spans.
-fn view_len(v: &TensorView<'_>) -> usize {
-    match v {
-        TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b.len(),
-        TensorView::Device(DeviceView::Cuda(span)) => span.len_bytes(),
     }
 }
