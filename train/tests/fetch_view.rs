@@ -40,27 +40,23 @@ fn compute_on_the_device_reads_the_device_tier_in_the_stored_dtype() {
     t.set_values(1, &frozen).unwrap();
     t.set_compute_on_device(true);
 
-    let (place, bytes, dtype) = t.fetch_view(0, TensorState::HoldAfterFwd, seen).unwrap();
-    assert_eq!(
-        place, "device tier",
-        "a trainable parameter came from the {place}"
-    );
-    assert_eq!(dtype, DType::BF16);
-    let decoded: Vec<f32> = bytes
-        .chunks_exact(2)
-        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-        .collect();
-    assert_eq!(decoded, t.fetch(0, TensorState::HoldAfterFwd).unwrap());
-
-    let (place, bytes, dtype) = t.fetch_view(1, TensorState::HoldAfterFwd, seen).unwrap();
-    assert_eq!(
-        place, "device tier",
-        "a frozen parameter came from the {place}"
-    );
-    assert_eq!(dtype, DType::F32);
-    let decoded: Vec<f32> = bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    assert_eq!(decoded, frozen);
+    let bf16 = |b: &[u8]| half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+    let f32 = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let want = t.fetch(0, TensorState::HoldAfterFwd).unwrap();
+    for (i, what, want_dtype, want) in [
+        (0, "trainable", DType::BF16, want),
+        (1, "frozen", DType::F32, frozen),
+    ] {
+        let (place, bytes, dtype) = t.fetch_view(i, TensorState::HoldAfterFwd, seen).unwrap();
+        assert_eq!(
+            place, "device tier",
+            "a {what} parameter came from the {place}"
+        );
+        assert_eq!(dtype, want_dtype, "{what}");
+        let decoded: Vec<f32> = match dtype {
+            DType::BF16 => bytes.chunks_exact(2).map(bf16).collect(),
+            _ => bytes.chunks_exact(4).map(f32).collect(),
+        };
+        assert_eq!(decoded, want, "{what}");
+    }
 }
