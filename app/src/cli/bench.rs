@@ -135,12 +135,7 @@ pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), Error> {
         })?;
     }
     if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
-            what: "cannot encode the report as JSON for",
-            path: PathBuf::from("stdout"),
-            reason: e.to_string(),
-        })?;
-        out!("{text}");
+        super::print_json(&report, "cannot encode the report as JSON for")?;
     } else {
         print_table(&report);
         explain_bound(&report);

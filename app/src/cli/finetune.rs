@@ -190,12 +190,7 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
         })?;
     }
     if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
-            what: "cannot encode the report as JSON for",
-            path: "stdout".into(),
-            reason: e.to_string(),
-        })?;
-        out!("{text}");
+        super::print_json(&report, "cannot encode the report as JSON for")?;
     } else {
         print(&report);
         compare(&curves);
