@@ -128,11 +128,7 @@ pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), Error> {
     let swap_dir = swap.target().to_path_buf();
     drop(swap);
     if let Some(path) = &args.plot {
-        plot::draw(&report, path).map_err(|reason| Error::Output {
-            what: "cannot write the plot",
-            path: path.clone(),
-            reason,
-        })?;
+        plot::draw(&report, path).map_err(Error::output("cannot write the plot", path))?;
     }
     if args.json {
         super::print_json(&report, "cannot encode the report as JSON for")?;
