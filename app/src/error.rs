@@ -106,6 +106,19 @@ impl Error {
         Error::Tidestore(tidestore::Error::config(key, reason))
     }
 
+    /// [`Error::Output`] about the file at `path` (`what`: what could not be done with
+    /// it), as a function of the reason (for `map_err`).
+    pub(crate) fn output<'p>(
+        what: &'static str,
+        path: &'p std::path::Path,
+    ) -> impl Fn(String) -> Self + 'p {
+        move |reason| Error::Output {
+            what,
+            path: path.to_path_buf(),
+            reason,
+        }
+    }
+
     /// The configuration key this error is about, if it is about one.
     pub fn key(&self) -> Option<&str> {
         match self {

@@ -233,6 +233,13 @@ impl BenchKernels {
         })
     }
 
+    /// Makes this context the calling thread's.
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("binding the context", e))
+    }
+
     fn sync(&self) -> Result<()> {
         self.stream
             .synchronize()
@@ -248,9 +255,7 @@ impl BenchKernels {
         if len_bytes == 0 {
             return Ok(());
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
+        self.bind()?;
         // SAFETY: the kernel and the accumulator are this stream's; the range is as this
         // function's contract says.
         unsafe {
@@ -287,9 +292,7 @@ impl BenchKernels {
         if len_bytes == 0 {
             return Ok(());
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
+        self.bind()?;
         // SAFETY: the kernel is this stream's; the range was checked 2-aligned above and
         // is otherwise as this function's contract says.
         unsafe {
@@ -353,9 +356,7 @@ impl BenchKernels {
     /// The accumulated checksum since the last call (one device-to-host copy), and the
     /// accumulator zeroed.
     pub fn take_checksum(&mut self) -> Result<u64> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
+        self.bind()?;
         let v = self
             .stream
             .clone_dtoh(&self.acc)
@@ -381,9 +382,7 @@ impl BenchKernels {
         }
         let mut staged = vec![0u8; lead + bytes.len()];
         staged[lead..].copy_from_slice(bytes);
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
+        self.bind()?;
         let dev = self
             .stream
             .clone_htod(&staged)
@@ -404,9 +403,7 @@ impl BenchKernels {
     /// Self-test entry (for tests on a GPU): the kernel's `n` gradient elements from
     /// index `first`, as bf16 bits, written into a fresh allocation.
     pub fn grad_bits(&self, seed: u64, first: u64, n: usize, scale: f32) -> Result<Vec<u16>> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cuda_err("binding the context", e))?;
+        self.bind()?;
         if n == 0 {
             // No allocation: `cuMemAlloc(0)` is an error.
             return Ok(Vec::new());

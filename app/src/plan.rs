@@ -450,6 +450,18 @@ mod tests {
         }
     }
 
+    /// `w`'s layout in auto-sized chunks, 1 MiB blocks and fp32 moments.
+    fn auto_layout(w: &Workload) -> Layout {
+        let (layout, _, _) = tidestore::session::layout_for(
+            w,
+            tidestore::config::AutoSize::Auto,
+            1 << 20,
+            tidestore_chunk::MomentForm::F32,
+        )
+        .unwrap();
+        layout
+    }
+
     fn llama_70b_lora() -> (Workload, Layout) {
         let w = Workload::new(
             ModelName::Llama70b,
@@ -458,13 +470,7 @@ mod tests {
             1,
             1024,
         );
-        let (layout, _, _) = tidestore::session::layout_for(
-            &w,
-            tidestore::config::AutoSize::Auto,
-            1 << 20,
-            tidestore_chunk::MomentForm::F32,
-        )
-        .unwrap();
+        let layout = auto_layout(&w);
         (w, layout)
     }
 
@@ -494,13 +500,7 @@ mod tests {
     #[test]
     fn host_homes_go_where_they_save_the_most_nvme_seconds() {
         let w = Workload::new(ModelName::Gpt2, models::GPT2, None, 1, 1024);
-        let (layout, _, _) = tidestore::session::layout_for(
-            &w,
-            tidestore::config::AutoSize::Auto,
-            1 << 20,
-            tidestore_chunk::MomentForm::F32,
-        )
-        .unwrap();
+        let layout = auto_layout(&w);
         let slot = *layout.dense_chunk_bytes().iter().max().unwrap();
         let m = Machine {
             gpu_bytes: 1 << 30,

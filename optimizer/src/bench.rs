@@ -302,20 +302,54 @@ impl Arrays {
     fn step(&mut self, opt: &AdamW, path: BenchPath, step: u64) -> Result<f64> {
         let hp = HyperParams::default();
         let state = StepState::new(step);
+        self.timed(
+            path,
+            |master, m, v, g, out| opt.step_slice(state, &hp, master, m, v, g, out),
+            |master, mv, g, out| opt.step_moments(state, &hp, master, mv, g, out),
+        )
+    }
+
+    fn probe(&mut self, opt: &AdamW, path: BenchPath, prefetch: bool) -> Result<f64> {
+        self.probe_keyed(opt, path, ProbeKey::identity().with_prefetch(prefetch))
+    }
+
+    fn probe_keyed(&mut self, opt: &AdamW, path: BenchPath, key: ProbeKey) -> Result<f64> {
+        self.timed(
+            path,
+            |master, m, v, g, out| opt.probe_slice_keyed(key, master, m, v, g, out),
+            |master, mv, g, out| opt.probe_moments_keyed(key, master, mv, g, out),
+        )
+    }
+
+    /// Runs `full` (fp32 moments: the fp32 and bf16 paths) or `compact` (the compact
+    /// moments of the states paths) over `path`'s arrays; the seconds it took.
+    fn timed(
+        &mut self,
+        path: BenchPath,
+        full: impl FnOnce(
+            &mut [f32],
+            &mut [f32],
+            &mut [f32],
+            Grads<'_>,
+            Option<ParamOut<'_>>,
+        ) -> Result<()>,
+        compact: impl FnOnce(
+            &mut [f32],
+            crate::Moments<'_>,
+            Grads<'_>,
+            Option<ParamOut<'_>>,
+        ) -> Result<()>,
+    ) -> Result<f64> {
         let t = Instant::now();
         match path {
-            BenchPath::Fp32 => opt.step_slice(
-                state,
-                &hp,
+            BenchPath::Fp32 => full(
                 self.master.as_mut_slice(),
                 self.m.as_mut_slice(),
                 self.v.as_mut_slice(),
                 Grads::F32(self.g32.as_slice()),
                 None,
             )?,
-            BenchPath::Bf16 => opt.step_slice(
-                state,
-                &hp,
+            BenchPath::Bf16 => full(
                 self.master.as_mut_slice(),
                 self.m.as_mut_slice(),
                 self.v.as_mut_slice(),
@@ -329,54 +363,7 @@ impl Arrays {
                 let (goff, ooff) = (self.g16.off, self.out16.off);
                 let g16 = std::mem::take(&mut self.g16.buf);
                 let mut out = std::mem::take(&mut self.out16.buf);
-                let r = opt.step_moments(
-                    state,
-                    &hp,
-                    &mut master[off..off + len],
-                    self.moments(path),
-                    Grads::Bf16(&g16[goff..goff + len]),
-                    Some(ParamOut::Bf16(&mut out[ooff..ooff + len])),
-                );
-                self.master.buf = master;
-                self.g16.buf = g16;
-                self.out16.buf = out;
-                r?
-            }
-        }
-        Ok(t.elapsed().as_secs_f64())
-    }
-
-    fn probe(&mut self, opt: &AdamW, path: BenchPath, prefetch: bool) -> Result<f64> {
-        self.probe_keyed(opt, path, ProbeKey::identity().with_prefetch(prefetch))
-    }
-
-    fn probe_keyed(&mut self, opt: &AdamW, path: BenchPath, key: ProbeKey) -> Result<f64> {
-        let t = Instant::now();
-        match path {
-            BenchPath::Fp32 => opt.probe_slice_keyed(
-                key,
-                self.master.as_mut_slice(),
-                self.m.as_mut_slice(),
-                self.v.as_mut_slice(),
-                Grads::F32(self.g32.as_slice()),
-                None,
-            )?,
-            BenchPath::Bf16 => opt.probe_slice_keyed(
-                key,
-                self.master.as_mut_slice(),
-                self.m.as_mut_slice(),
-                self.v.as_mut_slice(),
-                Grads::Bf16(self.g16.as_slice()),
-                Some(ParamOut::Bf16(self.out16.as_mut_slice())),
-            )?,
-            BenchPath::StatesBf16 | BenchPath::StatesInt8 => {
-                let mut master = std::mem::take(&mut self.master.buf);
-                let (off, len) = (self.master.off, self.master.len);
-                let (goff, ooff) = (self.g16.off, self.out16.off);
-                let g16 = std::mem::take(&mut self.g16.buf);
-                let mut out = std::mem::take(&mut self.out16.buf);
-                let r = opt.probe_moments_keyed(
-                    key,
+                let r = compact(
                     &mut master[off..off + len],
                     self.moments(path),
                     Grads::Bf16(&g16[goff..goff + len]),

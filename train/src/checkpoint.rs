@@ -470,10 +470,7 @@ pub fn read_tensors(
 ) -> Result<(CheckpointState, Vec<FileTensor>)> {
     let map = map_file(path)?;
     let (header_len, meta) = parse(&map, path)?;
-    let kv = meta
-        .metadata()
-        .as_ref()
-        .ok_or_else(|| malformed(path, "no __metadata__ (not a tidestore checkpoint)"))?;
+    let kv = tidestore_kv(&meta, path)?;
     let state = read_state(kv, path)?;
     let data_start = HEADER_LEN_BYTES + header_len;
     let mut out = Vec::new();
@@ -509,6 +506,17 @@ pub fn read_tensors(
     Ok((state, out))
 }
 
+/// The `__metadata__` of a parsed checkpoint, or the error saying the file is not one of
+/// tidestore's.
+fn tidestore_kv<'m>(
+    meta: &'m safetensors::tensor::Metadata,
+    path: &Path,
+) -> Result<&'m HashMap<String, String>> {
+    meta.metadata()
+        .as_ref()
+        .ok_or_else(|| malformed(path, "no __metadata__ (not a tidestore checkpoint)"))
+}
+
 /// Maps `path` read-only; a file too short to hold a header is truncated.
 #[allow(unsafe_code)]
 pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap> {
@@ -541,10 +549,7 @@ fn verify_map(
     path: &Path,
 ) -> Result<(CheckpointState, Vec<Range<usize>>)> {
     let (header_len, meta) = parse(map, path)?;
-    let kv = meta
-        .metadata()
-        .as_ref()
-        .ok_or_else(|| malformed(path, "no __metadata__ (not a tidestore checkpoint)"))?;
+    let kv = tidestore_kv(&meta, path)?;
     let state = read_state(kv, path)?;
     let data_start = HEADER_LEN_BYTES + header_len;
     let mut ranges = Vec::with_capacity(entries.len());

@@ -128,19 +128,10 @@ pub fn run(config: &std::path::Path, args: &BenchArgs) -> Result<(), Error> {
     let swap_dir = swap.target().to_path_buf();
     drop(swap);
     if let Some(path) = &args.plot {
-        plot::draw(&report, path).map_err(|reason| Error::Output {
-            what: "cannot write the plot",
-            path: path.clone(),
-            reason,
-        })?;
+        plot::draw(&report, path).map_err(Error::output("cannot write the plot", path))?;
     }
     if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
-            what: "cannot encode the report as JSON for",
-            path: PathBuf::from("stdout"),
-            reason: e.to_string(),
-        })?;
-        out!("{text}");
+        super::print_json(&report, "cannot encode the report as JSON for")?;
     } else {
         print_table(&report);
         explain_bound(&report);

@@ -62,11 +62,7 @@ impl Curve for LossCurve {
     /// A `--json` report of `tidestore finetune`, labelled by its `states` (or, in a
     /// report from before that field, its file name).
     fn load(path: &Path) -> Result<LossCurve, Error> {
-        let bad = |reason: String| Error::Output {
-            what: "cannot read the loss curve of",
-            path: path.to_path_buf(),
-            reason,
-        };
+        let bad = Error::output("cannot read the loss curve of", path);
         let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         if v["schema"] != finetune::SCHEMA {
@@ -183,19 +179,11 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
     let mut curves = vec![LossCurve::of(&report)];
     curves.extend(others);
     if let Some(path) = &args.plot {
-        draw_loss_curves(&report.model, &curves, path).map_err(|reason| Error::Output {
-            what: "cannot draw the loss curve into",
-            path: path.clone(),
-            reason,
-        })?;
+        draw_loss_curves(&report.model, &curves, path)
+            .map_err(Error::output("cannot draw the loss curve into", path))?;
     }
     if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
-            what: "cannot encode the report as JSON for",
-            path: "stdout".into(),
-            reason: e.to_string(),
-        })?;
-        out!("{text}");
+        super::print_json(&report, "cannot encode the report as JSON for")?;
     } else {
         print(&report);
         compare(&curves);

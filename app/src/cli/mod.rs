@@ -87,6 +87,18 @@ impl Cli {
     }
 }
 
+/// Prints `report` on stdout as pretty JSON; `what` names the failure to encode it
+/// (`cannot encode the report as JSON for`), whose path is `stdout`.
+pub(crate) fn print_json(report: &impl serde::Serialize, what: &'static str) -> Result<(), Error> {
+    let text = serde_json::to_string_pretty(report).map_err(|e| Error::Output {
+        what,
+        path: PathBuf::from("stdout"),
+        reason: e.to_string(),
+    })?;
+    out!("{text}");
+    Ok(())
+}
+
 /// Proves an output file's folder writable before a run (a file made there and
 /// removed), so that no run is lost to an output that cannot be written at its end.
 pub(crate) fn check_output_writable(

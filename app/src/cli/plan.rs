@@ -194,12 +194,7 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     )?;
     let report = plan::plan(&workload, &layout, &machine)?;
     if args.json {
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Output {
-            what: "cannot encode the plan as JSON for",
-            path: "stdout".into(),
-            reason: e.to_string(),
-        })?;
-        out!("{text}");
+        super::print_json(&report, "cannot encode the plan as JSON for")?;
     } else {
         print(&report, measured, args);
     }

@@ -58,44 +58,12 @@ pub fn draw(report: &BenchReport, path: &Path) -> Result<(), String> {
             MAGENTA,
         ),
     ];
-    let ymax = series
-        .iter()
-        .flat_map(|(_, v, _)| v.iter().map(|p| p.1))
-        .fold(1.0f64, f64::max)
-        * 1.1;
-    let phases = phase_starts(samples);
-    let mut chart = ChartBuilder::on(&top)
-        .caption(
-            format!(
-                "tier occupancy over one iteration: {}",
-                report.workload.model
-            ),
-            ("sans-serif", 20),
-        )
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0u32..moments, 0f64..ymax)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc(format!("moment ({phases})"))
-        .y_desc("MiB in use")
-        .draw()
-        .map_err(err)?;
-    for (name, points, color) in series {
-        chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(err)?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
+    let caption = format!(
+        "tier occupancy over one iteration: {}",
+        report.workload.model
+    );
+    let x_desc = format!("moment ({})", phase_starts(samples));
+    draw_panel(&top, caption, moments, x_desc, "MiB in use", series)?;
 
     // Link traffic per bucket of moments.
     let buckets = 200u32.min(moments).max(1);
@@ -124,32 +92,58 @@ pub fn draw(report: &BenchReport, path: &Path) -> Result<(), String> {
         out.push((bucket_end - width, (last - prev) as f64 / MIB));
         links.push(out);
     }
-    let lmax = links
+    let series: Vec<Series> = LINK_SERIES
         .iter()
-        .flat_map(|v| v.iter().map(|p| p.1))
+        .zip(links)
+        .zip(colors)
+        .map(|((name, points), color)| (*name, points, color))
+        .collect();
+    let caption = format!("link traffic per {width} moments");
+    draw_panel(
+        &bottom,
+        caption,
+        moments,
+        "moment".into(),
+        "MiB moved",
+        series,
+    )?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Draws `series` as lines with a legend into `area` under `caption`: x the moments
+/// from 0 to `moments`, y (MiB) from 0 to a tenth above the highest point (at least 1.1).
+fn draw_panel(
+    area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    caption: String,
+    moments: u32,
+    x_desc: String,
+    y_desc: &str,
+    series: Vec<Series>,
+) -> Result<(), String> {
+    let ymax = series
+        .iter()
+        .flat_map(|(_, v, _)| v.iter().map(|p| p.1))
         .fold(1.0f64, f64::max)
         * 1.1;
-    let mut chart = ChartBuilder::on(&bottom)
-        .caption(
-            format!("link traffic per {width} moments"),
-            ("sans-serif", 20),
-        )
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 20))
         .margin(10)
         .x_label_area_size(35)
         .y_label_area_size(70)
-        .build_cartesian_2d(0u32..moments, 0f64..lmax)
+        .build_cartesian_2d(0u32..moments, 0f64..ymax)
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc("moment")
-        .y_desc("MiB moved")
+        .x_desc(x_desc)
+        .y_desc(y_desc)
         .draw()
         .map_err(err)?;
-    for ((name, points), color) in LINK_SERIES.iter().zip(links).zip(colors) {
+    for (name, points, color) in series {
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(err)?
-            .label(*name)
+            .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
     chart
@@ -158,7 +152,6 @@ pub fn draw(report: &BenchReport, path: &Path) -> Result<(), String> {
         .border_style(BLACK)
         .draw()
         .map_err(err)?;
-    root.present().map_err(err)?;
     Ok(())
 }
 

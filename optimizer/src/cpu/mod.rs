@@ -195,21 +195,8 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
-        let n = master.len();
-        check_len("m", m.len(), "master", n)?;
-        check_len("v", v.len(), "master", n)?;
-        check_len("grads", grads.len(), "master", n)?;
-        if let Some(o) = &out {
-            check_len("out", o.len(), "master", n)?;
-        }
+        let job = StepJob::checked(master, m, v, grads, out)?;
         let c = Consts::new(state, hp)?;
-        let job = StepJob {
-            p: master,
-            m,
-            v,
-            g: grads,
-            out,
-        };
         let level = self.level;
         run_blocks(
             self.pool(),
@@ -304,24 +291,12 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
-        let n = master.len();
-        check_len("m", m.len(), "master", n)?;
-        check_len("v", v.len(), "master", n)?;
-        check_len("grads", grads.len(), "master", n)?;
-        if let Some(o) = &out {
-            check_len("out", o.len(), "master", n)?;
-        }
+        let job = StepJob::checked(master, m, v, grads, out)?;
         let level = self.level;
         run_blocks(
             self.pool(),
             self.block_params,
-            StepJob {
-                p: master,
-                m,
-                v,
-                g: grads,
-                out,
-            },
+            job,
             &|j: StepJob<'_>| probe_leaf(level, j, key),
             &|(), ()| (),
         );

@@ -94,6 +94,27 @@ pub(crate) struct StepJob<'a> {
     pub out: Option<ParamOut<'a>>,
 }
 
+impl<'a> StepJob<'a> {
+    /// The job over `p`, `m`, `v`, `g` and `out`, once every length is `p`'s.
+    pub(crate) fn checked(
+        p: &'a mut [f32],
+        m: &'a mut [f32],
+        v: &'a mut [f32],
+        g: Grads<'a>,
+        out: Option<ParamOut<'a>>,
+    ) -> crate::error::Result<Self> {
+        use crate::error::check_len;
+        let n = p.len();
+        check_len("m", m.len(), "master", n)?;
+        check_len("v", v.len(), "master", n)?;
+        check_len("grads", g.len(), "master", n)?;
+        if let Some(o) = &out {
+            check_len("out", o.len(), "master", n)?;
+        }
+        Ok(StepJob { p, m, v, g, out })
+    }
+}
+
 impl Split for StepJob<'_> {
     fn len(&self) -> usize {
         self.p.len()

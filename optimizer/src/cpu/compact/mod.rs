@@ -177,22 +177,31 @@ impl AdamW {
         check_rest(n, &grads, &out)?;
         let c = Consts::new(state, hp)?;
         let q = maps();
+        self.run_compact(master, mv, grads, out, |level, j| {
+            step_leaf(level, &c, q, j)
+        });
+        Ok(())
+    }
+
+    /// Runs `leaf` (given this optimizer's SIMD level) over the compact job's parallel
+    /// blocks: whole quantization blocks each (also fine for bf16).
+    fn run_compact(
+        &self,
+        p: &mut [f32],
+        mv: Compact<'_>,
+        g: Grads<'_>,
+        out: Option<ParamOut<'_>>,
+        leaf: impl Fn(SimdLevel, CompactJob<'_>) + Sync,
+    ) {
         let level = self.level;
-        // Whole quantization blocks per parallel block (also fine for bf16).
         let block = self.block_params.div_ceil(Q8_BLOCK) * Q8_BLOCK;
         run_blocks(
             self.pool(),
             block,
-            CompactJob {
-                p: master,
-                mv,
-                g: grads,
-                out,
-            },
-            &|j: CompactJob<'_>| step_leaf(level, &c, q, j),
+            CompactJob { p, mv, g, out },
+            &|j: CompactJob<'_>| leaf(level, j),
             &|(), ()| (),
         );
-        Ok(())
     }
 }
 
@@ -302,20 +311,7 @@ impl AdamW {
             Ok(mv) => mv,
         };
         check_rest(n, &grads, &out)?;
-        let level = self.level;
-        let block = self.block_params.div_ceil(Q8_BLOCK) * Q8_BLOCK;
-        run_blocks(
-            self.pool(),
-            block,
-            CompactJob {
-                p: master,
-                mv,
-                g: grads,
-                out,
-            },
-            &|j: CompactJob<'_>| probe_leaf(level, j, key),
-            &|(), ()| (),
-        );
+        self.run_compact(master, mv, grads, out, |level, j| probe_leaf(level, j, key));
         Ok(())
     }
 }
