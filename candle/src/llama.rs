@@ -335,6 +335,23 @@ impl Llama {
             .collect()
     }
 
+    /// A lower bound of the memory the layer-streamed trainer's activations take at
+    /// once where the blocks compute, for micro-batches of `batch × time` of which
+    /// `kept` have their block inputs saved at a time (all of a step's with the
+    /// vertical order, one with the horizontal): every block's saved input in f32, plus
+    /// the larger of one layer's attention scores with their softmax and its gradient
+    /// (`3 · batch · heads · time² · 4` bytes) and the head's logits with their
+    /// log-softmax (`2 · batch · time · vocab · 4`). A lower bound: the blocks'
+    /// other intermediates and the allocator's slack come on top.
+    pub fn activation_bytes_at_least(&self, batch: usize, time: usize, kept: usize) -> u64 {
+        let c = &self.cfg;
+        let (b, t) = (batch as u64, time as u64);
+        let saved = (c.layers as u64 + 1) * b * t * c.hidden as u64 * 4 * kept as u64;
+        let scores = 3 * b * c.heads as u64 * t * t * 4;
+        let logits = 2 * b * t * c.vocab as u64 * 4;
+        saved + scores.max(logits)
+    }
+
     /// Runs block `b` on `x` (token ids `(batch, time)` u32 for the embedding, hidden
     /// states `(batch, time, hidden)` otherwise); the head returns logits.
     pub fn block(&self, b: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {

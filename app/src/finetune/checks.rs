@@ -93,6 +93,38 @@ pub fn check_device(asked: DeviceKindName, opened: tidestore_tiers::DeviceKind) 
     Ok(())
 }
 
+/// Refuses a `device.budget` that leaves the blocks' activations no room on the GPU:
+/// `beside_slab` bytes are free beside the chunk slab (the CUDA context and other
+/// processes hold the rest of `total`), and the activations take at least `need`.
+pub fn check_activation_room(cfg: &Config, total: u64, beside_slab: u64, need: u64) -> Result<()> {
+    if need <= beside_slab {
+        return Ok(());
+    }
+    let h = tidestore::config::human_bytes;
+    let t = &cfg.train;
+    Err(Error::config(
+        "device.budget",
+        format!(
+            "{}: the chunk slab leaves {} of the GPU's {} free beside it, but the blocks' \
+             activations take at least {} (train.micro_batch = {}, train.sequence = {}, \
+             train.accumulation = {} in {} order), {} short; lower device.budget, \
+             train.micro_batch or train.sequence",
+            cfg.device.budget,
+            h(beside_slab),
+            h(total),
+            h(need),
+            t.micro_batch,
+            t.sequence,
+            t.accumulation,
+            match t.micro_batch_order {
+                tidestore::config::MicroBatchOrderName::Vertical => "vertical",
+                tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
+            },
+            h(need - beside_slab)
+        ),
+    ))
+}
+
 /// Refuses an `nvme.size` below the swap file the run made (`file_bytes`, at `path`).
 pub fn check_nvme_size(size: Size, file_bytes: u64, path: &Path) -> Result<()> {
     if file_bytes > size.bytes() {
@@ -249,6 +281,46 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("5000") && text.contains("300") && text.contains("tok.json"));
         check_tokens(&[299], 300, "tok.json", Path::new("t.txt")).unwrap();
+    }
+
+    /// A device budget that leaves the activations no room on the GPU is a config
+    /// error naming `device.budget` and the bytes short, before step 1; the bound is
+    /// the model's (saved block inputs per kept micro-batch, plus the larger of one
+    /// layer's attention scores and the head's logits).
+    #[test]
+    fn a_slab_that_leaves_the_activations_no_room_is_refused() {
+        use tidestore_candle::llama::{Llama, LlamaConfig};
+        let cfg = Config::from_toml_str(
+            "[device]\nbudget = \"70GiB\"\n[nvme]\ndir = \"swap\"\n\
+             [train]\nmicro_batch = 4\nsequence = 128\naccumulation = 2\n",
+        )
+        .unwrap();
+        let model = Llama::new(LlamaConfig {
+            vocab: 512,
+            hidden: 256,
+            intermediate: 704,
+            layers: 4,
+            heads: 8,
+            kv_heads: 4,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+            tie_embeddings: false,
+            lora: None,
+        })
+        .unwrap();
+        // Saved inputs 5 · 4 · 128 · 256 · 4 per micro-batch; scores 3 · 4 · 8 · 128² · 4
+        // exceed the logits 2 · 4 · 128 · 512 · 4.
+        let need = model.activation_bytes_at_least(4, 128, 2);
+        assert_eq!(need, 2 * 5 * 4 * 128 * 256 * 4 + 3 * 4 * 8 * 128 * 128 * 4);
+        let gib = 1u64 << 30;
+        check_activation_room(&cfg, 80 * gib, need, need).unwrap();
+        let e = check_activation_room(&cfg, 80 * gib, need - 4096, need).unwrap_err();
+        assert_eq!(e.key(), Some("device.budget"));
+        let text = e.to_string();
+        assert!(
+            text.contains("4.00 KiB short") && text.contains("vertical"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -255,6 +255,9 @@ pub fn run(
     checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
     let compute = compute::compute_device(params.trainer().store().device().kind())?;
     params.set_compute_device(&compute);
+    if compute.is_cuda() {
+        activation_room(cfg, &loaded, &params)?;
+    }
     let model_fingerprint = model::import(t, &loaded, &mut params)?;
     let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint());
     let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
@@ -287,6 +290,27 @@ pub fn run(
     }
     report.finish(&params, swap.target().to_path_buf());
     Ok(report)
+}
+
+/// Before step 1 on a GPU: the blocks' activations must fit beside the chunk slab
+/// (see [`checks::check_activation_room`]).
+fn activation_room(cfg: &Config, loaded: &model::Loaded, params: &TideParams) -> Result<()> {
+    let t = &cfg.train;
+    let device = params.trainer().store().device();
+    let total = device.mem_info()?.total_bytes;
+    let beside_slab = total
+        .saturating_sub(device.slab_bytes())
+        .saturating_sub(device.non_model_bytes()?);
+    let kept = match t.micro_batch_order {
+        tidestore::config::MicroBatchOrderName::Vertical => t.accumulation,
+        tidestore::config::MicroBatchOrderName::Horizontal => 1,
+    };
+    let need = loaded.model.activation_bytes_at_least(
+        t.micro_batch as usize,
+        t.sequence as usize,
+        kept as usize,
+    );
+    checks::check_activation_room(cfg, total, beside_slab, need)
 }
 
 /// The prefix of a finetune run's swap directory in `nvme.dir`: `finetune.PID`.
