@@ -149,20 +149,27 @@ impl TideParams {
         let spec = self.trainer.spec(i)?;
         let var = as_var && spec.trainable;
         let shape = spec.shape.clone();
-        let t = if self.device.is_cpu() {
+        let device = &self.device;
+        if device.is_cpu() {
             // `from_vec` takes the vector over: no copy.
             let values = self.trainer.fetch(i, to)?;
-            Tensor::from_vec(values, shape.as_slice(), &self.device)?
-        } else {
-            // The stored elements reach the device as they are (bf16: half of f32's
-            // bytes) — copied there from the device tier when the parameter is on the
-            // GPU, else uploaded from the host pool — and become f32 there.
-            let device = &self.device;
-            let up = self.trainer.fetch_view(i, to, |view, dtype| {
+            let t = if var {
+                Var::from_vec(values, shape.as_slice(), device)?.into_inner()
+            } else {
+                Tensor::from_vec(values, shape.as_slice(), device)?
+            };
+            return Ok((t, var));
+        }
+        // The stored elements reach the device as they are (bf16: half of f32's bytes)
+        // — copied there from the device tier when the parameter is on the GPU, else
+        // uploaded from the host pool — and become f32 there.
+        let t = self
+            .trainer
+            .fetch_view(i, to, |view, dtype| {
                 to_device(view, dtype, shape.as_slice(), device)
-            })??;
-            up.to_dtype(candle_core::DType::F32)?
-        };
+            })??
+            .to_dtype(candle_core::DType::F32)?;
+        // A variable owns its storage: one copy on the device.
         let t = if var {
             Var::from_tensor(&t)?.into_inner()
         } else {

@@ -208,12 +208,10 @@ fn build_mover(
     let dev_policy = Policies::new(policy.build(empty_schedule(), Horizon::Cyclic), use_main);
     let host_policy = Policies::new(policy.build(empty_schedule(), Horizon::Cyclic), use_main);
     let non_model = device.non_model_bytes().unwrap_or(0);
-    let cap = settings.device_budget_bytes.min(device_bytes.slab).min(
-        device_bytes
-            .total
-            .saturating_sub(non_model)
-            .saturating_sub(settings.margin_bytes),
-    );
+    let cap = settings
+        .device_budget_bytes
+        .min(device_bytes.slab)
+        .min(device_bytes.beside(non_model, settings.margin_bytes));
     device
         .set_budget_capacity(cap)
         .map_err(|e| ChunkError::tier("setting the device budget", None, e))?;
@@ -254,5 +252,10 @@ impl DeviceBytes {
             total,
             slab: device.slab_bytes().min(total),
         })
+    }
+
+    /// What the device leaves chunks beside `non_model` bytes and a margin.
+    pub(super) fn beside(&self, non_model: u64, margin: u64) -> u64 {
+        self.total.saturating_sub(non_model).saturating_sub(margin)
     }
 }

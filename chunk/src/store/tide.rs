@@ -83,9 +83,7 @@ impl ChunkStore {
     ) -> u64 {
         let st = &self.settings;
         let DeviceBytes { total, slab } = self.device_bytes;
-        let now = total
-            .saturating_sub(non_model)
-            .saturating_sub(st.margin_bytes);
+        let now = self.device_bytes.beside(non_model, st.margin_bytes);
         let cap = match phase {
             Phase::ForwardBackward => st.device_budget_bytes.min(match s {
                 Some(s) => s.tidal_budget_bytes(total, moment, st.window, st.margin_bytes),

@@ -62,9 +62,7 @@ impl ChunkStore {
                 // much larger than `device.budget`), its growth changes nothing.
                 let squeezes = self
                     .device_bytes
-                    .total
-                    .saturating_sub(non_model)
-                    .saturating_sub(self.settings.margin_bytes)
+                    .beside(non_model, self.settings.margin_bytes)
                     < self
                         .device_bytes
                         .slab
