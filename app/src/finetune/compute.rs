@@ -1,10 +1,9 @@
 //! Where the blocks compute: candle's CUDA device on the GPU the store's device tier is
 //! on (a `gpu` build, `device.kind` `cuda` or `auto`, a GPU found), else the CPU.
 //!
-//! Parameters reach candle through host memory today: the trainer fetches a tensor's
-//! values into a `Vec<f32>` and candle uploads it; gradients come back the same way.
-//! The blocks' arithmetic runs on the GPU; the copies through the host are counted in
-//! the store time of each step.
+//! On the GPU, parameters go from their device chunks into candle's memory device to
+//! device (`TideParams::set_compute_device`); gradients still come back through host
+//! memory, counted in the store time of each step.
 
 use candle_core::Device;
 use tidestore_tiers::DeviceKind;

@@ -11,13 +11,12 @@ use tidestore_chunk::{
     SearchConfig, StoreConfig, TensorSpec,
 };
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
-use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
+use tidestore_tiers::{Device, DeviceConfig};
 
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
 use super::{Entry, NvmeTraffic, Trainer, GRAD_SUFFIX};
 use crate::error::{Result, TrainError};
 use crate::step::{GradPlace, StepConfig, StepLoop, StepPlace, StepTensor};
-use tidestore_chunk::Place;
 
 /// Chunks the optimizer step holds at once: gradient, master, M and V.
 const STEP_WORKING_SET_CHUNKS: u32 = 4;
@@ -84,12 +83,9 @@ impl Trainer {
         check_specs(specs)?;
         let entries = entries(specs, store.layout(), precision)?;
         let step = step_loop(&store, &entries, step, opt)?;
-        // Compute reads host-addressable memory: a simulated device is host memory, a
-        // CUDA one is not, so there compute reads the host pool's copy.
-        let compute_place = match store.device().kind() {
-            DeviceKind::Sim => Place::Device,
-            _ => Place::Host,
-        };
+        // Compute reads host-addressable memory until a front end computing on the GPU
+        // says otherwise (`Trainer::set_compute_on_device`).
+        let compute_place = super::values::compute_place(store.device().kind(), false);
         let swap_path = store.nvme().with_swap_file(|f| f.path().to_path_buf());
         let by_name = entries
             .iter()

@@ -179,11 +179,7 @@ impl Trainer {
     /// [`Trainer::fetch_view`] hands out device pointers; [`Trainer::fetch`] cannot
     /// read them). Set before the first step: the warm-up iteration traces the place.
     pub fn set_compute_on_device(&mut self, on_device: bool) {
-        self.compute_place = match self.store.device().kind() {
-            DeviceKind::Sim => Place::Device,
-            DeviceKind::Cuda if on_device => Place::Device,
-            DeviceKind::Cuda => Place::Host,
-        };
+        self.compute_place = compute_place(self.store.device().kind(), on_device);
     }
 
     /// Runs `f` on trainable parameter `i`'s fp32 master copy, in place in the host
@@ -314,6 +310,17 @@ impl Trainer {
 pub(crate) fn f32_view_mut(bytes: &mut [u8]) -> Result<&mut [f32]> {
     bytemuck::try_cast_slice_mut(bytes)
         .map_err(|e| TrainError::Protocol(format!("an fp32 place in the store is misaligned: {e}")))
+}
+
+/// Where compute reads parameters on a device of `kind`: the simulated device is host
+/// memory, so there on the device; on a GPU on the device only when compute runs there
+/// (`on_device`), else in the host pool.
+pub(super) fn compute_place(kind: DeviceKind, on_device: bool) -> Place {
+    match kind {
+        DeviceKind::Sim => Place::Device,
+        DeviceKind::Cuda if on_device => Place::Device,
+        DeviceKind::Cuda => Place::Host,
+    }
 }
 
 /// Bytes a view spans.
