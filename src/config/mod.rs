@@ -24,6 +24,7 @@ pub use crate::workload::WorkloadSection;
 mod parse;
 mod size;
 mod train;
+mod trainer;
 
 use parse::parse;
 #[cfg(test)]

@@ -65,7 +65,6 @@ use tidestore::session::{self, Session};
 pub use disk::DiskRates;
 pub use pattern::{checksum, grad_value, splitmix64, unit_f32, GRAD_SCALE, GRAD_SEED};
 pub use placement::cpu_optimizer;
-pub(crate) use placement::hyper_params;
 pub use report::{
     BenchReport, BoundReport, BudgetReport, ChunkReport, ListReport, NoProgress, OptimizerReport,
     PeakReport, PhaseName, PhaseReport, Progress, Sample, StoreReport, WorkloadReport, EMULATED,
@@ -386,7 +385,7 @@ fn trainer(
         .map(|t| ParamSpec::new(&t.name, &t.shape, t.trainable))
         .collect();
     let step_cfg = StepConfig {
-        hp: hyper_params(cfg),
+        hp: cfg.hyper_params(),
         max_grad_norm: max_norm,
         loss_scaler: None,
         place: if placement.on_device {
@@ -426,7 +425,7 @@ fn grad_final_at(s: &Session) -> Vec<Option<(usize, usize)>> {
 /// Opens the session and everything the runner needs, with every up-front check.
 fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> {
     let cpu = cpu_optimizer(cfg)?;
-    hyper_params(cfg)
+    cfg.hyper_params()
         .validate()
         .map_err(|e| Error::config("optimizer", e.to_string()))?;
     let prepared = session::prepare(cfg)?;

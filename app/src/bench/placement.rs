@@ -3,10 +3,10 @@
 //! CPU kernel the host steps use.
 
 use tidestore_chunk::{ChunkStore, Layout, ListKind, TensorId};
-use tidestore_optimizer::{AdamW, CpuConfig, HyperParams, Mode, OptimError};
+use tidestore_optimizer::{AdamW, CpuConfig, OptimError};
 
 use crate::error::{Error, Result};
-use tidestore::config::{Config, DecayMode, OptimizerDevice};
+use tidestore::config::{Config, OptimizerDevice};
 use tidestore::session;
 use tidestore::workload::Workload;
 
@@ -226,21 +226,6 @@ pub(super) fn choose_placement(
                 ),
             )
         }
-    }
-}
-
-pub(crate) fn hyper_params(cfg: &Config) -> HyperParams {
-    let o = &cfg.optimizer;
-    HyperParams {
-        lr: o.lr as f32,
-        beta1: o.beta1 as f32,
-        beta2: o.beta2 as f32,
-        eps: o.eps as f32,
-        weight_decay: o.weight_decay as f32,
-        mode: match o.mode {
-            DecayMode::Adamw => Mode::AdamW,
-            DecayMode::AdamL2 => Mode::AdamL2,
-        },
     }
 }
 

@@ -35,17 +35,15 @@ use std::time::Instant;
 
 use candle_core::Device;
 use serde::Serialize;
-use tidestore_candle::{checkpoint, train_step, Budget, Precision, TideConfig, TideParams};
+use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
 use tidestore_chunk::{ChunkError, StoreStats};
 use tidestore_optimizer::StepDecision;
 use tidestore_train::{CheckpointDir, TrainError};
 
-use crate::bench::hyper_params;
 use crate::error::{Error, Result};
 use crate::scratch::{self, Scratch};
 use identity::RunIdentity;
-use tidestore::config::{AutoSize, Config, DeviceKindName};
-use tidestore_train::DeviceChoice;
+use tidestore::config::Config;
 
 pub use data::{DataSummary, Samples};
 pub use tidestore::config::{
@@ -183,32 +181,10 @@ impl FinetuneProgress for NoProgress {
     fn end(&mut self) {}
 }
 
-/// The store's settings from the config.
+/// The store's settings from the config (the facade decides them for every front end),
+/// its swap file in this run's own directory under `nvme.dir`.
 fn tide_config(cfg: &Config) -> Result<TideConfig> {
-    let t = &cfg.train;
-    let mut tc = TideConfig::new(hyper_params(cfg), swap_dir(cfg)?);
-    tc.precision = match t.precision {
-        PrecisionName::Bf16 => Precision::Bf16,
-        PrecisionName::F32 => Precision::F32,
-    };
-    tc.max_grad_norm =
-        (cfg.optimizer.max_grad_norm > 0.0).then_some(cfg.optimizer.max_grad_norm as f32);
-    tc.chunk_elements = match cfg.chunk.size {
-        AutoSize::Auto => None,
-        AutoSize::Fixed(s) => Some(s.bytes() / 4),
-    };
-    tc.device_budget = Budget::Bytes(cfg.device.budget.bytes());
-    tc.host_budget = Budget::Bytes(cfg.host.budget.bytes());
-    tc.moments = cfg.optimizer.states.moments();
-    tc.io = cfg.io_config()?;
-    tc.optimizer_threads = cfg.optimizer.threads as usize;
-    tc.device = match cfg.device.kind {
-        DeviceKindName::Sim => DeviceChoice::Sim,
-        // A CUDA build only (`checks::refuse_unread_settings` refused "cuda" elsewhere),
-        // and `checks::check_device` refuses the simulation it may fall back to.
-        DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
-    };
-    Ok(tc)
+    Ok(cfg.trainer_config(swap_dir(cfg)?)?)
 }
 
 /// Peak resident memory of this process, from `/proc/self/status`.

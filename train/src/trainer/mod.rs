@@ -28,7 +28,7 @@ mod open;
 mod state;
 mod values;
 
-pub use values::{decode_moment, Values};
+pub use values::{decode_moment, Lease, Values};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

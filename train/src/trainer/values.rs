@@ -3,7 +3,7 @@
 //! moments (decoded from their stored form: the one decoder of bf16 and int8 moments)
 //! read back.
 
-use tidestore_chunk::{typed, DType, ListKind, Place, TensorState, TensorView};
+use tidestore_chunk::{typed, DType, Guard, ListKind, Place, TensorState, TensorView};
 use tidestore_tiers::{DeviceKind, DeviceView};
 
 use super::{Precision, Trainer};
@@ -40,6 +40,21 @@ pub fn decode_moment(bytes: &[u8], dtype: DType, elements: usize, signed: bool) 
             typed::decode_f32(bytes, d, &mut out);
             out
         }
+    }
+}
+
+/// A parameter held for compute across calls ([`Trainer::lease`]): the store's access,
+/// ended by [`Trainer::end_lease`] only.
+#[derive(Debug)]
+pub struct Lease {
+    guard: Guard,
+    index: usize,
+}
+
+impl Lease {
+    /// The parameter's index.
+    pub fn index(&self) -> usize {
+        self.index
     }
 }
 
@@ -145,21 +160,49 @@ impl Trainer {
         to: TensorState,
         f: impl FnOnce(TensorView<'_>, DType) -> R,
     ) -> Result<R> {
+        let lease = self.lease(i)?;
+        let out = self.lease_view(&lease).map(|(v, dtype)| f(v, dtype));
+        self.end_lease(lease, to)?;
+        out
+    }
+
+    /// Parameter `i` accessed where compute reads it (as [`Trainer::fetch_view`]) and
+    /// kept so until [`Trainer::end_lease`]: for a front end whose framework tensors view
+    /// the store's memory across calls (the Python engine binds a module's weights before
+    /// its forward and lets them go after it). While leased the tensor's chunk stays
+    /// where it is, so the bytes [`Trainer::lease_view`] gives keep their address. A
+    /// traced moment of the iteration, as every access.
+    pub fn lease(&mut self, i: usize) -> Result<Lease> {
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
-        let elements = e.spec.elements() as u64;
-        let g = self.store.access(id, list, self.compute_place)?;
-        let out = self.store.view(&g).map(|v| {
-            (view_len(&v) as u64 == elements * g.dtype().size_bytes()).then(|| f(v, g.dtype()))
-        });
-        self.store.release(g, to)?;
-        out?.ok_or_else(|| TrainError::Tensor {
-            tensor: self.entries[i].spec.name.clone(),
-            reason: format!(
-                "the store holds a different size than shape {:?}",
-                self.entries[i].spec.shape
-            ),
-        })
+        let guard = self.store.access(id, list, self.compute_place)?;
+        Ok(Lease { guard, index: i })
+    }
+
+    /// The leased parameter's stored elements and their dtype (bf16 for a trainable
+    /// parameter in `Bf16`, f32 otherwise): host bytes, or a device view on a GPU whose
+    /// memory compute reads. A view of another size than the spec's shape is an error
+    /// naming the tensor.
+    pub fn lease_view(&self, lease: &Lease) -> Result<(TensorView<'_>, DType)> {
+        let spec = &self.entry(lease.index)?.spec;
+        let dtype = lease.guard.dtype();
+        let v = self.store.view(&lease.guard)?;
+        if view_len(&v) as u64 != spec.elements() as u64 * dtype.size_bytes() {
+            return Err(TrainError::Tensor {
+                tensor: spec.name.clone(),
+                reason: format!(
+                    "the store holds a different size than shape {:?}",
+                    spec.shape
+                ),
+            });
+        }
+        Ok((v, dtype))
+    }
+
+    /// Ends a lease: the parameter released to `to` (`HoldAfterFwd` after forward,
+    /// `HoldAfterBwd` after backward); its chunk may move again.
+    pub fn end_lease(&mut self, lease: Lease, to: TensorState) -> Result<()> {
+        Ok(self.store.release(lease.guard, to)?)
     }
 
     fn checked_len(&self, i: usize, v: Vec<f32>) -> Result<Vec<f32>> {

@@ -1,0 +1,84 @@
+//! What a [`Config`] says a training run's store is: the [`TrainerConfig`] every front
+//! end opens its [`tidestore_train::Trainer`] with (`tidestore finetune`, the bench, the
+//! Python engine), decided here once from the TOML file's sections.
+
+use std::path::PathBuf;
+
+use tidestore_optimizer::{HyperParams, Mode};
+use tidestore_train::{Budget, DeviceChoice, Precision, TrainerConfig};
+
+use super::{AutoSize, Config, DecayMode, DeviceKindName, PrecisionName};
+use crate::error::Result;
+
+impl Config {
+    /// `[optimizer]`'s AdamW hyper-parameters.
+    pub fn hyper_params(&self) -> HyperParams {
+        let o = &self.optimizer;
+        HyperParams {
+            lr: o.lr as f32,
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            eps: o.eps as f32,
+            weight_decay: o.weight_decay as f32,
+            mode: match o.mode {
+                DecayMode::Adamw => Mode::AdamW,
+                DecayMode::AdamL2 => Mode::AdamL2,
+            },
+        }
+    }
+
+    /// The store of a training run as the config lays it out: `train.precision`,
+    /// `optimizer` (hyper-parameters, clipping, moments, threads), `chunk.size`, the
+    /// `device` and `host` budgets, `device.kind` and `[io]`; its swap file in
+    /// `swap_dir`. `device.kind = "cuda"` asks for the GPU the build may have
+    /// ([`DeviceChoice::Auto`]); a front end that must refuse the simulation it falls
+    /// back to checks the opened device.
+    pub fn trainer_config(&self, swap_dir: PathBuf) -> Result<TrainerConfig> {
+        let mut tc = TrainerConfig::new(self.hyper_params(), swap_dir);
+        tc.precision = match self.train.precision {
+            PrecisionName::Bf16 => Precision::Bf16,
+            PrecisionName::F32 => Precision::F32,
+        };
+        tc.max_grad_norm =
+            (self.optimizer.max_grad_norm > 0.0).then_some(self.optimizer.max_grad_norm as f32);
+        tc.chunk_elements = match self.chunk.size {
+            AutoSize::Auto => None,
+            AutoSize::Fixed(s) => Some(s.bytes() / 4),
+        };
+        tc.device_budget = Budget::Bytes(self.device.budget.bytes());
+        tc.host_budget = Budget::Bytes(self.host.budget.bytes());
+        tc.moments = self.optimizer.states.moments();
+        tc.io = self.io_config()?;
+        tc.optimizer_threads = self.optimizer.threads as usize;
+        tc.device = match self.device.kind {
+            DeviceKindName::Sim => DeviceChoice::Sim,
+            DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
+        };
+        Ok(tc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_toml_file_decides_the_trainer_config() {
+        let cfg = Config::from_toml_str(
+            "[train]\nprecision = \"f32\"\n[optimizer]\nlr = 0.002\nstates = \"int8\"\n\
+             max_grad_norm = 1.0\n[chunk]\nsize = \"4MiB\"\n[host]\nbudget = \"64MiB\"\n\
+             [device]\nkind = \"sim\"\nbudget = \"32MiB\"\n[nvme]\ndir = \"/tmp\"\n",
+        )
+        .unwrap();
+        let tc = cfg.trainer_config(PathBuf::from("/tmp/swap")).unwrap();
+        assert_eq!(tc.precision, Precision::F32);
+        assert_eq!(tc.hp.lr, 0.002);
+        assert_eq!(tc.moments, tidestore_chunk::MomentForm::Int8);
+        assert_eq!(tc.max_grad_norm, Some(1.0));
+        assert_eq!(tc.chunk_elements, Some(1 << 20));
+        assert_eq!(tc.host_budget, Budget::Bytes(64 << 20));
+        assert_eq!(tc.device_budget, Budget::Bytes(32 << 20));
+        assert_eq!(tc.device, DeviceChoice::Sim);
+        assert_eq!(tc.swap_dir, PathBuf::from("/tmp/swap"));
+    }
+}
