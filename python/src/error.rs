@@ -62,6 +62,16 @@ pub enum Error {
     /// A use of an object in the wrong order (a step without gradients, ...).
     #[error("{0}")]
     Protocol(String),
+    /// A file-system call on `path` (making a run's swap directory).
+    #[error("{path}: {source}")]
+    Os {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// From the TOML configuration file (its key, line and column named).
+    #[error(transparent)]
+    Config(#[from] tidestore::error::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -92,8 +102,19 @@ fn classify(err: &Error) -> Class {
         Error::Optim(o) => optim_class(o),
         Error::Train(t) => train_class(t),
         Error::Io { source, .. } => Some(io_class(source)),
+        Error::Os { source, .. } => Some(Class::Io(source.raw_os_error())),
+        Error::Config(c) => config_class(c),
     };
     direct.unwrap_or_else(|| chain_class(err))
+}
+
+fn config_class(e: &tidestore::error::Error) -> Option<Class> {
+    use tidestore::error::Error as E;
+    match e {
+        E::ConfigRead { .. } | E::Syntax { .. } | E::Config { .. } => Some(Class::Config),
+        E::Train(t) => train_class(t),
+        _ => None,
+    }
 }
 
 fn optim_class(e: &OptimError) -> Option<Class> {

@@ -3,6 +3,8 @@
 //! - [`adamw`]: `AdamWCore`, the optimizer state of `tidestore.AdamW` in a chunk store,
 //!   stepped by tidestore's step loop;
 //! - [`aio`]: `AioHandle`, asynchronous tensor reads and writes through the I/O engine;
+//! - [`engine`]: `EngineCore`, a whole torch model's training state in a chunk store,
+//!   its parameters bound to torch tensors over the store's memory (`tidestore.offload`);
 //! - [`buffer`]: tensor memory from Python's buffer protocol, checked;
 //! - [`error`]: the crate's error type and the Python exceptions it becomes.
 //!
@@ -14,7 +16,9 @@
 pub mod adamw;
 pub mod aio;
 pub mod buffer;
+pub mod engine;
 pub mod error;
+mod py_engine;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -65,7 +69,7 @@ impl PyAdamWCore {
     }
 }
 
-fn f32_bytes<'py>(py: Python<'py>, v: &[f32]) -> Bound<'py, PyBytes> {
+pub(crate) fn f32_bytes<'py>(py: Python<'py>, v: &[f32]) -> Bound<'py, PyBytes> {
     let mut out = Vec::with_capacity(v.len() * 4);
     for x in v {
         out.extend_from_slice(&x.to_le_bytes());
@@ -436,6 +440,7 @@ fn _tidestore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyAdamWCore>()?;
     m.add_class::<PyAioHandle>()?;
+    m.add_class::<py_engine::PyEngineCore>()?;
     m.add("TidestoreError", py.get_type::<TidestoreError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("IoError", py.get_type::<TidestoreIoError>())?;

@@ -5,9 +5,9 @@
 use std::path::PathBuf;
 
 use tidestore_optimizer::{HyperParams, Mode};
-use tidestore_train::{Budget, DeviceChoice, Precision, TrainerConfig};
+use tidestore_train::{Budget, DeviceChoice, Overlap, Precision, TrainerConfig};
 
-use super::{AutoSize, Config, DecayMode, DeviceKindName, PrecisionName};
+use super::{AutoSize, Config, DecayMode, DeviceKindName, OverlapName, PrecisionName};
 use crate::error::Result;
 
 impl Config {
@@ -38,6 +38,10 @@ impl Config {
         tc.precision = match self.train.precision {
             PrecisionName::Bf16 => Precision::Bf16,
             PrecisionName::F32 => Precision::F32,
+        };
+        tc.overlap = match self.optimizer.overlap {
+            OverlapName::Off => Overlap::Off,
+            OverlapName::Backward => Overlap::Backward,
         };
         tc.max_grad_norm =
             (self.optimizer.max_grad_norm > 0.0).then_some(self.optimizer.max_grad_norm as f32);

@@ -48,7 +48,7 @@ pub use trainer::{
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,
 /// tensor states, the store's counters and errors, and the I/O settings of a swap file.
 pub use tidestore_chunk::{
-    ChunkError, DType, ListKind, MomentForm, StoreStats, TensorState, TensorView,
+    typed, ChunkError, DType, ListKind, MomentForm, StoreStats, TensorState, TensorView,
 };
 pub use tidestore_io::IoConfig;
 /// The optimizer's types a front end configures a run with.

@@ -172,8 +172,18 @@ impl HfWeights {
     /// Maps the weights of the model directory `dir` and checks every tensor `cfg`
     /// implies (see the module doc). Nothing is read beyond the headers.
     pub fn open(dir: &Path, cfg: &LlamaConfig) -> Result<HfWeights> {
+        Self::open_tensors(dir, base_tensors(cfg), cfg.torch_dtype)
+    }
+
+    /// As [`HfWeights::open`] for any model: maps the files that hold `expected` (name,
+    /// shape; in the order they are wanted) and checks each tensor is there with that
+    /// shape, in a dtype tidestore reads and, when `torch_dtype` is given, in it.
+    pub fn open_tensors(
+        dir: &Path,
+        expected: Vec<(String, Vec<usize>)>,
+        torch_dtype: Option<DType>,
+    ) -> Result<HfWeights> {
         let (listing, map) = weight_map(dir)?;
-        let expected = base_tensors(cfg);
         // The file of each expected tensor, by name.
         let mut file_of: Vec<(String, Vec<usize>, String)> = Vec::with_capacity(expected.len());
         for (name, shape) in expected {
@@ -217,7 +227,7 @@ impl HfWeights {
                     files.len() - 1
                 }
             };
-            let located = locate(&files[i], &metas[i], i, &name, &shape, cfg)?;
+            let located = locate(&files[i], &metas[i], i, &name, &shape, torch_dtype)?;
             tensors.insert(name.clone(), located);
             order.push(name);
         }
@@ -271,7 +281,7 @@ fn locate(
     index: usize,
     name: &str,
     shape: &[usize],
-    cfg: &LlamaConfig,
+    torch_dtype: Option<DType>,
 ) -> Result<Located> {
     let info = meta.info(name).ok_or_else(|| TrainError::HfMissingTensor {
         path: file.path.clone(),
@@ -293,7 +303,7 @@ fn locate(
     if info.shape != shape {
         return Err(refuse(format!("config.json implies shape {shape:?}")));
     }
-    if let Some(want) = cfg.torch_dtype.filter(|&d| d != dtype) {
+    if let Some(want) = torch_dtype.filter(|&d| d != dtype) {
         return Err(refuse(format!(
             "config.json's torch_dtype is {}",
             dtype_to_torch(want)

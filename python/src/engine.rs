@@ -1,0 +1,365 @@
+//! `EngineCore`: the Rust side of `tidestore.offload`, the engine that trains a whole
+//! `torch.nn.Module` out of the store. Every parameter of the model is a tensor of a
+//! [`Trainer`] (registered in forward order; 16-bit or fp32 copy, fp32 master, M and V
+//! in the store's chunk lists), so the model's weights live where the store puts them —
+//! the simulated device, the host pool, the swap file on NVMe — and never all in memory.
+//!
+//! What the Python layer does with it, per module and iteration:
+//! 1. before a module runs, [`EngineCore::acquire`] each of its parameters: the store
+//!    accesses it where compute reads it and keeps it there ([`Trainer::lease`]); the
+//!    address, length and dtype it returns become a torch tensor over that memory
+//!    (no copy: numpy's array interface, then `torch.from_numpy`). Acquiring a parameter
+//!    that is already held (a tied weight, a module called twice) counts one more hold;
+//! 2. after the module, [`EngineCore::release`]: when the last hold goes, the lease ends
+//!    (`HoldAfterFwd` in forward, `HoldAfterBwd` in backward) and the chunk may move
+//!    again — the Python layer has dropped every tensor over it before it calls this;
+//! 3. a final gradient goes in with [`EngineCore::put_grad`] (widened into its fp32
+//!    companion, or over the bf16 copy in bf16 precision; its norm taken and reported to
+//!    the step loop), and with overlap on [`EngineCore::step_ready`] steps the groups
+//!    whose gradients are all final while backward goes on;
+//! 4. [`EngineCore::step`]: the trainer's step and the end of the store's iteration (the
+//!    first is the warm-up trace the schedule of the later ones is learnt from).
+//!
+//! Memory safety across the boundary: the address handed out stays valid while the
+//! lease is held, because a leased tensor's chunk does not move (the store's access
+//! contract). The Python layer keeps the engine alive while any tensor over its memory
+//! exists, and releases a parameter only after rebinding it to an empty tensor; a
+//! parameter still held when its value is written ([`EngineCore::set_values`]) or
+//! stepped is refused here, never raced.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use tidestore_train::hf::HfWeights;
+use tidestore_train::{
+    DType, DeviceView, Lease, ParamSpec, StepDecision, TensorState, TensorView, Trainer,
+    TrainerConfig, Values,
+};
+
+use crate::error::{Error, Result};
+
+/// A parameter held for compute: its lease and how many holds it has.
+#[derive(Debug)]
+struct Held {
+    lease: Lease,
+    holds: u32,
+}
+
+/// Where a held parameter's elements are: address, bytes, element dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding {
+    /// Address of the first element in this process.
+    pub addr: usize,
+    /// Bytes of the parameter.
+    pub len: usize,
+    /// Element dtype (f32, or bf16 for a trainable parameter in bf16 precision).
+    pub dtype: DType,
+}
+
+/// One model's training state in a store (see the module doc).
+#[derive(Debug)]
+pub struct EngineCore {
+    trainer: Trainer,
+    held: HashMap<usize, Held>,
+    /// Removed with the engine: the run's own swap directory.
+    swap_dir: PathBuf,
+}
+
+impl Drop for EngineCore {
+    fn drop(&mut self) {
+        // The swap file holds nothing an open ever takes back (checkpoints resume a
+        // run), so it goes with the engine: unlinked while the store still has it
+        // open, its space is freed when the store closes it right after this.
+        let path = self.trainer.swap_path().to_path_buf();
+        for gone in [path.as_path(), self.swap_dir.as_path()] {
+            let res = if gone.is_dir() {
+                std::fs::remove_dir(gone)
+            } else {
+                std::fs::remove_file(gone)
+            };
+            if let Err(e) = res {
+                tracing::warn!(path = %gone.display(), error = %e, "tidestore engine: swap space not removed");
+            }
+        }
+    }
+}
+
+impl EngineCore {
+    /// Registers `specs` (forward order; values zero until set or imported) in a store
+    /// laid out as `cfg` says. `cfg.swap_dir` is the run's own directory, made here and
+    /// removed with the engine.
+    pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Self> {
+        std::fs::create_dir_all(&cfg.swap_dir).map_err(|source| Error::Os {
+            path: cfg.swap_dir.display().to_string(),
+            source,
+        })?;
+        let trainer = Trainer::open(specs, cfg)?;
+        Ok(EngineCore {
+            trainer,
+            held: HashMap::new(),
+            swap_dir: cfg.swap_dir.clone(),
+        })
+    }
+
+    /// Parameters registered.
+    pub fn len(&self) -> usize {
+        self.trainer.len()
+    }
+
+    /// Whether no parameter is registered (never: a store needs one).
+    pub fn is_empty(&self) -> bool {
+        self.trainer.is_empty()
+    }
+
+    /// Parameter `i`'s spec.
+    pub fn spec(&self, i: usize) -> Result<&ParamSpec> {
+        Ok(self.trainer.spec(i)?)
+    }
+
+    /// Holds parameter `i` where compute reads it (one more hold if it is held) and
+    /// says where its elements are.
+    pub fn acquire(&mut self, i: usize) -> Result<Binding> {
+        if let Some(h) = self.held.get_mut(&i) {
+            h.holds += 1;
+        } else {
+            let lease = self.trainer.lease(i)?;
+            self.held.insert(i, Held { lease, holds: 1 });
+        }
+        let lease = &self.held[&i].lease;
+        let (view, dtype) = self.trainer.lease_view(lease)?;
+        let bytes = match view {
+            TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b,
+            TensorView::Device(DeviceView::Cuda(_)) => {
+                return Err(Error::Protocol(format!(
+                    "`{}` is in GPU memory: this build binds parameters as CPU tensors",
+                    self.trainer.spec(i)?.name
+                )))
+            }
+        };
+        Ok(Binding {
+            addr: bytes.as_ptr() as usize,
+            len: bytes.len(),
+            dtype,
+        })
+    }
+
+    /// Drops one hold of parameter `i`; the last ends its lease (to `HoldAfterBwd` when
+    /// `backward`, else `HoldAfterFwd`). Returns the holds left.
+    pub fn release(&mut self, i: usize, backward: bool) -> Result<u32> {
+        let Some(mut h) = self.held.remove(&i) else {
+            return Err(Error::Protocol(format!(
+                "`{}` released but not held",
+                self.trainer.spec(i)?.name
+            )));
+        };
+        h.holds -= 1;
+        if h.holds > 0 {
+            let left = h.holds;
+            self.held.insert(i, h);
+            return Ok(left);
+        }
+        let lease = h.lease;
+        let to = if backward {
+            TensorState::HoldAfterBwd
+        } else {
+            TensorState::HoldAfterFwd
+        };
+        self.trainer.end_lease(lease, to)?;
+        Ok(0)
+    }
+
+    /// Parameters held now, by index.
+    pub fn held(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.held.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn refuse_held(&self, i: usize, what: &str) -> Result<()> {
+        if self.held.contains_key(&i) {
+            return Err(Error::Protocol(format!(
+                "{what} `{}` while a module holds it",
+                self.trainer.spec(i)?.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes parameter `i`'s values (fp32, bf16 or fp16 bytes): its master copy (and
+    /// 16-bit copy) when trainable, its stored copy when frozen. Untraced.
+    pub fn set_values(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<()> {
+        self.refuse_held(i, "writing")?;
+        let values = widened(src, dtype)?;
+        Ok(self.trainer.set_values(i, &values)?)
+    }
+
+    /// Parameter `i`'s current values as f32 (the master copy of a trainable one).
+    pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
+        Ok(self.trainer.values(i)?)
+    }
+
+    /// Imports every registered parameter from the Hugging Face model directory `dir`
+    /// (safetensors shards and their index, through memory maps, one tensor at a time:
+    /// the files are never all in memory). Everything is checked before anything is
+    /// written: each parameter present, with its shape, in a dtype tidestore reads.
+    /// `skip` names parameters the files need not hold (adapters the caller initialises).
+    /// Returns how many tensors were written.
+    pub fn import_dir(&mut self, dir: &Path, skip: &[String]) -> Result<usize> {
+        let wanted: Vec<(usize, String, Vec<usize>)> = (0..self.trainer.len())
+            .map(|i| {
+                self.trainer
+                    .spec(i)
+                    .map(|s| (i, s.name.clone(), s.shape.clone()))
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        let wanted: Vec<_> = wanted
+            .into_iter()
+            .filter(|(_, name, _)| !skip.contains(name))
+            .collect();
+        let expected = wanted
+            .iter()
+            .map(|(_, n, s)| (n.clone(), s.clone()))
+            .collect();
+        let weights = HfWeights::open_tensors(dir, expected, None)?;
+        for (i, name, _) in &wanted {
+            self.refuse_held(*i, "importing")?;
+            let values = weights.tensor_f32(name).ok_or_else(|| {
+                Error::Protocol(format!("`{name}` checked present, then missing"))
+            })?;
+            self.trainer.set_values(*i, &values)?;
+            weights.release(name);
+        }
+        tracing::info!(dir = %dir.display(), tensors = wanted.len(), "tidestore engine: imported");
+        Ok(wanted.len())
+    }
+
+    /// Writes one micro-batch's part of trainable parameter `i`'s gradient (see
+    /// [`Trainer::put_grad`]); the `last` part reports it to the step loop.
+    pub fn put_grad(
+        &mut self,
+        i: usize,
+        src: &[u8],
+        dtype: DType,
+        first: bool,
+        last: bool,
+    ) -> Result<()> {
+        self.refuse_held(i, "the gradient of")?;
+        Ok(self
+            .trainer
+            .put_grad(i, Values::Bytes { bytes: src, dtype }, first, last)?)
+    }
+
+    /// Steps every group whose gradients are all final (overlap); how many tensors.
+    pub fn step_ready(&mut self) -> Result<usize> {
+        Ok(self.trainer.step_ready(None, &mut |_| {})?)
+    }
+
+    /// The step: decided (global norm, clipping), the rest stepped, the store's
+    /// iteration ended. Every parameter must be released. Returns the global gradient
+    /// norm and the clipping coefficient; `None` when skipped (a non-finite gradient).
+    pub fn step(&mut self) -> Result<Option<(f64, f64)>> {
+        if let Some(&i) = self.held().first() {
+            self.refuse_held(i, "the step with")?;
+        }
+        let outcome = self.trainer.step(&mut |_| {})?;
+        Ok(match outcome.decision {
+            StepDecision::Apply {
+                grad_norm,
+                clip_coef,
+                ..
+            } => Some((grad_norm, clip_coef)),
+            StepDecision::Skip { .. } => None,
+        })
+    }
+
+    /// Gradients reported in this iteration.
+    pub fn reported(&self) -> usize {
+        self.trainer.reported()
+    }
+
+    /// Sets the learning rate of the steps to come.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        Ok(self.trainer.set_lr(lr)?)
+    }
+
+    /// Steps applied so far.
+    pub fn step_count(&self) -> u64 {
+        self.trainer.step_count()
+    }
+
+    /// Streams the training state into a tidestore checkpoint at `path`.
+    pub fn save(&mut self, path: &Path, metadata: BTreeMap<String, String>) -> Result<()> {
+        Ok(self.trainer.save(path, metadata)?)
+    }
+
+    /// Loads a checkpoint (verified whole first); returns its metadata.
+    pub fn load(&mut self, path: &Path) -> Result<BTreeMap<String, String>> {
+        if let Some(&i) = self.held().first() {
+            self.refuse_held(i, "loading a checkpoint over")?;
+        }
+        Ok(self.trainer.load(path)?)
+    }
+
+    /// Counters of the store and the step loop, by name.
+    pub fn stats(&self) -> BTreeMap<&'static str, u64> {
+        self.trainer.counters()
+    }
+}
+
+/// `src` (`dtype` elements, little endian) as f32.
+fn widened(src: &[u8], dtype: DType) -> Result<Vec<f32>> {
+    let n = match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => src.len() / dtype.size_bytes() as usize,
+        other => return Err(Error::bad("dtype", format!("{other}: not a float dtype"))),
+    };
+    let mut out = vec![0f32; n];
+    tidestore_train::typed::decode_f32(src, dtype, &mut out);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidestore_train::{Budget, DeviceChoice, HyperParams};
+
+    fn engine(dir: &Path) -> EngineCore {
+        let specs = [
+            ParamSpec::new("a", &[4, 8], true),
+            ParamSpec::new("b", &[8], false),
+        ];
+        let mut cfg = TrainerConfig::new(
+            HyperParams::adamw(0.1, (0.9, 0.999), 1e-8, 0.0),
+            dir.join("run"),
+        );
+        cfg.device = DeviceChoice::Sim;
+        cfg.host_budget = Budget::AllChunks;
+        EngineCore::open(&specs, &cfg).unwrap()
+    }
+
+    #[test]
+    fn a_held_parameter_is_bound_in_place_and_refused_to_writes_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = engine(dir.path());
+        let vals: Vec<u8> = (0..32).flat_map(|x| (x as f32).to_le_bytes()).collect();
+        e.set_values(0, &vals, DType::F32).unwrap();
+        let b = e.acquire(0).unwrap();
+        assert_eq!((b.len, b.dtype), (128, DType::F32));
+        // A second hold (a tied weight) binds the same memory.
+        assert_eq!(e.acquire(0).unwrap(), b);
+        assert!(e.set_values(0, &vals, DType::F32).is_err());
+        assert_eq!(e.release(0, false).unwrap(), 1);
+        assert!(e.put_grad(0, &vals, DType::F32, true, true).is_err());
+        assert_eq!(e.release(0, false).unwrap(), 0);
+        assert!(e.release(0, false).is_err(), "released twice");
+        e.put_grad(0, &vals, DType::F32, true, true).unwrap();
+        e.step().unwrap();
+        // lr 0.1, Adam's first step moves every weight by ~lr against its gradient.
+        let after = e.values(0).unwrap();
+        assert!((after[5] - (5.0 - 0.1)).abs() < 1e-4, "{}", after[5]);
+        drop(e);
+        assert!(
+            !dir.path().join("run").exists(),
+            "the run's swap directory is removed"
+        );
+    }
+}

@@ -1,0 +1,328 @@
+//! `tidestore._tidestore.EngineCore`: the Python class over [`EngineCore`], and how its
+//! store is configured — from a `tidestore.toml` (the facade decides every setting, as
+//! for `tidestore finetune`) or from keyword arguments.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use tidestore_train::{
+    Budget, DType, DeviceChoice, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig,
+};
+
+use crate::adamw::parse_states;
+use crate::buffer::{parse_dtype, Bytes};
+use crate::engine::EngineCore;
+use crate::error::{Error, Result};
+use crate::f32_bytes;
+
+/// Engines opened by this process, for their swap directories' names.
+static OPENED: AtomicU64 = AtomicU64::new(0);
+
+/// The run's own swap directory under `nvme_dir`.
+fn own_swap_dir(nvme_dir: &std::path::Path) -> PathBuf {
+    let n = OPENED.fetch_add(1, Ordering::Relaxed);
+    nvme_dir.join(format!("tidestore-engine-{}-{n}", std::process::id()))
+}
+
+/// The store's settings from keyword arguments (no config file).
+#[derive(Debug)]
+struct Keywords {
+    precision: Precision,
+    hp: HyperParams,
+    states: String,
+    nvme_dir: PathBuf,
+    host_budget: Option<u64>,
+    device_budget: Option<u64>,
+    max_grad_norm: Option<f32>,
+    overlap: bool,
+    threads: usize,
+    chunk_elements: Option<u64>,
+}
+
+impl Keywords {
+    fn trainer_config(&self) -> Result<TrainerConfig> {
+        if let Some(n) = self.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
+            return Err(Error::bad(
+                "max_grad_norm",
+                format!("{n} is not a positive finite number"),
+            ));
+        }
+        tidestore_train::aio::check_writable_dir("nvme_dir", &self.nvme_dir).map_err(|e| {
+            Error::Io {
+                path: self.nvme_dir.display().to_string(),
+                source: e,
+            }
+        })?;
+        Ok(TrainerConfig {
+            precision: self.precision,
+            max_grad_norm: self.max_grad_norm,
+            overlap: if self.overlap {
+                Overlap::Backward
+            } else {
+                Overlap::Off
+            },
+            chunk_elements: self.chunk_elements,
+            device_budget: self.device_budget.map_or(Budget::Chunks(4), Budget::Bytes),
+            host_budget: self.host_budget.map_or(Budget::AllChunks, Budget::Bytes),
+            device: DeviceChoice::Sim,
+            optimizer_threads: self.threads,
+            moments: parse_states(&self.states)?,
+            ..TrainerConfig::new(self.hp, own_swap_dir(&self.nvme_dir))
+        })
+    }
+}
+
+fn parse_precision(s: &str) -> Result<Precision> {
+    match s {
+        "f32" | "fp32" | "float32" => Ok(Precision::F32),
+        "bf16" | "bfloat16" => Ok(Precision::Bf16),
+        _ => Err(Error::bad(
+            "precision",
+            format!("`{s}` is not one of f32, bf16"),
+        )),
+    }
+}
+
+/// The store's settings from a `tidestore.toml` (validated, its errors naming the key,
+/// line and column); the swap directory under its `nvme.dir`.
+fn config_file(path: &std::path::Path) -> Result<TrainerConfig> {
+    let cfg = tidestore::config::Config::load(path)?;
+    let swap = own_swap_dir(cfg.nvme_dir()?);
+    Ok(cfg.trainer_config(swap)?)
+}
+
+/// `tidestore._tidestore.EngineCore`: see [`crate::engine`].
+#[pyclass(name = "EngineCore", module = "tidestore._tidestore")]
+pub struct PyEngineCore {
+    /// A mutex only so the class is `Sync`; every method has `&mut self` and reaches it
+    /// with `get_mut`, no locking.
+    core: Mutex<EngineCore>,
+    precision: Precision,
+    hp: HyperParams,
+}
+
+impl PyEngineCore {
+    fn core(&mut self) -> &mut EngineCore {
+        match self.core.get_mut() {
+            Ok(c) => c,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn name(&mut self, i: usize) -> PyResult<String> {
+        Ok(self.core().spec(i)?.name.clone())
+    }
+}
+
+#[pymethods]
+impl PyEngineCore {
+    /// `params`: (name, shape, trainable) in forward order. Either `config` (a
+    /// tidestore.toml) or the keywords decide the store.
+    #[new]
+    #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
+        eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
+        device_budget=None, max_grad_norm=None, overlap=false, threads=0, chunk_elements=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        params: Vec<(String, Vec<usize>, bool)>,
+        config: Option<PathBuf>,
+        precision: &str,
+        lr: f32,
+        betas: (f32, f32),
+        eps: f32,
+        weight_decay: f32,
+        states: &str,
+        nvme_dir: Option<PathBuf>,
+        host_budget: Option<u64>,
+        device_budget: Option<u64>,
+        max_grad_norm: Option<f32>,
+        overlap: bool,
+        threads: usize,
+        chunk_elements: Option<u64>,
+    ) -> PyResult<Self> {
+        let tc = match config {
+            Some(path) => config_file(&path)?,
+            None => Keywords {
+                precision: parse_precision(precision)?,
+                hp: HyperParams::adamw(lr, betas, eps, weight_decay),
+                states: states.to_string(),
+                nvme_dir: nvme_dir.ok_or_else(|| {
+                    Error::bad("nvme_dir", "missing: the folder of the swap file")
+                })?,
+                host_budget,
+                device_budget,
+                max_grad_norm,
+                overlap,
+                threads,
+                chunk_elements,
+            }
+            .trainer_config()?,
+        };
+        let specs: Vec<ParamSpec> = params
+            .iter()
+            .map(|(n, s, t)| ParamSpec::new(n.clone(), s, *t))
+            .collect();
+        let (precision, hp) = (tc.precision, tc.hp);
+        let core = py.allow_threads(|| EngineCore::open(&specs, &tc))?;
+        Ok(PyEngineCore {
+            core: Mutex::new(core),
+            precision,
+            hp,
+        })
+    }
+
+    fn __len__(&mut self) -> usize {
+        self.core().len()
+    }
+
+    /// (name, shape, trainable) of parameter `i`.
+    fn spec(&mut self, i: usize) -> PyResult<(String, Vec<usize>, bool)> {
+        let s = self.core().spec(i)?;
+        Ok((s.name.clone(), s.shape.clone(), s.trainable))
+    }
+
+    /// "f32" or "bf16".
+    #[getter]
+    fn precision(&self) -> &'static str {
+        self.precision.as_str()
+    }
+
+    /// The store's AdamW hyper-parameters (lr, betas, eps, weight_decay).
+    fn hyper_params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("lr", self.hp.lr)?;
+        d.set_item("betas", (self.hp.beta1, self.hp.beta2))?;
+        d.set_item("eps", self.hp.eps)?;
+        d.set_item("weight_decay", self.hp.weight_decay)?;
+        Ok(d)
+    }
+
+    /// Holds parameter `i` for compute: (address, bytes, dtype name) of its elements.
+    fn acquire(&mut self, py: Python<'_>, i: usize) -> PyResult<(usize, usize, &'static str)> {
+        let core = self.core();
+        let b = py.allow_threads(|| core.acquire(i))?;
+        Ok((b.addr, b.len, torch_name(b.dtype)))
+    }
+
+    /// Drops one hold of parameter `i`; returns the holds left.
+    #[pyo3(signature = (i, backward=false))]
+    fn release(&mut self, py: Python<'_>, i: usize, backward: bool) -> PyResult<u32> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.release(i, backward))?)
+    }
+
+    /// Indices of the parameters held now.
+    fn held(&mut self) -> Vec<usize> {
+        self.core().held()
+    }
+
+    /// Writes parameter `i`'s values (a uint8 buffer of `dtype` elements).
+    fn set_values(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<()> {
+        let dtype = parse_dtype("dtype", dtype)?;
+        let bytes = Bytes::new(buf, &self.name(i)?, false)?;
+        let src = bytes.as_slice();
+        let core = self.core();
+        Ok(py.allow_threads(|| core.set_values(i, src, dtype))?)
+    }
+
+    /// Parameter `i`'s values as f32 little-endian bytes.
+    fn values<'py>(&mut self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let core = self.core();
+        let v = py.allow_threads(|| core.values(i))?;
+        Ok(f32_bytes(py, &v))
+    }
+
+    /// Imports the registered parameters from a Hugging Face model directory; `skip`:
+    /// names the files need not hold. Returns the tensors written.
+    #[pyo3(signature = (dir, skip=Vec::new()))]
+    fn import_dir(&mut self, py: Python<'_>, dir: PathBuf, skip: Vec<String>) -> PyResult<usize> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.import_dir(&dir, &skip))?)
+    }
+
+    /// One micro-batch's part of parameter `i`'s gradient; `last` reports it final.
+    #[pyo3(signature = (i, buf, dtype, first=true, last=true))]
+    fn put_grad(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        first: bool,
+        last: bool,
+    ) -> PyResult<()> {
+        let dtype = parse_dtype("dtype", dtype)?;
+        let bytes = Bytes::new(buf, &format!("{}.grad", self.name(i)?), false)?;
+        let src = bytes.as_slice();
+        let core = self.core();
+        Ok(py.allow_threads(|| core.put_grad(i, src, dtype, first, last))?)
+    }
+
+    /// Steps the groups whose gradients are all final; returns the tensors stepped.
+    fn step_ready(&mut self, py: Python<'_>) -> PyResult<usize> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.step_ready())?)
+    }
+
+    /// The step; (grad_norm, clip_coef), or None when skipped.
+    fn step(&mut self, py: Python<'_>) -> PyResult<Option<(f64, f64)>> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.step())?)
+    }
+
+    /// Gradients reported since the last step.
+    fn reported(&mut self) -> usize {
+        self.core().reported()
+    }
+
+    fn set_lr(&mut self, lr: f32) -> PyResult<()> {
+        Ok(self.core().set_lr(lr)?)
+    }
+
+    fn step_count(&mut self) -> u64 {
+        self.core().step_count()
+    }
+
+    /// Streams the training state into a tidestore checkpoint at `path`.
+    #[pyo3(signature = (path, metadata=BTreeMap::new()))]
+    fn save(
+        &mut self,
+        py: Python<'_>,
+        path: PathBuf,
+        metadata: BTreeMap<String, String>,
+    ) -> PyResult<()> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.save(&path, metadata))?)
+    }
+
+    /// Loads a checkpoint (verified whole first); returns its metadata.
+    fn load(&mut self, py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.load(&path))?)
+    }
+
+    fn stats(&mut self) -> BTreeMap<&'static str, u64> {
+        self.core().stats()
+    }
+}
+
+/// A stored element type as torch names it.
+fn torch_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::Q8 => "uint8",
+    }
+}

@@ -1,0 +1,529 @@
+"""``tidestore.offload``: a whole ``torch.nn.Module`` trained out of tidestore's store.
+
+Every parameter of the model becomes a tensor of a tidestore store (registered in the
+model's parameter order, which for the models people fine-tune is forward order; the
+first iteration traces the real order and the later ones prefetch and evict by it):
+its values, fp32 master, Adam M and V live in chunks on the simulated device, in the
+host pool and in a swap file on NVMe, so the model never has to fit in memory.
+Buffers stay torch's.
+
+How a module meets its weights:
+
+- **Before it runs** (forward, and the recompute of activation checkpointing) each of
+  its own parameters is acquired from the store and ``param.data`` becomes a torch
+  tensor *over the store's memory* (no copy). A parameter held twice (a tied weight, a
+  module called twice) is counted, not copied.
+- **After it runs** in forward they are released (the chunk may move again) and
+  ``param.data`` is an empty tensor. What autograd saved of them does not pin them: the
+  engine's saved-tensor hooks keep a token instead of the tensor, and backward acquires
+  the parameter again when it needs the value. In backward (and a checkpoint's
+  recompute) a parameter stays held until its module's backward has run, and never past
+  the end of backward.
+- **Gradients** go to the store as they become final (a post-accumulate-grad hook),
+  once the parameter is released: widened into the fp32 gradient (``precision="f32"``)
+  or over the bf16 copy (``"bf16"``), their norm reported to the step loop; with
+  ``overlap`` the store steps each group as soon as its gradients are final, during
+  backward. ``param.grad`` stays ``None``.
+- **The step** (``optimizer.step()``) is the store's: clipping, the rest of the groups
+  stepped where the store holds them, the iteration ended.
+
+The optimizer returned is a ``torch.optim.Optimizer`` (param groups, LR schedulers,
+``zero_grad``, ``state_dict`` / ``load_state_dict`` streaming the state into a tidestore
+checkpoint file).
+"""
+
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+
+import numpy as np
+import torch
+
+from ._tidestore import EngineCore, TidestoreError
+from ._views import byte_view, dtype_name, parse_bytes
+
+__all__ = ["offload", "Engine", "EngineOptimizer"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _StoreMemory:
+    """numpy's view of ``nbytes`` of the store's memory at ``addr``; it references the
+    engine core, so the store outlives every tensor over its memory."""
+
+    __slots__ = ("__array_interface__", "_core")
+
+    def __init__(self, core, addr, nbytes):
+        self._core = core
+        self.__array_interface__ = {
+            "version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (addr, False)}
+
+
+class _Saved:
+    """What autograd keeps of a saved tensor over a parameter's memory: which parameter,
+    and how the tensor views it."""
+
+    __slots__ = ("index", "size", "stride", "offset")
+
+    def __init__(self, index, size, stride, offset):
+        self.index, self.size, self.stride, self.offset = index, size, stride, offset
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward has
+    given the inputs their gradients, and releases what backward held of the module."""
+
+    @staticmethod
+    def forward(ctx, engine, key, *xs):
+        ctx.engine, ctx.key = engine, key
+        return xs if len(xs) != 1 else xs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._module_backward_done(ctx.key)
+        return (None, None) + grads
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward runs before the module's backward
+    and binds the module's parameters again for it (and for their gradients'
+    accumulation, which checks the parameter's shape)."""
+
+    @staticmethod
+    def forward(ctx, engine, key, *xs):
+        ctx.engine, ctx.key = engine, key
+        return xs if len(xs) != 1 else xs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._module_backward_begins(ctx.key)
+        return (None, None) + grads
+
+
+def _map_tensors(out, fn):
+    """``out`` (a tensor, or tuples, lists and dicts of them, as modules return) with
+    ``fn`` applied to every tensor that needs a gradient; ``fn`` takes and returns a
+    list."""
+    found = []
+
+    def collect(x):
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                found.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                collect(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                collect(y)
+
+    collect(out)
+    if not found:
+        return out
+    new = iter(fn(found))
+    swapped = {id(x): next(new) for x in found}
+
+    def rebuild(x):
+        if isinstance(x, torch.Tensor):
+            return swapped.get(id(x), x)
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*[rebuild(y) for y in x])
+        if isinstance(x, (tuple, list)):
+            return type(x)(rebuild(y) for y in x)
+        if isinstance(x, dict):
+            for k in list(x.keys()):
+                x[k] = rebuild(x[k])
+            return x
+        return x
+
+    return rebuild(out)
+
+
+def _in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+class Engine:
+    """The hooks and the store of one offloaded model (see the module doc)."""
+
+    def __init__(self, model, core, params, names, accumulation, overlap):
+        self.model = model
+        self.core = core
+        self.params = params  # index -> Parameter
+        self.names = names  # index -> name
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.accumulation = accumulation
+        self.overlap = overlap
+        self.micro = 0  # backward passes since the last step
+        self._holds = [0] * len(params)  # Python's count of the core's holds
+        self._shapes = [tuple(core.spec(i)[1]) for i in range(len(params))]
+        # The dtype a parameter is bound in: bf16 for a trainable one in bf16 precision.
+        bf16 = core.precision == "bf16"
+        self._dtypes = [torch.bfloat16 if bf16 and p.requires_grad else torch.float32
+                        for p in params]
+        self._by_storage = {}  # data_ptr of a bound parameter's memory -> index
+        self._bwd_holds = {}  # module key -> [indices held in backward]
+        self._pending = {}  # index -> final gradient waiting for the release
+        self._callback_queued = False
+        self._handles = []
+        self._modules = {}  # key -> (module name, indices of its own parameters)
+        self._owner = {}  # index -> key of the first module that owns it
+        self._saved_hooks = None
+        self._install()
+
+    # -- binding ---------------------------------------------------------------------
+
+    def _bind(self, i):
+        addr, nbytes, dtype = self.core.acquire(i)
+        self._holds[i] += 1
+        if self._holds[i] == 1:
+            mem = np.asarray(_StoreMemory(self.core, addr, nbytes))
+            t = torch.from_numpy(mem).view(_TORCH_DTYPES[dtype]).view(self._shapes[i])
+            self.params[i].data = t
+            self._by_storage[addr] = i
+
+    def _placeholder(self, i):
+        """What a parameter is while not bound: its shape and dtype over one NaN (stride
+        0, no memory of its own). Code that reads it outside a module's forward gets
+        NaN, and writing it in place is refused by torch."""
+        return torch.full((1,), float("nan"), dtype=self._dtypes[i]).expand(self._shapes[i])
+
+    def _unbind(self, i, backward):
+        p = self.params[i]
+        if self._holds[i] == 1:
+            self._by_storage.pop(p.data.data_ptr(), None)
+            p.data = self._placeholder(i)
+        left = self.core.release(i, backward)
+        self._holds[i] -= 1
+        assert left == self._holds[i], "the core's holds and the engine's disagree"
+        if left == 0 and i in self._pending:
+            self._put_grad(i, self._pending.pop(i))
+
+    # -- module hooks ----------------------------------------------------------------
+
+    def _install(self):
+        for mname, m in self.model.named_modules():
+            own = [self.index[id(p)] for p in m.parameters(recurse=False)]
+            if not own:
+                continue
+            key = len(self._modules)
+            self._modules[key] = (mname, own)
+            for i in own:
+                self._owner.setdefault(i, key)
+            self._handles.append(m.register_forward_pre_hook(
+                self._pre_forward(key), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_forward(key)))
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre))
+        self._handles.append(self.model.register_forward_hook(self._root_post))
+
+    def _root_pre(self, module, args):
+        self._check_unchanged()
+        if self._saved_hooks is None and not _in_backward():
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+
+    def _root_post(self, module, args, out):
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _pre_forward(self, key):
+        def hook(module, args, kwargs):
+            _, own = self._modules[key]
+            backward = _in_backward()
+            for i in own:
+                self._bind(i)
+            if backward:
+                self._bwd_holds.setdefault(key, []).extend(own)
+                self._queue_end_of_backward()
+            if not torch.is_grad_enabled():
+                return None
+            # The module's inputs that need gradients pass through _AfterBackward, whose
+            # backward marks the end of this module's backward.
+            def after(xs):
+                out = _AfterBackward.apply(self, key, *xs)
+                return out if isinstance(out, tuple) else (out,)
+            return _map_tensors((tuple(args), kwargs), after)
+        return hook
+
+    def _post_forward(self, key):
+        def hook(module, args, out):
+            if _in_backward():
+                return None  # a recompute: held until the module's backward
+            for i in self._modules[key][1]:
+                self._unbind(i, False)
+            if not torch.is_grad_enabled():
+                return None
+            # Outputs that need gradients pass through _BeforeBackward, whose backward
+            # binds the parameters again before the module's backward.
+            def before(xs):
+                out = _BeforeBackward.apply(self, key, *xs)
+                return out if isinstance(out, tuple) else (out,)
+            return _map_tensors(out, before)
+        return hook
+
+    def _module_backward_begins(self, key):
+        own = self._modules[key][1]
+        for i in own:
+            self._bind(i)
+        self._bwd_holds.setdefault(key, []).extend(own)
+        self._queue_end_of_backward()
+
+    def _module_backward_done(self, key):
+        for i in self._bwd_holds.pop(key, []):
+            self._unbind(i, True)
+        self._step_ready()
+
+    # -- saved tensors ---------------------------------------------------------------
+
+    def _pack(self, t):
+        i = self._by_storage.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        if i is None:
+            return t
+        return _Saved(i, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        i = saved.index
+        self._bind(i)
+        self._bwd_holds.setdefault(self._owner[i], []).append(i)
+        self._queue_end_of_backward()
+        base = self.params[i].data
+        return torch.as_strided(base, saved.size, saved.stride, saved.offset)
+
+    def _queue_end_of_backward(self):
+        if not self._callback_queued and _in_backward():
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self):
+        self._callback_queued = False
+        for key in list(self._bwd_holds):
+            self._module_backward_done(key)
+        for i in list(self._pending):
+            if self._holds[i] == 0:
+                self._put_grad(i, self._pending.pop(i))
+        self.micro += 1
+
+    # -- gradients and the step ------------------------------------------------------
+
+    def _grad_hook(self, i):
+        def hook(p):
+            g, p.grad = p.grad, None
+            self._queue_end_of_backward()
+            if self._holds[i] > 0:
+                self._pending[i] = g
+            else:
+                self._put_grad(i, g)
+        return hook
+
+    def _put_grad(self, i, g):
+        if g.device.type != "cpu":
+            raise TidestoreError(
+                f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+        g = g.contiguous()
+        first = self.micro == 0
+        last = self.micro == self.accumulation - 1
+        self.core.put_grad(i, byte_view(g, self.names[i] + ".grad"), dtype_name(g), first, last)
+        self._step_ready()
+
+    def _step_ready(self):
+        """With overlap, steps the groups whose gradients are all final — only while no
+        parameter is held: a group's chunk may hold a parameter a module still uses."""
+        if self.overlap and not any(self._holds) and self.micro == self.accumulation - 1:
+            self.core.step_ready()
+
+    def step(self, lr):
+        if self.micro != self.accumulation:
+            raise TidestoreError(
+                f"step after {self.micro} backward pass(es); the engine was set up with "
+                f"accumulation={self.accumulation}")
+        if self._pending or any(self._holds):
+            held = [self.names[i] for i, h in enumerate(self._holds) if h]
+            raise TidestoreError(f"step while parameters are held by a module: {held}")
+        self.core.set_lr(float(lr))
+        out = self.core.step()
+        self.micro = 0
+        return out
+
+    # -- bad input -------------------------------------------------------------------
+
+    def _check_unchanged(self):
+        params = list(self.model.parameters())
+        if len(params) != len(self.params) or any(
+                p is not q for p, q in zip(params, self.params)):
+            known = {id(p) for p in self.params}
+            new = [n for n, p in self.model.named_parameters() if id(p) not in known]
+            raise TidestoreError(
+                "the model's parameters changed after it was handed to tidestore"
+                + (f" (new: {new[:5]})" if new else " (a parameter was removed)")
+                + ": hand the changed model over again")
+        for i, p in enumerate(self.params):
+            if p.device.type != "cpu" or (self._holds[i] == 0 and any(p.stride())):
+                raise TidestoreError(
+                    f"parameter `{self.names[i]}` was moved or replaced outside tidestore "
+                    f"({tuple(p.shape)} on {p.device}): its values live in the store; change "
+                    "them with engine.set_values")
+
+    def values(self, i):
+        """Parameter ``i``'s current values (fp32; the master copy of a trainable one)."""
+        b = self.core.values(i)
+        return torch.frombuffer(bytearray(b), dtype=torch.float32).view(self._shapes[i])
+
+    def state_dict(self):
+        """Every parameter's values by name, one tensor at a time into a new dict (the
+        whole model in memory: for small models and tests)."""
+        return {n: self.values(i) for i, n in enumerate(self.names)}
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The step of an offloaded model: ``step()`` is the store's step (the learning rate
+    of the first param group, so LR schedulers work); ``zero_grad()`` has nothing to do
+    (gradients went to the store); ``state_dict()`` streams the training state into a
+    tidestore checkpoint at ``checkpoint_path`` and returns a small dict naming it."""
+
+    def __init__(self, engine, checkpoint_path):
+        hp = engine.core.hyper_params()
+        trainable = [p for p in engine.params if p.requires_grad]
+        super().__init__(trainable, dict(lr=hp["lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                                         weight_decay=hp["weight_decay"]))
+        self.engine = engine
+        self.checkpoint_path = os.fspath(checkpoint_path)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        lrs = {g["lr"] for g in self.param_groups}
+        if len(lrs) != 1:
+            raise ValueError(f"param groups with different learning rates {sorted(lrs)}: "
+                             "the store steps every parameter with one")
+        self.last = self.engine.step(lrs.pop())
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.engine.params:
+            p.grad = None
+
+    def state_dict(self):
+        self.engine.core.save(self.checkpoint_path)
+        return {"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "tidestore": {"path": self.checkpoint_path,
+                          "step": self.engine.core.step_count()}}
+
+    def load_state_dict(self, state_dict):
+        ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
+        if not ts:
+            raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry)")
+        self.engine.core.load(ts["path"])
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g["lr"] = saved["lr"]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on torch's ``meta`` device (no
+    memory), their buffers on the CPU as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _from_dir(path):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with _parameters_on_meta():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model
+
+
+def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+            weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
+            device_budget=None, max_grad_norm=None, overlap=False, threads=0,
+            chunk_elements=None, accumulation=1, checkpoint_path=None):
+    """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
+    built with its parameters on the meta device and imported straight into the store)
+    to a tidestore store; returns ``(model, optimizer)``.
+
+    ``config``: a ``tidestore.toml`` whose sections decide the store (``train.precision``,
+    ``[optimizer]``, ``[chunk]``, ``[device]``, ``[host]``, ``[nvme]``, ``[io]``); without
+    it the keywords do (``host_budget``/``device_budget`` in bytes or '4GiB'; no
+    ``host_budget``: every chunk in RAM). ``accumulation``: backward passes per step.
+    After the call the model's own parameter storage is freed: its values are the store's.
+    """
+    if accumulation < 1:
+        raise ValueError(f"accumulation: {accumulation} is not a positive count")
+    if overlap and accumulation > 1:
+        raise ValueError("overlap steps each group when its gradient is final: "
+                         "it needs accumulation=1")
+    source_dir = None
+    if isinstance(model, (str, os.PathLike)):
+        source_dir = os.fspath(model)
+        model = _from_dir(source_dir)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: a {type(model).__name__}, expected a torch.nn.Module "
+                        "or a model directory")
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("model: it has no parameters")
+    for n, p in named:
+        if p.device.type not in ("cpu", "meta"):
+            raise ValueError(f"parameter `{n}` is on {p.device}: hand the model over on the CPU")
+        if dtype_name(p) not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"parameter `{n}`: dtype {p.dtype} is not a float type")
+    specs = [(n, list(p.shape), bool(p.requires_grad)) for n, p in named]
+    tmpdir = None
+    if config is None and nvme_dir is None:
+        tmpdir = tempfile.mkdtemp(prefix="tidestore-engine-")
+        nvme_dir = tmpdir
+    kw = {}
+    if config is None:
+        kw = dict(precision=precision, lr=lr, betas=tuple(betas), eps=eps,
+                  weight_decay=weight_decay, states=states, nvme_dir=nvme_dir,
+                  host_budget=parse_bytes(host_budget, "host_budget"),
+                  device_budget=parse_bytes(device_budget, "device_budget"),
+                  max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
+                  chunk_elements=chunk_elements)
+    core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
+    if source_dir is not None:
+        core.import_dir(source_dir)
+    else:
+        for i, (n, p) in enumerate(named):
+            t = p.detach().contiguous()
+            core.set_values(i, byte_view(t, n), dtype_name(t))
+    params = [p for _, p in named]
+    engine = Engine(model, core, params, [n for n, _ in named], accumulation, overlap)
+    # The model's own storage is freed: from here its values are the store's.
+    for i, p in enumerate(params):
+        p.data = engine._placeholder(i)
+    if tmpdir is not None:
+        weakref.finalize(engine, shutil.rmtree, tmpdir, True)
+    model.tidestore_engine = engine
+    opt = EngineOptimizer(engine, checkpoint_path or os.path.join(
+        nvme_dir or tempfile.gettempdir(), f"tidestore-engine-{os.getpid()}.safetensors"))
+    return model, opt
