@@ -28,6 +28,12 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 
+# transformers (pure Python) for the engine's model tests, wherever torch is.
+if "$venv/bin/python" -c "import torch" >/dev/null 2>&1 \
+    && ! "$venv/bin/python" -c "import transformers" >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "transformers>=4.45"
+fi
+
 # The README's install command, with the build tools already in the environment.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-build-isolation ./python
 # From the repository root, so `import tidestore` is the installed package, not python/tidestore.

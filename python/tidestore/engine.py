@@ -454,11 +454,23 @@ def _parameters_on_meta():
 
 
 def _from_dir(path):
+    """The model of a Hugging Face directory, built with parameters that hold no memory
+    (their values come from the files, into the store)."""
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(path)
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
+    # torch cannot rebind a meta parameter to CPU memory: each becomes a CPU parameter
+    # of its shape over one element (a tied one stays one parameter).
+    fresh = {}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                if id(p) not in fresh:
+                    empty = torch.zeros((1,), dtype=p.dtype).expand(p.shape)
+                    fresh[id(p)] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
+                m._parameters[name] = fresh[id(p)]
     return model
 
 
