@@ -187,3 +187,31 @@ def test_bad_settings_are_config_errors(tmp_path):
     cfg.write_text("[optimizer]\nlr = -1\nbogus = 1\n")
     with pytest.raises(tidestore.ConfigError, match="bogus"):
         tidestore.offload(llama(), config=cfg)
+
+
+def test_bf16_parameters_equal_a_torch_mixed_precision_loop(tmp_path):
+    base = llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    # torch's side of the same mixed precision: bf16 weights compute, an fp32 master
+    # copy takes the widened bf16 gradients and is stepped, the weights are its rounding.
+    master = [p.detach().float().clone().requires_grad_() for p in base.parameters()]
+    opt_ref = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01, foreach=False)
+    mine, opt = tidestore.offload(mine, precision="bf16", lr=1e-3, weight_decay=0.01,
+                                  chunk_elements=16384, host_budget=HOST, nvme_dir=tmp_path)
+    for ids in batches(10):
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        for m, p in zip(master, ref.parameters()):
+            m.grad, p.grad = p.grad.float(), None
+        opt_ref.step()
+        with torch.no_grad():
+            for m, p in zip(master, ref.parameters()):
+                p.copy_(m.to(torch.bfloat16))
+        got = mine(input_ids=ids, labels=ids).loss
+        got.backward()
+        opt.step()
+        assert abs(want.item() - got.item()) <= 1e-3 * abs(want.item())
+    w = mine.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.bfloat16, "bound in the store's bf16"
