@@ -28,10 +28,12 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 
-# transformers (pure Python) for the engine's model tests, wherever torch is.
+# transformers, peft and accelerate (pure Python) for the engine's model tests
+# (transformers models, LoRA, Trainer), wherever torch is.
 if "$venv/bin/python" -c "import torch" >/dev/null 2>&1 \
-    && ! "$venv/bin/python" -c "import transformers" >/dev/null 2>&1; then
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "transformers>=4.45"
+    && ! "$venv/bin/python" -c "import transformers, peft, accelerate" >/dev/null 2>&1; then
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "transformers>=4.45" peft accelerate
 fi
 
 # The README's install command, with the build tools already in the environment.

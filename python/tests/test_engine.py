@@ -215,3 +215,48 @@ def test_bf16_parameters_equal_a_torch_mixed_precision_loop(tmp_path):
         assert abs(want.item() - got.item()) <= 1e-3 * abs(want.item())
     w = mine.model.layers[0].mlp.up_proj.weight
     assert w.dtype == torch.bfloat16, "bound in the store's bf16"
+
+
+def test_a_peft_lora_model_equals_torch(tmp_path):
+    peft = pytest.importorskip("peft", reason="peft is not installed: the LoRA test needs it")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0)
+    base = peft.get_peft_model(llama(), lora)
+    # B starts at zero; give it values so the adapters change the losses from step 1.
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3,
+                                weight_decay=0.01, foreach=False)
+    mine, opt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, chunk_elements=16384,
+                                  host_budget=HOST, nvme_dir=tmp_path)
+    core = mine.tidestore_engine.core
+    assert sum(core.spec(i)[2] for i in range(len(core))) == 8, "A and B of 2 x 2 layers"
+    for ids in batches(10):
+        want = ref(input_ids=ids, labels=ids).loss
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = mine(input_ids=ids, labels=ids).loss
+        got.backward()
+        opt.step()
+        assert abs(want.item() - got.item()) <= 1e-5 * abs(want.item())
+
+
+def test_transformers_trainer_runs_with_the_engines_optimizer(tmp_path):
+    pytest.importorskip("accelerate", reason="accelerate is not installed: Trainer needs it")
+    mine, opt = tidestore.offload(llama(), lr=1e-3, chunk_elements=16384, nvme_dir=tmp_path)
+    data = [{"input_ids": x, "labels": x} for x in torch.cat(batches(6))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+        logging_steps=1, report_to=[], max_grad_norm=0.0, use_cpu=True, save_strategy="no")
+    trainer = transformers.Trainer(model=mine, args=args, train_dataset=data,
+                                   optimizers=(opt, None))
+    trainer.train()
+    assert mine.tidestore_engine.core.step_count() == 3
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(4.0 < x < 5.5 for x in losses), losses
+    # Trainer's linear schedule reached the optimizer the store reads its rate from.
+    assert opt.param_groups[0]["lr"] < 1e-3
