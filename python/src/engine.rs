@@ -300,6 +300,27 @@ impl EngineCore {
         Ok(self.trainer.load(path)?)
     }
 
+    /// Writes every parameter under its name as safetensors shards of `dtype` (at most
+    /// `max_shard_bytes` each, with their index) in `dir`, atomically, streamed one
+    /// tensor at a time; `config_json` becomes `config.json`. Returns the files written.
+    pub fn export_dir(
+        &mut self,
+        dir: &Path,
+        dtype: DType,
+        max_shard_bytes: u64,
+        config_json: Option<&str>,
+    ) -> Result<Vec<String>> {
+        if let Some(&i) = self.held().first() {
+            self.refuse_held(i, "exporting")?;
+        }
+        let opts = tidestore_train::hf::ExportOptions {
+            dtype,
+            max_shard_bytes,
+            copy_from: None,
+        };
+        Ok(self.trainer.export_tensors(config_json, dir, &opts)?.shards)
+    }
+
     /// Counters of the store and the step loop, by name.
     pub fn stats(&self) -> BTreeMap<&'static str, u64> {
         self.trainer.counters()

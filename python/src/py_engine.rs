@@ -312,6 +312,24 @@ impl PyEngineCore {
         Ok(py.allow_threads(|| core.load(&path))?)
     }
 
+    /// Writes every parameter as safetensors shards of `dtype` in `dir` (atomically),
+    /// with `config_json` as config.json; returns the weight files written.
+    #[pyo3(signature = (dir, dtype="bfloat16", max_shard_bytes=5_000_000_000, config_json=None))]
+    fn export_dir(
+        &mut self,
+        py: Python<'_>,
+        dir: PathBuf,
+        dtype: &str,
+        max_shard_bytes: u64,
+        config_json: Option<String>,
+    ) -> PyResult<Vec<String>> {
+        let dtype = parse_dtype("dtype", dtype)?;
+        let core = self.core();
+        Ok(py.allow_threads(|| {
+            core.export_dir(&dir, dtype, max_shard_bytes, config_json.as_deref())
+        })?)
+    }
+
     fn stats(&mut self) -> BTreeMap<&'static str, u64> {
         self.core().stats()
     }

@@ -260,3 +260,22 @@ def test_transformers_trainer_runs_with_the_engines_optimizer(tmp_path):
     assert len(losses) == 3 and all(4.0 < x < 5.5 for x in losses), losses
     # Trainer's linear schedule reached the optimizer the store reads its rate from.
     assert opt.param_groups[0]["lr"] < 1e-3
+
+
+def test_save_pretrained_writes_what_transformers_loads(tmp_path):
+    base = llama()
+    mine, opt = tidestore.offload(copy.deepcopy(base), lr=1e-3, chunk_elements=16384,
+                                  nvme_dir=tmp_path)
+    engine_losses(mine, opt, 2)
+    mine.save_pretrained(tmp_path / "out", dtype=torch.float32)
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    eng = mine.tidestore_engine
+    for i, (n, p) in enumerate(back.named_parameters()):
+        assert n == eng.names[i]
+        assert torch.equal(p.detach(), eng.values(i)), n
+    assert not torch.equal(back.model.norm.weight, base.model.norm.weight), "trained"
+    ids = batches(1)[0]
+    assert mine.state_dict()["model.norm.weight"].isfinite().all()
+    with torch.no_grad():
+        a, b = mine(input_ids=ids).logits, back(input_ids=ids).logits
+    assert torch.equal(a, b)

@@ -33,6 +33,7 @@ checkpoint file).
 """
 
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
@@ -381,6 +382,26 @@ class Engine:
         whole model in memory: for small models and tests)."""
         return {n: self.values(i) for i, n in enumerate(self.names)}
 
+    def save_pretrained(self, save_directory, dtype=torch.bfloat16, max_shard_size=5_000_000_000,
+                        **_ignored):
+        """Writes the model as a Hugging Face directory from the store, one tensor at a
+        time: safetensors shards of ``dtype`` (with ``model.safetensors.index.json`` when
+        there are several) under the parameters' names, and the model's ``config.json``
+        when it has a config; atomically (an existing export is replaced whole). Stands
+        in for the model's own ``save_pretrained``, which would write the unbound
+        parameters' placeholders."""
+        name = str(dtype).replace("torch.", "")
+        config = getattr(self.model, "config", None)
+        config_json = None
+        if config is not None and hasattr(config, "to_json_string"):
+            config = copy.deepcopy(config)
+            for key in ("torch_dtype", "dtype"):
+                if hasattr(config, key):
+                    setattr(config, key, name)
+            config_json = config.to_json_string()
+        return self.core.export_dir(os.fspath(save_directory), name, int(max_shard_size),
+                                    config_json)
+
     def remove(self):
         for h in self._handles:
             h.remove()
@@ -536,6 +557,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     if tmpdir is not None:
         weakref.finalize(engine, shutil.rmtree, tmpdir, True)
     model.tidestore_engine = engine
+    # The model's own save_pretrained and state_dict would read the placeholders of
+    # unbound parameters: both read the store instead.
+    model.save_pretrained = engine.save_pretrained
+    model.state_dict = lambda *a, **k: engine.state_dict()
     opt = EngineOptimizer(engine, checkpoint_path or os.path.join(
         nvme_dir or tempfile.gettempdir(), f"tidestore-engine-{os.getpid()}.safetensors"))
     return model, opt

@@ -97,6 +97,42 @@ pub fn export_model(
     })
 }
 
+/// Writes the tensors `tensors` (name, shape; in this order) of `store` to `out_dir` as
+/// safetensors shards of `opts.dtype` with their index (see the module doc), streamed one
+/// tensor at a time from its master when trainable, else its stored copy; with
+/// `config_json` as `config.json` when given. For models whose config and names the
+/// front end knows (the Python engine's torch modules), not only LLaMA's.
+pub fn export_tensors(
+    store: &mut ChunkStore,
+    tensors: &[(String, Vec<usize>)],
+    config_json: Option<&str>,
+    out_dir: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportReport> {
+    let dtype = opts.dtype;
+    let out: Vec<OutTensor> = tensors
+        .iter()
+        .map(|(name, shape)| OutTensor::new(name.clone(), shape.clone(), dtype))
+        .collect();
+    let report = write_dir_atomically(out_dir, |tmp| {
+        if let Some(json) = config_json {
+            std::fs::write(tmp.join(CONFIG_FILE), json)
+                .map_err(io_err("writing", &tmp.join(CONFIG_FILE)))?;
+        }
+        write_shards(tmp, &out, dtype, opts.max_shard_bytes, |name| {
+            let values = read_f32(store, name)?;
+            check_fits(name, &values, dtype)?;
+            Ok(encode(&values, dtype))
+        })
+    })?;
+    tracing::info!(dir = %out_dir.display(), shards = report.shards.len(),
+        bytes = report.tensor_bytes, "tensors exported");
+    Ok(ExportReport {
+        dir: out_dir.to_path_buf(),
+        ..report
+    })
+}
+
 /// A tensor's values in f32: its master when trainable, else its 16-bit copy.
 pub(crate) fn read_f32(store: &mut ChunkStore, name: &str) -> Result<Vec<f32>> {
     let layout = store.layout();

@@ -35,7 +35,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message, Rendered, TokenizerConfig};
 pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
-pub use export::{export_model, merge_into, ExportOptions};
+pub use export::{export_model, export_tensors, merge_into, ExportOptions};
 pub use files::{ADAPTER_CONFIG_FILE, ADAPTER_FILE, COPIED_FILES, INDEX_FILE, SINGLE_FILE};
 pub use import::{import, HfWeights, ImportReport};
 pub use init::{init_model, InitOptions};

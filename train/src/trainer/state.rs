@@ -128,6 +128,24 @@ impl Trainer {
         hf::export_model(&mut self.store, cfg, lora, out_dir, opts)
     }
 
+    /// Writes every parameter, under its registered name, as safetensors shards of
+    /// `opts.dtype` in `out_dir` (see [`hf::export_tensors`]), with `config_json` as
+    /// `config.json` when given. Between steps only.
+    pub fn export_tensors(
+        &mut self,
+        config_json: Option<&str>,
+        out_dir: &Path,
+        opts: &hf::ExportOptions,
+    ) -> Result<hf::ExportReport> {
+        self.between_steps(&format!("export to `{}`", out_dir.display()))?;
+        let tensors: Vec<(String, Vec<usize>)> = self
+            .entries
+            .iter()
+            .map(|e| (e.spec.name.clone(), e.spec.shape.clone()))
+            .collect();
+        hf::export_tensors(&mut self.store, &tensors, config_json, out_dir, opts)
+    }
+
     /// Writes the LoRA adapters in PEFT's layout (see [`hf::export_adapter`]). Between
     /// steps only.
     pub fn export_adapter(
