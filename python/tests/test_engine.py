@@ -279,3 +279,30 @@ def test_save_pretrained_writes_what_transformers_loads(tmp_path):
     with torch.no_grad():
         a, b = mine(input_ids=ids).logits, back(input_ids=ids).logits
     assert torch.equal(a, b)
+
+
+def test_a_module_that_keeps_its_weight_is_refused_naming_it(tmp_path):
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 4))
+            self.kept = None
+
+        def forward(self, x):
+            self.kept = self.weight.t()
+            return x @ self.kept
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Keeps())
+    model, _ = tidestore.offload(model, nvme_dir=tmp_path)
+    with pytest.raises(tidestore.TidestoreError, match=r"module `1` keeps a tensor over "
+                                                       r"parameter `1.weight`"):
+        model(torch.randn(2, 4))
+
+
+def test_converting_a_handed_over_model_is_refused(tmp_path):
+    mine, _ = tidestore.offload(llama(), chunk_elements=16384, nvme_dir=tmp_path)
+    assert mine.to("cpu") is mine, "a conversion that changes nothing passes"
+    with pytest.raises(tidestore.TidestoreError, match="model.embed_tokens.weight"):
+        mine.to(torch.float16)
+    with pytest.raises(tidestore.TidestoreError, match="live in the store"):
+        mine.to("meta")

@@ -142,6 +142,14 @@ def _map_tensors(out, fn):
     return rebuild(out)
 
 
+def _storage_users(t):
+    """How many tensors share ``t``'s storage (None where this torch cannot say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return count(t.untyped_storage()._cdata)
+
+
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
@@ -159,6 +167,7 @@ class Engine:
         self.overlap = overlap
         self.micro = 0  # backward passes since the last step
         self._holds = [0] * len(params)  # Python's count of the core's holds
+        self._users = [None] * len(params)  # tensors over a parameter's memory once bound
         self._shapes = [tuple(core.spec(i)[1]) for i in range(len(params))]
         # The dtype a parameter is bound in: bf16 for a trainable one in bf16 precision.
         bf16 = core.precision == "bf16"
@@ -183,6 +192,8 @@ class Engine:
             mem = np.asarray(_StoreMemory(self.core, addr, nbytes))
             t = torch.from_numpy(mem).view(_TORCH_DTYPES[dtype]).view(self._shapes[i])
             self.params[i].data = t
+            del mem, t
+            self._users[i] = _storage_users(self.params[i])
             self._by_storage[addr] = i
 
     def _placeholder(self, i):
@@ -256,7 +267,11 @@ class Engine:
         def hook(module, args, out):
             if _in_backward():
                 return None  # a recompute: held until the module's backward
-            for i in self._modules[key][1]:
+            mname, own = self._modules[key]
+            for i in own:
+                if self._holds[i] == 1:
+                    self._check_unreferenced(mname, i)
+            for i in own:
                 self._unbind(i, False)
             if not torch.is_grad_enabled():
                 return None
@@ -267,6 +282,18 @@ class Engine:
                 return out if isinstance(out, tuple) else (out,)
             return _map_tensors(out, before)
         return hook
+
+    def _check_unreferenced(self, mname, i):
+        """After its forward nothing but the parameter may reference the store's memory
+        it was bound to (autograd's saved tensors are tokens by then): a tensor a module
+        kept would read another chunk's bytes once the store moves this one."""
+        users = _storage_users(self.params[i])
+        if users is not None and users > self._users[i]:
+            raise TidestoreError(
+                f"module `{mname or type(self.model).__name__}` keeps a tensor over parameter "
+                f"`{self.names[i]}` after its forward ({users - self._users[i]} reference(s) "
+                "besides the parameter): a module must read its weights in forward, not "
+                "keep them")
 
     def _module_backward_begins(self, key):
         own = self._modules[key][1]
@@ -371,6 +398,20 @@ class Engine:
                     f"parameter `{self.names[i]}` was moved or replaced outside tidestore "
                     f"({tuple(p.shape)} on {p.device}): its values live in the store; change "
                     "them with engine.set_values")
+
+    def _refuse_apply(self, fn, recurse=True):
+        """Stands in for the model's ``_apply`` (behind ``.to()``, ``.cuda()``, ``.half()``):
+        a conversion that changes nothing passes (transformers' Trainer moves the model
+        to the CPU it is on); one that would move or convert the parameters is refused
+        before anything is allocated."""
+        probe = torch.zeros(1)
+        out = fn(probe)
+        if out.device == probe.device and out.dtype == probe.dtype:
+            return self.model
+        raise TidestoreError(
+            f"converting a model handed to tidestore to {out.device}/{out.dtype}: its "
+            f"parameters (first: `{self.names[0]}`) live in the store, in its precision "
+            f"({self.core.precision}); convert the model before tidestore.offload")
 
     def values(self, i):
         """Parameter ``i``'s current values (fp32; the master copy of a trainable one)."""
@@ -560,6 +601,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     # The model's own save_pretrained and state_dict would read the placeholders of
     # unbound parameters: both read the store instead.
     model.save_pretrained = engine.save_pretrained
+    model._apply = engine._refuse_apply
     model.state_dict = lambda *a, **k: engine.state_dict()
     opt = EngineOptimizer(engine, checkpoint_path or os.path.join(
         nvme_dir or tempfile.gettempdir(), f"tidestore-engine-{os.getpid()}.safetensors"))
