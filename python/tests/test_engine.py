@@ -189,9 +189,13 @@ def test_bad_settings_are_config_errors(tmp_path):
         tidestore.offload(llama(), config=cfg)
 
 
-def test_bf16_parameters_equal_a_torch_mixed_precision_loop(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_bf16_parameters_equal_a_torch_mixed_precision_loop(checkpointing, tmp_path):
     base = llama()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    if checkpointing:
+        ref.gradient_checkpointing_enable()
+        mine.gradient_checkpointing_enable()
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16)
     # torch's side of the same mixed precision: bf16 weights compute, an fp32 master

@@ -167,6 +167,8 @@ class Engine:
         self.overlap = overlap
         self.micro = 0  # backward passes since the last step
         self._holds = [0] * len(params)  # Python's count of the core's holds
+        self._held = 0  # parameters with a hold
+        self._bf16 = core.precision == "bf16"
         self._users = [None] * len(params)  # tensors over a parameter's memory once bound
         self._shapes = [tuple(core.spec(i)[1]) for i in range(len(params))]
         # The dtype a parameter is bound in: bf16 for a trainable one in bf16 precision.
@@ -189,6 +191,7 @@ class Engine:
         addr, nbytes, dtype = self.core.acquire(i)
         self._holds[i] += 1
         if self._holds[i] == 1:
+            self._held += 1
             mem = np.asarray(_StoreMemory(self.core, addr, nbytes))
             t = torch.from_numpy(mem).view(_TORCH_DTYPES[dtype]).view(self._shapes[i])
             self.params[i].data = t
@@ -210,8 +213,10 @@ class Engine:
         left = self.core.release(i, backward)
         self._holds[i] -= 1
         assert left == self._holds[i], "the core's holds and the engine's disagree"
-        if left == 0 and i in self._pending:
-            self._put_grad(i, self._pending.pop(i))
+        if left == 0:
+            self._held -= 1
+            if self._pending:
+                self._flush_grads()
 
     # -- module hooks ----------------------------------------------------------------
 
@@ -334,9 +339,7 @@ class Engine:
         self._callback_queued = False
         for key in list(self._bwd_holds):
             self._module_backward_done(key)
-        for i in list(self._pending):
-            if self._holds[i] == 0:
-                self._put_grad(i, self._pending.pop(i))
+        self._flush_grads()
         self.micro += 1
 
     # -- gradients and the step ------------------------------------------------------
@@ -345,11 +348,19 @@ class Engine:
         def hook(p):
             g, p.grad = p.grad, None
             self._queue_end_of_backward()
-            if self._holds[i] > 0:
-                self._pending[i] = g
-            else:
-                self._put_grad(i, g)
+            self._pending[i] = g
+            self._flush_grads()
         return hook
+
+    def _flush_grads(self):
+        """Hands the store the final gradients that may go now: a parameter's once it is
+        released; in bf16 precision, where a gradient is written over the parameters'
+        16-bit copy and so into a chunk that a held parameter may share, only while no
+        parameter is held."""
+        if self._bf16 and self._held:
+            return
+        for i in [i for i in self._pending if self._holds[i] == 0]:
+            self._put_grad(i, self._pending.pop(i))
 
     def _put_grad(self, i, g):
         if g.device.type != "cpu":
@@ -364,7 +375,7 @@ class Engine:
     def _step_ready(self):
         """With overlap, steps the groups whose gradients are all final — only while no
         parameter is held: a group's chunk may hold a parameter a module still uses."""
-        if self.overlap and not any(self._holds) and self.micro == self.accumulation - 1:
+        if self.overlap and not self._held and self.micro == self.accumulation - 1:
             self.core.step_ready()
 
     def step(self, lr):
