@@ -144,15 +144,7 @@ impl AdamWCore {
     /// ends the store's iteration. Returns the global gradient norm (unclipped) and the
     /// clipping coefficient; `None` when the step was skipped (a non-finite gradient).
     pub fn step(&mut self) -> Result<Option<(f64, f64)>> {
-        let outcome = self.trainer.step(&mut |_| {})?;
-        Ok(match outcome.decision {
-            StepDecision::Apply {
-                grad_norm,
-                clip_coef,
-                ..
-            } => Some((grad_norm, clip_coef)),
-            StepDecision::Skip { .. } => None,
-        })
+        Ok(norm_and_clip(self.trainer.step(&mut |_| {})?.decision))
     }
 
     /// Sets the learning rate of the steps to come.
@@ -275,6 +267,19 @@ fn open_error(e: TrainError) -> Error {
 /// A Python buffer of `dtype` elements, as the trainer takes values.
 fn bytes(bytes: &[u8], dtype: DType) -> Values<'_> {
     Values::Bytes { bytes, dtype }
+}
+
+/// What Python gets of a step: the global gradient norm (unclipped) and the clipping
+/// coefficient; `None` when the step was skipped (a non-finite gradient).
+pub fn norm_and_clip(decision: StepDecision) -> Option<(f64, f64)> {
+    match decision {
+        StepDecision::Apply {
+            grad_norm,
+            clip_coef,
+            ..
+        } => Some((grad_norm, clip_coef)),
+        StepDecision::Skip { .. } => None,
+    }
 }
 
 /// Parses `states` (`fp32`, `bf16`, `int8`; `float32`, `bfloat16`).

@@ -32,10 +32,10 @@ use std::path::{Path, PathBuf};
 
 use tidestore_train::hf::HfWeights;
 use tidestore_train::{
-    DType, DeviceView, Lease, ParamSpec, StepDecision, TensorState, TensorView, Trainer,
-    TrainerConfig, Values,
+    DType, DeviceView, Lease, ParamSpec, TensorState, TensorView, Trainer, TrainerConfig, Values,
 };
 
+use crate::adamw::norm_and_clip;
 use crate::error::{Error, Result};
 
 /// A parameter held for compute: its lease and how many holds it has.
@@ -261,15 +261,7 @@ impl EngineCore {
         if let Some(&i) = self.held().first() {
             self.refuse_held(i, "the step with")?;
         }
-        let outcome = self.trainer.step(&mut |_| {})?;
-        Ok(match outcome.decision {
-            StepDecision::Apply {
-                grad_norm,
-                clip_coef,
-                ..
-            } => Some((grad_norm, clip_coef)),
-            StepDecision::Skip { .. } => None,
-        })
+        Ok(norm_and_clip(self.trainer.step(&mut |_| {})?.decision))
     }
 
     /// Gradients reported in this iteration.

@@ -39,21 +39,16 @@ def batches(n, seed=1):
 
 def torch_losses(model, steps, accumulation=1, lr=1e-3, wd=0.01):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, foreach=False)
-    out = []
-    data = batches(steps * accumulation)
-    for s in range(steps):
-        total = 0.0
-        for ids in data[s * accumulation:(s + 1) * accumulation]:
-            loss = model(input_ids=ids, labels=ids).loss / accumulation
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        out.append(total)
-    return out
+    return losses(model, opt, steps, accumulation)
 
 
 def engine_losses(model, opt, steps, accumulation=1):
+    return losses(model, opt, steps, accumulation, model.tidestore_engine)
+
+
+def losses(model, opt, steps, accumulation, engine=None):
+    """Per-step losses of `steps` steps of `accumulation` micro-batches; with an engine,
+    each step must leave no parameter held."""
     out = []
     data = batches(steps * accumulation)
     for s in range(steps):
@@ -64,7 +59,8 @@ def engine_losses(model, opt, steps, accumulation=1):
             total += loss.item()
         opt.step()
         opt.zero_grad()
-        assert model.tidestore_engine.core.held() == [], "a parameter left held"
+        if engine is not None:
+            assert engine.core.held() == [], "a parameter left held"
         out.append(total)
     return out
 

@@ -72,35 +72,30 @@ class _Saved:
         self.index, self.size, self.stride, self.offset = index, size, stride, offset
 
 
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs once the module's backward has
-    given the inputs their gradients, and releases what backward held of the module."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on the tensors it is given; its backward calls ``callback`` when their
+    gradients arrive. On a module's outputs that is just before the module's backward
+    (the engine binds the module's parameters again for it, and for their gradients'
+    accumulation, which checks the parameter's shape); on its inputs, just after (the
+    engine releases what backward held of the module)."""
 
     @staticmethod
-    def forward(ctx, engine, key, *xs):
-        ctx.engine, ctx.key = engine, key
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
         return xs if len(xs) != 1 else xs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._module_backward_done(ctx.key)
-        return (None, None) + grads
+        ctx.callback()
+        return (None,) + grads
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a module's outputs; its backward runs before the module's backward
-    and binds the module's parameters again for it (and for their gradients'
-    accumulation, which checks the parameter's shape)."""
-
-    @staticmethod
-    def forward(ctx, engine, key, *xs):
-        ctx.engine, ctx.key = engine, key
-        return xs if len(xs) != 1 else xs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine._module_backward_begins(ctx.key)
-        return (None, None) + grads
+def _on_backward(callback):
+    """A ``_map_tensors`` function that passes tensors through ``_OnBackward``."""
+    def wrap(xs):
+        out = _OnBackward.apply(callback, *xs)
+        return out if isinstance(out, tuple) else (out,)
+    return wrap
 
 
 def _map_tensors(out, fn):
@@ -260,12 +255,9 @@ class Engine:
                 self._queue_end_of_backward()
             if not torch.is_grad_enabled():
                 return None
-            # The module's inputs that need gradients pass through _AfterBackward, whose
-            # backward marks the end of this module's backward.
-            def after(xs):
-                out = _AfterBackward.apply(self, key, *xs)
-                return out if isinstance(out, tuple) else (out,)
-            return _map_tensors((tuple(args), kwargs), after)
+            # Inputs that need gradients call back once the module's backward is done.
+            return _map_tensors((tuple(args), kwargs),
+                                _on_backward(lambda: self._module_backward_done(key)))
         return hook
 
     def _post_forward(self, key):
@@ -280,12 +272,8 @@ class Engine:
                 self._unbind(i, False)
             if not torch.is_grad_enabled():
                 return None
-            # Outputs that need gradients pass through _BeforeBackward, whose backward
-            # binds the parameters again before the module's backward.
-            def before(xs):
-                out = _BeforeBackward.apply(self, key, *xs)
-                return out if isinstance(out, tuple) else (out,)
-            return _map_tensors(out, before)
+            # Outputs that need gradients call back before the module's backward begins.
+            return _map_tensors(out, _on_backward(lambda: self._module_backward_begins(key)))
         return hook
 
     def _check_unreferenced(self, mname, i):

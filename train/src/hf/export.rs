@@ -72,28 +72,10 @@ pub fn export_model(
     out_dir: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportReport> {
-    let dtype = opts.dtype;
-    let tensors: Vec<OutTensor> = base_tensors(cfg)
-        .into_iter()
-        .map(|(name, shape)| OutTensor::new(name, shape, dtype))
-        .collect();
-    let report = write_dir_atomically(out_dir, |tmp| {
-        std::fs::write(tmp.join(CONFIG_FILE), cfg.to_json(dtype))
-            .map_err(io_err("writing", &tmp.join(CONFIG_FILE)))?;
-        if let Some(src) = &opts.copy_from {
-            copy_along(src, tmp)?;
-        }
-        write_shards(tmp, &tensors, dtype, opts.max_shard_bytes, |name| {
-            let values = merged_f32(store, cfg, lora, name)?;
-            check_fits(name, &values, dtype)?;
-            Ok(encode(&values, dtype))
-        })
-    })?;
-    tracing::info!(dir = %out_dir.display(), shards = report.shards.len(),
-        bytes = report.tensor_bytes, "model exported");
-    Ok(ExportReport {
-        dir: out_dir.to_path_buf(),
-        ..report
+    let tensors = base_tensors(cfg);
+    let config = cfg.to_json(opts.dtype);
+    write_export(out_dir, &tensors, Some(&config), opts, |name| {
+        merged_f32(store, cfg, lora, name)
     })
 }
 
@@ -109,6 +91,21 @@ pub fn export_tensors(
     out_dir: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportReport> {
+    write_export(out_dir, tensors, config_json, opts, |name| {
+        read_f32(store, name)
+    })
+}
+
+/// The export both kinds share: `config_json` and the files `opts.copy_from` names, then
+/// `tensors` in shards, each tensor's f32 values from `values`, checked to fit the dtype
+/// and encoded; all atomically in `out_dir`.
+fn write_export(
+    out_dir: &Path,
+    tensors: &[(String, Vec<usize>)],
+    config_json: Option<&str>,
+    opts: &ExportOptions,
+    mut values: impl FnMut(&str) -> Result<Vec<f32>>,
+) -> Result<ExportReport> {
     let dtype = opts.dtype;
     let out: Vec<OutTensor> = tensors
         .iter()
@@ -119,14 +116,17 @@ pub fn export_tensors(
             std::fs::write(tmp.join(CONFIG_FILE), json)
                 .map_err(io_err("writing", &tmp.join(CONFIG_FILE)))?;
         }
+        if let Some(src) = &opts.copy_from {
+            copy_along(src, tmp)?;
+        }
         write_shards(tmp, &out, dtype, opts.max_shard_bytes, |name| {
-            let values = read_f32(store, name)?;
-            check_fits(name, &values, dtype)?;
-            Ok(encode(&values, dtype))
+            let v = values(name)?;
+            check_fits(name, &v, dtype)?;
+            Ok(encode(&v, dtype))
         })
     })?;
     tracing::info!(dir = %out_dir.display(), shards = report.shards.len(),
-        bytes = report.tensor_bytes, "tensors exported");
+        bytes = report.tensor_bytes, "model exported");
     Ok(ExportReport {
         dir: out_dir.to_path_buf(),
         ..report
