@@ -10,8 +10,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::store8_out;
-use super::super::raw::{G_BF16, G_F32, O_BF16, O_NONE};
+use super::super::avx2::{
+    load16_f32_split, load16_split, store16_bf16_split, store16_f32_split, store16_out_split,
+    store8_out,
+};
+use super::super::raw::{G_BF16, G_F32, O_NONE};
 use super::super::x86::{load8, prefetch};
 use super::scalar::{self as cs, Q8Block};
 use super::CompactPtrs;
@@ -62,25 +65,30 @@ unsafe fn adam8<const L2: bool>(
 
 #[inline(always)]
 unsafe fn b16_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &CompactPtrs) {
-    // SAFETY: the wrapper enables the features; `i + 8 <= s.len` in the loop and the
+    // SAFETY: the wrapper enables the features; `i + 16 <= s.len` in the loop and the
     // CompactPtrs invariant covers `s.len` elements of every array.
     unsafe {
         let m16 = s.m.cast::<u16>();
         let v16 = s.v.cast::<u16>();
-        let n8 = s.len - s.len % 8;
+        let n16 = s.len - s.len % 16;
         let mut i = 0;
-        while i < n8 {
-            let g = load8::<GK>(s.g, i);
-            let m = load8::<G_BF16>(m16.cast(), i);
-            let v = load8::<G_BF16>(v16.cast(), i);
-            let (p, m, v) = adam8::<L2>(c, _mm256_loadu_ps(s.p.add(i)), m, v, g);
-            _mm256_storeu_ps(s.p.add(i), p);
-            store8_out::<O_BF16>(m16, i, m);
-            store8_out::<O_BF16>(v16, i, v);
-            store8_out::<OK>(s.out, i, p);
-            i += 8;
+        // 16 elements an iteration in the split order (see `load16_split`). On the
+        // Zen 3 VM (20M parameters, medians of 3 runs alternated with the 8-lane loop)
+        // 0.87 -> 0.96 G parameters/s on one thread, 1.57 -> 1.73 on two.
+        while i < n16 {
+            let g = load16_split::<GK>(s.g, i);
+            let m = load16_split::<G_BF16>(m16.cast(), i);
+            let v = load16_split::<G_BF16>(v16.cast(), i);
+            let p = load16_f32_split(s.p.add(i));
+            let (p0, m0, v0) = adam8::<L2>(c, p.0, m.0, v.0, g.0);
+            let (p1, m1, v1) = adam8::<L2>(c, p.1, m.1, v.1, g.1);
+            store16_f32_split(s.p.add(i), (p0, p1));
+            store16_bf16_split(m16.add(i), (m0, m1));
+            store16_bf16_split(v16.add(i), (v0, v1));
+            store16_out_split::<OK>(s.out.add(i), (p0, p1));
+            i += 16;
         }
-        cs::b16_from::<GK, OK, L2>(c, s, n8);
+        cs::b16_from::<GK, OK, L2>(c, s, n16);
     }
 }
 
