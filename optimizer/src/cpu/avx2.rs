@@ -179,18 +179,18 @@ unsafe fn canon8(x: __m256) -> __m256 {
     }
 }
 
-/// The update of 8 lanes with fp32 moments (`scalar::step_from`'s sequence), NaN lanes
-/// canonical: `(p, m, v)` from the raw gradient `g` and the old `p`, `m`, `v`.
+/// The update of 8 lanes, `scalar::adam`'s sequence (every AVX2 step's); `g` is the raw
+/// gradient.
 ///
 /// # Safety
 /// AVX2 and FMA are enabled in the caller.
 #[inline(always)]
-unsafe fn update8<const L2: bool>(
+pub(crate) unsafe fn adam8<const L2: bool>(
     c: &Consts,
-    g: __m256,
     p: __m256,
     m: __m256,
     v: __m256,
+    g: __m256,
 ) -> (__m256, __m256, __m256) {
     // SAFETY: register-only intrinsics under the caller's features.
     unsafe {
@@ -218,6 +218,26 @@ unsafe fn update8<const L2: bool>(
             _mm256_fmadd_ps(_mm256_set1_ps(c.neg_lr_wd), p, p)
         };
         let p = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_step), _mm256_div_ps(m, d), p);
+        (p, m, v)
+    }
+}
+
+/// [`adam8`] with every NaN lane made canonical: the fp32-moment step's update
+/// (`scalar::step_from`'s sequence), `(p, m, v)` from the raw gradient `g`.
+///
+/// # Safety
+/// AVX2 and FMA are enabled in the caller.
+#[inline(always)]
+unsafe fn update8<const L2: bool>(
+    c: &Consts,
+    g: __m256,
+    p: __m256,
+    m: __m256,
+    v: __m256,
+) -> (__m256, __m256, __m256) {
+    // SAFETY: register-only intrinsics under the caller's features.
+    unsafe {
+        let (p, m, v) = adam8::<L2>(c, p, m, v, g);
         (canon8(p), canon8(m), canon8(v))
     }
 }

@@ -11,8 +11,8 @@
 use std::arch::x86_64::*;
 
 use super::super::avx2::{
-    load16_f32_split, load16_split, store16_bf16_split, store16_f32_split, store16_out_split,
-    store8_out,
+    adam8, load16_f32_split, load16_split, store16_bf16_split, store16_f32_split,
+    store16_out_split, store8_out,
 };
 use super::super::raw::{G_BF16, G_F32, O_NONE};
 use super::super::x86::{load8, prefetch};
@@ -20,48 +20,6 @@ use super::scalar::{self as cs, Q8Block};
 use super::CompactPtrs;
 use crate::params::Consts;
 use crate::quant::{DynamicMap, KeyTable, Maps, Q8_BLOCK};
-
-/// The update of 8 lanes, `scalar::adam`'s sequence; `g` is the raw gradient.
-///
-/// # Safety
-/// AVX2 and FMA are enabled in the caller.
-#[inline(always)]
-unsafe fn adam8<const L2: bool>(
-    c: &Consts,
-    p: __m256,
-    m: __m256,
-    v: __m256,
-    g: __m256,
-) -> (__m256, __m256, __m256) {
-    // SAFETY: register-only intrinsics under the caller's features.
-    unsafe {
-        let g = _mm256_mul_ps(g, _mm256_set1_ps(c.grad_scale));
-        let g = if L2 {
-            _mm256_fmadd_ps(_mm256_set1_ps(c.wd_l2), p, g)
-        } else {
-            g
-        };
-        let m = _mm256_fmadd_ps(
-            _mm256_set1_ps(c.beta1),
-            m,
-            _mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta1), g),
-        );
-        let gg = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(c.one_minus_beta2), g), g);
-        let v = _mm256_fmadd_ps(_mm256_set1_ps(c.beta2), v, gg);
-        let d = _mm256_fmadd_ps(
-            _mm256_sqrt_ps(v),
-            _mm256_set1_ps(c.inv_sqrt_bc2),
-            _mm256_set1_ps(c.eps),
-        );
-        let p = if L2 {
-            p
-        } else {
-            _mm256_fmadd_ps(_mm256_set1_ps(c.neg_lr_wd), p, p)
-        };
-        let p = _mm256_fmadd_ps(_mm256_set1_ps(c.neg_step), _mm256_div_ps(m, d), p);
-        (p, m, v)
-    }
-}
 
 #[inline(always)]
 unsafe fn b16_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &CompactPtrs) {
