@@ -155,11 +155,10 @@ pub(crate) unsafe fn store16_out_split<const OK: u8>(out: *mut u16, ab: (__m256,
         match OK {
             O_NONE => {}
             O_F16 => {
+                // a: elements 0-3 and 8-11, b: 4-7 and 12-15.
                 let (a, b) = (_mm256_cvtps_ph::<RNE>(ab.0), _mm256_cvtps_ph::<RNE>(ab.1));
-                _mm_storel_epi64(out.cast(), a);
-                _mm_storel_epi64(out.add(8).cast(), _mm_unpackhi_epi64(a, a));
-                _mm_storel_epi64(out.add(4).cast(), b);
-                _mm_storel_epi64(out.add(12).cast(), _mm_unpackhi_epi64(b, b));
+                _mm_storeu_si128(out.cast(), _mm_unpacklo_epi64(a, b));
+                _mm_storeu_si128(out.add(8).cast(), _mm_unpackhi_epi64(a, b));
             }
             _ => store16_bf16_split(out, ab),
         }
@@ -222,18 +221,18 @@ pub(crate) unsafe fn adam8<const L2: bool>(
     }
 }
 
-/// [`adam8`] with every NaN lane made canonical: the fp32-moment step's update
-/// (`scalar::step_from`'s sequence), `(p, m, v)` from the raw gradient `g`.
+/// [`adam8`] (same arguments) with every NaN lane made canonical: the fp32-moment
+/// step's update (`scalar::step_from`'s sequence).
 ///
 /// # Safety
 /// AVX2 and FMA are enabled in the caller.
 #[inline(always)]
 unsafe fn update8<const L2: bool>(
     c: &Consts,
-    g: __m256,
     p: __m256,
     m: __m256,
     v: __m256,
+    g: __m256,
 ) -> (__m256, __m256, __m256) {
     // SAFETY: register-only intrinsics under the caller's features.
     unsafe {
@@ -258,10 +257,10 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &
             while i < n8 {
                 let (p, m, v) = update8::<L2>(
                     c,
-                    load8::<GK>(s.g, i),
                     _mm256_loadu_ps(s.p.add(i)),
                     _mm256_loadu_ps(s.m.add(i)),
                     _mm256_loadu_ps(s.v.add(i)),
+                    load8::<GK>(s.g, i),
                 );
                 _mm256_storeu_ps(s.p.add(i), p);
                 _mm256_storeu_ps(s.m.add(i), m);
@@ -279,8 +278,8 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &
                 let p = load16_f32_split(s.p.add(i));
                 let m = load16_f32_split(s.m.add(i));
                 let v = load16_f32_split(s.v.add(i));
-                let (p0, m0, v0) = update8::<L2>(c, g.0, p.0, m.0, v.0);
-                let (p1, m1, v1) = update8::<L2>(c, g.1, p.1, m.1, v.1);
+                let (p0, m0, v0) = update8::<L2>(c, p.0, m.0, v.0, g.0);
+                let (p1, m1, v1) = update8::<L2>(c, p.1, m.1, v.1, g.1);
                 store16_f32_split(s.p.add(i), (p0, p1));
                 store16_f32_split(s.m.add(i), (m0, m1));
                 store16_f32_split(s.v.add(i), (v0, v1));
