@@ -221,24 +221,15 @@ pub(crate) unsafe fn adam8<const L2: bool>(
     }
 }
 
-/// [`adam8`] (same arguments) with every NaN lane made canonical: the fp32-moment
-/// step's update (`scalar::step_from`'s sequence).
+/// [`canon8`] of each of the three: the fp32-moment step stores canonical NaNs
+/// (`scalar::step_from`'s sequence is [`adam8`]'s, then this).
 ///
 /// # Safety
-/// AVX2 and FMA are enabled in the caller.
+/// AVX is enabled in the caller.
 #[inline(always)]
-unsafe fn update8<const L2: bool>(
-    c: &Consts,
-    p: __m256,
-    m: __m256,
-    v: __m256,
-    g: __m256,
-) -> (__m256, __m256, __m256) {
+unsafe fn canon3((p, m, v): (__m256, __m256, __m256)) -> (__m256, __m256, __m256) {
     // SAFETY: register-only intrinsics under the caller's features.
-    unsafe {
-        let (p, m, v) = adam8::<L2>(c, p, m, v, g);
-        (canon8(p), canon8(m), canon8(v))
-    }
+    unsafe { (canon8(p), canon8(m), canon8(v)) }
 }
 
 /// No software prefetch: on the Zen 4 class VM (forced AVX2, 20M parameters, medians of
@@ -255,13 +246,13 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &
             // Nothing 16-bit: 8 elements an iteration, in element order.
             let n8 = s.len - s.len % 8;
             while i < n8 {
-                let (p, m, v) = update8::<L2>(
+                let (p, m, v) = canon3(adam8::<L2>(
                     c,
                     _mm256_loadu_ps(s.p.add(i)),
                     _mm256_loadu_ps(s.m.add(i)),
                     _mm256_loadu_ps(s.v.add(i)),
                     load8::<GK>(s.g, i),
-                );
+                ));
                 _mm256_storeu_ps(s.p.add(i), p);
                 _mm256_storeu_ps(s.m.add(i), m);
                 _mm256_storeu_ps(s.v.add(i), v);
@@ -278,8 +269,8 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool>(c: &Consts, s: &
                 let p = load16_f32_split(s.p.add(i));
                 let m = load16_f32_split(s.m.add(i));
                 let v = load16_f32_split(s.v.add(i));
-                let (p0, m0, v0) = update8::<L2>(c, p.0, m.0, v.0, g.0);
-                let (p1, m1, v1) = update8::<L2>(c, p.1, m.1, v.1, g.1);
+                let (p0, m0, v0) = canon3(adam8::<L2>(c, p.0, m.0, v.0, g.0));
+                let (p1, m1, v1) = canon3(adam8::<L2>(c, p.1, m.1, v.1, g.1));
                 store16_f32_split(s.p.add(i), (p0, p1));
                 store16_f32_split(s.m.add(i), (m0, m1));
                 store16_f32_split(s.v.add(i), (v0, v1));
