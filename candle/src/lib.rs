@@ -39,6 +39,7 @@
 pub mod checkpoint;
 #[cfg(feature = "gpu")]
 mod cuda;
+mod decoder;
 pub mod error;
 pub mod gpt;
 pub mod llama;

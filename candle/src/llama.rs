@@ -25,6 +25,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use tidestore_train::hf::{Family, Rope};
 
+use crate::decoder::Mode;
 use crate::error::{Error, Result};
 use crate::gpt::Rng;
 use crate::source::{ParamSource, ParamSpec};
@@ -218,7 +219,7 @@ impl Llama {
         self.cfg.layers + 2
     }
 
-    fn adapted(&self, short: &str) -> Option<&LlamaLora> {
+    pub(crate) fn adapted(&self, short: &str) -> Option<&LlamaLora> {
         self.cfg
             .lora
             .as_ref()
@@ -288,12 +289,12 @@ impl Llama {
     }
 
     /// Whether projection `short` carries a bias.
-    fn biased(&self, short: &str) -> bool {
+    pub(crate) fn biased(&self, short: &str) -> bool {
         self.arch.qkv_bias && matches!(short, "q_proj" | "k_proj" | "v_proj")
     }
 
     /// The per-head norm that follows projection `short` (Qwen3's `q_norm`, `k_norm`).
-    fn qk_norm_of(&self, short: &str) -> Option<&'static str> {
+    pub(crate) fn qk_norm_of(&self, short: &str) -> Option<&'static str> {
         match short {
             "q_proj" if self.arch.qk_norm => Some("q_norm"),
             "k_proj" if self.arch.qk_norm => Some("k_norm"),
@@ -355,6 +356,17 @@ impl Llama {
     /// Runs block `b` on `x` (token ids `(batch, time)` u32 for the embedding, hidden
     /// states `(batch, time, hidden)` otherwise); the head returns logits.
     pub fn block(&self, b: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
+        self.block_in(b, src, x, Mode::Graph)
+    }
+
+    /// [`Llama::block`] computed as `mode` says.
+    pub(crate) fn block_in(
+        &self,
+        b: usize,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        mode: Mode,
+    ) -> Result<Tensor> {
         if b == 0 {
             let (bs, t) = x.dims2()?;
             let w = src.param("model.embed_tokens.weight")?;
@@ -363,11 +375,9 @@ impl Llama {
                 .reshape((bs, t, self.cfg.hidden))?);
         }
         if b == self.cfg.layers + 1 {
-            let p = self.block_params(b);
-            let h = rms_norm(x, &src.param(&p[0].name)?, self.cfg.rms_eps)?;
-            return Ok(h.broadcast_matmul(&src.param(&p[1].name)?.t()?)?);
+            return Ok(self.head_forward(src, x, mode)?.0);
         }
-        self.layer(b - 1, src, x)
+        Ok(self.layer_forward(b - 1, src, x, mode)?.0)
     }
 
     /// Logits of `tokens` `(batch, time)` as one graph.
@@ -386,113 +396,40 @@ impl Llama {
     /// by 0 before the sum). With no masked position this is the plain mean; with every
     /// position masked the loss is 0 and so is every gradient.
     pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let (b, t, v) = logits.dims3()?;
-        let targets = targets.reshape(b * t)?;
-        let ignore = Tensor::full(IGNORE_TARGET, b * t, targets.device())?;
-        let kept = targets.ne(&ignore)?;
-        // A masked target is read as id 0 (any valid id): its term is zeroed below.
-        let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
-        let log_p = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?, D::Minus1)?;
-        let picked = log_p.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
-        let weight = kept.to_dtype(picked.dtype())?;
-        let count = weight.sum_all()?.to_scalar::<f32>()?;
-        let total = (picked * weight)?.sum_all()?;
-        Ok((total.neg()? / f64::from(count.max(1.0)))?)
+        MaskedLogProbs::new(logits, targets)?.loss()
     }
 
-    fn linear(
-        &self,
-        x: &Tensor,
-        src: &mut dyn ParamSource,
-        name: &str,
-        short: &str,
-    ) -> Result<Tensor> {
-        let w = src.param(&format!("{name}.weight"))?;
-        let mut y = x.broadcast_matmul(&w.t()?)?;
-        if self.biased(short) {
-            y = y.broadcast_add(&src.param(&format!("{name}.bias"))?)?;
-        }
-        if let Some(l) = self.adapted(short) {
-            let a = src.param(&format!("{name}.lora_A.weight"))?;
-            let bm = src.param(&format!("{name}.lora_B.weight"))?;
-            let low = x.broadcast_matmul(&a.t()?)?;
-            let delta = low.broadcast_matmul(&bm.t()?)?;
-            y = (y + (delta * f64::from(l.alpha / l.rank as f32))?)?;
-        }
-        Ok(y)
+    /// [`Llama::loss`]'s value and its gradient with respect to `logits`, times
+    /// `scale`: `(softmax − one-hot of the target) · scale / count` at kept positions, 0
+    /// at masked ones.
+    pub(crate) fn loss_and_grad(
+        logits: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+    ) -> Result<(f32, Tensor)> {
+        let m = MaskedLogProbs::new(logits, targets)?;
+        let loss = m.loss()?.to_scalar::<f32>()?;
+        let idx = m.safe.unsqueeze(1)?;
+        let minus_one = Tensor::full(-1f32, idx.shape(), idx.device())?;
+        let factor = (m.weight * (scale / f64::from(m.count.max(1.0))))?.unsqueeze(1)?;
+        let g = m
+            .log_p
+            .exp()?
+            .scatter_add(&idx, &minus_one, 1)?
+            .broadcast_mul(&factor)?;
+        Ok((loss, g.reshape(logits.shape())?))
     }
-
-    /// Queries, keys or values of projection `short`: `(batch, n, time, head_dim)`,
-    /// per-head normed when the family norms them.
-    fn heads(
-        &self,
-        h: &Tensor,
-        src: &mut dyn ParamSource,
-        prefix: &str,
-        short: &str,
-        n: usize,
-    ) -> Result<Tensor> {
-        let (bs, t, _) = h.dims3()?;
-        let y = self.linear(h, src, &format!("{prefix}.{short}"), short)?;
-        let mut y = y.reshape((bs, t, n, self.head_dim()))?;
-        if let Some(norm) = self.qk_norm_of(short) {
-            let w = src.param(&format!("{prefix}.{norm}.weight"))?;
-            y = rms_norm(&y, &w, self.cfg.rms_eps)?;
-        }
-        Ok(y.transpose(1, 2)?.contiguous()?)
-    }
-
-    fn layer(&self, l: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
-        let c = &self.cfg;
-        let p = format!("model.layers.{l}");
-        let (bs, t, _) = x.dims3()?;
-        let hd = self.head_dim();
-        let h = rms_norm(
-            x,
-            &src.param(&format!("{p}.input_layernorm.weight"))?,
-            c.rms_eps,
-        )?;
-        let a = format!("{p}.self_attn");
-        let q = self.heads(&h, src, &a, "q_proj", c.heads)?;
-        let k = self.heads(&h, src, &a, "k_proj", c.kv_heads)?;
-        let v = self.heads(&h, src, &a, "v_proj", c.kv_heads)?;
-        let (cos, sin) = rope_tables(t, hd, &self.arch.rope, x.device())?;
-        let (q, k) = (rotate(&q, &cos, &sin)?, rotate(&k, &cos, &sin)?);
-        let rep = c.heads / c.kv_heads;
-        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
-        let att = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-        let att = att.broadcast_add(&causal_mask(t, self.arch.sliding_window, x.device())?)?;
-        // Not `softmax_last_dim`: candle 0.11's fused kernel has no backward.
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((bs, t, c.heads * hd))?;
-        let x = (x + self.linear(&y, src, &format!("{a}.o_proj"), "o_proj")?)?;
-        let h = rms_norm(
-            &x,
-            &src.param(&format!("{p}.post_attention_layernorm.weight"))?,
-            c.rms_eps,
-        )?;
-        let m = format!("{p}.mlp");
-        let gate = self.linear(&h, src, &format!("{m}.gate_proj"), "gate_proj")?;
-        let up = self.linear(&h, src, &format!("{m}.up_proj"), "up_proj")?;
-        let act = (candle_nn::ops::silu(&gate)? * up)?;
-        Ok((x + self.linear(&act, src, &format!("{m}.down_proj"), "down_proj")?)?)
-    }
-}
-
-/// `x · rsqrt(mean(x²) + eps) · w` over the last dimension, in f32, from primitive ops.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let xn = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
-    Ok(xn.broadcast_mul(w)?)
 }
 
 /// `cos` and `sin` tables `(t, head_dim)`: position `i` times `rope`'s inverse
 /// frequencies (f32, as transformers), each frequency twice (the two halves a rotation
 /// pairs), times RoPE's attention factor (YaRN's; 1 otherwise).
-fn rope_tables(t: usize, hd: usize, rope: &Rope, device: &Device) -> Result<(Tensor, Tensor)> {
+pub(crate) fn rope_tables(
+    t: usize,
+    hd: usize,
+    rope: &Rope,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
     let half = hd / 2;
     let inv = rope.inv_freq(hd);
     let mut angles = Vec::with_capacity(t * hd);
@@ -512,34 +449,48 @@ fn rope_tables(t: usize, hd: usize, rope: &Rope, device: &Device) -> Result<(Ten
     Ok(((cos * f)?, (sin * f)?))
 }
 
-/// `x · cos + rotate_half(x) · sin`, `rotate_half(x) = [-x₂, x₁]` over the halves.
-fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.dim(D::Minus1)?;
-    let (x1, x2) = (
-        x.narrow(D::Minus1, 0, hd / 2)?,
-        x.narrow(D::Minus1, hd / 2, hd / 2)?,
-    );
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
-}
-
-/// `(b, kv, t, hd)` -> `(b, kv·rep, t, hd)`, each key/value head repeated `rep` times.
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    if rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kv, t, hd) = x.dims4()?;
-    Ok(x.unsqueeze(2)?
-        .broadcast_as((b, kv, rep, t, hd))?
-        .reshape((b, kv * rep, t, hd))?)
-}
-
 /// `(t, t)`: 0 where query `i` sees key `j` (`j ≤ i`, and `i - j < w` with a sliding
 /// window of `w`), a large negative number elsewhere.
-fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j <= i && i - j < w { 0.0 } else { -1e9 }))
         .collect();
     Ok(Tensor::from_vec(m, (t, t), device)?.to_dtype(DType::F32)?)
+}
+
+/// The log-probabilities of `logits` `(batch, time, vocab)` as rows, and which targets
+/// count: a masked target ([`IGNORE_TARGET`]) is read as id 0 (any valid id) with
+/// weight 0.
+struct MaskedLogProbs {
+    log_p: Tensor,
+    safe: Tensor,
+    weight: Tensor,
+    count: f32,
+}
+
+impl MaskedLogProbs {
+    fn new(logits: &Tensor, targets: &Tensor) -> Result<Self> {
+        let (b, t, v) = logits.dims3()?;
+        let targets = targets.reshape(b * t)?;
+        let ignore = Tensor::full(IGNORE_TARGET, b * t, targets.device())?;
+        let kept = targets.ne(&ignore)?;
+        let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
+        let log_p = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?, D::Minus1)?;
+        let weight = kept.to_dtype(log_p.dtype())?;
+        let count = weight.sum_all()?.to_scalar::<f32>()?;
+        Ok(MaskedLogProbs {
+            log_p,
+            safe,
+            weight,
+            count,
+        })
+    }
+
+    /// The mean of the kept positions' negative log-likelihoods (0 with none kept).
+    fn loss(&self) -> Result<Tensor> {
+        let picked = self.log_p.gather(&self.safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+        let total = (picked * &self.weight)?.sum_all()?;
+        Ok((total.neg()? / f64::from(self.count.max(1.0)))?)
+    }
 }

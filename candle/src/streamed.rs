@@ -5,17 +5,17 @@
 //! ([`InMemoryTraining`], the baseline of the same recompute).
 //!
 //! The candle side of a block's backward: the block is recomputed from its saved input
-//! as a variable, and the incoming gradient `g` is propagated through it with the
-//! surrogate `sum(y · g)` (`g` a constant: its gradient with respect to the block's
-//! inputs and parameters is exactly the vector-Jacobian product, since candle has no
-//! API for an upstream gradient). The result equals candle's full-graph autograd on the
-//! same weights up to the summation order of the surrogate (see
+//! with what its backward reads kept, and the incoming gradient is propagated through
+//! it by the hand-written backward of `crate::decoder` (candle's autograd zeroes and
+//! adds a gradient buffer per graph node; see there). The result equals candle's
+//! full-graph autograd on the same weights up to summation order (see
 //! `tests/llama_streamed.rs`).
 
-use candle_core::{Tensor, Var};
+use candle_core::Tensor;
 use tidestore_train::TensorState;
 use tidestore_train::{BlockGrads, BlockParams, Blocks, StepDecision, StepState, Upstream};
 
+use crate::decoder::Mode;
 use crate::error::{Error, Result};
 use crate::llama::Llama;
 use crate::source::{InMemory, ParamSource};
@@ -67,7 +67,7 @@ impl Blocks for Llama {
             backward: false,
             handed: Vec::new(),
         };
-        let y = self.block(block, &mut src, input)?.detach();
+        let y = self.block_in(block, &mut src, input, Mode::Fused)?.detach();
         // A GPU runs the block asynchronously: wait here, so that its time counts as
         // compute and not as the store's (whose next copy would wait for it).
         y.device().synchronize()?;
@@ -81,42 +81,29 @@ impl Blocks for Llama {
         input: &Tensor,
         upstream: Upstream<'_, Tensor>,
     ) -> Result<BlockGrads<Tensor>> {
-        // Block 0's input is tokens: nothing to differentiate.
-        let input_var = if block > 0 {
-            Some(Var::from_tensor(input)?)
-        } else {
-            None
-        };
-        let xin = input_var.as_ref().map_or(input, |v| v.as_tensor());
         let mut src = BlockSource {
             params,
             backward: true,
             handed: Vec::new(),
         };
-        let y = self.block(block, &mut src, xin)?;
-        let (objective, loss) = match upstream {
-            Upstream::Loss { targets, scale } => {
-                let loss = Llama::loss(&y, targets)?;
-                let value = loss.to_scalar::<f32>()?;
-                ((loss * scale)?, Some(value))
-            }
-            Upstream::Grad(g) => ((y * g)?.sum_all()?, None),
-        };
-        let grads = objective.backward()?;
+        let (input, mut grads, loss) = self.block_backward(block, &mut src, input, upstream)?;
+        // Every trainable parameter handed out gets a gradient, in the order handed.
         let params = src
             .handed
             .into_iter()
             .filter(|(_, t)| t.is_variable())
             .map(|(name, t)| {
-                let g = match grads.get(&t) {
-                    Some(g) => g.clone(),
+                let g = match grads.remove(&name) {
+                    Some(g) => g,
                     None => t.zeros_like()?,
                 };
                 Ok((name, g))
             })
             .collect::<Result<Vec<_>>>()?;
-        let input = input_var.and_then(|v| grads.get(v.as_tensor()).map(Tensor::detach));
-        objective.device().synchronize()?;
+        // As in forward: a GPU's kernels finish here, counted as compute.
+        if let Some(t) = input.as_ref().or(params.first().map(|(_, g)| g)) {
+            t.device().synchronize()?;
+        }
         Ok(BlockGrads {
             input,
             params,

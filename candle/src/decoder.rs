@@ -1,0 +1,510 @@
+//! LLaMA's decoder layer, head and embedding computed with what their backward needs
+//! kept, and that backward written out (the vector-Jacobian product of each operation,
+//! in reverse): what the layer-streamed trainer runs.
+//!
+//! candle's autograd gives every node of the graph a gradient buffer of its own, zeroed
+//! and then added into (`GradStore::or_insert` + `add`): for a projection's weight that
+//! is three weight-sized zero fills and additions per backward (the weight, its
+//! transpose, its broadcast), memory traffic that took as long as a third of the
+//! matrix products on a 2-core CPU. Here each gradient is the result of the one
+//! operation that makes it: a weight's is `gᵀ · x`, nothing is zeroed, frozen weights
+//! get no product at all, and the fused forward kernels (`candle_nn`'s RMSNorm and
+//! last-dimension softmax, which have no backward in candle) serve the forward passes.
+//!
+//! The same forward, in [`Mode::Graph`], is [`Llama::block`]'s differentiable graph
+//! (primitive operations only): the reference that `tests/llama_streamed.rs` holds this
+//! backward to, gradient by gradient.
+//!
+//! Grouped-query attention never repeats keys and values: the `rep = heads / kv_heads`
+//! query heads that share a key/value head are laid out as `rep · time` rows of one
+//! product against it (`(batch · kv_heads, rep · time, head_dim)`), so the keys' and
+//! values' gradients come out summed over the group by the product itself.
+
+use std::collections::HashMap;
+
+use candle_core::{Tensor, D};
+
+use crate::error::{Error, Result};
+use crate::llama::{causal_mask, rope_tables, Llama};
+use crate::source::ParamSource;
+
+/// How the forward operations are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Primitive candle operations, each with its backward: a graph candle's autograd
+    /// differentiates.
+    Graph,
+    /// Fused kernels without a backward in candle (RMSNorm, softmax): the forward of
+    /// the hand-written backward below.
+    Fused,
+}
+
+/// `x · rsqrt(mean(x²) + eps) · w` over the last dimension.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
+    if mode == Mode::Fused && x.is_contiguous() {
+        return Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?);
+    }
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let xn = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    Ok(xn.broadcast_mul(w)?)
+}
+
+/// The gradient of [`rms_norm`] with respect to `x` for the output gradient `g`, and
+/// with respect to `w` when `w_grad`: with `r = rsqrt(mean(x²) + eps)` and `x̂ = x·r`,
+/// `dx = r · (g·w − x̂ · mean(g·w·x̂))` and `dw = Σ_rows g·x̂`.
+fn rms_norm_back(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, w_grad: bool) -> Result<Grad2> {
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let xhat = x.broadcast_mul(&r)?;
+    let gw = g.broadcast_mul(w)?;
+    let dot = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
+    let dx = (gw - xhat.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+    let dw = if w_grad {
+        let rows = xhat.elem_count() / w.elem_count();
+        Some((g * xhat)?.reshape((rows, w.elem_count()))?.sum(0)?)
+    } else {
+        None
+    };
+    Ok((dx, dw))
+}
+
+/// A gradient with respect to an input, and one with respect to a parameter if it
+/// trains.
+type Grad2 = (Tensor, Option<Tensor>);
+
+/// Rotary embedding `x · cos + rotate_half(x) · sin`, `rotate_half(x) = [−x₂, x₁]`;
+/// with `transposed`, its transpose (the backward): `g · cos + [s₂, −s₁]` for
+/// `s = g · sin`.
+pub(crate) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transposed: bool) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let s = if transposed {
+        x.broadcast_mul(sin)?
+    } else {
+        x.clone()
+    };
+    let (s1, s2) = (
+        s.narrow(D::Minus1, 0, hd / 2)?,
+        s.narrow(D::Minus1, hd / 2, hd / 2)?,
+    );
+    let rotated = if transposed {
+        Tensor::cat(&[&s2, &s1.neg()?], D::Minus1)?
+    } else {
+        Tensor::cat(&[&s2.neg()?, &s1], D::Minus1)?.broadcast_mul(sin)?
+    };
+    Ok((x.broadcast_mul(cos)? + rotated)?)
+}
+
+/// What a projection's backward needs: its input, and LoRA's low-rank activation.
+#[derive(Debug, Clone)]
+struct ProjSaved {
+    /// The input rows `(rows, in)`.
+    x: Tensor,
+    /// `x · Aᵀ` `(rows, rank)`, when the projection is adapted.
+    low: Option<Tensor>,
+}
+
+/// A decoder layer's forward values that its backward reads (rows are `batch · time`).
+#[derive(Debug)]
+pub(crate) struct LayerSaved {
+    x: Tensor,
+    qkv: [ProjSaved; 3],
+    /// q and k before their per-head norm (Qwen3), `(rows · n, head_dim)`.
+    qk_pre: Option<(Tensor, Tensor)>,
+    /// Rotated queries `(b·kv, rep·t, hd)`, keys and values `(b·kv, t, hd)`.
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    /// Attention probabilities `(b·kv, rep·t, t)`.
+    p: Tensor,
+    o_proj: ProjSaved,
+    x_mid: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    mlp: [ProjSaved; 3],
+}
+
+/// Parameter gradients of one block, by name.
+pub(crate) type ParamGrads = HashMap<String, Tensor>;
+
+/// The input's gradient, the parameters' gradients and (the head's) unscaled loss.
+pub(crate) type BlockBack = (Option<Tensor>, ParamGrads, Option<f32>);
+
+impl Llama {
+    /// `x · Wᵀ (+ b) (+ (alpha / r) · (x · Aᵀ) · Bᵀ)` on rows `x` `(rows, in)`.
+    fn project(
+        &self,
+        x: &Tensor,
+        src: &mut dyn ParamSource,
+        name: &str,
+        short: &str,
+    ) -> Result<(Tensor, ProjSaved)> {
+        let w = src.param(&format!("{name}.weight"))?;
+        let mut y = x.matmul(&w.t()?)?;
+        if self.biased(short) {
+            y = y.broadcast_add(&src.param(&format!("{name}.bias"))?)?;
+        }
+        let mut low = None;
+        if let Some(l) = self.adapted(short) {
+            let a = src.param(&format!("{name}.lora_A.weight"))?;
+            let bm = src.param(&format!("{name}.lora_B.weight"))?;
+            let lo = x.matmul(&a.t()?)?;
+            let delta = lo.matmul(&bm.t()?)?;
+            y = (y + (delta * self.lora_scale(l))?)?;
+            low = Some(lo);
+        }
+        Ok((y, ProjSaved { x: x.clone(), low }))
+    }
+
+    /// The backward of [`Llama::project`]: the input's gradient for `g` `(rows, out)`;
+    /// the trainable parameters' gradients go into `grads`.
+    fn project_back(
+        &self,
+        saved: &ProjSaved,
+        src: &mut dyn ParamSource,
+        name: &str,
+        short: &str,
+        g: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let (x, w) = (&saved.x, src.param(&format!("{name}.weight"))?);
+        if w.is_variable() {
+            add_grad(grads, format!("{name}.weight"), g.t()?.matmul(x)?)?;
+        }
+        if self.biased(short) {
+            let bias = format!("{name}.bias");
+            if src.param(&bias)?.is_variable() {
+                add_grad(grads, bias, g.sum(0)?)?;
+            }
+        }
+        let mut dx = g.matmul(&w)?;
+        if let (Some(low), Some(l)) = (&saved.low, self.adapted(short)) {
+            let a = src.param(&format!("{name}.lora_A.weight"))?;
+            let bm = src.param(&format!("{name}.lora_B.weight"))?;
+            let gs = (g * self.lora_scale(l))?;
+            if bm.is_variable() {
+                add_grad(grads, format!("{name}.lora_B.weight"), gs.t()?.matmul(low)?)?;
+            }
+            let dlow = gs.matmul(&bm)?;
+            if a.is_variable() {
+                add_grad(grads, format!("{name}.lora_A.weight"), dlow.t()?.matmul(x)?)?;
+            }
+            dx = (dx + dlow.matmul(&a)?)?;
+        }
+        Ok(dx)
+    }
+
+    fn lora_scale(&self, l: &crate::llama::LlamaLora) -> f64 {
+        f64::from(l.alpha / l.rank as f32)
+    }
+
+    /// Decoder layer `l` on `x` `(batch, time, hidden)`: its output and what its
+    /// backward needs.
+    pub(crate) fn layer_forward(
+        &self,
+        l: usize,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, LayerSaved)> {
+        let c = self.config();
+        let p = format!("model.layers.{l}");
+        let (bs, t, hidden) = x.dims3()?;
+        let (hd, rows, rep) = (self.head_dim(), bs * t, c.heads / c.kv_heads);
+        let x2 = x.reshape((rows, hidden))?;
+        let eps = c.rms_eps;
+        let h1 = rms_norm(
+            &x2,
+            &src.param(&format!("{p}.input_layernorm.weight"))?,
+            eps,
+            mode,
+        )?;
+        let a = format!("{p}.self_attn");
+        let mut qkv = Vec::with_capacity(3);
+        let mut pre = Vec::new();
+        for (short, n) in [
+            ("q_proj", c.heads),
+            ("k_proj", c.kv_heads),
+            ("v_proj", c.kv_heads),
+        ] {
+            let (y, saved) = self.project(&h1, src, &format!("{a}.{short}"), short)?;
+            let y = match self.qk_norm_of(short) {
+                Some(norm) => {
+                    let w = src.param(&format!("{a}.{norm}.weight"))?;
+                    let y = y.reshape((rows * n, hd))?;
+                    pre.push(y.clone());
+                    rms_norm(&y, &w, eps, mode)?
+                }
+                None => y,
+            };
+            // (b, t, n, hd) -> (b, n, t, hd)
+            let y = y.reshape((bs, t, n, hd))?.transpose(1, 2)?.contiguous()?;
+            qkv.push((y, saved));
+        }
+        let (cos, sin) = rope_tables(t, hd, &self.arch().rope, x.device())?;
+        let q = rotate(&qkv[0].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, rep * t, hd))?;
+        let k = rotate(&qkv[1].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, t, hd))?;
+        let v = qkv[2].0.reshape((bs * c.kv_heads, t, hd))?;
+        let s = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
+        let s = s.broadcast_add(&causal_mask(t, self.arch().sliding_window, x.device())?)?;
+        let probs = match mode {
+            Mode::Fused => candle_nn::ops::softmax_last_dim(&s)?,
+            Mode::Graph => candle_nn::ops::softmax(&s, D::Minus1)?,
+        }
+        .reshape((bs * c.kv_heads, rep * t, t))?;
+        let o = probs
+            .matmul(&v)?
+            .reshape((bs, c.heads, t, hd))?
+            .transpose(1, 2)?
+            .reshape((rows, c.heads * hd))?;
+        let (attn, o_proj) = self.project(&o, src, &format!("{a}.o_proj"), "o_proj")?;
+        let x_mid = (&x2 + attn)?;
+        let w_post = src.param(&format!("{p}.post_attention_layernorm.weight"))?;
+        let h2 = rms_norm(&x_mid, &w_post, eps, mode)?;
+        let m = format!("{p}.mlp");
+        let (gate, gate_s) = self.project(&h2, src, &format!("{m}.gate_proj"), "gate_proj")?;
+        let (up, up_s) = self.project(&h2, src, &format!("{m}.up_proj"), "up_proj")?;
+        let act = (gate.silu()? * &up)?;
+        let (down, down_s) = self.project(&act, src, &format!("{m}.down_proj"), "down_proj")?;
+        let out = (&x_mid + down)?.reshape((bs, t, hidden))?;
+        let mut qkv = qkv.into_iter().map(|(_, s)| s);
+        let mut next = || qkv.next().expect("three projections");
+        let saved = LayerSaved {
+            x: x2,
+            qkv: [next(), next(), next()],
+            qk_pre: (pre.len() == 2).then(|| (pre[0].clone(), pre[1].clone())),
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            p: probs,
+            o_proj,
+            x_mid,
+            gate,
+            up,
+            mlp: [gate_s, up_s, down_s],
+        };
+        Ok((out, saved))
+    }
+
+    /// The backward of decoder layer `l` for the output gradient `g`
+    /// `(batch, time, hidden)`: the input's gradient; the trainable parameters' go into
+    /// `grads`.
+    pub(crate) fn layer_backward(
+        &self,
+        l: usize,
+        src: &mut dyn ParamSource,
+        s: &LayerSaved,
+        g: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let c = self.config();
+        let p = format!("model.layers.{l}");
+        let (bs, t, hidden) = g.dims3()?;
+        let (hd, rows, rep) = (self.head_dim(), bs * t, c.heads / c.kv_heads);
+        let eps = c.rms_eps;
+        let g2 = g.reshape((rows, hidden))?;
+        // MLP: down(silu(gate) · up), added to the residual.
+        let m = format!("{p}.mlp");
+        let d_act = self.project_back(
+            &s.mlp[2],
+            src,
+            &format!("{m}.down_proj"),
+            "down_proj",
+            &g2,
+            grads,
+        )?;
+        let sig = candle_nn::ops::sigmoid(&s.gate)?;
+        let silu = (&s.gate * &sig)?;
+        let d_up = (&d_act * &silu)?;
+        // silu'(z) = σ(z) · (1 + z · (1 − σ(z)))
+        let dsilu = (&sig * ((&s.gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
+        let d_gate = ((d_act * &s.up)? * dsilu)?;
+        let dh2 = (self.project_back(
+            &s.mlp[0],
+            src,
+            &format!("{m}.gate_proj"),
+            "gate_proj",
+            &d_gate,
+            grads,
+        )? + self.project_back(
+            &s.mlp[1],
+            src,
+            &format!("{m}.up_proj"),
+            "up_proj",
+            &d_up,
+            grads,
+        )?)?;
+        let post = format!("{p}.post_attention_layernorm.weight");
+        let w_post = src.param(&post)?;
+        let (dx, dw) = rms_norm_back(&s.x_mid, &w_post, eps, &dh2, w_post.is_variable())?;
+        put(grads, post, dw)?;
+        let d_mid = (g2 + dx)?;
+        // Attention.
+        let a = format!("{p}.self_attn");
+        let d_o = self.project_back(
+            &s.o_proj,
+            src,
+            &format!("{a}.o_proj"),
+            "o_proj",
+            &d_mid,
+            grads,
+        )?;
+        let d_o = d_o
+            .reshape((bs, t, c.heads, hd))?
+            .transpose(1, 2)?
+            .reshape((bs * c.kv_heads, rep * t, hd))?;
+        let dp = d_o.matmul(&s.v.t()?)?;
+        let dv = s.p.t()?.matmul(&d_o)?;
+        let ds = ((&s.p * dp.broadcast_sub(&(&s.p * &dp)?.sum_keepdim(D::Minus1)?)?)?
+            / (hd as f64).sqrt())?;
+        let dq = ds.matmul(&s.k)?.reshape((bs, c.heads, t, hd))?;
+        let dk = ds.t()?.matmul(&s.q)?.reshape((bs, c.kv_heads, t, hd))?;
+        let dq = rotate(&dq, &s.cos, &s.sin, true)?;
+        let dk = rotate(&dk, &s.cos, &s.sin, true)?;
+        let dv = dv.reshape((bs, c.kv_heads, t, hd))?;
+        let mut dh1: Option<Tensor> = None;
+        for (i, (short, n, d)) in [
+            ("q_proj", c.heads, dq),
+            ("k_proj", c.kv_heads, dk),
+            ("v_proj", c.kv_heads, dv),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // (b, n, t, hd) -> rows of (b, t, n, hd)
+            let mut d = d.transpose(1, 2)?.contiguous()?;
+            if let (Some(norm), Some((qp, kp))) = (self.qk_norm_of(short), &s.qk_pre) {
+                let name = format!("{a}.{norm}.weight");
+                let w = src.param(&name)?;
+                let pre = if i == 0 { qp } else { kp };
+                let (dx, dw) =
+                    rms_norm_back(pre, &w, eps, &d.reshape((rows * n, hd))?, w.is_variable())?;
+                put(grads, name, dw)?;
+                d = dx;
+            }
+            let d = d.reshape((rows, n * hd))?;
+            let dx =
+                self.project_back(&s.qkv[i], src, &format!("{a}.{short}"), short, &d, grads)?;
+            dh1 = Some(match dh1 {
+                Some(sum) => (sum + dx)?,
+                None => dx,
+            });
+        }
+        let dh1 = dh1.expect("three projections");
+        let input = format!("{p}.input_layernorm.weight");
+        let w_in = src.param(&input)?;
+        let (dx, dw) = rms_norm_back(&s.x, &w_in, eps, &dh1, w_in.is_variable())?;
+        put(grads, input, dw)?;
+        Ok((d_mid + dx)?.reshape((bs, t, hidden))?)
+    }
+
+    /// The head's logits `(batch, time, vocab)` of `x`, and its normed input `(rows,
+    /// hidden)` (what its backward needs).
+    pub(crate) fn head_forward(
+        &self,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        mode: Mode,
+    ) -> Result<(Tensor, Tensor)> {
+        let (bs, t, hidden) = x.dims3()?;
+        let p = self.block_params(self.blocks() - 1);
+        let x2 = x.reshape((bs * t, hidden))?;
+        let h = rms_norm(&x2, &src.param(&p[0].name)?, self.config().rms_eps, mode)?;
+        let logits = h.matmul(&src.param(&p[1].name)?.t()?)?;
+        Ok((logits.reshape((bs, t, self.config().vocab))?, h))
+    }
+
+    /// The backward of the whole block `b` on its input `x` for `upstream` (the head
+    /// takes the loss against targets, times a scale, or its logits' gradient; a
+    /// decoder layer or the embedding its output's gradient).
+    pub(crate) fn block_backward(
+        &self,
+        b: usize,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        upstream: tidestore_train::Upstream<'_, Tensor>,
+    ) -> Result<BlockBack> {
+        use tidestore_train::Upstream;
+        let mut grads = ParamGrads::new();
+        let head = self.blocks() - 1;
+        if b == head {
+            let (logits, h) = self.head_forward(src, x, Mode::Fused)?;
+            let (g, loss) = match upstream {
+                Upstream::Loss { targets, scale } => {
+                    let (loss, g) = Llama::loss_and_grad(&logits, targets, scale)?;
+                    (g, Some(loss))
+                }
+                Upstream::Grad(g) => (g.clone(), None),
+            };
+            let dx = self.head_backward(src, x, &h, &g, &mut grads)?;
+            return Ok((Some(dx), grads, loss));
+        }
+        let Upstream::Grad(g) = upstream else {
+            return Err(Error::BadParam {
+                name: format!("block {b}"),
+                reason: "a loss handed to a block that is not the head".into(),
+            });
+        };
+        if b == 0 {
+            let name = "model.embed_tokens.weight";
+            let w = src.param(name)?;
+            if w.is_variable() {
+                let ids = x.flatten_all()?;
+                let hidden = self.config().hidden;
+                let rows = g.reshape((ids.elem_count(), hidden))?;
+                add_grad(
+                    &mut grads,
+                    name.to_string(),
+                    w.zeros_like()?.index_add(&ids, &rows, 0)?,
+                )?;
+            }
+            return Ok((None, grads, None));
+        }
+        let (_, saved) = self.layer_forward(b - 1, src, x, Mode::Fused)?;
+        let dx = self.layer_backward(b - 1, src, &saved, g, &mut grads)?;
+        Ok((Some(dx), grads, None))
+    }
+
+    /// The head's backward for the logits' gradient `g` `(batch, time, vocab)`.
+    fn head_backward(
+        &self,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        h: &Tensor,
+        g: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let (bs, t, hidden) = x.dims3()?;
+        let p = self.block_params(self.blocks() - 1);
+        let g2 = g.reshape((bs * t, self.config().vocab))?;
+        let w = src.param(&p[1].name)?;
+        if w.is_variable() {
+            add_grad(grads, p[1].name.clone(), g2.t()?.matmul(h)?)?;
+        }
+        let dh = g2.matmul(&w)?;
+        let wn = src.param(&p[0].name)?;
+        let x2 = x.reshape((bs * t, hidden))?;
+        let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn.is_variable())?;
+        put(grads, p[0].name.clone(), dw)?;
+        Ok(dx.reshape((bs, t, hidden))?)
+    }
+}
+
+fn put(grads: &mut ParamGrads, name: String, g: Option<Tensor>) -> Result<()> {
+    match g {
+        Some(g) => add_grad(grads, name, g),
+        None => Ok(()),
+    }
+}
+
+/// Adds `g` to the gradient of `name` (a tied weight gets two).
+fn add_grad(grads: &mut ParamGrads, name: String, g: Tensor) -> Result<()> {
+    let g = match grads.remove(&name) {
+        Some(earlier) => (earlier + g)?,
+        None => g,
+    };
+    grads.insert(name, g);
+    Ok(())
+}
