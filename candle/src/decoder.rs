@@ -138,16 +138,17 @@ impl Llama {
         src: &mut dyn ParamSource,
         name: &str,
         short: &str,
+        mode: Mode,
     ) -> Result<(Tensor, ProjSaved)> {
-        let w = src.param(&format!("{name}.weight"))?;
+        let w = param(src, &format!("{name}.weight"), mode)?;
         let mut y = x.matmul(&w.t()?)?;
         if self.biased(short) {
-            y = y.broadcast_add(&src.param(&format!("{name}.bias"))?)?;
+            y = y.broadcast_add(&param(src, &format!("{name}.bias"), mode)?)?;
         }
         let mut low = None;
         if let Some(l) = self.adapted(short) {
-            let a = src.param(&format!("{name}.lora_A.weight"))?;
-            let bm = src.param(&format!("{name}.lora_B.weight"))?;
+            let a = param(src, &format!("{name}.lora_A.weight"), mode)?;
+            let bm = param(src, &format!("{name}.lora_B.weight"), mode)?;
             let lo = x.matmul(&a.t()?)?;
             let delta = lo.matmul(&bm.t()?)?;
             y = (y + (delta * self.lora_scale(l))?)?;
@@ -167,26 +168,26 @@ impl Llama {
         g: &Tensor,
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
-        let (x, w) = (&saved.x, src.param(&format!("{name}.weight"))?);
-        if w.is_variable() {
+        let (x, (w, trains)) = (&saved.x, trained(src, &format!("{name}.weight"))?);
+        if trains {
             add_grad(grads, format!("{name}.weight"), g.t()?.matmul(x)?)?;
         }
         if self.biased(short) {
             let bias = format!("{name}.bias");
-            if src.param(&bias)?.is_variable() {
+            if trained(src, &bias)?.1 {
                 add_grad(grads, bias, g.sum(0)?)?;
             }
         }
         let mut dx = g.matmul(&w)?;
         if let (Some(low), Some(l)) = (&saved.low, self.adapted(short)) {
-            let a = src.param(&format!("{name}.lora_A.weight"))?;
-            let bm = src.param(&format!("{name}.lora_B.weight"))?;
+            let (a, a_trains) = trained(src, &format!("{name}.lora_A.weight"))?;
+            let (bm, b_trains) = trained(src, &format!("{name}.lora_B.weight"))?;
             let gs = (g * self.lora_scale(l))?;
-            if bm.is_variable() {
+            if b_trains {
                 add_grad(grads, format!("{name}.lora_B.weight"), gs.t()?.matmul(low)?)?;
             }
             let dlow = gs.matmul(&bm)?;
-            if a.is_variable() {
+            if a_trains {
                 add_grad(grads, format!("{name}.lora_A.weight"), dlow.t()?.matmul(x)?)?;
             }
             dx = (dx + dlow.matmul(&a)?)?;
@@ -215,7 +216,7 @@ impl Llama {
         let eps = c.rms_eps;
         let h1 = rms_norm(
             &x2,
-            &src.param(&format!("{p}.input_layernorm.weight"))?,
+            &param(src, &format!("{p}.input_layernorm.weight"), mode)?,
             eps,
             mode,
         )?;
@@ -227,10 +228,10 @@ impl Llama {
             ("k_proj", c.kv_heads),
             ("v_proj", c.kv_heads),
         ] {
-            let (y, saved) = self.project(&h1, src, &format!("{a}.{short}"), short)?;
+            let (y, saved) = self.project(&h1, src, &format!("{a}.{short}"), short, mode)?;
             let y = match self.qk_norm_of(short) {
                 Some(norm) => {
-                    let w = src.param(&format!("{a}.{norm}.weight"))?;
+                    let w = param(src, &format!("{a}.{norm}.weight"), mode)?;
                     let y = y.reshape((rows * n, hd))?;
                     pre.push(y.clone());
                     rms_norm(&y, &w, eps, mode)?
@@ -257,15 +258,17 @@ impl Llama {
             .reshape((bs, c.heads, t, hd))?
             .transpose(1, 2)?
             .reshape((rows, c.heads * hd))?;
-        let (attn, o_proj) = self.project(&o, src, &format!("{a}.o_proj"), "o_proj")?;
+        let (attn, o_proj) = self.project(&o, src, &format!("{a}.o_proj"), "o_proj", mode)?;
         let x_mid = (&x2 + attn)?;
-        let w_post = src.param(&format!("{p}.post_attention_layernorm.weight"))?;
+        let w_post = param(src, &format!("{p}.post_attention_layernorm.weight"), mode)?;
         let h2 = rms_norm(&x_mid, &w_post, eps, mode)?;
         let m = format!("{p}.mlp");
-        let (gate, gate_s) = self.project(&h2, src, &format!("{m}.gate_proj"), "gate_proj")?;
-        let (up, up_s) = self.project(&h2, src, &format!("{m}.up_proj"), "up_proj")?;
+        let (gate, gate_s) =
+            self.project(&h2, src, &format!("{m}.gate_proj"), "gate_proj", mode)?;
+        let (up, up_s) = self.project(&h2, src, &format!("{m}.up_proj"), "up_proj", mode)?;
         let act = (gate.silu()? * &up)?;
-        let (down, down_s) = self.project(&act, src, &format!("{m}.down_proj"), "down_proj")?;
+        let (down, down_s) =
+            self.project(&act, src, &format!("{m}.down_proj"), "down_proj", mode)?;
         let out = (&x_mid + down)?.reshape((bs, t, hidden))?;
         let mut qkv = qkv.into_iter().map(|(_, s)| s);
         let mut next = || qkv.next().expect("three projections");
@@ -337,8 +340,8 @@ impl Llama {
             grads,
         )?)?;
         let post = format!("{p}.post_attention_layernorm.weight");
-        let w_post = src.param(&post)?;
-        let (dx, dw) = rms_norm_back(&s.x_mid, &w_post, eps, &dh2, w_post.is_variable())?;
+        let (w_post, trains) = trained(src, &post)?;
+        let (dx, dw) = rms_norm_back(&s.x_mid, &w_post, eps, &dh2, trains)?;
         put(grads, post, dw)?;
         let d_mid = (g2 + dx)?;
         // Attention.
@@ -377,10 +380,9 @@ impl Llama {
             let mut d = d.transpose(1, 2)?.contiguous()?;
             if let (Some(norm), Some((qp, kp))) = (self.qk_norm_of(short), &s.qk_pre) {
                 let name = format!("{a}.{norm}.weight");
-                let w = src.param(&name)?;
+                let (w, trains) = trained(src, &name)?;
                 let pre = if i == 0 { qp } else { kp };
-                let (dx, dw) =
-                    rms_norm_back(pre, &w, eps, &d.reshape((rows * n, hd))?, w.is_variable())?;
+                let (dx, dw) = rms_norm_back(pre, &w, eps, &d.reshape((rows * n, hd))?, trains)?;
                 put(grads, name, dw)?;
                 d = dx;
             }
@@ -394,8 +396,8 @@ impl Llama {
         }
         let dh1 = dh1.expect("three projections");
         let input = format!("{p}.input_layernorm.weight");
-        let w_in = src.param(&input)?;
-        let (dx, dw) = rms_norm_back(&s.x, &w_in, eps, &dh1, w_in.is_variable())?;
+        let (w_in, trains) = trained(src, &input)?;
+        let (dx, dw) = rms_norm_back(&s.x, &w_in, eps, &dh1, trains)?;
         put(grads, input, dw)?;
         Ok((d_mid + dx)?.reshape((bs, t, hidden))?)
     }
@@ -411,8 +413,13 @@ impl Llama {
         let (bs, t, hidden) = x.dims3()?;
         let p = self.block_params(self.blocks() - 1);
         let x2 = x.reshape((bs * t, hidden))?;
-        let h = rms_norm(&x2, &src.param(&p[0].name)?, self.config().rms_eps, mode)?;
-        let logits = h.matmul(&src.param(&p[1].name)?.t()?)?;
+        let h = rms_norm(
+            &x2,
+            &param(src, &p[0].name, mode)?,
+            self.config().rms_eps,
+            mode,
+        )?;
+        let logits = h.matmul(&param(src, &p[1].name, mode)?.t()?)?;
         Ok((logits.reshape((bs, t, self.config().vocab))?, h))
     }
 
@@ -449,8 +456,8 @@ impl Llama {
         };
         if b == 0 {
             let name = "model.embed_tokens.weight";
-            let w = src.param(name)?;
-            if w.is_variable() {
+            let (w, trains) = trained(src, name)?;
+            if trains {
                 let ids = x.flatten_all()?;
                 let hidden = self.config().hidden;
                 let rows = g.reshape((ids.elem_count(), hidden))?;
@@ -479,17 +486,36 @@ impl Llama {
         let (bs, t, hidden) = x.dims3()?;
         let p = self.block_params(self.blocks() - 1);
         let g2 = g.reshape((bs * t, self.config().vocab))?;
-        let w = src.param(&p[1].name)?;
-        if w.is_variable() {
+        let (w, trains) = trained(src, &p[1].name)?;
+        if trains {
             add_grad(grads, p[1].name.clone(), g2.t()?.matmul(h)?)?;
         }
         let dh = g2.matmul(&w)?;
-        let wn = src.param(&p[0].name)?;
+        let (wn, wn_trains) = trained(src, &p[0].name)?;
         let x2 = x.reshape((bs * t, hidden))?;
-        let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn.is_variable())?;
+        let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn_trains)?;
         put(grads, p[0].name.clone(), dw)?;
         Ok(dx.reshape((bs, t, hidden))?)
     }
+}
+
+/// Parameter `name` for `mode`'s forward: detached in the fused passes, which build no
+/// graph (candle records every operation on a variable, and the recorded inputs, a
+/// layer's weights among them, would live as long as any result: the whole backward
+/// pass).
+fn param(src: &mut dyn ParamSource, name: &str, mode: Mode) -> Result<Tensor> {
+    let t = src.param(name)?;
+    Ok(match mode {
+        Mode::Fused => t.detach(),
+        Mode::Graph => t,
+    })
+}
+
+/// Parameter `name` detached (see [`param`]), and whether it trains (the source hands
+/// trainable parameters out as variables).
+fn trained(src: &mut dyn ParamSource, name: &str) -> Result<(Tensor, bool)> {
+    let t = src.param(name)?;
+    Ok((t.detach(), t.is_variable()))
 }
 
 fn put(grads: &mut ParamGrads, name: String, g: Option<Tensor>) -> Result<()> {
