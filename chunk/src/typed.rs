@@ -4,13 +4,76 @@
 //! The chunk crate has no `unsafe`, so it does not reinterpret byte slices in place;
 //! these copy, element by element. Invariant: `bytes.len() == values.len() * size`;
 //! extra elements on either side are ignored.
+//!
+//! A copy of a tensor past [`PARALLEL_MIN`] elements runs on rayon's pool in pieces:
+//! one core copies a parameter into a framework tensor at a fraction of the memory's
+//! rate, and while a trainer's step loop copies, the cores that compute are idle.
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 use crate::dtype::DType;
 
+/// Elements from which a copy is split across rayon's threads (16 MiB of f32).
+pub const PARALLEL_MIN: usize = 1 << 22;
+
+/// Elements of one piece of a parallel copy (1 MiB of f32).
+const PIECE: usize = 1 << 18;
+
 /// Decodes `bytes` (elements of `dtype`) into `out`.
 pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    if out.len() >= PARALLEL_MIN {
+        let size = dtype.size_bytes() as usize;
+        out.par_chunks_mut(PIECE)
+            .zip(bytes.par_chunks(PIECE * size))
+            .for_each(|(o, b)| decode_piece(b, dtype, o));
+    } else {
+        decode_piece(bytes, dtype, out);
+    }
+}
+
+/// `bytes` (elements of `dtype`) decoded into a new vector.
+pub fn decode_f32_vec(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    let n = bytes.len() / dtype.size_bytes() as usize;
+    if n < PARALLEL_MIN {
+        let mut out = vec![0.0; n];
+        decode_piece(bytes, dtype, &mut out);
+        return out;
+    }
+    // Written once, in place, by the pool: no zero fill first.
+    let mut out = Vec::with_capacity(n);
+    match dtype {
+        DType::F32 => bytes
+            .par_chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect_into_vec(&mut out),
+        DType::F16 => bytes
+            .par_chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect_into_vec(&mut out),
+        DType::BF16 => bytes
+            .par_chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect_into_vec(&mut out),
+        DType::Q8 => out.resize(n, f32::NAN),
+    }
+    out
+}
+
+/// `src` copied into `dst` (as long as the shorter), split as [`decode_f32`].
+pub fn copy_f32(src: &[f32], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let (src, dst) = (&src[..n], &mut dst[..n]);
+    if n >= PARALLEL_MIN {
+        dst.par_chunks_mut(PIECE)
+            .zip(src.par_chunks(PIECE))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
+fn decode_piece(bytes: &[u8], dtype: DType, out: &mut [f32]) {
     match dtype {
         DType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -34,6 +97,18 @@ pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
 
 /// Encodes `values` as elements of `dtype` into `out` (rounding to nearest even).
 pub fn encode_f32(values: &[f32], dtype: DType, out: &mut [u8]) {
+    if values.len() >= PARALLEL_MIN && dtype != DType::Q8 {
+        let size = dtype.size_bytes() as usize;
+        values
+            .par_chunks(PIECE)
+            .zip(out.par_chunks_mut(PIECE * size))
+            .for_each(|(v, o)| encode_piece(v, dtype, o));
+    } else {
+        encode_piece(values, dtype, out);
+    }
+}
+
+fn encode_piece(values: &[f32], dtype: DType, out: &mut [u8]) {
     match dtype {
         DType::F32 => {
             for (v, b) in values.iter().zip(out.chunks_exact_mut(4)) {
@@ -69,5 +144,33 @@ mod tests {
             decode_f32(&bytes, dtype, &mut back);
             assert_eq!(back, values, "{dtype}");
         }
+    }
+
+    /// Past PARALLEL_MIN the copies run in pieces on rayon's pool: the same elements,
+    /// in the same places, as one serial pass (a piece boundary that is not a multiple
+    /// of the element size, or a tail left out, would differ).
+    #[test]
+    fn parallel_copies_equal_the_serial_pass() {
+        let n = PARALLEL_MIN + PIECE / 2 + 3;
+        let values: Vec<f32> = (0..n).map(|i| (i as f32).sin() * 1e3).collect();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let size = dtype.size_bytes() as usize;
+            let (mut par, mut serial) = (vec![0u8; n * size], vec![0u8; n * size]);
+            encode_f32(&values, dtype, &mut par);
+            encode_piece(&values, dtype, &mut serial);
+            assert!(par == serial, "{dtype}: encode");
+            let mut want = vec![0f32; n];
+            decode_piece(&serial, dtype, &mut want);
+            let mut into = vec![0f32; n];
+            decode_f32(&serial, dtype, &mut into);
+            assert!(into == want, "{dtype}: decode");
+            assert!(
+                decode_f32_vec(&serial, dtype) == want,
+                "{dtype}: decode into a vector"
+            );
+        }
+        let mut copied = vec![0f32; n];
+        copy_f32(&values, &mut copied);
+        assert!(copied == values);
     }
 }

@@ -208,10 +208,7 @@ impl ChunkStore {
 
     /// The accessed tensor's elements as `f32` (converted from f16/bf16).
     pub fn read_f32(&self, g: &Guard) -> Result<Vec<f32>> {
-        let bytes = self.bytes(g)?;
-        let mut out = vec![0.0; bytes.len() / g.dtype.size_bytes() as usize];
-        crate::typed::decode_f32(bytes, g.dtype, &mut out);
-        Ok(out)
+        Ok(crate::typed::decode_f32_vec(self.bytes(g)?, g.dtype))
     }
 
     /// Writes `values` into the accessed tensor (converted to its dtype).

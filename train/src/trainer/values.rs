@@ -91,7 +91,7 @@ impl Values<'_> {
     /// The values widened into `dst` (as long as they are).
     pub(crate) fn widen_into(&self, dst: &mut [f32]) {
         match *self {
-            Values::F32(v) => dst.copy_from_slice(v),
+            Values::F32(v) => typed::copy_f32(v, dst),
             Values::Bytes { bytes, dtype } => typed::decode_f32(bytes, dtype, dst),
         }
     }
