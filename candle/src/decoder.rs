@@ -5,8 +5,8 @@
 //! candle's autograd gives every node of the graph a gradient buffer of its own, zeroed
 //! and then added into (`GradStore::or_insert` + `add`): for a projection's weight that
 //! is three weight-sized zero fills and additions per backward (the weight, its
-//! transpose, its broadcast), memory traffic that took as long as a third of the
-//! matrix products on a 2-core CPU. Here each gradient is the result of the one
+//! transpose, its broadcast): in a profile of a 0.51B LLaMA on a 2-core CPU, a quarter
+//! of the time the matrix products took. Here each gradient is the result of the one
 //! operation that makes it: a weight's is `gᵀ · x`, nothing is zeroed, frozen weights
 //! get no product at all, and the fused forward kernels (`candle_nn`'s RMSNorm and
 //! last-dimension softmax, which have no backward in candle) serve the forward passes.
@@ -40,7 +40,7 @@ pub(crate) enum Mode {
 }
 
 /// `x · rsqrt(mean(x²) + eps) · w` over the last dimension.
-pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
     if mode == Mode::Fused && x.is_contiguous() {
         return Ok(candle_nn::ops::rms_norm(x, w, eps as f32)?);
     }
@@ -74,7 +74,7 @@ type Grad2 = (Tensor, Option<Tensor>);
 /// Rotary embedding `x · cos + rotate_half(x) · sin`, `rotate_half(x) = [−x₂, x₁]`;
 /// with `transposed`, its transpose (the backward): `g · cos + [s₂, −s₁]` for
 /// `s = g · sin`.
-pub(crate) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transposed: bool) -> Result<Tensor> {
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, transposed: bool) -> Result<Tensor> {
     let hd = x.dim(D::Minus1)?;
     let s = if transposed {
         x.broadcast_mul(sin)?
@@ -124,6 +124,10 @@ pub(crate) struct LayerSaved {
     mlp: [ProjSaved; 3],
 }
 
+/// Queries, keys and values with their projections' saved values, and q and k before
+/// their per-head norms.
+type QkvOut = (Vec<(Tensor, ProjSaved)>, Vec<Tensor>);
+
 /// Parameter gradients of one block, by name.
 pub(crate) type ParamGrads = HashMap<String, Tensor>;
 
@@ -131,6 +135,35 @@ pub(crate) type ParamGrads = HashMap<String, Tensor>;
 pub(crate) type BlockBack = (Option<Tensor>, ParamGrads, Option<f32>);
 
 impl Llama {
+    /// Runs block `b` on `x` (token ids `(batch, time)` u32 for the embedding, hidden
+    /// states `(batch, time, hidden)` otherwise); the head returns logits.
+    pub fn block(&self, b: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
+        self.block_in(b, src, x, Mode::Graph)
+    }
+
+    /// [`Llama::block`] computed as `mode` says.
+    pub(crate) fn block_in(
+        &self,
+        b: usize,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        if b == 0 {
+            let (bs, t) = x.dims2()?;
+            let w = src.param("model.embed_tokens.weight")?;
+            return Ok(w.index_select(&x.flatten_all()?, 0)?.reshape((
+                bs,
+                t,
+                self.config().hidden,
+            ))?);
+        }
+        if b == self.config().layers + 1 {
+            return Ok(self.head_forward(src, x, mode)?.0);
+        }
+        Ok(self.layer_forward(b - 1, src, x, mode)?.0)
+    }
+
     /// `x · Wᵀ (+ b) (+ (alpha / r) · (x · Aᵀ) · Bᵀ)` on rows `x` `(rows, in)`.
     fn project(
         &self,
@@ -199,6 +232,43 @@ impl Llama {
         f64::from(l.alpha / l.rank as f32)
     }
 
+    /// Queries, keys and values of normed rows `h1`, each `(batch, n, time, head_dim)`
+    /// with its projection's saved values, and q and k before their per-head norm
+    /// (Qwen3).
+    fn qkv_forward(
+        &self,
+        src: &mut dyn ParamSource,
+        a: &str,
+        h1: &Tensor,
+        (bs, t): (usize, usize),
+        mode: Mode,
+    ) -> Result<QkvOut> {
+        let c = self.config();
+        let (hd, rows, eps) = (self.head_dim(), bs * t, c.rms_eps);
+        let mut qkv = Vec::with_capacity(3);
+        let mut pre = Vec::new();
+        for (short, n) in [
+            ("q_proj", c.heads),
+            ("k_proj", c.kv_heads),
+            ("v_proj", c.kv_heads),
+        ] {
+            let (y, saved) = self.project(h1, src, &format!("{a}.{short}"), short, mode)?;
+            let y = match self.qk_norm_of(short) {
+                Some(norm) => {
+                    let w = param(src, &format!("{a}.{norm}.weight"), mode)?;
+                    let y = y.reshape((rows * n, hd))?;
+                    pre.push(y.clone());
+                    rms_norm(&y, &w, eps, mode)?
+                }
+                None => y,
+            };
+            // (b, t, n, hd) -> (b, n, t, hd)
+            let y = y.reshape((bs, t, n, hd))?.transpose(1, 2)?.contiguous()?;
+            qkv.push((y, saved));
+        }
+        Ok((qkv, pre))
+    }
+
     /// Decoder layer `l` on `x` `(batch, time, hidden)`: its output and what its
     /// backward needs.
     pub(crate) fn layer_forward(
@@ -221,27 +291,7 @@ impl Llama {
             mode,
         )?;
         let a = format!("{p}.self_attn");
-        let mut qkv = Vec::with_capacity(3);
-        let mut pre = Vec::new();
-        for (short, n) in [
-            ("q_proj", c.heads),
-            ("k_proj", c.kv_heads),
-            ("v_proj", c.kv_heads),
-        ] {
-            let (y, saved) = self.project(&h1, src, &format!("{a}.{short}"), short, mode)?;
-            let y = match self.qk_norm_of(short) {
-                Some(norm) => {
-                    let w = param(src, &format!("{a}.{norm}.weight"), mode)?;
-                    let y = y.reshape((rows * n, hd))?;
-                    pre.push(y.clone());
-                    rms_norm(&y, &w, eps, mode)?
-                }
-                None => y,
-            };
-            // (b, t, n, hd) -> (b, n, t, hd)
-            let y = y.reshape((bs, t, n, hd))?.transpose(1, 2)?.contiguous()?;
-            qkv.push((y, saved));
-        }
+        let (qkv, pre) = self.qkv_forward(src, &a, &h1, (bs, t), mode)?;
         let (cos, sin) = rope_tables(t, hd, &self.arch().rope, x.device())?;
         let q = rotate(&qkv[0].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, rep * t, hd))?;
         let k = rotate(&qkv[1].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, t, hd))?;
@@ -305,46 +355,13 @@ impl Llama {
         let c = self.config();
         let p = format!("model.layers.{l}");
         let (bs, t, hidden) = g.dims3()?;
-        let (hd, rows, rep) = (self.head_dim(), bs * t, c.heads / c.kv_heads);
-        let eps = c.rms_eps;
-        let g2 = g.reshape((rows, hidden))?;
-        // MLP: down(silu(gate) · up), added to the residual.
-        let m = format!("{p}.mlp");
-        let d_act = self.project_back(
-            &s.mlp[2],
-            src,
-            &format!("{m}.down_proj"),
-            "down_proj",
-            &g2,
-            grads,
-        )?;
-        let sig = candle_nn::ops::sigmoid(&s.gate)?;
-        let silu = (&s.gate * &sig)?;
-        let d_up = (&d_act * &silu)?;
-        // silu'(z) = σ(z) · (1 + z · (1 − σ(z)))
-        let dsilu = (&sig * ((&s.gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
-        let d_gate = ((d_act * &s.up)? * dsilu)?;
-        let dh2 = (self.project_back(
-            &s.mlp[0],
-            src,
-            &format!("{m}.gate_proj"),
-            "gate_proj",
-            &d_gate,
-            grads,
-        )? + self.project_back(
-            &s.mlp[1],
-            src,
-            &format!("{m}.up_proj"),
-            "up_proj",
-            &d_up,
-            grads,
-        )?)?;
+        let g2 = g.reshape((bs * t, hidden))?;
+        let dh2 = self.mlp_backward(src, &format!("{p}.mlp"), s, &g2, grads)?;
         let post = format!("{p}.post_attention_layernorm.weight");
         let (w_post, trains) = trained(src, &post)?;
-        let (dx, dw) = rms_norm_back(&s.x_mid, &w_post, eps, &dh2, trains)?;
+        let (dx, dw) = rms_norm_back(&s.x_mid, &w_post, c.rms_eps, &dh2, trains)?;
         put(grads, post, dw)?;
         let d_mid = (g2 + dx)?;
-        // Attention.
         let a = format!("{p}.self_attn");
         let d_o = self.project_back(
             &s.o_proj,
@@ -354,6 +371,51 @@ impl Llama {
             &d_mid,
             grads,
         )?;
+        let dqkv = self.attention_backward(s, &d_o, (bs, t))?;
+        let dh1 = self.qkv_backward(src, &a, s, dqkv, (bs, t), grads)?;
+        let input = format!("{p}.input_layernorm.weight");
+        let (w_in, trains) = trained(src, &input)?;
+        let (dx, dw) = rms_norm_back(&s.x, &w_in, c.rms_eps, &dh1, trains)?;
+        put(grads, input, dw)?;
+        Ok((d_mid + dx)?.reshape((bs, t, hidden))?)
+    }
+
+    /// The MLP's backward, `down(silu(gate) · up)`, for its output's gradient `g2`
+    /// `(rows, hidden)`: the gradient of its normed input.
+    fn mlp_backward(
+        &self,
+        src: &mut dyn ParamSource,
+        m: &str,
+        s: &LayerSaved,
+        g2: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let down = format!("{m}.down_proj");
+        let d_act = self.project_back(&s.mlp[2], src, &down, "down_proj", g2, grads)?;
+        let sig = candle_nn::ops::sigmoid(&s.gate)?;
+        let silu = (&s.gate * &sig)?;
+        let d_up = (&d_act * &silu)?;
+        // silu'(z) = σ(z) · (1 + z · (1 − σ(z)))
+        let dsilu = (&sig * ((&s.gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
+        let d_gate = ((d_act * &s.up)? * dsilu)?;
+        let (gate, up) = (format!("{m}.gate_proj"), format!("{m}.up_proj"));
+        let dh_gate = self.project_back(&s.mlp[0], src, &gate, "gate_proj", &d_gate, grads)?;
+        let dh_up = self.project_back(&s.mlp[1], src, &up, "up_proj", &d_up, grads)?;
+        Ok((dh_gate + dh_up)?)
+    }
+
+    /// Attention's backward from the gradient of its output rows `d_o`
+    /// `(rows, heads · head_dim)` to the rotated-back queries', keys' and values'
+    /// gradients, each `(batch, n, time, head_dim)`: with `S = q·kᵀ / √d`, `P =
+    /// softmax(S)`, `O = P·v`: `dv = Pᵀ·dO`, `dP = dO·vᵀ`, `dS = P ∘ (dP − rowsum(P ∘ dP))`.
+    fn attention_backward(
+        &self,
+        s: &LayerSaved,
+        d_o: &Tensor,
+        (bs, t): (usize, usize),
+    ) -> Result<[Tensor; 3]> {
+        let c = self.config();
+        let (hd, rep) = (self.head_dim(), c.heads / c.kv_heads);
         let d_o = d_o
             .reshape((bs, t, c.heads, hd))?
             .transpose(1, 2)?
@@ -364,42 +426,58 @@ impl Llama {
             / (hd as f64).sqrt())?;
         let dq = ds.matmul(&s.k)?.reshape((bs, c.heads, t, hd))?;
         let dk = ds.t()?.matmul(&s.q)?.reshape((bs, c.kv_heads, t, hd))?;
-        let dq = rotate(&dq, &s.cos, &s.sin, true)?;
-        let dk = rotate(&dk, &s.cos, &s.sin, true)?;
-        let dv = dv.reshape((bs, c.kv_heads, t, hd))?;
+        Ok([
+            rotate(&dq, &s.cos, &s.sin, true)?,
+            rotate(&dk, &s.cos, &s.sin, true)?,
+            dv.reshape((bs, c.kv_heads, t, hd))?,
+        ])
+    }
+
+    /// The q, k and v projections' backward (with Qwen3's per-head norms) from their
+    /// outputs' gradients `(batch, n, time, head_dim)`: the gradient of their normed
+    /// input rows, summed over the three.
+    fn qkv_backward(
+        &self,
+        src: &mut dyn ParamSource,
+        a: &str,
+        s: &LayerSaved,
+        dqkv: [Tensor; 3],
+        (bs, t): (usize, usize),
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let c = self.config();
+        let (hd, rows) = (self.head_dim(), bs * t);
+        let heads = [c.heads, c.kv_heads, c.kv_heads];
         let mut dh1: Option<Tensor> = None;
-        for (i, (short, n, d)) in [
-            ("q_proj", c.heads, dq),
-            ("k_proj", c.kv_heads, dk),
-            ("v_proj", c.kv_heads, dv),
-        ]
-        .into_iter()
-        .enumerate()
+        for (i, (short, d)) in ["q_proj", "k_proj", "v_proj"]
+            .into_iter()
+            .zip(dqkv)
+            .enumerate()
         {
+            let n = heads[i];
             // (b, n, t, hd) -> rows of (b, t, n, hd)
             let mut d = d.transpose(1, 2)?.contiguous()?;
             if let (Some(norm), Some((qp, kp))) = (self.qk_norm_of(short), &s.qk_pre) {
                 let name = format!("{a}.{norm}.weight");
                 let (w, trains) = trained(src, &name)?;
                 let pre = if i == 0 { qp } else { kp };
-                let (dx, dw) = rms_norm_back(pre, &w, eps, &d.reshape((rows * n, hd))?, trains)?;
+                let d_rows = d.reshape((rows * n, hd))?;
+                let (dx, dw) = rms_norm_back(pre, &w, c.rms_eps, &d_rows, trains)?;
                 put(grads, name, dw)?;
                 d = dx;
             }
             let d = d.reshape((rows, n * hd))?;
-            let dx =
-                self.project_back(&s.qkv[i], src, &format!("{a}.{short}"), short, &d, grads)?;
+            let name = format!("{a}.{short}");
+            let dx = self.project_back(&s.qkv[i], src, &name, short, &d, grads)?;
             dh1 = Some(match dh1 {
                 Some(sum) => (sum + dx)?,
                 None => dx,
             });
         }
-        let dh1 = dh1.expect("three projections");
-        let input = format!("{p}.input_layernorm.weight");
-        let (w_in, trains) = trained(src, &input)?;
-        let (dx, dw) = rms_norm_back(&s.x, &w_in, eps, &dh1, trains)?;
-        put(grads, input, dw)?;
-        Ok((d_mid + dx)?.reshape((bs, t, hidden))?)
+        dh1.ok_or_else(|| Error::BadParam {
+            name: a.to_string(),
+            reason: "no q, k or v projection".into(),
+        })
     }
 
     /// The head's logits `(batch, time, vocab)` of `x`, and its normed input `(rows,

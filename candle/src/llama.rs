@@ -25,7 +25,6 @@ use candle_core::{DType, Device, Tensor, D};
 
 use tidestore_train::hf::{Family, Rope};
 
-use crate::decoder::Mode;
 use crate::error::{Error, Result};
 use crate::gpt::Rng;
 use crate::source::{ParamSource, ParamSpec};
@@ -351,33 +350,6 @@ impl Llama {
         let scores = 3 * b * c.heads as u64 * t * t * 4;
         let logits = 2 * b * t * c.vocab as u64 * 4;
         saved + scores.max(logits)
-    }
-
-    /// Runs block `b` on `x` (token ids `(batch, time)` u32 for the embedding, hidden
-    /// states `(batch, time, hidden)` otherwise); the head returns logits.
-    pub fn block(&self, b: usize, src: &mut dyn ParamSource, x: &Tensor) -> Result<Tensor> {
-        self.block_in(b, src, x, Mode::Graph)
-    }
-
-    /// [`Llama::block`] computed as `mode` says.
-    pub(crate) fn block_in(
-        &self,
-        b: usize,
-        src: &mut dyn ParamSource,
-        x: &Tensor,
-        mode: Mode,
-    ) -> Result<Tensor> {
-        if b == 0 {
-            let (bs, t) = x.dims2()?;
-            let w = src.param("model.embed_tokens.weight")?;
-            return Ok(w
-                .index_select(&x.flatten_all()?, 0)?
-                .reshape((bs, t, self.cfg.hidden))?);
-        }
-        if b == self.cfg.layers + 1 {
-            return Ok(self.head_forward(src, x, mode)?.0);
-        }
-        Ok(self.layer_forward(b - 1, src, x, mode)?.0)
     }
 
     /// Logits of `tokens` `(batch, time)` as one graph.
