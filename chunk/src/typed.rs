@@ -22,14 +22,10 @@ const PIECE: usize = 1 << 18;
 
 /// Decodes `bytes` (elements of `dtype`) into `out`.
 pub fn decode_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
-    if out.len() >= PARALLEL_MIN {
-        let size = dtype.size_bytes() as usize;
-        out.par_chunks_mut(PIECE)
-            .zip(bytes.par_chunks(PIECE * size))
-            .for_each(|(o, b)| decode_piece(b, dtype, o));
-    } else {
-        decode_piece(bytes, dtype, out);
-    }
+    let size = dtype.size_bytes() as usize;
+    piecewise(out.len(), (out, 1), (bytes, size), |o, b| {
+        decode_piece(b, dtype, o)
+    });
 }
 
 /// `bytes` (elements of `dtype`) decoded into a new vector.
@@ -42,19 +38,12 @@ pub fn decode_f32_vec(bytes: &[u8], dtype: DType) -> Vec<f32> {
     }
     // Written once, in place, by the pool: no zero fill first.
     let mut out = Vec::with_capacity(n);
+    let size = dtype.size_bytes() as usize;
+    let each = bytes.par_chunks_exact(size);
     match dtype {
-        DType::F32 => bytes
-            .par_chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect_into_vec(&mut out),
-        DType::F16 => bytes
-            .par_chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect_into_vec(&mut out),
-        DType::BF16 => bytes
-            .par_chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect_into_vec(&mut out),
+        DType::F32 => each.map(f32_le).collect_into_vec(&mut out),
+        DType::F16 => each.map(f16_le).collect_into_vec(&mut out),
+        DType::BF16 => each.map(bf16_le).collect_into_vec(&mut out),
         DType::Q8 => out.resize(n, f32::NAN),
     }
     out
@@ -63,33 +52,48 @@ pub fn decode_f32_vec(bytes: &[u8], dtype: DType) -> Vec<f32> {
 /// `src` copied into `dst` (as long as the shorter), split as [`decode_f32`].
 pub fn copy_f32(src: &[f32], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
-    let (src, dst) = (&src[..n], &mut dst[..n]);
+    piecewise(n, (&mut dst[..n], 1), (&src[..n], 1), |d, s| {
+        d.copy_from_slice(s)
+    });
+}
+
+/// `f` over `n` tensor elements held in `dst` and `src` (`(slice, units per element)`):
+/// once over both whole, or past [`PARALLEL_MIN`] over matching pieces of [`PIECE`]
+/// elements on rayon's pool.
+fn piecewise<D: Send, S: Sync>(
+    n: usize,
+    (dst, dst_unit): (&mut [D], usize),
+    (src, src_unit): (&[S], usize),
+    f: impl Fn(&mut [D], &[S]) + Sync,
+) {
     if n >= PARALLEL_MIN {
-        dst.par_chunks_mut(PIECE)
-            .zip(src.par_chunks(PIECE))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+        dst.par_chunks_mut(PIECE * dst_unit)
+            .zip(src.par_chunks(PIECE * src_unit))
+            .for_each(|(d, s)| f(d, s));
     } else {
-        dst.copy_from_slice(src);
+        f(dst, src);
     }
 }
 
+fn f32_le(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+fn f16_le(b: &[u8]) -> f32 {
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+fn bf16_le(b: &[u8]) -> f32 {
+    bf16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
 fn decode_piece(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    let size = dtype.size_bytes() as usize;
+    let each = out.iter_mut().zip(bytes.chunks_exact(size));
     match dtype {
-        DType::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        DType::BF16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
+        DType::F32 => each.for_each(|(o, b)| *o = f32_le(b)),
+        DType::F16 => each.for_each(|(o, b)| *o = f16_le(b)),
+        DType::BF16 => each.for_each(|(o, b)| *o = bf16_le(b)),
         // Codes need the optimizer's map: never pass them off as numbers.
         DType::Q8 => out.fill(f32::NAN),
     }
@@ -97,15 +101,10 @@ fn decode_piece(bytes: &[u8], dtype: DType, out: &mut [f32]) {
 
 /// Encodes `values` as elements of `dtype` into `out` (rounding to nearest even).
 pub fn encode_f32(values: &[f32], dtype: DType, out: &mut [u8]) {
-    if values.len() >= PARALLEL_MIN && dtype != DType::Q8 {
-        let size = dtype.size_bytes() as usize;
-        values
-            .par_chunks(PIECE)
-            .zip(out.par_chunks_mut(PIECE * size))
-            .for_each(|(v, o)| encode_piece(v, dtype, o));
-    } else {
-        encode_piece(values, dtype, out);
-    }
+    let size = dtype.size_bytes() as usize;
+    piecewise(values.len(), (out, size), (values, 1), |o, v| {
+        encode_piece(v, dtype, o)
+    });
 }
 
 fn encode_piece(values: &[f32], dtype: DType, out: &mut [u8]) {
