@@ -1,4 +1,21 @@
-//! The chunk-size search: the element count that wastes the fewest bytes.
+//! The chunk-size search: the element count that costs the fewest bytes.
+//!
+//! # What it minimises
+//! Two costs, both in bytes, added:
+//! - **Waste**, over the whole state: bytes allocated that no tensor occupies.
+//! - **The working set the size forces** ([`SearchConfig::resident_chunks`]): a chunk
+//!   is the unit of every move, so a store must hold some number of whole chunks at
+//!   once whatever its budget (a host step holds a tensor's gradient, master, M and V
+//!   chunks and loads into one more buffer). Those bytes are the floor of the budget,
+//!   and every byte of budget they take is a byte the look-ahead cannot use: with
+//!   chunks of ~700 MB and a 4 GiB host pool, the step holds five of its six buffers
+//!   and nothing can stream beside it. The term is `resident_chunks` times the largest
+//!   chunk's bytes.
+//!
+//! With `resident_chunks = 0` (the default) the search minimises waste alone, the
+//! choice of a store that is sized to hold everything. A streaming trainer passes its
+//! working set, and the search then prefers the smaller of two sizes unless the larger
+//! saves more waste than it costs in budget.
 //!
 //! Waste is counted over every list the layout will allocate (Params, and master, M,
 //! V, grad for chunk groups that hold trainable tensors): allocated bytes minus the
@@ -48,6 +65,9 @@ pub struct SearchConfig {
     pub max_chunk_elements: Option<u64>,
     /// Whether [`SearchReport::candidates`] lists every candidate evaluated.
     pub keep_candidates: bool,
+    /// Chunks the store must hold at once (see the module doc); each costs the largest
+    /// chunk's bytes. 0: waste alone decides.
+    pub resident_chunks: u64,
 }
 
 impl SearchConfig {
@@ -58,6 +78,7 @@ impl SearchConfig {
             cap_factor: 4,
             max_chunk_elements: None,
             keep_candidates: false,
+            resident_chunks: 0,
         }
     }
 
@@ -70,6 +91,12 @@ impl SearchConfig {
     /// With another cap factor (at least 1).
     pub fn with_cap_factor(mut self, factor: u64) -> Self {
         self.cap_factor = factor;
+        self
+    }
+
+    /// Weighing `n` resident chunks against waste (see the module doc).
+    pub fn with_resident_chunks(mut self, n: u64) -> Self {
+        self.resident_chunks = n;
         self
     }
 
@@ -95,12 +122,17 @@ pub struct Candidate {
     pub waste_bytes: u64,
     /// `waste_bytes / allocated_bytes`.
     pub waste_fraction: f64,
+    /// Bytes of the largest chunk of any list (an fp32 chunk where tensors train).
+    pub largest_chunk_bytes: u64,
+    /// What the search minimises: `waste_bytes` plus
+    /// [`SearchConfig::resident_chunks`] times `largest_chunk_bytes`.
+    pub cost_bytes: u64,
 }
 
 /// The search's answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SearchReport {
-    /// The size with the least waste (the smaller one on ties).
+    /// The size with the least cost (the smaller one on ties).
     pub chosen: Candidate,
     /// Every candidate evaluated, ascending, when [`SearchConfig::keep_candidates`].
     pub candidates: Vec<Candidate>,
@@ -203,10 +235,21 @@ fn prepare(specs: &[TensorSpec], layout: &LayoutConfig, config: &SearchConfig) -
     })
 }
 
-fn evaluate(p: &Prepared, layout: &LayoutConfig, chunk_elements: u64) -> Candidate {
+fn evaluate(
+    p: &Prepared,
+    layout: &LayoutConfig,
+    resident_chunks: u64,
+    chunk_elements: u64,
+) -> Candidate {
     let counts = pack_counts(&p.items, chunk_elements, layout);
     let allocated = allocated_bytes(counts, chunk_elements, layout);
     let waste = allocated - p.payload_bytes;
+    let widest_slot = if counts.trainable_chunks > 0 {
+        ListKind::Master.slot_bytes()
+    } else {
+        ListKind::Params.slot_bytes()
+    };
+    let largest_chunk_bytes = chunk_elements * widest_slot;
     Candidate {
         chunk_elements,
         chunk_bytes: chunk_elements * ListKind::Params.slot_bytes(),
@@ -218,6 +261,8 @@ fn evaluate(p: &Prepared, layout: &LayoutConfig, chunk_elements: u64) -> Candida
         } else {
             waste as f64 / allocated as f64
         },
+        largest_chunk_bytes,
+        cost_bytes: waste.saturating_add(resident_chunks.saturating_mul(largest_chunk_bytes)),
     }
 }
 
@@ -230,8 +275,8 @@ fn finish(
     let mut chosen: Option<Candidate> = None;
     let mut kept = Vec::new();
     for &c in &sizes {
-        let cand = evaluate(&p, layout, c);
-        if chosen.is_none_or(|best| cand.waste_bytes < best.waste_bytes) {
+        let cand = evaluate(&p, layout, config.resident_chunks, c);
+        if chosen.is_none_or(|best| cand.cost_bytes < best.cost_bytes) {
             chosen = Some(cand);
         }
         if config.keep_candidates {
@@ -239,7 +284,7 @@ fn finish(
         }
     }
     // `sizes` always holds `lo`, so a choice exists; fall back to it defensively.
-    let chosen = chosen.unwrap_or_else(|| evaluate(&p, layout, p.lo));
+    let chosen = chosen.unwrap_or_else(|| evaluate(&p, layout, config.resident_chunks, p.lo));
     SearchReport {
         chosen,
         candidates: kept,
@@ -252,7 +297,7 @@ fn finish(
     }
 }
 
-/// Finds the aligned chunk size with the least waste for `specs` registered in order
+/// Finds the aligned chunk size with the least cost for `specs` registered in order
 /// under `layout` (its `chunk_elements` is ignored), evaluating only the sizes where
 /// the packing changes (see the module doc).
 pub fn search_chunk_size(
@@ -309,6 +354,7 @@ pub fn search_chunk_size(
         chunk_elements = report.chosen.chunk_elements,
         waste_bytes = report.chosen.waste_bytes,
         waste_fraction = report.chosen.waste_fraction,
+        cost_bytes = report.chosen.cost_bytes,
         "chunk size chosen"
     );
     Ok(report)
@@ -357,6 +403,42 @@ mod tests {
         let layout = Layout::new(LayoutConfig::new(r.chosen.chunk_elements), s).unwrap();
         assert_eq!(layout.waste_bytes(), r.chosen.waste_bytes);
         assert_eq!(layout.total_bytes(), r.chosen.allocated_bytes);
+    }
+
+    #[test]
+    fn resident_chunks_trade_waste_for_a_smaller_working_set() {
+        // Frozen 5000 + 3000 slots: at 6144 (the smallest aligned size) they take two
+        // chunks (waste 8576 B, largest chunk 12288 B); at 8192 one (384 B, 16384 B).
+        let s: Vec<_> = [5000, 3000]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| TensorSpec::new(format!("t{i}"), &[n], DType::F16, false))
+            .collect();
+        let cfg = LayoutConfig::new(1);
+        let waste_only = search_chunk_size(&s, &cfg, &SearchConfig::new(4096)).unwrap();
+        assert_eq!(waste_only.chosen.chunk_elements, 8192);
+        assert_eq!(waste_only.chosen.waste_bytes, 384);
+        let one = search_chunk_size(&s, &cfg, &SearchConfig::new(4096).with_resident_chunks(1));
+        assert_eq!(
+            one.unwrap().chosen.chunk_elements,
+            8192,
+            "8576 + 12288 > 384 + 16384"
+        );
+        let three = SearchConfig::new(4096)
+            .with_resident_chunks(3)
+            .with_candidates();
+        let r = search_chunk_size(&s, &cfg, &three).unwrap();
+        assert_eq!(
+            r.chosen.chunk_elements, 6144,
+            "8576 + 3 * 12288 < 384 + 3 * 16384"
+        );
+        assert_eq!(r.chosen.cost_bytes, 8576 + 3 * 12288);
+        assert!(r
+            .candidates
+            .iter()
+            .all(|c| c.cost_bytes >= r.chosen.cost_bytes));
+        let full = search_chunk_size_exhaustive(&s, &cfg, &three).unwrap();
+        assert_eq!(full.chosen, r.chosen);
     }
 
     #[test]

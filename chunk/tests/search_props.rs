@@ -73,12 +73,16 @@ proptest! {
         acc in any::<bool>(),
         separate in any::<bool>(),
         cap_factor in 1u64..5,
+        resident in prop_oneof![Just(0u64), 1u64..8],
     ) {
         let block = if odd_block { 3 << block_pow } else { 1 << block_pow };
         let layout_cfg = LayoutConfig::new(1)
             .with_grad_accumulation(acc)
             .with_separate_frozen(separate);
-        let cfg = SearchConfig::new(block).with_cap_factor(cap_factor).with_candidates();
+        let cfg = SearchConfig::new(block)
+            .with_cap_factor(cap_factor)
+            .with_resident_chunks(resident)
+            .with_candidates();
         let r = search_chunk_size(&specs, &layout_cfg, &cfg).unwrap();
         let full = search_chunk_size_exhaustive(&specs, &layout_cfg, &cfg).unwrap();
 
@@ -91,9 +95,14 @@ proptest! {
         prop_assert!(chosen.chunk_elements >= r.min_elements && chosen.chunk_elements <= r.max_elements);
         prop_assert_eq!(r.candidates.len(), r.candidates_considered);
         for c in &r.candidates {
-            prop_assert!(chosen.waste_bytes <= c.waste_bytes);
+            prop_assert!(chosen.cost_bytes <= c.cost_bytes);
+            prop_assert_eq!(c.cost_bytes, c.waste_bytes + resident * c.largest_chunk_bytes);
             prop_assert_eq!(c.chunk_bytes % r.align_bytes, 0);
         }
+        if resident == 0 {
+            prop_assert_eq!(chosen.cost_bytes, chosen.waste_bytes);
+        }
+        prop_assert_eq!(chosen.cost_bytes, full.chosen.cost_bytes);
         prop_assert_eq!(chosen.waste_bytes, full.chosen.waste_bytes);
         prop_assert_eq!(chosen.chunk_elements, full.chosen.chunk_elements);
         prop_assert!(r.candidates_considered <= full.candidates_considered);
