@@ -50,6 +50,8 @@ impl Trainer {
                 e.spec.name
             )));
         }
+        // The last step reads this place (or, in bf16, writes the parameters over it).
+        self.settle(i)?;
         let sq = self.write_grad(i, grad, first)?;
         if last {
             self.grad_written(i, sq)?;
@@ -115,6 +117,14 @@ impl Trainer {
             )));
         }
         let id = e.id;
+        if self.step.is_deferred(id) {
+            return Err(TrainError::Protocol(format!(
+                "the gradient of `{}` was written before the last step's deferred update \
+                 of it was made (optimizer.overlap = \"forward\"): call settle_all() before \
+                 writing gradients into the store",
+                e.spec.name
+            )));
+        }
         self.step.grad_ready(id, sq_norm)?;
         self.entries[i].reported = true;
         self.reported += 1;
