@@ -27,10 +27,10 @@ fn open(dir: &std::path::Path, precision: Precision, overlap: Overlap) -> Traine
     cfg.precision = precision;
     cfg.overlap = overlap;
     cfg.max_grad_norm = Some(0.5);
-    cfg.chunk_elements = Some(4096);
+    cfg.chunk_elements = Some(2048);
     cfg.device = DeviceChoice::Sim;
-    cfg.device_budget = Budget::Chunks(6);
-    cfg.host_budget = Budget::Chunks(6);
+    cfg.device_budget = Budget::Chunks(4);
+    cfg.host_budget = Budget::Chunks(5);
     cfg.moments = MomentForm::Int8;
     let mut t = Trainer::open(&specs(), &cfg).unwrap();
     for (i, s) in specs().iter().enumerate() {
@@ -111,6 +111,7 @@ fn deferred_equals_immediate(precision: Precision) {
             "step {step}: nothing was deferred"
         );
     }
+    assert!(later.stats().nvme_reads > 0, "everything stayed in memory");
     // `state` reads every tensor, which makes the last step's deferred updates.
     assert_eq!(
         state(&mut now),
@@ -178,4 +179,24 @@ fn a_gradient_written_over_a_waiting_update_is_refused() {
     let g = vec![0.25; 16 * 48];
     t.put_grad(2, tidestore_train::Values::F32(&g), true, true)
         .unwrap();
+}
+
+#[test]
+fn the_store_traces_the_deferred_order_once_and_then_follows_it() {
+    let d = tempfile::tempdir().unwrap();
+    let mut t = open(d.path(), Precision::F32, Overlap::Forward);
+    for step in 1..=5 {
+        iteration(&mut t, step);
+    }
+    let s = t.stats();
+    // The first iteration has no deferred updates, the second is the first with them:
+    // both are traced, and every later one follows the second's schedule.
+    assert_eq!((s.traced_iterations, s.divergences), (2, 0), "{s:?}");
+    assert_eq!(s.iterations, 5);
+    // The updates that wait at the end are made outside any forward: an iteration of
+    // their own, traced, not a divergence.
+    t.retrace();
+    t.settle_all().unwrap();
+    t.end_iteration().unwrap();
+    assert_eq!(t.stats().divergences, 0);
 }

@@ -277,6 +277,9 @@ pub fn run(
 /// will not come: made now, and counted as that step's time.
 fn settle_last_step(params: &mut TideParams, report: &mut FinetuneReport) -> Result<()> {
     let settled = std::time::Instant::now();
+    // No forward follows: the updates are an iteration of their own, traced (not held
+    // against the schedule, which interleaves them with a forward).
+    params.trainer_mut().retrace();
     params.trainer_mut().settle_all()?;
     if let Some(last) = report.steps.last_mut() {
         let took = settled.elapsed().as_secs_f64();

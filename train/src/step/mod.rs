@@ -646,6 +646,11 @@ impl StepLoop {
         self.settle_to(store, self.entries.len(), observe)
     }
 
+    /// Whether some tensors' updates of the last step wait for their next use.
+    pub fn has_deferred(&self) -> bool {
+        self.deferred.is_some()
+    }
+
     /// Whether `tensor`'s step of the last iteration waits for its next use.
     pub fn is_deferred(&self, tensor: TensorId) -> bool {
         self.by_tensor

@@ -168,8 +168,27 @@ impl Trainer {
     }
 
     /// Ends the store's iteration (the first one is the warm-up trace).
+    ///
+    /// With [`crate::Overlap::Forward`], an iteration that made no deferred updates but
+    /// leaves some (the first step) is followed by one that makes them: an access order
+    /// the schedule just traced does not have, which the store would follow for a few
+    /// moments, leave, and trace again the iteration after. The next iteration is
+    /// traced at once instead ([`tidestore_chunk::ChunkStore::retrace`]).
     pub fn end_iteration(&mut self) -> Result<()> {
-        Ok(self.store.end_iteration()?)
+        self.store.end_iteration()?;
+        let deferred = self.step.stats().tensors_deferred;
+        let made_some = deferred != self.deferred_at_end;
+        self.deferred_at_end = deferred;
+        if self.step.has_deferred() && !made_some {
+            self.store.retrace();
+        }
+        Ok(())
+    }
+
+    /// The store's next iteration is traced, not followed: for a caller whose access
+    /// order changes from then on (see [`tidestore_chunk::ChunkStore::retrace`]).
+    pub fn retrace(&mut self) {
+        self.store.retrace();
     }
 
     /// [`Trainer::finish_step`] then [`Trainer::end_iteration`].

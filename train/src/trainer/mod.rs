@@ -103,6 +103,8 @@ pub struct Trainer {
     /// Gradients reported since the last step (parts of an accumulation included once
     /// the last part is in).
     reported: usize,
+    /// The step loop's deferred-update count when the store's last iteration ended.
+    deferred_at_end: u64,
 }
 
 impl std::fmt::Debug for Trainer {

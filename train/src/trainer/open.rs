@@ -102,6 +102,7 @@ impl Trainer {
             traffic: None,
             swap_path,
             reported: 0,
+            deferred_at_end: 0,
         })
     }
 }
