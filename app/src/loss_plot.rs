@@ -40,6 +40,21 @@ fn smooth(points: &[(u32, f32)]) -> Vec<(u32, f64)> {
     out
 }
 
+/// The legend of a chart's labelled series, as every tidestore chart draws it: a
+/// translucent white box with a black border.
+pub(crate) fn draw_legend<'a, DB, CT>(chart: &mut ChartContext<'a, DB, CT>) -> Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
 /// Draws `curves` into the SVG at `path` (1000 x 700): the losses, and each curve's
 /// smoothed loss minus the first curve's at the same steps, in percent of the latter.
 pub fn draw_loss_curves(title: &str, curves: &[LossCurve], path: &Path) -> Result<(), String> {
@@ -76,12 +91,7 @@ pub fn draw_loss_curves(title: &str, curves: &[LossCurve], path: &Path) -> Resul
             .label(c.label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    draw_legend(&mut chart)?;
 
     // Lower panel: smoothed distance to the first curve, in percent.
     let Some(reference) = curves.first() else {

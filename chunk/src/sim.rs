@@ -171,6 +171,15 @@ impl Tier {
         self.report.peak_resident_bytes = self.report.peak_resident_bytes.max(self.used);
     }
 
+    /// The resident chunks `pinned` (indexed densely) does not mark: what may be evicted.
+    fn unpinned(&self, pinned: &[bool]) -> Vec<ChunkId> {
+        self.list
+            .iter()
+            .copied()
+            .filter(|v| !pinned[v.dense()])
+            .collect()
+    }
+
     fn remove(&mut self, c: ChunkId, bytes: u64) {
         self.resident[c.dense()] = false;
         if let Some(i) = self.list.iter().position(|&x| x == c) {
@@ -205,12 +214,7 @@ pub fn simulate(
             }
             let bytes = trace.size(c)?;
             while tier.used + bytes > tier.capacity {
-                let candidates: Vec<ChunkId> = tier
-                    .list
-                    .iter()
-                    .copied()
-                    .filter(|v| !pinned[v.dense()])
-                    .collect();
+                let candidates = tier.unpinned(&pinned);
                 let victim = policy
                     .choose_victim(&candidates, moment)
                     .filter(|v| candidates.contains(v))
@@ -227,12 +231,7 @@ pub fn simulate(
             policy.on_insert(c, moment);
         }
         if let Some(p) = prefetch {
-            let evictable: Vec<ChunkId> = tier
-                .list
-                .iter()
-                .copied()
-                .filter(|v| !pinned[v.dense()])
-                .collect();
+            let evictable = tier.unpinned(&pinned);
             let plan = p.planner.plan(
                 p.schedule,
                 moment,

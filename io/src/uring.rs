@@ -543,6 +543,19 @@ mod tests {
         }
     }
 
+    /// An engine of `block_bytes` over a fresh file `name` in a temporary directory (kept
+    /// alive beside it), or `None` after printing why io_uring is unavailable.
+    fn engine_or_skip(
+        name: &str,
+        queue_depth: u32,
+        block_bytes: usize,
+    ) -> Option<(tempfile::TempDir, Engine)> {
+        let dir = tempfile::tempdir().unwrap();
+        let (backend, direct) = backend_or_skip(&dir.path().join(name), queue_depth)?;
+        let engine = Engine::new(Box::new(backend), block_bytes, direct).unwrap();
+        Some((dir, engine))
+    }
+
     fn random_buf(rng: &mut StdRng, len_bytes: usize) -> AlignedBuf {
         let mut buf = AlignedBuf::new_zeroed(len_bytes).unwrap();
         rng.fill_bytes(&mut buf[..len_bytes]);
@@ -616,16 +629,16 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn round_trip_heap_buffers() {
-        let dir = tempfile::tempdir().unwrap();
-        let Some((backend, direct)) = backend_or_skip(&dir.path().join("heap"), 8) else {
-            return;
-        };
-        let block_bytes = 64 << 10;
-        let mut engine = Engine::new(Box::new(backend), block_bytes, direct).unwrap();
-        let mut rng = StdRng::seed_from_u64(1);
-        let chunks: Vec<_> = layout(&mut rng, 12, block_bytes, 1 << 20)
+    /// `count` chunks of [`layout`] (seeded with `seed`) filled with random bytes in heap
+    /// buffers, and a zeroed buffer to read each back into.
+    fn heap_chunks(
+        seed: u64,
+        count: usize,
+        block_bytes: usize,
+        max_bytes: usize,
+    ) -> (Vec<(u64, AlignedBuf, usize)>, Vec<AlignedBuf>) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let chunks: Vec<_> = layout(&mut rng, count, block_bytes, max_bytes)
             .into_iter()
             .map(|(off, len)| (off, random_buf(&mut rng, len), len))
             .collect();
@@ -633,19 +646,27 @@ mod tests {
             .iter()
             .map(|c| AlignedBuf::new_zeroed(c.2).unwrap())
             .collect();
+        (chunks, reads)
+    }
+
+    #[test]
+    fn round_trip_heap_buffers() {
+        let block_bytes = 64 << 10;
+        let Some((_dir, mut engine)) = engine_or_skip("heap", 8, block_bytes) else {
+            return;
+        };
+        let (chunks, reads) = heap_chunks(1, 12, block_bytes, 1 << 20);
         round_trip(&mut engine, chunks, reads);
     }
 
     #[test]
     fn round_trip_fixed_buffers() {
-        let dir = tempfile::tempdir().unwrap();
-        let Some((backend, direct)) = backend_or_skip(&dir.path().join("fixed"), 8) else {
-            return;
-        };
         let block_bytes = 64 << 10;
         let buf_bytes = 512 << 10;
         let pool = BufferPool::new(buf_bytes, 16).unwrap();
-        let mut engine = Engine::new(Box::new(backend), block_bytes, direct).unwrap();
+        let Some((_dir, mut engine)) = engine_or_skip("fixed", 8, block_bytes) else {
+            return;
+        };
         let registered = engine.register_pool(&pool).unwrap();
         if !registered {
             println!("note: pool not registered (memlock?); fixed path not exercised here");
@@ -732,34 +753,22 @@ mod tests {
 
     #[test]
     fn many_requests_outstanding_with_a_shallow_queue() {
-        let dir = tempfile::tempdir().unwrap();
-        let Some((backend, direct)) = backend_or_skip(&dir.path().join("deep"), 3) else {
-            return;
-        };
         // 3 slots (ring of 4 entries) against 24 chunks x up to 16 blocks.
         let block_bytes = 16 << 10;
-        let mut engine = Engine::new(Box::new(backend), block_bytes, direct).unwrap();
-        let mut rng = StdRng::seed_from_u64(3);
-        let chunks: Vec<_> = layout(&mut rng, 24, block_bytes, 256 << 10)
-            .into_iter()
-            .map(|(off, len)| (off, random_buf(&mut rng, len), len))
-            .collect();
+        let Some((_dir, mut engine)) = engine_or_skip("deep", 3, block_bytes) else {
+            return;
+        };
+        let (chunks, reads) = heap_chunks(3, 24, block_bytes, 256 << 10);
         let pieces: usize = chunks.iter().map(|c| c.2.div_ceil(block_bytes)).sum();
         assert!(pieces > 3 * 10);
-        let reads = chunks
-            .iter()
-            .map(|c| AlignedBuf::new_zeroed(c.2).unwrap())
-            .collect();
         round_trip(&mut engine, chunks, reads);
     }
 
     #[test]
     fn read_past_end_of_file_is_unexpected_eof() {
-        let dir = tempfile::tempdir().unwrap();
-        let Some((backend, direct)) = backend_or_skip(&dir.path().join("eof"), 4) else {
+        let Some((_dir, mut engine)) = engine_or_skip("eof", 4, 16 << 10) else {
             return;
         };
-        let mut engine = Engine::new(Box::new(backend), 16 << 10, direct).unwrap();
         let mut rng = StdRng::seed_from_u64(4);
         let file_bytes = 40 << 10;
         let data = random_buf(&mut rng, file_bytes);

@@ -144,3 +144,20 @@ pub fn parse_dtype(what: &str, name: &str) -> Result<DType> {
         )),
     }
 }
+
+/// Runs `f` over `core` and the read-only uint8 array `buf` of `dtype` elements (named
+/// `what` in errors) with the GIL released: how every method of the Python classes that
+/// takes values reads them.
+pub(crate) fn with_input<C: Send, R: Send>(
+    py: Python<'_>,
+    core: &mut C,
+    what: &str,
+    buf: &Bound<'_, PyAny>,
+    dtype: &str,
+    f: impl FnOnce(&mut C, &[u8], DType) -> Result<R> + Send,
+) -> PyResult<R> {
+    let dtype = parse_dtype("dtype", dtype)?;
+    let bytes = Bytes::new(buf, what, false)?;
+    let src = bytes.as_slice();
+    Ok(py.allow_threads(|| f(core, src, dtype))?)
+}

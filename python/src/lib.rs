@@ -22,16 +22,16 @@ mod py_engine;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tidestore_train::aio::{EngineChoice, IoConfig, Op};
-use tidestore_train::{DType, HyperParams};
+use tidestore_train::HyperParams;
 
 use crate::adamw::{parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};
-use crate::buffer::{parse_dtype, Bytes};
+use crate::buffer::{parse_dtype, with_input, Bytes};
 use crate::error::{ConfigError, Error, TidestoreError, TidestoreIoError};
 
 /// `tidestore._tidestore.AdamWCore`: see [`adamw`].
@@ -45,27 +45,7 @@ struct PyAdamWCore {
 impl PyAdamWCore {
     fn core(&mut self) -> &mut AdamWCore {
         // A poisoned mutex would need a panic while a guard is held; none is ever taken.
-        match self.core.get_mut() {
-            Ok(c) => c,
-            Err(p) => p.into_inner(),
-        }
-    }
-
-    /// Runs `f` over the read-only uint8 buffer `buf` of `dtype` elements (named `what`
-    /// in errors) with the GIL released: how every method that takes values reads them.
-    fn with_input<R: Send>(
-        &mut self,
-        py: Python<'_>,
-        what: &str,
-        buf: &Bound<'_, PyAny>,
-        dtype: &str,
-        f: impl FnOnce(&mut AdamWCore, &[u8], DType) -> Result<R, Error> + Send,
-    ) -> PyResult<R> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, what, false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| f(core, src, dtype))?)
+        self.core.get_mut().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -132,9 +112,14 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<()> {
-        self.with_input(py, &adamw::param_name(i), buf, dtype, |c, src, d| {
-            c.set_param(i, src, d)
-        })
+        with_input(
+            py,
+            self.core(),
+            &adamw::param_name(i),
+            buf,
+            dtype,
+            |c, src, d| c.set_param(i, src, d),
+        )
     }
 
     /// Replaces parameter `i`'s master with its values when they differ from the master
@@ -146,9 +131,14 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<bool> {
-        self.with_input(py, &adamw::param_name(i), buf, dtype, |c, src, d| {
-            c.sync_param(i, src, d)
-        })
+        with_input(
+            py,
+            self.core(),
+            &adamw::param_name(i),
+            buf,
+            dtype,
+            |c, src, d| c.sync_param(i, src, d),
+        )
     }
 
     /// Writes parameter `i`'s master, rounded to `dtype`, into `out` (a writable uint8
@@ -175,8 +165,9 @@ impl PyAdamWCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<()> {
-        self.with_input(
+        with_input(
             py,
+            self.core(),
             &format!("{}.grad", adamw::param_name(i)),
             buf,
             dtype,

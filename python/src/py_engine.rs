@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -14,7 +14,7 @@ use tidestore_train::{
 };
 
 use crate::adamw::parse_states;
-use crate::buffer::{parse_dtype, Bytes};
+use crate::buffer::{parse_dtype, with_input};
 use crate::engine::EngineCore;
 use crate::error::{Error, Result};
 use crate::f32_bytes;
@@ -107,10 +107,8 @@ pub struct PyEngineCore {
 
 impl PyEngineCore {
     fn core(&mut self) -> &mut EngineCore {
-        match self.core.get_mut() {
-            Ok(c) => c,
-            Err(p) => p.into_inner(),
-        }
+        // A poisoned mutex would need a panic while a guard is held; none is ever taken.
+        self.core.get_mut().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn name(&mut self, i: usize) -> PyResult<String> {
@@ -229,11 +227,10 @@ impl PyEngineCore {
         buf: &Bound<'_, PyAny>,
         dtype: &str,
     ) -> PyResult<()> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, &self.name(i)?, false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| core.set_values(i, src, dtype))?)
+        let what = self.name(i)?;
+        with_input(py, self.core(), &what, buf, dtype, |c, src, d| {
+            c.set_values(i, src, d)
+        })
     }
 
     /// Parameter `i`'s values as f32 little-endian bytes.
@@ -262,11 +259,10 @@ impl PyEngineCore {
         first: bool,
         last: bool,
     ) -> PyResult<()> {
-        let dtype = parse_dtype("dtype", dtype)?;
-        let bytes = Bytes::new(buf, &format!("{}.grad", self.name(i)?), false)?;
-        let src = bytes.as_slice();
-        let core = self.core();
-        Ok(py.allow_threads(|| core.put_grad(i, src, dtype, first, last))?)
+        let what = format!("{}.grad", self.name(i)?);
+        with_input(py, self.core(), &what, buf, dtype, |c, src, d| {
+            c.put_grad(i, src, d, first, last)
+        })
     }
 
     /// Steps the groups whose gradients are all final; returns the tensors stepped.

@@ -129,38 +129,39 @@ impl FromStr for Size {
     }
 }
 
+/// Reads a [`Size`] from an integer or a string; [`AutoSize`] hands it its numbers.
+struct SizeVisitor;
+
+impl Visitor<'_> for SizeVisitor {
+    type Value = Size;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a size: bytes as an integer, or a string such as \"64MiB\"")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Size, E> {
+        Ok(Size(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Size, E> {
+        u64::try_from(v)
+            .map(Size)
+            .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Size, E> {
+        Err(E::custom(format!(
+            "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
+        )))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Size, E> {
+        v.parse().map_err(E::custom)
+    }
+}
+
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        struct SizeVisitor;
-
-        impl Visitor<'_> for SizeVisitor {
-            type Value = Size;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a size: bytes as an integer, or a string such as \"64MiB\"")
-            }
-
-            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Size, E> {
-                Ok(Size(v))
-            }
-
-            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Size, E> {
-                u64::try_from(v)
-                    .map(Size)
-                    .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
-            }
-
-            fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Size, E> {
-                Err(E::custom(format!(
-                    "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
-                )))
-            }
-
-            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Size, E> {
-                v.parse().map_err(E::custom)
-            }
-        }
-
         deserializer.deserialize_any(SizeVisitor)
     }
 }
@@ -219,19 +220,15 @@ impl<'de> Deserialize<'de> for AutoSize {
             }
 
             fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<AutoSize, E> {
-                Ok(AutoSize::Fixed(Size(v)))
+                SizeVisitor.visit_u64(v).map(AutoSize::Fixed)
             }
 
             fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<AutoSize, E> {
-                u64::try_from(v)
-                    .map(|b| AutoSize::Fixed(Size(b)))
-                    .map_err(|_| E::custom(format!("{v} is negative; a size cannot be")))
+                SizeVisitor.visit_i64(v).map(AutoSize::Fixed)
             }
 
             fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<AutoSize, E> {
-                Err(E::custom(format!(
-                    "{v} is a float; write a size as an integer or a string such as \"1.5GiB\""
-                )))
+                SizeVisitor.visit_f64(v).map(AutoSize::Fixed)
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<AutoSize, E> {
@@ -242,6 +239,7 @@ impl<'de> Deserialize<'de> for AutoSize {
         deserializer.deserialize_any(AutoVisitor)
     }
 }
+
 /// `1.50 GiB`, `512.0 MiB`, `4.0 KiB`, `12 B`.
 pub fn human_bytes(b: u64) -> String {
     const UNITS: [(&str, f64); 4] = [

@@ -429,21 +429,18 @@ impl Device {
         if req.len_bytes == 0 {
             return bad("a copy of zero bytes".into());
         }
-        if req.len_bytes > req.host.capacity() {
-            return Err(TierError::TooLarge {
-                tier: TierKind::Host,
-                chunk: req.chunk,
-                len_bytes: req.len_bytes as u64,
-                limit_bytes: req.host.capacity() as u64,
-            });
-        }
-        if req.len_bytes > req.mem.bytes() {
-            return Err(TierError::TooLarge {
-                tier: TierKind::Device,
-                chunk: req.chunk,
-                len_bytes: req.len_bytes as u64,
-                limit_bytes: req.mem.bytes() as u64,
-            });
+        for (tier, limit_bytes) in [
+            (TierKind::Host, req.host.capacity()),
+            (TierKind::Device, req.mem.bytes()),
+        ] {
+            if req.len_bytes > limit_bytes {
+                return Err(TierError::TooLarge {
+                    tier,
+                    chunk: req.chunk,
+                    len_bytes: req.len_bytes as u64,
+                    limit_bytes: limit_bytes as u64,
+                });
+            }
         }
         Ok(())
     }

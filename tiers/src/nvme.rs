@@ -98,6 +98,15 @@ impl State {
         self.activity.pieces_max = self.activity.pieces_max.max(self.pieces);
     }
 
+    /// Counts the time since `started` as the owner's waiting, then samples.
+    fn waited_since(&mut self, started: Instant) {
+        self.activity.wait_ns = self
+            .activity
+            .wait_ns
+            .saturating_add(started.elapsed().as_nanos() as u64);
+        self.sample();
+    }
+
     /// Requests submitted and not handed to the owner.
     fn outstanding(&self) -> usize {
         self.file.outstanding() + self.stash.len()
@@ -380,11 +389,7 @@ impl NvmeTier {
         let started = Instant::now();
         let mut st = self.lock();
         let r = f(&mut st.file);
-        st.activity.wait_ns = st
-            .activity
-            .wait_ns
-            .saturating_add(started.elapsed().as_nanos() as u64);
-        st.sample();
+        st.waited_since(started);
         r
     }
 
@@ -455,38 +460,35 @@ impl NvmeTier {
 
     /// A finished request if there is one, without waiting.
     pub fn poll(&mut self) -> Option<NvmeCompletion> {
-        let c = {
-            let mut st = self.lock();
-            match st.stash.pop_front() {
-                Some(c) => Some(c),
-                None => {
-                    let c = st.file.poll();
-                    st.sample();
-                    c
-                }
-            }
-        }?;
-        Some(self.complete(c))
+        self.next_completion(|st| {
+            let c = st.file.poll();
+            st.sample();
+            c
+        })
     }
 
     /// The next finished request, waiting for it; `None` when nothing is outstanding.
     pub fn wait(&mut self) -> Option<NvmeCompletion> {
         let started = Instant::now();
+        self.next_completion(|st| {
+            let c = st.file.wait();
+            st.waited_since(started);
+            c
+        })
+    }
+
+    /// The completion the pump stashed first, else `from_file`'s, accounted. One lock for
+    /// both: a completion the pump takes between a look at the stash and a wait would
+    /// otherwise leave the wait with nothing to wait for.
+    fn next_completion(
+        &mut self,
+        from_file: impl FnOnce(&mut State) -> Option<SwapCompletion>,
+    ) -> Option<NvmeCompletion> {
         let c = {
-            // One lock for both: a completion the pump takes between a look at the
-            // stash and the wait would otherwise leave the wait with nothing to wait for.
             let mut st = self.lock();
             match st.stash.pop_front() {
                 Some(c) => Some(c),
-                None => {
-                    let c = st.file.wait();
-                    st.activity.wait_ns = st
-                        .activity
-                        .wait_ns
-                        .saturating_add(started.elapsed().as_nanos() as u64);
-                    st.sample();
-                    c
-                }
+                None => from_file(&mut st),
             }
         }?;
         Some(self.complete(c))

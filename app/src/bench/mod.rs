@@ -61,6 +61,7 @@ use placement::{choose_placement, step_needs, StepBudget, StepPlacement};
 use report::Counters;
 use tidestore::config::{Config, DeviceKindName, OptimizerDevice, OverlapName};
 use tidestore::session::{self, Session};
+use tidestore::workload::{ActivationModel, Block};
 
 pub use disk::DiskRates;
 pub use pattern::{checksum, grad_value, splitmix64, unit_f32, GRAD_SCALE, GRAD_SEED};
@@ -207,12 +208,18 @@ impl Runner<'_> {
         Ok(())
     }
 
-    fn forward(&mut self, iteration: u32) -> Result<()> {
+    /// Starts `phase` of `iteration`, one progress step a tensor: the workload's
+    /// activation sizes and its blocks, for the pass to walk.
+    fn start_pass(&mut self, phase: PhaseName, iteration: u32) -> (ActivationModel, Vec<Block>) {
         let act = self.s.workload.activation_bytes();
         let blocks = self.s.workload.blocks.clone();
         let steps: usize = blocks.iter().map(|b| b.tensors.len()).sum();
-        self.progress
-            .start(PhaseName::Forward, iteration, steps as u64);
+        self.progress.start(phase, iteration, steps as u64);
+        (act, blocks)
+    }
+
+    fn forward(&mut self, iteration: u32) -> Result<()> {
+        let (act, blocks) = self.start_pass(PhaseName::Forward, iteration);
         let mut layer = 0u64;
         for (bi, b) in blocks.iter().enumerate() {
             let non_model = act.at(layer, b.name == "head");
@@ -282,11 +289,7 @@ impl Runner<'_> {
     /// step loop steps the tensors whose gradients are final (`optimizer.overlap =
     /// "backward"`); a gradient is reported final at the tensor's last use.
     fn backward(&mut self, iteration: u32) -> Result<()> {
-        let act = self.s.workload.activation_bytes();
-        let blocks = self.s.workload.blocks.clone();
-        let steps: usize = blocks.iter().map(|b| b.tensors.len()).sum();
-        self.progress
-            .start(PhaseName::Backward, iteration, steps as u64);
+        let (act, blocks) = self.start_pass(PhaseName::Backward, iteration);
         self.grad_sq.iter_mut().for_each(|d| *d = None);
         let mut layer = act.layers;
         for (bi, b) in blocks.iter().enumerate().rev() {

@@ -484,23 +484,22 @@ impl Bench {
             );
         };
         for r in 1..=repeats {
-            let m = self.pass(&mut engine, Op::Write, format!("write {r}/{repeats}"))?;
-            // Not timed, as fio does not sync either; makes the next pass start clean.
-            engine.sync_data()?;
-            line(r, "write", "ours", &m, true);
-            ours_w.push(m, known);
-            if compare_fio {
-                let m = self.fio_pass(io, true, format!("fio write {r}/{repeats}"))?;
-                line(r, "write", "fio", &m, true);
-                fio_w.push(m, known);
-            }
-            let m = self.pass(&mut engine, Op::Read, format!("read {r}/{repeats}"))?;
-            line(r, "read", "ours", &m, false);
-            ours_r.push(m, known);
-            if compare_fio {
-                let m = self.fio_pass(io, false, format!("fio read {r}/{repeats}"))?;
-                line(r, "read", "fio", &m, false);
-                fio_r.push(m, known);
+            for (op, name, write, ours, fio) in [
+                (Op::Write, "write", true, &mut ours_w, &mut fio_w),
+                (Op::Read, "read", false, &mut ours_r, &mut fio_r),
+            ] {
+                let m = self.pass(&mut engine, op, format!("{name} {r}/{repeats}"))?;
+                if write {
+                    // Not timed, as fio does not sync either; makes the next pass start clean.
+                    engine.sync_data()?;
+                }
+                line(r, name, "ours", &m, write);
+                ours.push(m, known);
+                if compare_fio {
+                    let m = self.fio_pass(io, write, format!("fio {name} {r}/{repeats}"))?;
+                    line(r, name, "fio", &m, write);
+                    fio.push(m, known);
+                }
             }
         }
         drop(engine);

@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use crate::bench::{BenchReport, PhaseName, Sample};
+use crate::loss_plot::draw_legend;
 use plotters::prelude::*;
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -146,13 +147,7 @@ fn draw_panel(
             .label(name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    Ok(())
+    draw_legend(&mut chart)
 }
 
 /// `forward from 0, backward from 310, optimizer from 620`.

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
 use super::scalar;
-use super::x86::{load8, prefetch, RNE};
+use super::x86::{load8, prefetch_step, RNE};
 use crate::params::Consts;
 
 /// Rounds 8 f32 to bf16 bits exactly as `half::bf16::from_f32`: NaN keeps its top
@@ -398,12 +398,7 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         let mut i = 0;
         while i < n8 {
             if pf && i % 16 == 0 {
-                prefetch(s.p, i);
-                prefetch(s.m, i);
-                prefetch(s.v, i);
-                if GK == G_F32 {
-                    prefetch(s.g.cast(), i);
-                }
+                prefetch_step::<GK>(s, i);
             }
             let p = _mm256_fmadd_ps(load8::<GK>(s.g, i), z, _mm256_loadu_ps(s.p.add(i)));
             _mm256_storeu_ps(s.p.add(i), p);

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
 use super::scalar;
-use super::x86::{load8, prefetch, RNE};
+use super::x86::{load8, prefetch_step, RNE};
 use crate::params::Consts;
 
 /// Loads 16 gradient elements of the `GK` dtype at `g + i` as f32 (exact; bf16 by a
@@ -166,12 +166,7 @@ unsafe fn step_body<const GK: u8, const OK: u8, const L2: bool, const HW: bool>(
         let nt = out_streamable::<OK>(s.out);
         let mut i = 0;
         while i < n16 {
-            prefetch(s.p, i);
-            prefetch(s.m, i);
-            prefetch(s.v, i);
-            if GK == G_F32 {
-                prefetch(s.g.cast(), i);
-            }
+            prefetch_step::<GK>(s, i);
             let g = _mm512_mul_ps(load16::<GK>(s.g, i), gs);
             let p = _mm512_loadu_ps(s.p.add(i));
             let g = if L2 { _mm512_fmadd_ps(wd, p, g) } else { g };
@@ -349,12 +344,7 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         let mut i = 0;
         while i < n16 {
             if pf {
-                prefetch(s.p, i);
-                prefetch(s.m, i);
-                prefetch(s.v, i);
-                if GK == G_F32 {
-                    prefetch(s.g.cast(), i);
-                }
+                prefetch_step::<GK>(s, i);
             }
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use rayon::ThreadPool;
 
 pub use level::{SimdLevel, SimdReason, SIMD_ENV};
-use parallel::{run_blocks, AccJob, CastJob, StepJob};
+use parallel::{run_blocks, AccJob, CastJob, Split, StepJob};
 use raw::{grad_raw, out_raw, StepPtrs};
 
 use crate::error::{check_len, OptimError, Result};
@@ -177,6 +177,29 @@ impl AdamW {
         self.pool.as_deref()
     }
 
+    /// Runs `leaf` (given this optimizer's SIMD level) over `job`'s parallel blocks of
+    /// `block_params` on its pool, folding the blocks' results with `combine`: how every
+    /// slice operation below spreads over the threads.
+    fn run<J, R>(
+        &self,
+        job: J,
+        leaf: impl Fn(SimdLevel, J) -> R + Sync,
+        combine: impl Fn(R, R) -> R + Sync,
+    ) -> R
+    where
+        J: Split,
+        R: Send,
+    {
+        let level = self.level;
+        run_blocks(
+            self.pool(),
+            self.block_params,
+            job,
+            &|j: J| leaf(level, j),
+            &combine,
+        )
+    }
+
     /// One AdamW / Adam-L2 step over one span of parameters, in place: reads `grads`
     /// (multiplied by `state.grad_scale`), updates `master`, `m` and `v`, and writes the
     /// new parameters rounded to 16 bits into `out` when given — one pass over memory.
@@ -197,13 +220,10 @@ impl AdamW {
     ) -> Result<()> {
         let job = StepJob::checked(master, m, v, grads, out)?;
         let c = Consts::new(state, hp)?;
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             job,
-            &|j: StepJob<'_>| step_leaf(level, &c, j),
-            &|(), ()| (),
+            |level, j: StepJob<'_>| step_leaf(level, &c, j),
+            |(), ()| (),
         );
         Ok(())
     }
@@ -213,25 +233,19 @@ impl AdamW {
     /// [`crate::clip_coefficient`]. Non-finite exactly when some gradient is inf or NaN.
     /// The result does not depend on the thread count.
     pub fn grad_sq_norm(&self, grads: Grads<'_>) -> f64 {
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             grads,
-            &|g: Grads<'_>| sq_norm_leaf(level, g),
-            &|a: f64, b: f64| a + b,
+            |level, g: Grads<'_>| sq_norm_leaf(level, g),
+            |a: f64, b: f64| a + b,
         )
     }
 
     /// True when no gradient is inf or NaN (the loss-scaling overflow check).
     pub fn grads_finite(&self, grads: Grads<'_>) -> bool {
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             grads,
-            &|g: Grads<'_>| finite_leaf(level, g),
-            &|a: bool, b: bool| a && b,
+            |level, g: Grads<'_>| finite_leaf(level, g),
+            |a: bool, b: bool| a && b,
         )
     }
 
@@ -239,13 +253,10 @@ impl AdamW {
     /// (use `scale = 1 / micro_batches` to average, or a loss-unscale factor).
     pub fn accumulate(&self, acc: &mut [f32], grads: Grads<'_>, scale: f32) -> Result<()> {
         check_len("grads", grads.len(), "acc", acc.len())?;
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             AccJob { acc, g: grads },
-            &|j: AccJob<'_>| accumulate_leaf(level, j, scale),
-            &|(), ()| (),
+            |level, j: AccJob<'_>| accumulate_leaf(level, j, scale),
+            |(), ()| (),
         );
         Ok(())
     }
@@ -254,13 +265,10 @@ impl AdamW {
     /// make the first 16-bit copy of freshly loaded master parameters.
     pub fn cast_params(&self, src: &[f32], out: ParamOut<'_>) -> Result<()> {
         check_len("out", out.len(), "src", src.len())?;
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             CastJob { src, out },
-            &|j: CastJob<'_>| cast_leaf(level, j),
-            &|(), ()| (),
+            |level, j: CastJob<'_>| cast_leaf(level, j),
+            |(), ()| (),
         );
         Ok(())
     }
@@ -292,13 +300,10 @@ impl AdamW {
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
         let job = StepJob::checked(master, m, v, grads, out)?;
-        let level = self.level;
-        run_blocks(
-            self.pool(),
-            self.block_params,
+        self.run(
             job,
-            &|j: StepJob<'_>| probe_leaf(level, j, key),
-            &|(), ()| (),
+            |level, j: StepJob<'_>| probe_leaf(level, j, key),
+            |(), ()| (),
         );
         Ok(())
     }

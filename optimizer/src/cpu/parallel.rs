@@ -107,12 +107,24 @@ impl<'a> StepJob<'a> {
         let n = p.len();
         check_len("m", m.len(), "master", n)?;
         check_len("v", v.len(), "master", n)?;
-        check_len("grads", g.len(), "master", n)?;
-        if let Some(o) = &out {
-            check_len("out", o.len(), "master", n)?;
-        }
+        check_grads_out(n, &g, &out)?;
         Ok(StepJob { p, m, v, g, out })
     }
+}
+
+/// The gradients and the 16-bit output of a step over `n` parameters, checked: what every
+/// step and probe checks besides its moments.
+pub(crate) fn check_grads_out(
+    n: usize,
+    g: &Grads<'_>,
+    out: &Option<ParamOut<'_>>,
+) -> crate::error::Result<()> {
+    use crate::error::check_len;
+    check_len("grads", g.len(), "master", n)?;
+    if let Some(o) = out {
+        check_len("out", o.len(), "master", n)?;
+    }
+    Ok(())
 }
 
 impl Split for StepJob<'_> {

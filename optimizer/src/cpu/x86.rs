@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::raw::{G_F16, G_F32};
+use super::raw::{StepPtrs, G_F16, G_F32};
 
 /// Prefetch distance of the step and probe loops, in bytes ahead on each f32 stream.
 /// Measured on the 2-core AVX-512 Xeon (20M params, medians of 9): 0 -> ~0.90 of the
@@ -18,6 +18,18 @@ pub(crate) fn prefetch(p: *const f32, i: usize) {
     // SAFETY: a prefetch is a hint that never faults, whatever the address (SSE is part
     // of x86_64); `wrapping_add` forms the address without claiming it is in bounds.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i + PREFETCH_BYTES / 4).cast()) }
+}
+
+/// Prefetches every stream of a step with fp32 moments at element `i`: master, M, V,
+/// and the gradient when it is f32.
+#[inline(always)]
+pub(crate) fn prefetch_step<const GK: u8>(s: &StepPtrs, i: usize) {
+    prefetch(s.p, i);
+    prefetch(s.m, i);
+    prefetch(s.v, i);
+    if GK == G_F32 {
+        prefetch(s.g.cast(), i);
+    }
 }
 
 /// `vcvtps2ph` immediate: round to nearest even (not MXCSR's mode).

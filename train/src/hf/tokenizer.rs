@@ -152,12 +152,7 @@ impl Tokenizer {
         };
         let mut ids = Vec::with_capacity(text.len() / 3);
         for piece in pieces(text, ENCODE_PIECE_BYTES) {
-            let enc = tokenizer
-                .encode(piece, false)
-                .map_err(|e| TrainError::Tokenizer {
-                    path: path.clone(),
-                    reason: format!("encoding: {e}"),
-                })?;
+            let enc = encode_with(tokenizer, path, piece, false)?;
             ids.extend_from_slice(enc.get_ids());
         }
         Ok(ids)
@@ -171,12 +166,7 @@ impl Tokenizer {
             Inner::Hf {
                 tokenizer, path, ..
             } => {
-                let enc = tokenizer
-                    .encode(text, false)
-                    .map_err(|e| TrainError::Tokenizer {
-                        path: path.clone(),
-                        reason: format!("encoding: {e}"),
-                    })?;
+                let enc = encode_with(tokenizer, path, text, false)?;
                 let starts = enc.get_offsets().iter().map(|o| o.0).collect();
                 Ok((enc.get_ids().to_vec(), starts))
             }
@@ -191,13 +181,7 @@ impl Tokenizer {
             return Ok((Vec::new(), Vec::new()));
         };
         let encode = |specials: bool| {
-            literal
-                .encode("a", specials)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| TrainError::Tokenizer {
-                    path: path.clone(),
-                    reason: format!("encoding: {e}"),
-                })
+            encode_with(literal, path, "a", specials).map(|e| e.get_ids().to_vec())
         };
         let (plain, with) = (encode(false)?, encode(true)?);
         let at = (0..=with.len().saturating_sub(plain.len()))
@@ -356,6 +340,22 @@ pub fn byte_level_tokenizer_json() -> String {
     });
     serde_json::to_string_pretty(&json)
         .unwrap_or_else(|e| unreachable!("a JSON value always serialises: {e}"))
+}
+
+/// `text` encoded by `tokenizer`, with the special tokens its post-processor adds when
+/// `specials`; a failure names the file at `path`.
+fn encode_with(
+    tokenizer: &tokenizers::Tokenizer,
+    path: &Path,
+    text: &str,
+    specials: bool,
+) -> Result<tokenizers::Encoding> {
+    tokenizer
+        .encode(text, specials)
+        .map_err(|e| TrainError::Tokenizer {
+            path: path.to_path_buf(),
+            reason: format!("encoding: {e}"),
+        })
 }
 
 #[cfg(test)]

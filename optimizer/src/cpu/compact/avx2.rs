@@ -294,7 +294,7 @@ unsafe fn store8_top16(out: *mut u16, i: usize, p: __m256) {
 /// # Safety
 /// AVX2 is enabled in the caller; `p` covers `16 * w` writable bytes, `w` is 1 or 2.
 #[inline(always)]
-unsafe fn flip16(p: *mut u8, w: usize, f: __m256i) {
+pub(super) unsafe fn flip16(p: *mut u8, w: usize, f: __m256i) {
     // SAFETY: the caller's bounds; unaligned loads and stores.
     unsafe {
         if w == 2 {
@@ -304,6 +304,16 @@ unsafe fn flip16(p: *mut u8, w: usize, f: __m256i) {
             _mm_storeu_si128(p.cast(), _mm_xor_si128(_mm_loadu_si128(p.cast()), f));
         }
     }
+}
+
+/// Prefetches what a compact probe moves at element `i` (moments of `w` bytes an
+/// element): every stream the steps prefetch, and the gradient's too.
+#[inline(always)]
+pub(super) fn prefetch_probe<const GK: u8>(s: &CompactPtrs, w: usize, i: usize) {
+    prefetch(s.p, i);
+    prefetch(s.m.cast(), w * i / 4);
+    prefetch(s.v.cast(), w * i / 4);
+    prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
 }
 
 /// AVX2 compact memory probe (see [`cs::probe_from`]): 16 elements per iteration, master
@@ -329,10 +339,7 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         let mut i = 0;
         while i < n16 {
             if pf {
-                prefetch(s.p, i);
-                prefetch(s.m.cast(), w * i / 4);
-                prefetch(s.v.cast(), w * i / 4);
-                prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
+                prefetch_probe::<GK>(s, w, i);
             }
             for k in [i, i + 8] {
                 let p = _mm256_fmadd_ps(load8::<GK>(s.g, k), z, _mm256_loadu_ps(s.p.add(k)));

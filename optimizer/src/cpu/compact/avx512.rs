@@ -24,6 +24,7 @@ use std::arch::x86_64::*;
 use super::super::avx512::{load16, out_streamable, store16_out};
 use super::super::raw::{G_BF16, G_F32, O_BF16};
 use super::super::x86::prefetch;
+use super::avx2::{flip16, prefetch_probe};
 use super::scalar::{self as cs, Q8Block};
 use super::CompactPtrs;
 use crate::params::Consts;
@@ -568,24 +569,13 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         let nt = out_streamable::<OK>(s.out);
         let mut i = 0;
         while i < n16 {
-            // Every stream the step prefetches, and the gradient's too.
             if pf {
-                prefetch(s.p, i);
-                prefetch(s.m.cast(), w * i / 4);
-                prefetch(s.v.cast(), w * i / 4);
-                prefetch(s.g.cast(), if GK == G_F32 { i } else { i / 2 });
+                prefetch_probe::<GK>(s, w, i);
             }
             let p = _mm512_fmadd_ps(load16::<GK>(s.g, i), z, _mm512_loadu_ps(s.p.add(i)));
             _mm512_storeu_ps(s.p.add(i), p);
-            let (m, v) = (s.m.add(w * i), s.v.add(w * i));
-            if w == 2 {
-                _mm256_storeu_si256(m.cast(), _mm256_xor_si256(_mm256_loadu_si256(m.cast()), f));
-                _mm256_storeu_si256(v.cast(), _mm256_xor_si256(_mm256_loadu_si256(v.cast()), f));
-            } else {
-                let f = _mm256_castsi256_si128(f);
-                _mm_storeu_si128(m.cast(), _mm_xor_si128(_mm_loadu_si128(m.cast()), f));
-                _mm_storeu_si128(v.cast(), _mm_xor_si128(_mm_loadu_si128(v.cast()), f));
-            }
+            flip16(s.m.add(w * i), w, f);
+            flip16(s.v.add(w * i), w, f);
             store16_out::<OK, false>(s.out, i, p, nt);
             i += 16;
         }

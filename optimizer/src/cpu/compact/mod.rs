@@ -22,7 +22,7 @@ pub(crate) mod avx512;
 
 use half::bf16;
 
-use super::parallel::{run_blocks, split_out, Split};
+use super::parallel::{check_grads_out, run_blocks, split_out, Split};
 use super::raw::{grad_raw, out_raw};
 use super::{AdamW, ProbeKey, SimdLevel};
 use crate::error::{check_len, Result};
@@ -118,14 +118,16 @@ impl Split for CompactJob<'_> {
     }
 }
 
-/// `moments` checked against `n` parameters: the compact views, or the fp32 pair (`Err`)
-/// for the fp32 kernel, which checks them itself.
+/// `moments`, `grads` and `out` checked against `n` parameters: the compact views, or
+/// the fp32 pair (`Err`) for the fp32 kernel, which checks them all itself.
 #[allow(clippy::type_complexity)]
 fn compact_of<'a>(
-    moments: Moments<'a>,
     n: usize,
+    moments: Moments<'a>,
+    grads: &Grads<'_>,
+    out: &Option<ParamOut<'_>>,
 ) -> Result<std::result::Result<Compact<'a>, (&'a mut [f32], &'a mut [f32])>> {
-    Ok(Ok(match moments {
+    let mv = match moments {
         Moments::F32 { m, v } => return Ok(Err((m, v))),
         Moments::Bf16 { m, v } => {
             check_len("m", m.len(), "master", n)?;
@@ -137,16 +139,9 @@ fn compact_of<'a>(
             check_q8("v", &v, n)?;
             Compact::Int8(m, v)
         }
-    }))
-}
-
-/// The gradients and the 16-bit output checked against `n` parameters.
-fn check_rest(n: usize, grads: &Grads<'_>, out: &Option<ParamOut<'_>>) -> Result<()> {
-    check_len("grads", grads.len(), "master", n)?;
-    if let Some(o) = out {
-        check_len("out", o.len(), "master", n)?;
-    }
-    Ok(())
+    };
+    check_grads_out(n, grads, out)?;
+    Ok(Ok(mv))
 }
 
 fn check_q8(what: &'static str, q: &Q8Mut<'_>, n: usize) -> Result<()> {
@@ -169,12 +164,10 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
-        let n = master.len();
-        let mv = match compact_of(moments, n)? {
+        let mv = match compact_of(master.len(), moments, &grads, &out)? {
             Err((m, v)) => return self.step_slice(state, hp, master, m, v, grads, out),
             Ok(mv) => mv,
         };
-        check_rest(n, &grads, &out)?;
         let c = Consts::new(state, hp)?;
         let q = maps();
         self.run_compact(master, mv, grads, out, |level, j| {
@@ -305,12 +298,10 @@ impl AdamW {
         grads: Grads<'_>,
         out: Option<ParamOut<'_>>,
     ) -> Result<()> {
-        let n = master.len();
-        let mv = match compact_of(moments, n)? {
+        let mv = match compact_of(master.len(), moments, &grads, &out)? {
             Err((m, v)) => return self.probe_slice_keyed(key, master, m, v, grads, out),
             Ok(mv) => mv,
         };
-        check_rest(n, &grads, &out)?;
         self.run_compact(master, mv, grads, out, |level, j| probe_leaf(level, j, key));
         Ok(())
     }
