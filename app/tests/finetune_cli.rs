@@ -3,8 +3,7 @@
 //! shipped text through the store; the loss falls; a run stopped at a checkpoint and
 //! resumed gives the very losses (bit for bit) of one never stopped; the export is a
 //! Hugging Face directory (with LoRA, a PEFT adapter); the README's example runs on the
-//! shipped `examples/finetune.toml`; steps deferred to the next forward
-//! (`optimizer.overlap = "forward"`) give the same run; bad input is refused naming the key or file (a
+//! shipped `examples/finetune.toml`; bad input is refused naming the key or file (a
 //! budget too small for the chunks also says why they are that large), exit code 2 for
 //! configuration.
 
@@ -71,35 +70,6 @@ fn a_resumed_run_repeats_the_uninterrupted_losses_and_exports_a_model() {
     let v: serde_json::Value = serde_json::from_str(&resumed).unwrap();
     assert_eq!(v["resumed_from"], 4);
     assert_eq!(losses(&resumed), all[4..], "steps 5..8 after a resume");
-}
-
-#[test]
-fn steps_deferred_to_the_next_forward_give_the_same_run() {
-    let now = setup("export_dir = \"export\"\n");
-    let later = setup("export_dir = \"export\"\n");
-    let cfg = later.path().join("tidestore.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    let deferred = text.replace("threads = 1\n", "threads = 1\noverlap = \"forward\"\n");
-    assert_ne!(text, deferred);
-    std::fs::write(&cfg, deferred).unwrap();
-    let (a, b) = (
-        ok(now.path(), &["finetune", "--json"]),
-        ok(later.path(), &["finetune", "--json"]),
-    );
-    assert_eq!(losses(&a), losses(&b));
-    let deferred = |json: &str| {
-        let v: serde_json::Value = serde_json::from_str(json).unwrap();
-        v["tensor_steps_deferred"].as_u64().unwrap()
-    };
-    assert_eq!(deferred(&a), 0);
-    assert!(deferred(&b) > 0, "nothing was deferred");
-    // The last step's updates, deferred to a forward that never comes, are made before
-    // the export: the exported weights are the same bytes.
-    let weights = |d: &tempfile::TempDir| std::fs::read(d.path().join("export/model.safetensors"));
-    assert!(
-        weights(&now).unwrap() == weights(&later).unwrap(),
-        "exports differ"
-    );
 }
 
 #[test]

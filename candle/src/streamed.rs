@@ -145,10 +145,6 @@ impl BlockParams<Llama> for TideParams {
     fn step(&mut self) -> Result<StepDecision> {
         TideParams::step(self)
     }
-
-    fn take_deferred_step_time(&mut self) -> std::time::Duration {
-        self.trainer_mut().take_deferred_step_time()
-    }
 }
 
 /// Every parameter in candle memory, stepped by candle's AdamW: what the streamed

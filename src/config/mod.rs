@@ -290,21 +290,6 @@ pub enum OverlapName {
     /// During backward, each chunk of gradients as soon as it is final (needs
     /// `max_grad_norm = 0`: clipping needs every gradient before the first step).
     Backward,
-    /// Each tensor at its next use, in the next iteration's forward (`finetune` only):
-    /// the step's chunk I/O streams under the forward's compute. Exact, and takes
-    /// clipping.
-    Forward,
-}
-
-impl OverlapName {
-    /// The name as the config file writes it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OverlapName::Off => "off",
-            OverlapName::Backward => "backward",
-            OverlapName::Forward => "forward",
-        }
-    }
 }
 
 /// `optimizer.mode`: how weight decay enters.

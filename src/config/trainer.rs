@@ -42,7 +42,6 @@ impl Config {
         tc.overlap = match self.optimizer.overlap {
             OverlapName::Off => Overlap::Off,
             OverlapName::Backward => Overlap::Backward,
-            OverlapName::Forward => Overlap::Forward,
         };
         tc.max_grad_norm =
             (self.optimizer.max_grad_norm > 0.0).then_some(self.optimizer.max_grad_norm as f32);

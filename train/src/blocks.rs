@@ -125,13 +125,6 @@ pub trait BlockParams<B: Blocks + ?Sized> {
 
     /// The optimizer step, after the last micro-batch.
     fn step(&mut self) -> Result<StepDecision, B::Error>;
-
-    /// Time since the last call spent inside fetches and puts making the last step's
-    /// updates at their tensors' first use (a store whose step waits for it,
-    /// `optimizer.overlap = "forward"`); zero where steps are not deferred.
-    fn take_deferred_step_time(&mut self) -> Duration {
-        Duration::ZERO
-    }
 }
 
 /// How micro-batches meet the blocks (see the module doc).
@@ -152,8 +145,7 @@ pub struct StepTimes {
     pub compute: Duration,
     /// Getting parameters and putting gradients (waits for chunks included).
     pub store: Duration,
-    /// The optimizer step (its chunk I/O included), with the last step's updates made
-    /// at their tensors' first use in this one (`optimizer.overlap = "forward"`).
+    /// The optimizer step (its chunk I/O included).
     pub optimizer: Duration,
 }
 
@@ -197,10 +189,6 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_
 
     fn step(&mut self) -> Result<StepDecision, B::Error> {
         self.params.step()
-    }
-
-    fn take_deferred_step_time(&mut self) -> Duration {
-        self.params.take_deferred_step_time()
     }
 }
 
@@ -271,8 +259,6 @@ where
         }
     };
     let compute_and_store = started.elapsed();
-    // The last step's updates made at first use ran inside fetches and puts.
-    let deferred = timed.params.take_deferred_step_time().min(timed.store);
     let step_started = Instant::now();
     let decision = timed.params.step()?;
     Ok(StreamedStep {
@@ -280,8 +266,8 @@ where
         decision,
         times: StepTimes {
             compute: compute_and_store.saturating_sub(timed.store),
-            store: timed.store - deferred,
-            optimizer: step_started.elapsed() + deferred,
+            store: timed.store,
+            optimizer: step_started.elapsed(),
         },
     })
 }

@@ -399,14 +399,6 @@ fn trainer(
         overlap: match cfg.optimizer.overlap {
             OverlapName::Off => Overlap::Off,
             OverlapName::Backward => Overlap::Backward,
-            OverlapName::Forward => {
-                return Err(Error::config(
-                    "optimizer.overlap",
-                    "\"forward\" defers each tensor's step to its next use through the \
-                     trainer; the bench's emulated compute reads tensors in the store \
-                     directly, so it takes \"off\" or \"backward\"",
-                ))
-            }
         },
     };
     Ok(Trainer::with_store(
@@ -750,7 +742,11 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
             0.0
         },
         grad_norm: m.grad_norm,
-        overlap: cfg.optimizer.overlap.as_str().into(),
+        overlap: match cfg.optimizer.overlap {
+            OverlapName::Off => "off",
+            OverlapName::Backward => "backward",
+        }
+        .into(),
         tensors_overlapped: step_stats.tensors_overlapped,
     };
     let bound = bound(cfg, &r, &m, disk, iterations);

@@ -2,8 +2,7 @@
 //! - settings `finetune` cannot honour: `device.kind = "cuda"` on a build without
 //!   CUDA or a machine without a GPU, `nvme.compression` (the trainer's swap file is uncompressed), an
 //!   `nvme.size` smaller than the swap file the model needs, and the bench-only keys of
-//!   the sections it reads, each when set to anything but its default (and
-//!   `optimizer.overlap = "backward"`: finetune steps after backward or at first use) — the error
+//!   the sections it reads, each when set to anything but its default — the error
 //!   names the key and the command;
 //! - tensors in the model's files that the model does not use (but for the two kinds
 //!   that are known to be derived: `rotary_emb.inv_freq` buffers, and `lm_head.weight`
@@ -20,7 +19,7 @@ use std::path::{Path, PathBuf};
 use tidestore_train::hf;
 
 use crate::error::{Error, Result};
-use tidestore::config::{CompressionName, Config, DeviceKindName, OverlapName, Size};
+use tidestore::config::{CompressionName, Config, DeviceKindName, Size};
 
 const COMMAND: &str = "tidestore finetune";
 
@@ -65,15 +64,7 @@ pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
     only_default("device.sim_memory", c.sim_memory, d.sim_memory)?;
     only_default("device.pcie_gbps", c.pcie_gbps, d.pcie_gbps)?;
     only_default("optimizer.device", cfg.optimizer.device, o.device)?;
-    if cfg.optimizer.overlap == OverlapName::Backward {
-        return Err(Error::config(
-            "optimizer.overlap",
-            format!(
-                "\"backward\" is a `tidestore bench` setting: `{COMMAND}` steps after \
-                 backward (\"off\") or each tensor at its next use (\"forward\")"
-            ),
-        ));
-    }
+    only_default("optimizer.overlap", cfg.optimizer.overlap, o.overlap)?;
     only_default("policy.eviction", cfg.policy.eviction, p.eviction)?;
     only_default(
         "policy.prefetch_lookahead",
@@ -345,12 +336,10 @@ mod tests {
     fn unread_settings_name_the_key() {
         let mut cfg = Config::default();
         refuse_unread_settings(&cfg).unwrap();
-        cfg.optimizer.overlap = OverlapName::Backward;
+        cfg.optimizer.overlap = tidestore::config::OverlapName::Backward;
         let e = refuse_unread_settings(&cfg).unwrap_err();
         assert_eq!(e.key(), Some("optimizer.overlap"));
-        cfg.optimizer.overlap = OverlapName::Forward;
-        refuse_unread_settings(&cfg).unwrap();
-        cfg.optimizer.overlap = OverlapName::Off;
+        cfg.optimizer.overlap = tidestore::config::OverlapName::Off;
         cfg.nvme.compression = CompressionName::Zstd;
         assert_eq!(
             refuse_unread_settings(&cfg).unwrap_err().key(),

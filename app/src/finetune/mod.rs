@@ -119,8 +119,6 @@ pub struct FinetuneReport {
     pub peak_tier_bytes: (u64, u64, u64),
     /// Peak resident memory of the process (`VmHWM`), where the OS reports it.
     pub peak_rss_bytes: Option<u64>,
-    /// Tensor updates made at the tensor's next use (`optimizer.overlap = "forward"`).
-    pub tensor_steps_deferred: u64,
 }
 
 impl FinetuneReport {
@@ -149,7 +147,6 @@ impl FinetuneReport {
             nvme_bytes: (0, 0),
             peak_tier_bytes: (0, 0, 0),
             peak_rss_bytes: None,
-            tensor_steps_deferred: 0,
         }
     }
 
@@ -160,7 +157,6 @@ impl FinetuneReport {
         self.peak_tier_bytes = (st.device.peak_bytes, st.host.peak_bytes, st.nvme.peak_bytes);
         self.store = st;
         self.peak_rss_bytes = peak_rss_bytes();
-        self.tensor_steps_deferred = params.trainer().step_loop().stats().tensors_deferred;
         self.swap_dir = swap_dir;
     }
 }
@@ -259,7 +255,6 @@ pub fn run(
             report.checkpoints.retain(|p| p.exists());
         }
     }
-    settle_last_step(&mut params, &mut report)?;
     progress.end();
     if let Some(dir) = &t.export_dir {
         export_checked(t, &loaded, &mut params, dir, false)?;
@@ -271,22 +266,6 @@ pub fn run(
     }
     report.finish(&params, swap.target().to_path_buf());
     Ok(report)
-}
-
-/// With `optimizer.overlap = "forward"` the last step's updates wait for a next use that
-/// will not come: made now, and counted as that step's time.
-fn settle_last_step(params: &mut TideParams, report: &mut FinetuneReport) -> Result<()> {
-    let settled = std::time::Instant::now();
-    // No forward follows: the updates are an iteration of their own, traced (not held
-    // against the schedule, which interleaves them with a forward).
-    params.trainer_mut().retrace();
-    params.trainer_mut().settle_all()?;
-    if let Some(last) = report.steps.last_mut() {
-        let took = settled.elapsed().as_secs_f64();
-        last.optimizer_seconds += took;
-        last.seconds += took;
-    }
-    Ok(())
 }
 
 /// Before step 1 on a GPU: the blocks' activations must fit beside the chunk slab

@@ -140,28 +140,6 @@ impl ChunkStore {
         result
     }
 
-    /// Between iterations: the next iteration is traced instead of following the
-    /// schedule, for a caller that knows its access order changes from then on (a
-    /// trainer whose first deferred optimizer step moves the step's accesses into the
-    /// next forward). Unlike a divergence, nothing is counted or logged as one, and no
-    /// iteration runs on LRU first. Called mid-iteration it does nothing (a debug
-    /// build asserts).
-    pub fn retrace(&mut self) {
-        debug_assert_eq!(self.position, 0, "retrace() is for iteration boundaries");
-        if self.position != 0 || !matches!(self.mode, Mode::Following(_)) {
-            return;
-        }
-        self.mode = Mode::Tracing(Tracer::new());
-        self.warmup.clear();
-        self.device_moments.clear();
-        self.host_moments.clear();
-        self.diverged = false;
-        self.sync_policies();
-        tracing::debug!(
-            "chunk store: the caller's access order changes; tracing the next iteration"
-        );
-    }
-
     /// After a traced iteration: its schedule (and the device's and the host's, and the
     /// `lifetime` policies over them) takes over. A moment whose chunks in use exceed
     /// its tidal budget is [`ChunkError::WorkingSetTooLarge`], returned after the

@@ -16,12 +16,6 @@
 //! 3. [`StepLoop::finish`] decides the step (global norm, clipping, overflow) with the
 //!    optimizer's [`StepController`], switches the store to its optimizer-step budget
 //!    and steps every tensor not stepped yet.
-//! 4. With [`Overlap::Forward`], [`StepLoop::finish`] decides the step and steps
-//!    nothing: each tensor is stepped when it is next used ([`StepLoop::settle`], which
-//!    the trainer calls before every access of a tensor's parameters, master or
-//!    moments), in the loop's order. The next forward then reads each chunk of master,
-//!    M and V right where it uses the parameters, and the store streams the next
-//!    tensors' state under the forward's compute instead of in a phase of its own.
 //!
 //! # Where a tensor is stepped
 //! [`StepPlace::Host`]: its chunks are accessed in the pinned host pool and the CPU
@@ -44,11 +38,6 @@
 //! returns [`TrainError::Protocol`] naming it (bf16 training has no overflow to skip;
 //! such a gradient means the run diverged).
 //!
-//! [`Overlap::Forward`] decides with every gradient, as [`Overlap::Off`] does, so it
-//! takes clipping and loss scaling. A deferred tensor is stepped with the decision and
-//! the hyper-parameters of the step it belongs to (a learning rate set since does not
-//! reach it): its result is bit-identical to [`Overlap::Off`]'s.
-//!
 //! Every access is released on every path, errors included (the store's scoped API);
 //! the store is handed to an observer (progress bars, plots) after each tensor's step.
 //! A tensor's step that fails (an I/O error, a corrupt chunk) leaves the optimizer step
@@ -57,7 +46,7 @@
 //! [`StepLoop::restore`] is called.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tidestore_chunk::{ChunkId, ChunkStore, DType, ListKind, TensorId, TensorState};
 use tidestore_optimizer::{
@@ -88,8 +77,6 @@ pub enum Overlap {
     Off,
     /// During backward, as soon as a group's gradients are final.
     Backward,
-    /// At each tensor's next use, before its parameters are read again.
-    Forward,
 }
 
 /// Where a tensor's gradient is.
@@ -171,10 +158,6 @@ pub struct StepStats {
     pub tensors_stepped: u64,
     /// Of those, made during backward ([`Overlap::Backward`]).
     pub tensors_overlapped: u64,
-    /// Of those, made at the tensor's next use ([`Overlap::Forward`]).
-    pub tensors_deferred: u64,
-    /// Time spent in those deferred steps (chunk waits included), in nanoseconds.
-    pub deferred_ns: u64,
     /// Parameters stepped.
     pub params_stepped: u64,
     /// Time in the optimizer kernel (not waiting for chunks), in nanoseconds.
@@ -257,34 +240,6 @@ struct Scratch {
     out16: Vec<u16>,
 }
 
-impl Scratch {
-    /// The buffers steps at `place` need, for tensors of at most `longest` elements.
-    fn sized(place: StepPlace, in_place: bool, longest: usize) -> Scratch {
-        match (place, in_place) {
-            (StepPlace::Device, _) => Scratch::default(),
-            (StepPlace::Host, true) => Scratch {
-                grad: vec![0; STEP_PIECE.min(longest).div_ceil(2)],
-                ..Scratch::default()
-            },
-            (StepPlace::Host, false) => Scratch {
-                grad: vec![0; longest],
-                m: vec![0.0; longest],
-                v: vec![0.0; longest],
-                out16: vec![0; longest],
-            },
-        }
-    }
-}
-
-/// A decided step whose tensors are stepped at their next use ([`Overlap::Forward`]).
-#[derive(Debug, Clone, Copy)]
-struct Deferred {
-    state: StepState,
-    hp: HyperParams,
-    /// Entries before it are stepped.
-    next: usize,
-}
-
 /// Called after every access and release the loop makes, with the store as it is then.
 pub type Observer<'a> = &'a mut dyn FnMut(&ChunkStore);
 
@@ -303,10 +258,6 @@ pub struct StepLoop {
     ready: VecDeque<usize>,
     /// The decision overlapped steps use (made at the first of them).
     early: Option<StepState>,
-    /// The last step, while some of its tensors wait for their next use.
-    deferred: Option<Deferred>,
-    /// Time in deferred steps not yet claimed by [`StepLoop::take_deferred_time`].
-    deferred_unclaimed: Duration,
     grad_sq: f64,
     finals: usize,
     /// Whether the host pool holds a tensor's chunks at once.
@@ -354,7 +305,19 @@ impl StepLoop {
         let places_max = entries.iter().map(|e| e.places().len()).max().unwrap_or(0);
         let in_place = store.capacity_plan().host_buffers > places_max as u64;
         let longest = entries.iter().map(|e| e.len).max().unwrap_or(0);
-        let scratch = Scratch::sized(cfg.place, in_place, longest);
+        let scratch = match (cfg.place, in_place) {
+            (StepPlace::Device, _) => Scratch::default(),
+            (StepPlace::Host, true) => Scratch {
+                grad: vec![0; STEP_PIECE.min(longest).div_ceil(2)],
+                ..Scratch::default()
+            },
+            (StepPlace::Host, false) => Scratch {
+                grad: vec![0; longest],
+                m: vec![0.0; longest],
+                v: vec![0.0; longest],
+                out16: vec![0; longest],
+            },
+        };
         if !in_place && cfg.place == StepPlace::Host {
             tracing::info!(
                 host_buffers = store.capacity_plan().host_buffers,
@@ -374,8 +337,6 @@ impl StepLoop {
             groups,
             ready: VecDeque::new(),
             early: None,
-            deferred: None,
-            deferred_unclaimed: Duration::ZERO,
             non_finite: None,
             last_skip_tensor: None,
             grad_sq: 0.0,
@@ -447,8 +408,6 @@ impl StepLoop {
         }
         self.ctrl.restore(state)?;
         self.poisoned = None;
-        // The checkpoint's state replaces what a deferred step would have changed.
-        self.deferred = None;
         self.new_iteration();
         Ok(())
     }
@@ -555,17 +514,7 @@ impl StepLoop {
                 e.name
             )));
         }
-        if let Some(d) = self.deferred.take() {
-            // The trainer steps a deferred tensor before its new gradient is written.
-            return Err(TrainError::Protocol(format!(
-                "the gradient of `{}` was reported before its deferred step was made",
-                self.entries[d.next].name
-            )));
-        }
-        let overlapped = match self.overlap {
-            Overlap::Backward => self.entries.iter().filter(|e| e.stepped).count(),
-            Overlap::Off | Overlap::Forward => 0,
-        };
+        let overlapped = self.entries.iter().filter(|e| e.stepped).count();
         let decision = self.ctrl.decide(self.grad_sq);
         let result = match decision {
             StepDecision::Apply {
@@ -578,16 +527,7 @@ impl StepLoop {
                 }
                 self.stats.steps_applied += 1;
                 self.stats.grad_norm = grad_norm;
-                let r = if self.overlap == Overlap::Forward {
-                    self.deferred = (!self.entries.is_empty()).then_some(Deferred {
-                        state,
-                        hp: self.hp,
-                        next: 0,
-                    });
-                    Ok(())
-                } else {
-                    self.step_rest(store, state, observe)
-                };
+                let r = self.step_rest(store, state, observe);
                 if let (Err(e), None) = (&r, &self.poisoned) {
                     // The controller counted the step: whatever failed, it is half made.
                     self.poisoned = Some(format!("step {}: {e}", state.step));
@@ -624,78 +564,6 @@ impl StepLoop {
         self.grad_sq = 0.0;
         self.finals = 0;
         self.non_finite = None;
-    }
-
-    /// Makes the deferred steps ([`Overlap::Forward`]) of `tensor` and of every tensor
-    /// before it in the loop's order, with the step's decision and hyper-parameters;
-    /// nothing when none waits (a frozen tensor, one stepped already, another overlap).
-    pub fn settle(
-        &mut self,
-        store: &mut ChunkStore,
-        tensor: TensorId,
-        observe: Observer<'_>,
-    ) -> Result<()> {
-        match self.by_tensor.get(&tensor) {
-            Some(&i) if self.is_deferred_at(i) => self.settle_to(store, i + 1, observe),
-            _ => Ok(()),
-        }
-    }
-
-    /// Makes every deferred step (before a checkpoint, an export, the end of training).
-    pub fn settle_all(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
-        self.settle_to(store, self.entries.len(), observe)
-    }
-
-    /// Whether some tensors' updates of the last step wait for their next use.
-    pub fn has_deferred(&self) -> bool {
-        self.deferred.is_some()
-    }
-
-    /// Whether `tensor`'s step of the last iteration waits for its next use.
-    pub fn is_deferred(&self, tensor: TensorId) -> bool {
-        self.by_tensor
-            .get(&tensor)
-            .is_some_and(|&i| self.is_deferred_at(i))
-    }
-
-    fn is_deferred_at(&self, i: usize) -> bool {
-        self.deferred.is_some_and(|d| i >= d.next)
-    }
-
-    /// Steps the deferred entries before `end`, in order.
-    fn settle_to(
-        &mut self,
-        store: &mut ChunkStore,
-        end: usize,
-        observe: Observer<'_>,
-    ) -> Result<()> {
-        let Some(d) = self.deferred else {
-            return Ok(());
-        };
-        self.check_poisoned()?;
-        let started = Instant::now();
-        let now_hp = std::mem::replace(&mut self.hp, d.hp);
-        let mut next = d.next;
-        let mut stepped = Ok(());
-        while next < end && stepped.is_ok() {
-            stepped = self.step_entry(store, next, d.state, observe);
-            if stepped.is_ok() {
-                next += 1;
-                self.stats.tensors_deferred += 1;
-            }
-        }
-        self.hp = now_hp;
-        self.deferred = (next < self.entries.len()).then_some(Deferred { next, ..d });
-        let took = started.elapsed();
-        self.deferred_unclaimed += took;
-        self.stats.deferred_ns += u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        stepped
-    }
-
-    /// Time spent in deferred steps since the last call: a front end that times its
-    /// accesses counts it as the optimizer's, not the store's.
-    pub fn take_deferred_time(&mut self) -> Duration {
-        std::mem::take(&mut self.deferred_unclaimed)
     }
 
     /// The first tensor (in the order gradients became final) whose gradient was not

@@ -50,8 +50,6 @@ impl Trainer {
                 e.spec.name
             )));
         }
-        // The last step reads this place (or, in bf16, writes the parameters over it).
-        self.settle(i)?;
         let sq = self.write_grad(i, grad, first)?;
         if last {
             self.grad_written(i, sq)?;
@@ -117,14 +115,6 @@ impl Trainer {
             )));
         }
         let id = e.id;
-        if self.step.is_deferred(id) {
-            return Err(TrainError::Protocol(format!(
-                "the gradient of `{}` was written before the last step's deferred update \
-                 of it was made (optimizer.overlap = \"forward\"): call settle_all() before \
-                 writing gradients into the store",
-                e.spec.name
-            )));
-        }
         self.step.grad_ready(id, sq_norm)?;
         self.entries[i].reported = true;
         self.reported += 1;
@@ -168,27 +158,8 @@ impl Trainer {
     }
 
     /// Ends the store's iteration (the first one is the warm-up trace).
-    ///
-    /// With [`crate::Overlap::Forward`], an iteration that made no deferred updates but
-    /// leaves some (the first step) is followed by one that makes them: an access order
-    /// the schedule just traced does not have, which the store would follow for a few
-    /// moments, leave, and trace again the iteration after. The next iteration is
-    /// traced at once instead ([`tidestore_chunk::ChunkStore::retrace`]).
     pub fn end_iteration(&mut self) -> Result<()> {
-        self.store.end_iteration()?;
-        let deferred = self.step.stats().tensors_deferred;
-        let made_some = deferred != self.deferred_at_end;
-        self.deferred_at_end = deferred;
-        if self.step.has_deferred() && !made_some {
-            self.store.retrace();
-        }
-        Ok(())
-    }
-
-    /// The store's next iteration is traced, not followed: for a caller whose access
-    /// order changes from then on (see [`tidestore_chunk::ChunkStore::retrace`]).
-    pub fn retrace(&mut self) {
-        self.store.retrace();
+        Ok(self.store.end_iteration()?)
     }
 
     /// [`Trainer::finish_step`] then [`Trainer::end_iteration`].

@@ -103,8 +103,6 @@ pub struct Trainer {
     /// Gradients reported since the last step (parts of an accumulation included once
     /// the last part is in).
     reported: usize,
-    /// The step loop's deferred-update count when the store's last iteration ended.
-    deferred_at_end: u64,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -189,8 +187,7 @@ impl Trainer {
 
     /// The chunk store, for a front end that accesses tensors itself (the bench: its
     /// emulated compute reads and writes tensors where they lie, and reports their
-    /// gradients with [`Trainer::grad_written`]). With [`crate::Overlap::Forward`] the
-    /// last step's tensors may not be stepped yet: call [`Trainer::settle_all`] first.
+    /// gradients with [`Trainer::grad_written`]).
     pub fn store_mut(&mut self) -> &mut ChunkStore {
         &mut self.store
     }
@@ -215,7 +212,6 @@ impl Trainer {
             ("step_in_place", u64::from(self.step.in_place())),
             ("steps", self.step.step_count()),
             ("tensors_overlapped", self.step.stats().tensors_overlapped),
-            ("tensors_deferred", self.step.stats().tensors_deferred),
             ("host_evictions", s.host_evictions),
         ])
     }
@@ -235,27 +231,6 @@ impl Trainer {
     /// Gradients reported final since the last step.
     pub fn reported(&self) -> usize {
         self.reported
-    }
-
-    /// Makes parameter `i`'s deferred step ([`crate::Overlap::Forward`]), and those of
-    /// every trainable parameter before it, before its parameters, master or moments
-    /// are touched; nothing when none waits.
-    fn settle(&mut self, i: usize) -> Result<()> {
-        let id = self.entry(i)?.id;
-        self.step.settle(&mut self.store, id, &mut |_| ())
-    }
-
-    /// Time spent in deferred steps ([`crate::Overlap::Forward`]) since the last call;
-    /// it is inside the accesses that made them.
-    pub fn take_deferred_step_time(&mut self) -> std::time::Duration {
-        self.step.take_deferred_time()
-    }
-
-    /// Makes every deferred step ([`crate::Overlap::Forward`]): before a checkpoint or
-    /// an export, and before the store is handed out ([`Trainer::store_mut`] callers
-    /// that read or write parameters call it first).
-    pub fn settle_all(&mut self) -> Result<()> {
-        self.step.settle_all(&mut self.store, &mut |_| ())
     }
 
     /// Refuses `what` while gradients of an unfinished iteration are in the store.

@@ -102,7 +102,6 @@ impl Trainer {
             traffic: None,
             swap_path,
             reported: 0,
-            deferred_at_end: 0,
         })
     }
 }

@@ -34,7 +34,6 @@ impl Trainer {
     /// `path`, one tensor at a time, atomically. Between steps only.
     pub fn save(&mut self, path: &Path, mut metadata: BTreeMap<String, String>) -> Result<()> {
         self.between_steps(&format!("checkpoint `{}` saved", path.display()))?;
-        self.settle_all()?;
         metadata.insert(KEY_PRECISION.into(), self.precision.as_str().into());
         let state = CheckpointState {
             controller: self.step.controller_state(),
@@ -126,7 +125,6 @@ impl Trainer {
         opts: &hf::ExportOptions,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
-        self.settle_all()?;
         hf::export_model(&mut self.store, cfg, lora, out_dir, opts)
     }
 
@@ -140,7 +138,6 @@ impl Trainer {
         opts: &hf::ExportOptions,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
-        self.settle_all()?;
         let tensors: Vec<(String, Vec<usize>)> = self
             .entries
             .iter()
@@ -160,7 +157,6 @@ impl Trainer {
         base_model_name_or_path: &str,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
-        self.settle_all()?;
         hf::export_adapter(
             &mut self.store,
             cfg,

@@ -124,7 +124,6 @@ impl Trainer {
             });
         }
         let (id, trainable) = (e.id, e.spec.trainable);
-        self.settle(i)?;
         if !trainable {
             return Ok(self.store.write(id, ListKind::Params, &f32_bytes(values))?);
         }
@@ -141,7 +140,6 @@ impl Trainer {
     /// (see [`Trainer::open`]) and released at once to `to` — `HoldAfterFwd` in forward,
     /// `HoldAfterBwd` in backward's recompute. A traced moment of the iteration.
     pub fn fetch(&mut self, i: usize, to: TensorState) -> Result<Vec<f32>> {
-        self.settle(i)?;
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
         let g = self.store.access(id, list, self.compute_place)?;
@@ -175,7 +173,6 @@ impl Trainer {
     /// where it is, so the bytes [`Trainer::lease_view`] gives keep their address. A
     /// traced moment of the iteration, as every access.
     pub fn lease(&mut self, i: usize) -> Result<Lease> {
-        self.settle(i)?;
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
         let guard = self.store.access(id, list, self.compute_place)?;
@@ -240,7 +237,6 @@ impl Trainer {
             });
         }
         let id = e.id;
-        self.settle(i)?;
         self.store
             .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
                 f32_view_mut(v[0]).map(f)
@@ -312,7 +308,6 @@ impl Trainer {
     /// Parameter `i`'s current fp32 values (the master copy of a trainable one);
     /// untraced.
     pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
-        self.settle(i)?;
         let e = self.entry(i)?;
         let list = if e.spec.trainable {
             ListKind::Master
@@ -338,7 +333,6 @@ impl Trainer {
     /// Trainable parameter `i`'s Adam moments (M, V) as f32, decoded from their stored
     /// form (bf16 widened, int8 dequantized); untraced.
     pub fn moments(&mut self, i: usize) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.settle(i)?;
         let e = self.entry(i)?;
         let (id, n) = (e.id, e.spec.elements());
         let dtype = self
