@@ -100,8 +100,9 @@ impl Default for IoSection {
 pub struct ChunkSection {
     /// Bytes of one fp32 chunk (master, M, V); 16-bit chunks are half as large. A chunk
     /// is stored as the part its tensors use; one host buffer and one slot of the swap
-    /// file is the largest stored chunk. `"auto"`: the chunk
-    /// crate's search picks the size that wastes least for the workload's tensors.
+    /// file is the largest stored chunk. `"auto"`: the chunk crate's search picks the
+    /// size that wastes least for the workload's tensors (`finetune` and the trainer:
+    /// least waste plus the five chunks a step holds at once).
     /// A fixed size is a positive multiple of 4096.
     pub size: AutoSize,
 }
