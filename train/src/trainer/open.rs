@@ -137,10 +137,10 @@ fn check_specs(specs: &[ParamSpec]) -> Result<()> {
 /// two-thirds empty and every NVMe transfer three times too long.
 ///
 /// The chunk size is searched for the least waste plus the working set it forces
-/// ([`STEP_WORKING_SET_CHUNKS`] and a buffer to load into): the search's waste-only answer for a 0.5B LLaMA in
-/// f32 was 176M-element chunks (700 MB fp32), a 3.2 GiB host floor, and a step that
-/// holds five of a 4 GiB pool's six buffers; 134M elements waste 0.6 points more and
-/// floor at 2.5 GiB.
+/// ([`STEP_WORKING_SET_CHUNKS`] and a buffer to load into). For a 0.5B LLaMA in f32,
+/// waste alone chose 176M-element chunks (704 MB fp32): a 3.2 GiB host floor, and a
+/// step that holds five of a 4 GiB pool's six buffers; 134M elements waste 0.6 points
+/// more and floor at 2.5 GiB.
 fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
     let (frozen, trainable): (Vec<_>, Vec<_>) = specs.iter().partition(|p| !p.trainable);
     let mut tensors: Vec<TensorSpec> = frozen
