@@ -164,9 +164,9 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
     let chunk_elements = match cfg.chunk_elements {
         Some(c) => c,
         None => {
-            let mut search = SearchConfig::new(cfg.io.block_bytes as u64)
+            let search = SearchConfig::new(cfg.io.block_bytes as u64)
+                .with_cap_factor(2)
                 .with_resident_chunks(u64::from(STEP_WORKING_SET_CHUNKS) + 1);
-            search.cap_factor = 2;
             search_chunk_size(&tensors, &base, &search)?
                 .chosen
                 .chunk_elements
@@ -292,26 +292,21 @@ mod tests {
     /// The 0.5B LLaMA of the CPU comparison (hidden 2048, 8 layers, GQA 16/8 heads,
     /// intermediate 5632, vocab 32000), in the order the trainer registers it.
     fn llama_05b() -> Vec<ParamSpec> {
-        let (h, kv, ff, vocab) = (2048, 1024, 5632, 32000);
-        let mut specs = vec![ParamSpec::new("embed", &[vocab, h], true)];
-        for l in 0..8 {
-            for (name, shape) in [
-                ("input_norm", vec![h]),
-                ("q", vec![h, h]),
-                ("k", vec![kv, h]),
-                ("v", vec![kv, h]),
-                ("o", vec![h, h]),
-                ("post_norm", vec![h]),
-                ("gate", vec![ff, h]),
-                ("up", vec![ff, h]),
-                ("down", vec![h, ff]),
-            ] {
-                specs.push(ParamSpec::new(format!("{l}.{name}"), &shape, true));
-            }
-        }
-        specs.push(ParamSpec::new("norm", &[h], true));
-        specs.push(ParamSpec::new("lm_head", &[vocab, h], true));
-        specs
+        let cfg = crate::hf::LlamaConfig::from_shape(crate::hf::config::LlamaShape {
+            hidden_size: 2048,
+            intermediate_size: 5632,
+            num_hidden_layers: 8,
+            num_attention_heads: 16,
+            num_key_value_heads: 8,
+            vocab_size: 32000,
+            tie_word_embeddings: false,
+            max_position_embeddings: 2048,
+        })
+        .unwrap();
+        crate::hf::base_tensors(&cfg)
+            .into_iter()
+            .map(|(name, shape)| ParamSpec::new(name, &shape, true))
+            .collect()
     }
 
     #[test]
@@ -323,8 +318,7 @@ mod tests {
         // of those floor the host at 3.2 GiB. 134M elements (the smallest that holds
         // the embedding's f32 gradient, two slots per element) waste 7.8 %.
         assert_eq!(chosen.config().chunk_elements, 134_217_728);
-        let mut waste_only = SearchConfig::new(cfg.io.block_bytes as u64);
-        waste_only.cap_factor = 2;
+        let waste_only = SearchConfig::new(cfg.io.block_bytes as u64).with_cap_factor(2);
         let mut tensors: Vec<_> = llama_05b()
             .iter()
             .map(|p| TensorSpec::new(&p.name, &p.shape, DType::F32, true))
