@@ -2,8 +2,8 @@
 //! (its own swap file, parameters from another seed) loaded from the checkpoint, M more
 //! steps, must end exactly where N + M uninterrupted steps end — every parameter's
 //! values, Adam M and V bit for bit, the step count, and the last M losses. Batches
-//! depend only on the step, so nothing else may differ. Run in `F32` mode (the gradient
-//! companions `NAME#grad` are not state and must not be in the file), in `Bf16` mode
+//! depend only on the step, so nothing else may differ. Run in `F32` mode (the fp32
+//! gradients are not state and must not be in the file), in `Bf16` mode
 //! (forward reads the bf16 copy, which must come back too) and with LoRA (frozen base
 //! tensors in the file). Also guards against a second checkpoint format creeping back:
 //! the file is the train crate's, `read_params` reads it, and a damaged file is refused
@@ -87,15 +87,15 @@ fn resume_is_bit_identical_with(model: &Gpt, precision: Precision, moments: Mome
     assert_eq!(full_state.len(), resumed_state.len());
 }
 
-/// The file is the train crate's format, holds every parameter and no gradient
-/// companion, and `read_params` gives back the values `p` holds.
+/// The file is the train crate's format, holds every parameter and no gradient, and
+/// `read_params` gives back the values `p` holds.
 fn check_file(p: &mut TideParams, ckpt: &Path) {
     let (state, tensors) = read_tensors(ckpt, |_| true).unwrap();
     assert_eq!(state.controller.step, p.step_count());
     let names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
     assert!(
-        names.iter().all(|n| !n.contains('#')),
-        "no gradient companion in the file: {names:?}"
+        names.iter().all(|n| !n.contains("grad")),
+        "no gradient in the file: {names:?}"
     );
     let header = std::fs::read(ckpt).unwrap();
     let text = String::from_utf8_lossy(&header[..header.len().min(1 << 16)]);

@@ -78,6 +78,13 @@ pub enum ChunkError {
         dtype: DType,
     },
 
+    /// A layout asked for fp32 gradients without a gradient list to hold them.
+    #[error(
+        "fp32 gradients need their own list: a layout with fp32_grads must have \
+         grad_accumulation on"
+    )]
+    Fp32GradsWithoutGradList,
+
     /// An I/O block size of zero, or one whose alignment overflows.
     #[error("invalid I/O block size of {block_bytes} bytes: {reason}")]
     InvalidBlockSize {
@@ -231,7 +238,7 @@ pub enum ChunkError {
     },
 
     /// A tensor that has no place in the list asked for (a frozen tensor in an
-    /// optimizer list, or `grad16` without gradient accumulation).
+    /// optimizer list, or `grads` without gradient accumulation).
     #[error("tensor `{tensor}` has no place in list {list}")]
     NoPlace {
         /// The tensor's name.

@@ -33,8 +33,8 @@ impl fmt::Display for TensorId {
 /// decides that: see [`crate::layout`] and [`crate::moments`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ListKind {
-    /// Parameters as compute uses them, in 2-byte slots (16-bit, or an fp32 frozen or
-    /// gradient-companion tensor over two slots per element); gradients reuse them.
+    /// Parameters as compute uses them, in 2-byte slots (16-bit, or an fp32 frozen
+    /// tensor over two slots per element); gradients reuse them without a `Grads` list.
     Params = 0,
     /// The fp32 master parameters of trainable tensors.
     Master = 1,
@@ -42,8 +42,9 @@ pub enum ListKind {
     Momentum = 2,
     /// Adam's second moment (V) of trainable tensors: fp32, bf16 or int8.
     Variance = 3,
-    /// Gradients of trainable tensors kept apart from the parameters (16-bit; only with
-    /// gradient accumulation in the layout).
+    /// Gradients of trainable tensors kept apart from the parameters (only with
+    /// gradient accumulation in the layout): 16-bit, or fp32 with the layout's
+    /// `fp32_grads`.
     Grads = 4,
 }
 
@@ -60,7 +61,8 @@ impl ListKind {
         ListKind::Grads,
     ];
 
-    /// Bytes per element slot of this list's chunks.
+    /// Bytes per element slot of this list's chunks in the default layout (the layout's
+    /// [`crate::LayoutConfig::slot_bytes`] says what its moments and gradients take).
     pub const fn slot_bytes(self) -> u64 {
         match self {
             ListKind::Params | ListKind::Grads => 2,
@@ -80,7 +82,7 @@ impl ListKind {
             ListKind::Master => "master",
             ListKind::Momentum => "m",
             ListKind::Variance => "v",
-            ListKind::Grads => "grad16",
+            ListKind::Grads => "grads",
         }
     }
 

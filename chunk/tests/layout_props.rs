@@ -34,16 +34,19 @@ proptest! {
         specs in specs_strategy(),
         slack in 0u64..20_000,
         acc in any::<bool>(),
+        f32_grads in any::<bool>(),
         f16 in any::<bool>(),
         separate in any::<bool>(),
     ) {
         let p16 = if f16 { DType::F16 } else { DType::BF16 };
+        let f32_grads = acc && f32_grads;
         let slots_of = |s: &TensorSpec| {
             s.elements().unwrap() * s.param16_dtype(p16).size_bytes() / 2
         };
         let largest = specs.iter().map(slots_of).max().unwrap();
         let config = LayoutConfig::new(largest + slack)
             .with_grad_accumulation(acc)
+            .with_fp32_grads(f32_grads)
             .with_param16_dtype(p16)
             .with_separate_frozen(separate);
         let layout = Layout::new(config, specs.clone()).unwrap();
@@ -67,7 +70,7 @@ proptest! {
                     prop_assert!(end <= c_el);
                     last_id = Some(id);
                 }
-                prop_assert_eq!(layout.chunk_used_bytes(chunk), end * list.slot_bytes());
+                prop_assert_eq!(layout.chunk_used_bytes(chunk), end * config.slot_bytes(list));
             }
             for (i, s) in specs.iter().enumerate() {
                 let belongs = list == ListKind::Params
@@ -108,13 +111,20 @@ proptest! {
             if let Some(g) = g {
                 let expect = if acc { ListKind::Grads } else { ListKind::Params };
                 prop_assert_eq!(g.chunk.list(), expect);
-                prop_assert_eq!(g.dtype, p.dtype);
+                let dtype = if f32_grads { DType::F32 } else { p.dtype };
+                prop_assert_eq!(g.dtype, dtype);
+                prop_assert_eq!(g.slot_bytes, dtype.size_bytes());
             }
         }
 
+        let grad_bytes = match (acc, f32_grads) {
+            (false, _) => 0,
+            (true, false) => 2,
+            (true, true) => 4,
+        };
         let payload: u64 = specs.iter().map(|s| {
             let e = s.elements().unwrap();
-            slots_of(s) * 2 + if s.trainable { e * (12 + if acc { 2 } else { 0 }) } else { 0 }
+            slots_of(s) * 2 + if s.trainable { e * (12 + grad_bytes) } else { 0 }
         }).sum();
         prop_assert_eq!(layout.payload_bytes(), payload);
         prop_assert_eq!(layout.total_bytes(), layout.payload_bytes() + layout.waste_bytes());
@@ -122,7 +132,7 @@ proptest! {
         prop_assert_eq!(
             layout.total_bytes(),
             layout.list_chunk_count(ListKind::Params) * c_el * 2
-                + trainable_chunks * c_el * (12 + if acc { 2 } else { 0 })
+                + trainable_chunks * c_el * (12 + grad_bytes)
         );
         for list in [ListKind::Momentum, ListKind::Variance] {
             prop_assert_eq!(layout.list_chunk_count(list), trainable_chunks);

@@ -71,6 +71,7 @@ proptest! {
         block_pow in 9u32..15,
         odd_block in any::<bool>(),
         acc in any::<bool>(),
+        f32_grads in any::<bool>(),
         separate in any::<bool>(),
         cap_factor in 1u64..5,
         resident in prop_oneof![Just(0u64), 1u64..8],
@@ -78,6 +79,7 @@ proptest! {
         let block = if odd_block { 3 << block_pow } else { 1 << block_pow };
         let layout_cfg = LayoutConfig::new(1)
             .with_grad_accumulation(acc)
+            .with_fp32_grads(acc && f32_grads)
             .with_separate_frozen(separate);
         let cfg = SearchConfig::new(block)
             .with_cap_factor(cap_factor)
@@ -88,7 +90,7 @@ proptest! {
 
         let chosen = r.chosen;
         for list in ListKind::ALL {
-            let bytes = chosen.chunk_elements * list.slot_bytes();
+            let bytes = chosen.chunk_elements * layout_cfg.slot_bytes(list);
             prop_assert_eq!(bytes % 4096, 0);
             prop_assert_eq!(bytes % block, 0);
         }

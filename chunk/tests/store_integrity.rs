@@ -55,7 +55,8 @@ fn op() -> impl Strategy<Value = Op> {
 struct Case {
     tensors: Vec<(usize, u8, bool)>,
     extra_slots: u64,
-    grad_acc: bool,
+    /// The gradient list: 0 none, 1 16-bit, 2 fp32.
+    grads: u8,
     ops: Vec<Op>,
     changed: Vec<Op>,
     device_frac: f64,
@@ -71,7 +72,7 @@ fn case() -> impl Strategy<Value = Case> {
     (
         prop::collection::vec((1usize..3000, 0u8..3, any::<bool>()), 2..10),
         0u64..3000,
-        any::<bool>(),
+        0u8..3,
         prop::collection::vec(op(), 4..30),
         prop::collection::vec(op(), 1..10),
         0.0f64..1.0,
@@ -88,7 +89,7 @@ fn case() -> impl Strategy<Value = Case> {
             |(
                 tensors,
                 extra_slots,
-                grad_acc,
+                grads,
                 ops,
                 changed,
                 device_frac,
@@ -99,7 +100,7 @@ fn case() -> impl Strategy<Value = Case> {
             )| Case {
                 tensors,
                 extra_slots,
-                grad_acc,
+                grads,
                 ops,
                 changed,
                 device_frac,
@@ -135,7 +136,9 @@ fn build_layout(c: &Case) -> Layout {
         .max()
         .unwrap();
     Layout::new(
-        LayoutConfig::new(max_slots + c.extra_slots).with_grad_accumulation(c.grad_acc),
+        LayoutConfig::new(max_slots + c.extra_slots)
+            .with_grad_accumulation(c.grads > 0)
+            .with_fp32_grads(c.grads == 2),
         specs,
     )
     .unwrap()
@@ -283,7 +286,7 @@ fn tight_budgets_exercise_every_tier() {
             .map(|i| (1500 + 100 * i, (i % 3) as u8, i % 4 != 0))
             .collect(),
         extra_slots: 0,
-        grad_acc: true,
+        grads: 2,
         ops: (0..40)
             .map(|i| Op {
                 tensor: i * 5,
@@ -331,7 +334,7 @@ fn host_prefetch_and_async_write_backs_on_tight_budgets() {
             .map(|i| (1500 + 100 * i, (i % 3) as u8, i % 4 != 0))
             .collect(),
         extra_slots: 0,
-        grad_acc: false,
+        grads: 0,
         ops: (0..40)
             .map(|i| Op {
                 tensor: i * 3,

@@ -1,14 +1,14 @@
 //! `AdamWCore`: the Rust side of `tidestore.AdamW`. A PyTorch model's parameters are
 //! registered in a [`Trainer`] (tidestore's one place where training meets the store):
-//! their fp32 master copies, Adam M and V (and an fp32 gradient companion per
-//! parameter) live in the host pool and spill to a swap file on NVMe; the trainer's
+//! their fp32 master copies, Adam M and V (and an fp32 gradient per parameter, in
+//! the layout's `Grads` list) live in the host pool and spill to a swap file on NVMe; the trainer's
 //! step loop steps them.
 //!
 //! What crosses the boundary is bytes: the Python layer hands each tensor's memory as a
 //! flat `uint8` buffer with its dtype (see [`crate::buffer`]), so the core works on numpy
 //! arrays as on CPU torch tensors and never imports torch. Per step:
 //! 1. [`AdamWCore::put_grad`] per parameter: the gradient (fp32, bf16 or fp16) goes to
-//!    [`Trainer::put_grad`] (widened into its fp32 companion, its norm taken, reported
+//!    [`Trainer::put_grad`] (widened into its fp32 `Grads` place, its norm taken, reported
 //!    to the step loop). With `overlap`, every group whose gradients are all final is
 //!    stepped right away (the Python layer calls this from
 //!    `register_post_accumulate_grad_hook`, so it runs while backward goes on).
@@ -19,7 +19,8 @@
 //!    parameter's dtype, written into its memory.
 //!
 //! Layout: parameter `i` is the trainable tensor `param.i` in the trainer's `f32`
-//! precision (master, M, V, and a gradient companion after every parameter).
+//! precision (master, M, V and an fp32 gradient, chunk `i` of each list holding the
+//! same parameters).
 //! Every refusal (bad hyper-parameters, an unwritable `nvme_dir`, a budget the store
 //! cannot work in, a buffer of the wrong size) is raised before anything is changed.
 
@@ -217,7 +218,7 @@ fn check_config(shapes: &[Vec<usize>], cfg: &CoreConfig) -> Result<()> {
     Ok(())
 }
 
-/// The trainer's settings: fp32 with gradient companions, a simulated device of the
+/// The trainer's settings: fp32 with an fp32 gradient list, a simulated device of the
 /// step's four chunks (unused: the step runs in the host pool), the host pool of
 /// `host_budget_bytes` (every chunk when not given), a swap file for the rest, written
 /// in the I/O engine's default blocks.

@@ -14,7 +14,7 @@
 //!    (`HoldAfterFwd` in forward, `HoldAfterBwd` in backward) and the chunk may move
 //!    again — the Python layer has dropped every tensor over it before it calls this;
 //! 3. a final gradient goes in with [`EngineCore::put_grad`] (widened into its fp32
-//!    companion, or over the bf16 copy in bf16 precision; its norm taken and reported to
+//!    `Grads` place, or over the bf16 copy in bf16 precision; its norm taken and reported to
 //!    the step loop), and with overlap on [`EngineCore::step_ready`] steps the groups
 //!    whose gradients are all final while backward goes on;
 //! 4. [`EngineCore::step`]: the trainer's step and the end of the store's iteration (the

@@ -57,29 +57,21 @@ fn no_gpu() -> HybridAdamW {
 enum Grad {
     /// bf16 gradients over the 16-bit copy.
     InParam16,
-    /// fp32 gradients in companion tensors `NAME#grad`; the 16-bit copy refreshed.
-    SeparateF32,
+    /// fp32 gradients in the layout's `Grads` list; the 16-bit copy refreshed.
+    GradsF32,
 }
 
 fn layout_with(grad: Grad, states: MomentForm) -> Layout {
-    let mut specs: Vec<TensorSpec> = SIZES
+    let specs = SIZES
         .iter()
         .enumerate()
-        .map(|(i, &n)| TensorSpec::new(format!("w{i}"), &[n], DType::BF16, true))
-        .collect();
-    if grad == Grad::SeparateF32 {
-        specs.extend(
-            SIZES
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| TensorSpec::new(format!("w{i}#grad"), &[n], DType::F32, false)),
-        );
-    }
-    Layout::new(
-        LayoutConfig::new(CHUNK_ELEMENTS).with_moments(states),
-        specs,
-    )
-    .expect("layout")
+        .map(|(i, &n)| TensorSpec::new(format!("w{i}"), &[n], DType::BF16, true));
+    let f32_grads = grad == Grad::GradsF32;
+    let config = LayoutConfig::new(CHUNK_ELEMENTS)
+        .with_moments(states)
+        .with_grad_accumulation(f32_grads)
+        .with_fp32_grads(f32_grads);
+    Layout::new(config, specs).expect("layout")
 }
 
 /// A store whose host pool holds `host_buffers` whole chunks, over a real swap file.
@@ -204,8 +196,7 @@ fn tensors(grad: Grad) -> Vec<StepTensor> {
             tensor: TensorId(i as u32),
             grad: match grad {
                 Grad::InParam16 => GradPlace::InParam16,
-                Grad::SeparateF32 => GradPlace::Separate {
-                    grad: TensorId((SIZES.len() + i) as u32),
+                Grad::GradsF32 => GradPlace::InGrads {
                     write_param16: true,
                 },
             },
@@ -288,9 +279,9 @@ fn train_with(
                     grads[i] = g16.iter().map(|x| x.to_f32()).collect();
                     cpu.grad_sq_norm(Grads::Bf16(&g16))
                 }
-                Grad::SeparateF32 => {
-                    let t = TensorId((SIZES.len() + i) as u32);
-                    let g = store.access(t, ListKind::Params, Place::Host).unwrap();
+                Grad::GradsF32 => {
+                    let t = TensorId(i as u32);
+                    let g = store.access(t, ListKind::Grads, Place::Host).unwrap();
                     store
                         .bytes_mut(&g)
                         .unwrap()
@@ -369,9 +360,9 @@ fn device_step_on_the_simulation_equals_in_memory_adamw() {
 }
 
 #[test]
-fn separate_fp32_gradients_equal_in_memory_adamw() {
-    train(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 8);
-    train(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 5);
+fn fp32_gradient_list_equals_in_memory_adamw() {
+    train(StepPlace::Host, Overlap::Off, Grad::GradsF32, 8);
+    train(StepPlace::Host, Overlap::Off, Grad::GradsF32, 5);
 }
 
 #[test]
@@ -382,7 +373,7 @@ fn overlap_steps_during_backward_and_equals_off() {
         overlapped > 0,
         "no tensor was stepped during backward ({overlapped})"
     );
-    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::SeparateF32, 8);
+    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::GradsF32, 8);
     assert!(overlapped > 0);
 }
 
@@ -516,8 +507,8 @@ fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
             0
         );
         train_with(StepPlace::Host, Overlap::Off, Grad::InParam16, 3, states);
-        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 6, states);
-        train_with(StepPlace::Host, Overlap::Off, Grad::SeparateF32, 4, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::GradsF32, 6, states);
+        train_with(StepPlace::Host, Overlap::Off, Grad::GradsF32, 4, states);
         let overlapped = train_with(
             StepPlace::Host,
             Overlap::Backward,
@@ -537,12 +528,6 @@ fn compact_moments_equal_in_memory_adamw_on_every_host_path() {
 fn compact_moments_on_the_device_step_equal_in_memory_adamw() {
     for states in [MomentForm::BF16, MomentForm::Int8] {
         train_with(StepPlace::Device, Overlap::Off, Grad::InParam16, 3, states);
-        train_with(
-            StepPlace::Device,
-            Overlap::Off,
-            Grad::SeparateF32,
-            3,
-            states,
-        );
+        train_with(StepPlace::Device, Overlap::Off, Grad::GradsF32, 3, states);
     }
 }

@@ -113,7 +113,7 @@ pub struct ChunkReport {
 /// One chunk list.
 #[derive(Debug, Clone, Serialize)]
 pub struct ListReport {
-    /// `param16`, `master`, `m`, `v`, `grad16`.
+    /// `param16`, `master`, `m`, `v`, `grads`.
     pub list: String,
     /// Chunks.
     pub chunks: u64,

@@ -18,9 +18,11 @@
 //!   int8, see [`crate::moments`]), with that form's slot size (4, 2 or 1 bytes). Their
 //!   offsets count the moment slots of the trainable tensors before them in the chunk,
 //!   so compact chunks are dense too, and their chunks are as small as their bytes.
-//! - `Grads`: trainable tensors only, in their Params dtype, and only when gradient
-//!   accumulation is on. Otherwise a gradient reuses its tensor's Params space once
-//!   the layer's backward is done ([`Layout::grad_location`] returns that space).
+//! - `Grads`: trainable tensors only, and only when gradient accumulation is on: in
+//!   their Params dtype, or fp32 in 4-byte slots with [`LayoutConfig::fp32_grads`]
+//!   (fp32 compute: a gradient neither rounded nor spread over two 16-bit slots).
+//!   Otherwise a gradient reuses its tensor's Params space once the layer's backward
+//!   is done ([`Layout::grad_location`] returns that space).
 //!
 //! Packing is next-fit in registration order: a tensor goes after the previous one in
 //! its open chunk if it fits, else it closes that chunk and opens a new one, which takes
@@ -142,6 +144,11 @@ pub struct LayoutConfig {
     pub chunk_elements: u64,
     /// Whether gradients get their own `Grads` list (gradient accumulation).
     pub grad_accumulation: bool,
+    /// Whether the `Grads` list holds fp32 gradients in 4-byte slots (else the compute
+    /// copy's 16-bit dtype in 2-byte slots); needs `grad_accumulation`. For fp32
+    /// compute, whose gradients would otherwise take two 16-bit slots per element in a
+    /// chunk sized for one: half of every gradient chunk empty.
+    pub fp32_grads: bool,
     /// The 16-bit dtype of the compute copy of trainable fp32 tensors.
     pub param16_dtype: DType,
     /// Whether frozen and trainable tensors are packed into separate chunks (two open
@@ -163,6 +170,7 @@ impl LayoutConfig {
         LayoutConfig {
             chunk_elements,
             grad_accumulation: false,
+            fp32_grads: false,
             param16_dtype: DType::BF16,
             separate_frozen: true,
             moments: MomentForm::F32,
@@ -180,13 +188,30 @@ impl LayoutConfig {
     pub fn slot_bytes(&self, list: ListKind) -> u64 {
         match list {
             ListKind::Momentum | ListKind::Variance => self.moments.slot_bytes(),
+            ListKind::Grads if self.fp32_grads => DType::F32.size_bytes(),
             l => l.slot_bytes(),
+        }
+    }
+
+    /// The dtype of a trainable tensor's `Grads` place, given its Params dtype.
+    fn grads_dtype(&self, param16_dtype: DType) -> DType {
+        if self.fp32_grads {
+            DType::F32
+        } else {
+            param16_dtype
         }
     }
 
     /// With or without a separate gradient list.
     pub fn with_grad_accumulation(mut self, on: bool) -> Self {
         self.grad_accumulation = on;
+        self
+    }
+
+    /// With the `Grads` list in fp32 (`true`) or in the compute copy's 16-bit dtype; see
+    /// [`LayoutConfig::fp32_grads`].
+    pub fn with_fp32_grads(mut self, on: bool) -> Self {
+        self.fp32_grads = on;
         self
     }
 
@@ -214,6 +239,9 @@ impl LayoutConfig {
             return Err(ChunkError::NotSixteenBit {
                 dtype: self.param16_dtype,
             });
+        }
+        if self.fp32_grads && !self.grad_accumulation {
+            return Err(ChunkError::Fp32GradsWithoutGradList);
         }
         if self.chunk_elements == 0 {
             return Err(ChunkError::InvalidChunkSize {
@@ -404,7 +432,10 @@ impl Layout {
         let (offset_elements, dtype) = match list {
             ListKind::Params => (p.offset_slots, p.param16_dtype),
             ListKind::Grads if !self.config.grad_accumulation => return None,
-            ListKind::Grads => (p.trainable_offset?, p.param16_dtype),
+            ListKind::Grads => (
+                p.trainable_offset?,
+                self.config.grads_dtype(p.param16_dtype),
+            ),
             ListKind::Master => (p.trainable_offset?, DType::F32),
             ListKind::Momentum | ListKind::Variance => {
                 (p.moment_offset?, self.config.moments.dtype_for(p.elements))
@@ -461,7 +492,7 @@ impl Layout {
             l @ (ListKind::Momentum | ListKind::Variance) => {
                 self.fill_moments[i] * self.config.slot_bytes(l)
             }
-            l => self.fill_trainable[i] * l.slot_bytes(),
+            l => self.fill_trainable[i] * self.config.slot_bytes(l),
         }
     }
 

@@ -136,6 +136,33 @@ fn grad_accumulation_adds_a_list() {
 }
 
 #[test]
+fn fp32_grads_take_one_four_byte_slot_per_element() {
+    let specs = [
+        t("frozen", 10, DType::F32, false),
+        t("w", 24, DType::F32, true),
+        t("b", 8, DType::F32, true),
+    ];
+    let config = LayoutConfig::new(64)
+        .with_grad_accumulation(true)
+        .with_fp32_grads(true);
+    let layout = Layout::new(config, specs).unwrap();
+    let g = layout.grad_location(TensorId(2)).unwrap();
+    assert_eq!(g.chunk.list(), ListKind::Grads);
+    // After `w`'s 24 elements: one slot each, as in Master.
+    assert_eq!(
+        (g.offset_elements, g.dtype, g.slot_bytes),
+        (24, DType::F32, 4)
+    );
+    assert_eq!(layout.chunk_bytes(ListKind::Grads), 64 * 4);
+    assert_eq!(layout.chunk_used_bytes(g.chunk), 32 * 4);
+    let master = layout.location(TensorId(2), ListKind::Master).unwrap();
+    assert_eq!(g.chunk.index(), master.chunk.index());
+    // Without a gradient list there is nowhere to put them.
+    let e = Layout::new(LayoutConfig::new(64).with_fp32_grads(true), []).unwrap_err();
+    assert!(matches!(e, ChunkError::Fp32GradsWithoutGradList), "{e:?}");
+}
+
+#[test]
 fn lora_base_chunks_have_no_optimizer_chunks() {
     let mut specs: Vec<_> = (0..4)
         .map(|i| t(&format!("base{i}"), 50, DType::BF16, false))

@@ -85,14 +85,23 @@ pub enum GradPlace {
     /// Written over its 16-bit parameters (the layout's mixed precision): the step reads
     /// the gradient there and writes the new 16-bit parameters over it.
     InParam16,
-    /// In another tensor's `Params` place (any dtype); the new 16-bit parameters go to
-    /// the tensor's own `Params` place when `write_param16`.
-    Separate {
-        /// The gradient's tensor.
-        grad: TensorId,
+    /// In its own place of the `Grads` list (a layout with a gradient list: 16-bit, or
+    /// fp32 for fp32 compute); the new 16-bit parameters go to its `Params` place when
+    /// `write_param16`.
+    InGrads {
         /// Whether to refresh the 16-bit copy of the parameters.
         write_param16: bool,
     },
+}
+
+impl GradPlace {
+    /// The list the gradient is in.
+    pub fn list(self) -> ListKind {
+        match self {
+            GradPlace::InParam16 => ListKind::Params,
+            GradPlace::InGrads { .. } => ListKind::Grads,
+        }
+    }
 }
 
 /// A tensor the loop steps.
@@ -202,21 +211,17 @@ struct Entry {
 
 impl Entry {
     /// (tensor, list) of the gradient.
-    fn grad_at(&self) -> TensorId {
-        match self.spec.grad {
-            GradPlace::InParam16 => self.spec.tensor,
-            GradPlace::Separate { grad, .. } => grad,
-        }
+    fn grad_at(&self) -> (TensorId, ListKind) {
+        (self.spec.tensor, self.spec.grad.list())
     }
 
     /// The places the step uses, in access order: the gradient, the 16-bit copy when
     /// written apart from it, master, M, V.
     fn places(&self) -> Vec<(TensorId, ListKind)> {
         let t = self.spec.tensor;
-        let mut p = vec![(self.grad_at(), ListKind::Params)];
-        if let GradPlace::Separate {
+        let mut p = vec![self.grad_at()];
+        if let GradPlace::InGrads {
             write_param16: true,
-            ..
         } = self.spec.grad
         {
             p.push((t, ListKind::Params));
@@ -596,11 +601,7 @@ impl StepLoop {
     fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
         for e in &self.entries {
             let Some(dtype) = e.out_dtype else {
-                store.with_host_views(
-                    &[(e.grad_at(), ListKind::Params)],
-                    TensorState::Hold,
-                    |_| (),
-                )?;
+                store.with_host_views(&[e.grad_at()], TensorState::Hold, |_| ())?;
                 observe(store);
                 continue;
             };
@@ -608,8 +609,8 @@ impl StepLoop {
                 (e.spec.tensor, ListKind::Master),
                 (e.spec.tensor, ListKind::Params),
             ];
-            if e.grad_at() != e.spec.tensor {
-                places.push((e.grad_at(), ListKind::Params));
+            if e.grad_at().1 != ListKind::Params {
+                places.push(e.grad_at());
             }
             let cpu = self.opt.cpu();
             store.with_host_views(&places, TensorState::Hold, |views| -> Result<()> {
@@ -659,12 +660,9 @@ impl StepLoop {
 }
 /// The entry of `spec`, checked against the layout.
 fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry> {
-    let name_of = |t: TensorId| {
-        layout
-            .tensor(t)
-            .map_or_else(|| t.to_string(), |s| s.name.clone())
-    };
-    let name = name_of(spec.tensor);
+    let name = layout
+        .tensor(spec.tensor)
+        .map_or_else(|| spec.tensor.to_string(), |s| s.name.clone());
     let missing = |what: String| TrainError::Tensor {
         tensor: name.clone(),
         reason: what,
@@ -684,26 +682,10 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         .expect("checked above");
     let len = usize::try_from(master.elements)
         .map_err(|_| missing("more elements than this machine addresses".into()))?;
-    let grad_tensor = match spec.grad {
-        GradPlace::InParam16 => spec.tensor,
-        GradPlace::Separate { grad, .. } => grad,
-    };
+    let grad_list = spec.grad.list();
     let grad_loc = layout
-        .location(grad_tensor, ListKind::Params)
-        .ok_or_else(|| {
-            missing(format!(
-                "its gradient tensor `{}` has no param16 place",
-                name_of(grad_tensor)
-            ))
-        })?;
-    if grad_loc.elements != master.elements {
-        return Err(missing(format!(
-            "its gradient `{}` holds {} bytes of {}, not {len} elements",
-            name_of(grad_tensor),
-            grad_loc.bytes(),
-            grad_loc.dtype
-        )));
-    }
+        .location(spec.tensor, grad_list)
+        .ok_or_else(|| missing(format!("has no {grad_list} place for its gradient")))?;
     let m_loc = layout
         .location(spec.tensor, ListKind::Momentum)
         .expect("checked above");
@@ -720,14 +702,13 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
             }
             Some(grad_loc.dtype)
         }
-        GradPlace::Separate {
+        GradPlace::InGrads {
             write_param16: true,
-            ..
         } => match p16 {
             Some(l) if l.dtype != DType::F32 => Some(l.dtype),
             _ => return Err(missing("has no 16-bit param16 place to write".into())),
         },
-        GradPlace::Separate { .. } => None,
+        GradPlace::InGrads { .. } => None,
     };
     let moment_bytes = usize::try_from(m_loc.bytes())
         .map_err(|_| missing("more moment bytes than this machine addresses".into()))?;

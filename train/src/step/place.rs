@@ -31,9 +31,8 @@ impl StepLoop {
                 let mut views = host_slices(views, &e.name)?;
                 let (grad_bytes, rest) = views.split_first_mut().expect("four places or five");
                 let (mut out, rest) = match e.spec.grad {
-                    GradPlace::Separate {
+                    GradPlace::InGrads {
                         write_param16: true,
-                        ..
                     } => {
                         let (o, r) = rest.split_first_mut().expect("five places");
                         (Some(o), r)
@@ -107,7 +106,7 @@ impl StepLoop {
         let s = &mut self.scratch;
         let grad_len = len * e.grad_dtype.size_bytes() as usize;
         let grad: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.grad[..])[..grad_len];
-        copy_out(store, (e.grad_at(), ListKind::Params), grad, observe)?;
+        copy_out(store, e.grad_at(), grad, observe)?;
         // The moments' stored bytes (at most 4 per element), in f32-aligned scratch.
         let mb = e.moment_bytes;
         let m: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut s.m[..])[..mb];
@@ -168,7 +167,7 @@ impl StepLoop {
                         bytes: grad,
                         dtype: e.grad_dtype,
                     },
-                    GradPlace::Separate { .. } => DeviceGrads::Separate {
+                    GradPlace::InGrads { .. } => DeviceGrads::Separate {
                         grads: read_only(grad),
                         dtype: e.grad_dtype,
                         out: views.pop().zip(e.out_dtype),

@@ -11,7 +11,7 @@ use tidestore_chunk::MomentForm;
 use tidestore_io::IoConfig;
 use tidestore_optimizer::HyperParams;
 
-use crate::step::Overlap;
+use crate::step::{GradPlace, Overlap};
 
 /// A model parameter as the model declares it, in forward order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,9 +43,9 @@ impl ParamSpec {
 /// Which copy of the parameters compute reads, and the gradients' precision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// fp32 compute from the master copy; fp32 gradients in companion tensors
-    /// `NAME#grad`, registered after every parameter so that they fill chunks of their
-    /// own. Numerically the same as training in memory. The layout's 16-bit copy of a
+    /// fp32 compute from the master copy; fp32 gradients in the layout's `Grads` list
+    /// (4-byte slots, its chunks mirroring master's). Numerically the same as training
+    /// in memory. The layout's 16-bit copy of a
     /// trainable parameter stays unused.
     #[default]
     F32,
@@ -56,6 +56,16 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// Where its gradients are (see the variants).
+    pub(crate) fn grad_place(self) -> GradPlace {
+        match self {
+            Precision::F32 => GradPlace::InGrads {
+                write_param16: false,
+            },
+            Precision::Bf16 => GradPlace::InParam16,
+        }
+    }
+
     /// Its name in configs and checkpoint metadata.
     pub fn as_str(self) -> &'static str {
         match self {

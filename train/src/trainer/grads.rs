@@ -10,16 +10,15 @@ use tidestore_chunk::{DType, ListKind, Place, TensorId, TensorState};
 use tidestore_optimizer::Grads;
 
 use super::values::{f32_view_mut, Values};
-use super::Trainer;
+use super::{Precision, Trainer};
 use crate::error::{Result, TrainError};
 use crate::step::{Observer, StepOutcome};
 
 impl Trainer {
-    /// Where trainable parameter `i`'s gradient lives: its fp32 companion (`F32`) or its
-    /// own 16-bit place (`Bf16`); both in the `Params` list.
-    fn grad_tensor(&self, i: usize) -> TensorId {
-        let e = &self.entries[i];
-        e.grad_id.unwrap_or(e.id)
+    /// Where trainable parameter `i`'s gradient is: its fp32 `Grads` place (`F32`) or
+    /// its bf16 copy's (`Bf16`).
+    fn grad_place(&self, i: usize) -> (TensorId, ListKind) {
+        (self.entries[i].id, self.precision.grad_place().list())
     }
 
     /// Writes one micro-batch's part of trainable parameter `i`'s gradient: the `first`
@@ -37,7 +36,7 @@ impl Trainer {
                 reason: "frozen: it takes no gradient".into(),
             });
         }
-        if !first && e.grad_id.is_none() {
+        if !first && self.precision != Precision::F32 {
             return Err(TrainError::Tensor {
                 tensor: e.spec.name.clone(),
                 reason: "gradients are accumulated only in f32 precision".into(),
@@ -61,10 +60,10 @@ impl Trainer {
     /// the place holds afterwards, taken from the f32 values before any rounding to the
     /// place's dtype.
     fn write_grad(&mut self, i: usize, grad: Values<'_>, first: bool) -> Result<f64> {
-        let tensor = self.grad_tensor(i);
+        let (tensor, list) = self.grad_place(i);
         let n = grad.elements()?;
         let cpu = self.step.optimizer().cpu();
-        let g = self.store.access(tensor, ListKind::Params, Place::Host)?;
+        let g = self.store.access(tensor, list, Place::Host)?;
         let written: Result<f64> = if first && g.dtype() == DType::F32 {
             // Widened straight into the fp32 place: no copy of the gradient.
             self.store

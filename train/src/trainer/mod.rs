@@ -4,7 +4,7 @@
 //!
 //! What it does, in the order of one iteration:
 //! - **open** ([`Trainer::open`], `open.rs`): the parameters laid out in chunk lists
-//!   (with fp32 gradient companions in [`Precision::F32`]), the chunk size searched,
+//!   (with an fp32 gradient list in [`Precision::F32`]), the chunk size searched,
 //!   budgets resolved, the device tier and the store opened, the step loop readied;
 //! - **values in and out** (`values.rs`): initial or imported weights written, a
 //!   parameter handed out for compute ([`Trainer::fetch`]), its master copy, gradient
@@ -42,9 +42,6 @@ pub use config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
 use crate::error::{Result, TrainError};
 use crate::step::StepLoop;
 
-/// Suffix of a parameter's fp32 gradient companion in [`Precision::F32`].
-pub(crate) const GRAD_SUFFIX: &str = "#grad";
-
 /// Bytes moved between host and NVMe, per chunk list (indexed by `ListKind as usize`).
 #[derive(Debug, Default)]
 pub struct NvmeTraffic {
@@ -78,8 +75,6 @@ impl NvmeTraffic {
 struct Entry {
     spec: ParamSpec,
     id: TensorId,
-    /// `F32`: the fp32 gradient companion (in the `Params` list).
-    grad_id: Option<TensorId>,
     /// Its gradient was reported final in this iteration.
     reported: bool,
 }

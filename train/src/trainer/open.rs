@@ -1,5 +1,5 @@
-//! Opening a [`Trainer`]: the parameters laid out in chunk lists (with their gradient
-//! companions in [`Precision::F32`]), the chunk size searched, the budgets resolved to
+//! Opening a [`Trainer`]: the parameters laid out in chunk lists (with an fp32 gradient
+//! list in [`Precision::F32`]), the chunk size searched, the budgets resolved to
 //! bytes, the device tier, the store and the step loop — in that order, each step a
 //! function, every refusal before anything is allocated where the layout alone can tell.
 
@@ -7,16 +7,16 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tidestore_chunk::{
-    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, MoveEvent, NvmeSource,
-    SearchConfig, StoreConfig, TensorSpec,
+    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
+    NvmeSource, SearchConfig, StoreConfig, TensorSpec,
 };
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
 use tidestore_tiers::{Device, DeviceConfig};
 
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
-use super::{Entry, NvmeTraffic, Trainer, GRAD_SUFFIX};
+use super::{Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
-use crate::step::{GradPlace, StepConfig, StepLoop, StepPlace, StepTensor};
+use crate::step::{StepConfig, StepLoop, StepPlace, StepTensor};
 
 /// Chunks the optimizer step holds at once: gradient, master, M and V.
 const STEP_WORKING_SET_CHUNKS: u32 = 4;
@@ -69,8 +69,8 @@ impl Trainer {
 
     /// A trainer over a store its caller opened (the bench, whose capacity checks name
     /// its config's keys and whose step placement depends on the opened device): every
-    /// spec must be a tensor of the store's layout, with its gradient companion
-    /// `NAME#grad` in `F32` precision. Steps with `opt` as `step` says. The store's move
+    /// spec must be a tensor of the store's layout, with an fp32 `Grads` place in `F32`
+    /// precision. Steps with `opt` as `step` says. The store's move
     /// hook is the caller's: such a trainer counts no NVMe traffic of its own
     /// ([`Trainer::nvme_traffic`] is `None`).
     pub fn with_store(
@@ -82,7 +82,7 @@ impl Trainer {
     ) -> Result<Trainer> {
         check_specs(specs)?;
         let entries = entries(specs, store.layout(), precision)?;
-        let step = step_loop(&store, &entries, step, opt)?;
+        let step = step_loop(&store, &entries, precision, step, opt)?;
         // Compute reads host-addressable memory until a front end computing on the GPU
         // says otherwise (`Trainer::set_compute_on_device`).
         let compute_place = super::values::compute_place(store.device().kind(), false);
@@ -131,35 +131,27 @@ fn check_specs(specs: &[ParamSpec]) -> Result<()> {
 
 /// The tensors in layout order: frozen first, then the trainable ones (each in forward
 /// order), so that a LoRA model's adapters share a few chunks instead of each leaving a
-/// mostly empty master, M and V chunk beside its frozen base weight; then, in `F32`, the
-/// gradient companions — after every parameter, not beside each: mixed into the
-/// parameters' chunks they (2 slots per element) would leave the master, M and V chunks
-/// two-thirds empty and every NVMe transfer three times too long.
+/// mostly empty master, M and V chunk beside its frozen base weight. In `F32`, fp32
+/// gradients get a list of their own (`Grads`, 4-byte slots, mirroring master): in the
+/// 16-bit `Params` list they would take two slots per element, so chunks would have to
+/// be twice the largest tensor and every gradient chunk half empty in the host pool,
+/// whose buffers are as large as the largest chunk.
 ///
 /// The chunk size is searched for the least waste plus the working set it forces
-/// ([`STEP_WORKING_SET_CHUNKS`] and a buffer to load into). For a 0.5B LLaMA in f32,
-/// waste alone chose 176M-element chunks (704 MB fp32): a 3.2 GiB host floor, and a
-/// step that holds five of a 4 GiB pool's six buffers; 134M elements waste 0.6 points
-/// more and floor at 2.5 GiB.
+/// ([`STEP_WORKING_SET_CHUNKS`] and a buffer to load into): waste alone takes larger
+/// chunks, each a larger share of a small host pool.
 fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
     let (frozen, trainable): (Vec<_>, Vec<_>) = specs.iter().partition(|p| !p.trainable);
-    let mut tensors: Vec<TensorSpec> = frozen
+    let tensors: Vec<TensorSpec> = frozen
         .iter()
         .chain(&trainable)
         .map(|p| TensorSpec::new(&p.name, &p.shape, DType::F32, p.trainable))
         .collect();
-    if cfg.precision == Precision::F32 {
-        tensors.extend(trainable.iter().map(|p| {
-            TensorSpec::new(
-                format!("{}{GRAD_SUFFIX}", p.name),
-                &p.shape,
-                DType::F32,
-                false,
-            )
-        }));
-    }
+    let f32_grads = cfg.precision == Precision::F32;
     let base = LayoutConfig::new(1)
         .with_param16_dtype(DType::BF16)
+        .with_grad_accumulation(f32_grads)
+        .with_fp32_grads(f32_grads)
         .with_moments(cfg.moments);
     let chunk_elements = match cfg.chunk_elements {
         Some(c) => c,
@@ -183,17 +175,14 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
         e @ (ChunkError::TensorTooLarge { .. } | ChunkError::InvalidChunkSize { .. }) => {
             TrainError::Config {
                 key: "chunk_elements",
-                reason: format!(
-                    "{e} (in f32 precision a parameter's fp32 gradient takes two slots per \
-                     element: chunks must hold twice the largest parameter)"
-                ),
+                reason: e.to_string(),
             }
         }
         e => TrainError::Store(e),
     })
 }
 
-/// Each spec's entry: its tensor and, in `F32`, its gradient companion.
+/// Each spec's entry; in `F32`, every trainable tensor must have an fp32 `Grads` place.
 fn entries(specs: &[ParamSpec], layout: &Layout, precision: Precision) -> Result<Vec<Entry>> {
     specs
         .iter()
@@ -205,14 +194,15 @@ fn entries(specs: &[ParamSpec], layout: &Layout, precision: Precision) -> Result
             let id = layout
                 .tensor_id(&spec.name)
                 .ok_or_else(|| missing("the tensor"))?;
-            let grad_id = layout.tensor_id(&format!("{}{GRAD_SUFFIX}", spec.name));
-            if precision == Precision::F32 && spec.trainable && grad_id.is_none() {
-                return Err(missing("its f32 gradient companion"));
+            let f32_grad = layout
+                .location(id, ListKind::Grads)
+                .is_some_and(|l| l.dtype == DType::F32);
+            if precision == Precision::F32 && spec.trainable && !f32_grad {
+                return Err(missing("its fp32 gradient place (the Grads list)"));
             }
             Ok(Entry {
                 spec: spec.clone(),
                 id,
-                grad_id,
                 reported: false,
             })
         })
@@ -259,27 +249,20 @@ fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<Device> {
     device.map_err(|e| TrainError::Store(ChunkError::tier("opening the device tier", None, e)))
 }
 
-/// The step loop over the trainable entries: gradients in their fp32 companions
+/// The step loop over the trainable entries: gradients in the fp32 `Grads` list
 /// (`F32`) or over the bf16 copy (`Bf16`).
 fn step_loop(
     store: &ChunkStore,
     entries: &[Entry],
+    precision: Precision,
     cfg: StepConfig,
     opt: HybridAdamW,
 ) -> Result<StepLoop> {
+    let grad = precision.grad_place();
     let tensors = entries
         .iter()
         .filter(|e| e.spec.trainable)
-        .map(|e| StepTensor {
-            tensor: e.id,
-            grad: match e.grad_id {
-                Some(grad) => GradPlace::Separate {
-                    grad,
-                    write_param16: false,
-                },
-                None => GradPlace::InParam16,
-            },
-        })
+        .map(|e| StepTensor { tensor: e.id, grad })
         .collect();
     StepLoop::new(store, opt, tensors, cfg)
 }
@@ -314,26 +297,25 @@ mod tests {
         let mut cfg = TrainerConfig::new(HyperParams::adamw(1e-5, (0.9, 0.999), 1e-8, 0.0), "/");
         cfg.io.block_bytes = 16 << 20; // finetune's default io.block_size
         let chosen = layout(&llama_05b(), &cfg).unwrap();
-        // Waste alone picks 176M-element chunks (7.2 % waste): five resident fp32 chunks
-        // of those floor the host at 3.2 GiB. 134M elements (the smallest that holds
-        // the embedding's f32 gradient, two slots per element) waste 7.8 %.
-        assert_eq!(chosen.config().chunk_elements, 134_217_728);
+        let grads = chosen
+            .location(tidestore_chunk::TensorId(0), ListKind::Grads)
+            .unwrap();
+        assert_eq!((grads.dtype, grads.slot_bytes), (DType::F32, 4));
         let waste_only = SearchConfig::new(cfg.io.block_bytes as u64).with_cap_factor(2);
-        let mut tensors: Vec<_> = llama_05b()
+        let tensors: Vec<_> = llama_05b()
             .iter()
             .map(|p| TensorSpec::new(&p.name, &p.shape, DType::F32, true))
             .collect();
-        tensors.extend(llama_05b().iter().map(|p| {
-            TensorSpec::new(
-                format!("{}{GRAD_SUFFIX}", p.name),
-                &p.shape,
-                DType::F32,
-                false,
-            )
-        }));
-        let base = LayoutConfig::new(1).with_param16_dtype(DType::BF16);
+        let base = LayoutConfig::new(1)
+            .with_grad_accumulation(true)
+            .with_fp32_grads(true);
         let by_waste = search_chunk_size(&tensors, &base, &waste_only).unwrap();
-        assert_eq!(by_waste.chosen.chunk_elements, 176_160_768);
+        // Waste alone picks 109M-element chunks (6.7 % waste); 92M elements waste 8.1 %
+        // and floor the host at five 369 MB buffers. (With the f32 gradients over two
+        // 16-bit slots each, chunks had to hold twice the 65.5M-element embedding: the
+        // search chose 134M.)
+        assert_eq!(chosen.config().chunk_elements, 92_274_688);
+        assert_eq!(by_waste.chosen.chunk_elements, 109_051_904);
         assert!(by_waste.chosen.waste_bytes < chosen.waste_bytes());
     }
 }

@@ -1,7 +1,7 @@
 //! A [`Trainer`]'s state in tidestore's one checkpoint format ([`crate::checkpoint`]):
 //! every registered parameter — a trainable one with its fp32 master copy, M, V and
 //! 16-bit copy, a frozen one as its fp32 values — and the step loop's controller state.
-//! The `F32` gradient companions hold only the last backward's gradients and are not
+//! The `F32` gradients (the `Grads` list) hold only the last backward's and are not
 //! saved.
 //!
 //! The precision is recorded in the file's metadata (`user.trainer.precision`) and a

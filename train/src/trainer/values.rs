@@ -319,15 +319,18 @@ impl Trainer {
     }
 
     /// The last gradient of trainable parameter `i` (`F32` only: there it has an fp32
-    /// tensor of its own, which the step reads and leaves; in `Bf16` the step writes the
+    /// place of its own, which the step reads and leaves; in `Bf16` the step writes the
     /// new parameters over it); untraced.
     pub fn grad_values(&mut self, i: usize) -> Result<Vec<f32>> {
         let e = self.entry(i)?;
-        let grad = e.grad_id.ok_or_else(|| TrainError::Tensor {
-            tensor: e.spec.name.clone(),
-            reason: "no gradient of its own (frozen, or bf16 precision)".into(),
-        })?;
-        Ok(bytes_f32(&self.store.read(grad, ListKind::Params)?))
+        if !e.spec.trainable || self.precision != Precision::F32 {
+            return Err(TrainError::Tensor {
+                tensor: e.spec.name.clone(),
+                reason: "no gradient of its own (frozen, or bf16 precision)".into(),
+            });
+        }
+        let id = e.id;
+        Ok(bytes_f32(&self.store.read(id, ListKind::Grads)?))
     }
 
     /// Trainable parameter `i`'s Adam moments (M, V) as f32, decoded from their stored
