@@ -47,6 +47,8 @@ pub struct StoreStats {
     pub host_clean_evictions: u64,
     /// Chunks first touched and initialised to zeros.
     pub materialized_chunks: u64,
+    /// Chunks discarded: their tensors all FREE, every copy dropped unwritten.
+    pub discarded_chunks: u64,
     /// Calls to `access`.
     pub accesses: u64,
     /// Accesses whose chunk was already where asked, with nothing in flight.
@@ -132,12 +134,14 @@ impl fmt::Display for StoreStats {
         )?;
         writeln!(
             f,
-            "evictions: device {} ({} clean), host {} ({} clean); {} chunks zero-initialised",
+            "evictions: device {} ({} clean), host {} ({} clean); {} chunks zero-initialised, \
+             {} discarded",
             self.device_evictions,
             self.device_clean_evictions,
             self.host_evictions,
             self.host_clean_evictions,
-            self.materialized_chunks
+            self.materialized_chunks,
+            self.discarded_chunks
         )?;
         writeln!(
             f,
@@ -194,6 +198,9 @@ pub enum MoveKind {
     Materialize,
     /// An NVMe slot freed to make room (its chunk is valid elsewhere, or stale).
     ReclaimNvme,
+    /// Every copy dropped, NVMe slot included, without a write: the chunk's tensors are
+    /// all FREE, so its bytes are dead; it reads as zeros again, as one never written.
+    Discard,
 }
 
 /// Why a move happened.

@@ -8,7 +8,8 @@ use std::fmt;
 /// The state of one tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TensorState {
-    /// No payload is needed; its space may be reused.
+    /// No payload is needed; its space may be reused (a chunk whose tensors are all
+    /// FREE is discarded: see [`crate::ChunkStore::set_state`]).
     Free = 0,
     /// In use by a computation: its chunk must stay resident on the compute device.
     Compute = 1,

@@ -373,7 +373,7 @@ fn overlap_steps_during_backward_and_equals_off() {
         overlapped > 0,
         "no tensor was stepped during backward ({overlapped})"
     );
-    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::GradsF32, 8);
+    let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::GradsF32, 6);
     assert!(overlapped > 0);
 }
 

@@ -1,9 +1,11 @@
 //! Keeping the copies coherent when a chunk changes: a change on one tier drops the
 //! copies on the others; `write_back` makes a chunk's NVMe copy current without moving
-//! it (closing), and adoption takes a swap file's copy as the chunk's contents.
+//! it (closing), adoption takes a swap file's copy as the chunk's contents, and
+//! `discard` forgets a chunk whose bytes are dead.
 //!
 //! Invariants: a present copy is current; a chunk ever materialised keeps at least one
-//! current copy; pins are never touched here.
+//! current copy until it is discarded (then it is as if never written); pins are never
+//! touched here.
 
 use super::{remove_from, Cause, Mover};
 use crate::accounting::MoveKind;
@@ -85,6 +87,47 @@ impl Mover {
         self.stats.host_to_nvme_bytes += len as u64;
         self.stats.nvme_writes += 1;
         self.emit(cause, MoveKind::HostToNvme, c, len as u64);
+        Ok(())
+    }
+
+    /// Drops every copy of `c` — device memory, host buffer, NVMe slot — without writing
+    /// any: its tensors are all FREE, so its bytes are dead, and it reads as zeros until
+    /// written again (a chunk never written). Transfers of it in flight are waited for
+    /// first. A chunk in use (pinned) is refused: FREE tensors are not in use.
+    pub(crate) fn discard(&mut self, c: ChunkId, cause: Cause) -> Result<()> {
+        self.wait_pending(c, cause)?;
+        let d = c.dense();
+        let slot = &mut self.slots[d];
+        if slot.dev_pins > 0 || slot.host_pins > 0 {
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "discarding a chunk in use (its tensors are not all FREE)".into(),
+            });
+        }
+        let dev = slot.dev.take();
+        let host = slot.host.take();
+        let stored = std::mem::take(&mut slot.nvme_stored);
+        slot.nvme_valid = false;
+        slot.prefetched = false;
+        slot.host_prefetched = false;
+        slot.read_started_at = None;
+        if dev.is_some() {
+            remove_from(&mut self.dev_list, c);
+            self.dev_mark[d] = false;
+            self.dev_policy.on_evict(c, cause.moment);
+        }
+        if host.is_some() {
+            remove_from(&mut self.host_list, c);
+            self.host_policy.on_evict(c, cause.moment);
+        }
+        drop((dev, host));
+        if stored {
+            self.nvme.remove(d as u64).map_err(|e| {
+                ChunkError::tier("freeing a discarded chunk's NVMe slot", Some(c), e)
+            })?;
+        }
+        self.stats.discarded_chunks += 1;
+        self.emit(cause, MoveKind::Discard, c, 0);
         Ok(())
     }
 

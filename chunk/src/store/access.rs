@@ -9,7 +9,7 @@
 
 use crate::error::ChunkError;
 use crate::id::{ChunkId, ListKind, TensorId};
-use crate::state::TensorState;
+use crate::state::{ChunkState, TensorState};
 use crate::tracer::MomentKind;
 use crate::Result;
 
@@ -165,7 +165,11 @@ impl ChunkStore {
 
     /// Moves a tensor that is not in COMPUTE to another state that is not COMPUTE
     /// (e.g. HOLD_AFTER_BWD -> FREE once its gradient is consumed). Not a moment. Bytes
-    /// are kept whatever the state.
+    /// are kept, except when it leaves every tensor of its chunk FREE: then no payload
+    /// of the chunk is needed and the chunk is discarded — every copy dropped, NVMe slot
+    /// included, none written — and it reads as zeros until written again. So a dead
+    /// gradient chunk costs no write-back after the step and no read before backward
+    /// overwrites it.
     pub fn set_state(&mut self, tensor: TensorId, list: ListKind, to: TensorState) -> Result<()> {
         let local = self.local(tensor, list)?;
         let chunk = self.location(tensor, list)?.chunk;
@@ -179,6 +183,11 @@ impl ChunkStore {
                 to,
             });
         }
-        ls.table.transition(TensorId(local), to).map(|_| ())
+        let t = ls.table.transition(TensorId(local), to)?;
+        if t.after == ChunkState::Free && t.before != ChunkState::Free {
+            let cause = self.demand();
+            self.mover.discard(chunk, cause)?;
+        }
+        Ok(())
     }
 }

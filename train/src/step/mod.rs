@@ -215,6 +215,17 @@ impl Entry {
         (self.spec.tensor, self.spec.grad.list())
     }
 
+    /// The gradient was used up (stepped, or the step skipped): a gradient of its own
+    /// (`Grads`) becomes FREE, and once its chunk's every gradient is, the store drops
+    /// the chunk unwritten — no write-back after the step, no read before the next
+    /// backward overwrites it. A gradient over the 16-bit copy now holds parameters.
+    fn grad_consumed(&self, store: &mut ChunkStore) -> Result<()> {
+        if let GradPlace::InGrads { .. } = self.spec.grad {
+            store.set_state(self.spec.tensor, ListKind::Grads, TensorState::Free)?;
+        }
+        Ok(())
+    }
+
     /// The places the step uses, in access order: the gradient, the 16-bit copy when
     /// written apart from it, master, M, V.
     fn places(&self) -> Vec<(TensorId, ListKind)> {
@@ -594,14 +605,15 @@ impl StepLoop {
         Ok(())
     }
 
-    /// A skipped step: every gradient place is consumed, and where the gradient lies
+    /// A skipped step: every gradient is consumed, and where the gradient lies
     /// over the 16-bit copy (or the step would refresh that copy), the copy is cast anew
     /// from the unchanged master, so that the next forward reads parameters, not
     /// gradients. Done in the host pool.
     fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
         for e in &self.entries {
             let Some(dtype) = e.out_dtype else {
-                store.with_host_views(&[e.grad_at()], TensorState::Hold, |_| ())?;
+                // A gradient of its own, no 16-bit copy to refresh: dropped unread.
+                e.grad_consumed(store)?;
                 observe(store);
                 continue;
             };
@@ -621,6 +633,7 @@ impl StepLoop {
                 cpu.cast_params(master, param_out(p16, dtype, &e.name)?)?;
                 Ok(())
             })??;
+            e.grad_consumed(store)?;
             observe(store);
         }
         Ok(())
@@ -644,7 +657,8 @@ impl StepLoop {
             (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe),
             (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe),
             (StepPlace::Device, _) => self.step_device(store, i, state, observe),
-        };
+        }
+        .and_then(|()| self.entries[i].grad_consumed(store));
         if let Err(e) = stepped {
             let reason = format!("stepping `{}`: {e}", self.entries[i].name);
             tracing::error!(%reason, "step loop: a tensor's step failed; poisoned until restore()");

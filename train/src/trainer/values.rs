@@ -318,16 +318,24 @@ impl Trainer {
         Ok(bytes_f32(&self.store.read(id, list)?))
     }
 
-    /// The last gradient of trainable parameter `i` (`F32` only: there it has an fp32
-    /// place of its own, which the step reads and leaves; in `Bf16` the step writes the
-    /// new parameters over it); untraced.
+    /// Trainable parameter `i`'s gradient of this iteration, between its
+    /// [`Trainer::put_grad`] and the step (`F32` only: there it has an fp32 place of its
+    /// own; in `Bf16` the step writes the new parameters over it). The step consumes
+    /// it: after the step it is refused, as the store drops dead gradients unwritten.
+    /// Untraced.
     pub fn grad_values(&mut self, i: usize) -> Result<Vec<f32>> {
         let e = self.entry(i)?;
+        let refuse = |reason: &str| TrainError::Tensor {
+            tensor: e.spec.name.clone(),
+            reason: reason.into(),
+        };
         if !e.spec.trainable || self.precision != Precision::F32 {
-            return Err(TrainError::Tensor {
-                tensor: e.spec.name.clone(),
-                reason: "no gradient of its own (frozen, or bf16 precision)".into(),
-            });
+            return Err(refuse("no gradient of its own (frozen, or bf16 precision)"));
+        }
+        if self.store.state(e.id, ListKind::Grads) != Some(TensorState::HoldAfterBwd) {
+            return Err(refuse(
+                "no gradient to read: none was put since the last step, which consumes it",
+            ));
         }
         let id = e.id;
         Ok(bytes_f32(&self.store.read(id, ListKind::Grads)?))
