@@ -4,8 +4,12 @@
 //! where runs that differ by a fraction of a percent — moment forms, say — can be told
 //! apart. Used by `tidestore finetune --plot` and `examples/finetune.rs --plot`.
 
+use std::ops::Range;
 use std::path::Path;
 
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::types::RangedCoordu32;
+use plotters::coord::Shift;
 use plotters::prelude::*;
 
 /// One run: its label and `(step, loss)` points in step order.
@@ -55,6 +59,37 @@ where
         .map_err(|e| e.to_string())
 }
 
+/// A panel of the plot on `area`, in the frame both panels share: `caption` in a
+/// sans-serif of `caption_px` above, steps `steps` across, `y` up labelled
+/// `y_desc`, the mesh drawn.
+fn panel<'a, 'b, Y>(
+    area: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    caption: String,
+    caption_px: i32,
+    steps: Range<u32>,
+    y: Y,
+    y_desc: &str,
+) -> Result<ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordu32, Y::CoordDescType>>, String>
+where
+    Y: AsRangedCoord,
+    Y::CoordDescType: ValueFormatter<Y::Value>,
+{
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", caption_px))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .build_cartesian_2d(steps, y)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc(y_desc)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    Ok(chart)
+}
+
 /// Draws `curves` into the SVG at `path` (1000 x 700): the losses, and each curve's
 /// smoothed loss minus the first curve's at the same steps, in percent of the latter.
 pub fn draw_loss_curves(title: &str, curves: &[LossCurve], path: &Path) -> Result<(), String> {
@@ -70,19 +105,14 @@ pub fn draw_loss_curves(title: &str, curves: &[LossCurve], path: &Path) -> Resul
     let (top, bottom) = root.split_vertically(430);
     let color = |k: usize| Palette99::pick(k).to_rgba();
 
-    let mut chart = ChartBuilder::on(&top)
-        .caption(format!("loss: {title}"), ("sans-serif", 18))
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(60)
-        .build_cartesian_2d(first..last, (lo - pad)..(hi + pad))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("cross-entropy")
-        .draw()
-        .map_err(|e| err(&e))?;
+    let mut chart = panel(
+        &top,
+        format!("loss: {title}"),
+        18,
+        first..last,
+        (lo - pad)..(hi + pad),
+        "cross-entropy",
+    )?;
     for (k, c) in curves.iter().enumerate() {
         let col = color(k);
         chart
@@ -109,38 +139,22 @@ pub fn draw_loss_curves(title: &str, curves: &[LossCurve], path: &Path) -> Resul
         .collect();
     // Past the first window, where the averages have settled.
     let settled = |g: &&(u32, f64)| g.0 >= first + SMOOTH_STEPS as u32;
-    let ghi = gaps
-        .iter()
-        .flatten()
-        .filter(settled)
-        .map(|g| g.1)
-        .fold(0.0, f64::max);
-    let glo = gaps
-        .iter()
-        .flatten()
-        .filter(settled)
-        .map(|g| g.1)
-        .fold(0.0, f64::min);
+    let settled_gaps = || gaps.iter().flatten().filter(settled).map(|g| g.1);
+    let ghi = settled_gaps().fold(0.0, f64::max);
+    let glo = settled_gaps().fold(0.0, f64::min);
     let gpad = ((ghi - glo) * 0.1).max(0.1);
-    let mut gap_chart = ChartBuilder::on(&bottom)
-        .caption(
-            format!(
-                "loss against {} (moving average of {SMOOTH_STEPS} steps), %",
-                reference.label
-            ),
-            ("sans-serif", 14),
-        )
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(60)
-        .build_cartesian_2d(first..last, (glo - gpad)..(ghi + gpad))
-        .map_err(|e| err(&e))?;
-    gap_chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("difference, %")
-        .draw()
-        .map_err(|e| err(&e))?;
+    let caption = format!(
+        "loss against {} (moving average of {SMOOTH_STEPS} steps), %",
+        reference.label
+    );
+    let mut gap_chart = panel(
+        &bottom,
+        caption,
+        14,
+        first..last,
+        (glo - gpad)..(ghi + gpad),
+        "difference, %",
+    )?;
     for (k, g) in gaps.iter().enumerate() {
         let pts = g.iter().filter(settled).copied();
         gap_chart

@@ -19,14 +19,15 @@
 //! in RAM. Time per step is split into candle's compute, waiting on the store, and the
 //! optimizer.
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use clap::Parser;
-use tidestore_candle::{train_step, Budget, Llama, LlamaConfig, Precision, TideConfig, TideParams};
-use tidestore_train::{HyperParams, Mode};
-use tidestore_train::{IoConfig, MicroBatchOrder};
+use tidestore_candle::{train_step, TideParams};
+use tidestore_train::MicroBatchOrder;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -97,18 +98,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cap_heap_growth();
     }
     let a = Args::parse();
-    let model = Llama::new(LlamaConfig {
-        vocab: a.vocab,
-        hidden: a.hidden,
-        intermediate: a.intermediate,
-        layers: a.layers,
-        heads: a.heads,
-        kv_heads: a.kv_heads,
-        rms_eps: 1e-5,
-        rope_theta: 10_000.0,
-        tie_embeddings: false,
-        lora: None,
-    })?;
+    let model = common::llama(
+        a.vocab,
+        a.hidden,
+        a.intermediate,
+        a.layers,
+        a.heads,
+        a.kv_heads,
+    )?;
     let specs = model.specs();
     let params: u64 = specs.iter().map(|s| s.elements() as u64).sum();
     let state = 16 * params;
@@ -124,18 +121,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         gib(host)
     );
     let baseline = rss("VmRSS:");
-    let hp = HyperParams {
-        lr: 1e-4,
-        mode: Mode::AdamW,
-        ..HyperParams::default()
-    };
-    let mut cfg = TideConfig::new(hp, &a.swap_dir);
-    cfg.precision = Precision::Bf16;
-    cfg.device_budget = Budget::Bytes(device);
-    cfg.host_budget = Budget::Bytes(host);
+    let mut cfg = common::store_config(1e-4, &a.swap_dir, device, host);
     cfg.optimizer_threads = a.threads;
     cfg.chunk_elements = a.chunk_elements;
-    cfg.io = IoConfig::default();
     let started = Instant::now();
     let mut p = TideParams::open_specs(&specs, &cfg, &Device::Cpu)?;
     // One tensor at a time, from a per-tensor seed.
@@ -159,11 +147,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (b, t) = (a.batch, a.sequence);
     let mut totals = (0.0, 0.0, 0.0, 0.0);
     for step in 0..a.steps {
-        let ids: Vec<u32> = (0..b * (t + 1))
-            .map(|i| ((i as u64 * 2_654_435_761 + step * 97) % a.vocab as u64) as u32)
-            .collect();
-        let all = Tensor::from_vec(ids, (b, t + 1), &Device::Cpu)?;
-        let (x, y) = (all.narrow(1, 0, t)?, all.narrow(1, 1, t)?);
+        let (x, y) = common::token_batch(b, t, a.vocab, step)?;
         let started = Instant::now();
         let s = train_step(&mut p, &model, &[(x, y)], MicroBatchOrder::Vertical)?;
         let secs = started.elapsed().as_secs_f64();

@@ -9,18 +9,17 @@
 //!     --layers 6 --hidden 512 --steps 8 --rounds 3 --swap-dir /tmp/swap
 //! ```
 
+mod common;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_nn::{Optimizer, ParamsAdamW};
 use clap::Parser;
 use tidestore_candle::streamed::InMemoryTraining;
-use tidestore_candle::{
-    train_step, Budget, InMemory, Llama, LlamaConfig, Precision, TideConfig, TideParams,
-};
-use tidestore_train::{HyperParams, Mode};
-use tidestore_train::{IoConfig, MicroBatchOrder};
+use tidestore_candle::{train_step, InMemory, Llama, TideParams};
+use tidestore_train::MicroBatchOrder;
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -59,56 +58,36 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
-    let model = Llama::new(LlamaConfig {
-        vocab: a.vocab,
-        hidden: a.hidden,
-        intermediate: a.intermediate,
-        layers: a.layers,
-        heads: a.heads,
-        kv_heads: a.kv_heads,
-        rms_eps: 1e-5,
-        rope_theta: 10_000.0,
-        tie_embeddings: false,
-        lora: None,
-    })?;
+    let model = common::llama(
+        a.vocab,
+        a.hidden,
+        a.intermediate,
+        a.layers,
+        a.heads,
+        a.kv_heads,
+    )?;
     let init = model.init(1);
     let params: usize = init.iter().map(|(s, _)| s.elements()).sum();
     println!(
         "model: {} layers, hidden {}, {} params; batch {} x {} tokens",
         a.layers, a.hidden, params, a.batch, a.sequence
     );
-    let batch = |step: usize| -> Result<(Tensor, Tensor), candle_core::Error> {
-        let ids: Vec<u32> = (0..a.batch * (a.sequence + 1))
-            .map(|i| ((i * 2_654_435_761 + step * 97) % a.vocab) as u32)
-            .collect();
-        let all = Tensor::from_vec(ids, (a.batch, a.sequence + 1), &Device::Cpu)?;
-        Ok((all.narrow(1, 0, a.sequence)?, all.narrow(1, 1, a.sequence)?))
-    };
     let adam = ParamsAdamW {
         lr: LR,
         ..ParamsAdamW::default()
     };
     // Every chunk fits the host pool: the store's own overhead, no NVMe.
-    let hp = HyperParams {
-        lr: LR as f32,
-        mode: Mode::AdamW,
-        ..HyperParams::default()
-    };
-    let mut cfg = TideConfig::new(hp, &a.swap_dir);
-    cfg.precision = Precision::Bf16;
-    cfg.device_budget = Budget::Bytes(4 << 30);
-    cfg.host_budget = Budget::Bytes(4 << 30);
-    cfg.io = IoConfig::default();
+    let cfg = common::store_config(LR as f32, &a.swap_dir, 4 << 30, 4 << 30);
     let mut store = TideParams::open(&init, &cfg, &Device::Cpu)?;
     let mut recompute = InMemoryTraining::new(InMemory::new(&init, &Device::Cpu)?, adam.clone())?;
     let mut graph = InMemory::new(&init, &Device::Cpu)?;
     let mut graph_opt = candle_nn::AdamW::new(graph.vars(), adam)?;
     let mut times: [Vec<f64>; 3] = [vec![], vec![], vec![]];
-    let mut step = 0;
+    let mut step = 0u64;
     for _ in 0..a.rounds {
         for (v, t) in times.iter_mut().enumerate() {
             for k in 0..a.steps {
-                let (x, y) = batch(step)?;
+                let (x, y) = common::token_batch(a.batch, a.sequence, a.vocab, step)?;
                 step += 1;
                 let started = Instant::now();
                 match v {

@@ -34,7 +34,8 @@ use tidestore_train::{
 
 use crate::error::{Error, Result};
 
-/// How an [`AdamWCore`] is made (the Python constructor's arguments).
+/// How an [`AdamWCore`] is made (the Python constructor's arguments); `EngineCore`'s
+/// keywords of the same names make its store the same way.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
     /// AdamW hyper-parameters (decoupled weight decay, as `torch.optim.AdamW`).
@@ -205,14 +206,20 @@ fn check_config(shapes: &[Vec<usize>], cfg: &CoreConfig) -> Result<()> {
             format!("shape {s:?} has no elements"),
         ));
     }
-    if let Some(n) = cfg.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
+    check_clip_and_dir(cfg.max_grad_norm, &cfg.nvme_dir)
+}
+
+/// Refuses a `max_grad_norm` that is not a positive finite number and an `nvme_dir`
+/// that cannot be written (both Python classes take these keywords).
+pub(crate) fn check_clip_and_dir(max_grad_norm: Option<f32>, nvme_dir: &Path) -> Result<()> {
+    if let Some(n) = max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
         return Err(Error::bad(
             "max_grad_norm",
             format!("{n} is not a positive finite number"),
         ));
     }
-    tidestore_train::aio::check_writable_dir("nvme_dir", &cfg.nvme_dir).map_err(|e| Error::Io {
-        path: cfg.nvme_dir.display().to_string(),
+    tidestore_train::aio::check_writable_dir("nvme_dir", nvme_dir).map_err(|e| Error::Io {
+        path: nvme_dir.display().to_string(),
         source: e,
     })?;
     Ok(())
@@ -224,23 +231,36 @@ fn check_config(shapes: &[Vec<usize>], cfg: &CoreConfig) -> Result<()> {
 /// in the I/O engine's default blocks.
 fn trainer_config(cfg: &CoreConfig) -> TrainerConfig {
     TrainerConfig {
-        precision: Precision::F32,
-        max_grad_norm: cfg.max_grad_norm,
-        overlap: if cfg.overlap {
-            Overlap::Backward
-        } else {
-            Overlap::Off
-        },
-        chunk_elements: cfg.chunk_elements,
-        device_budget: Budget::Chunks(4),
-        host_budget: cfg
-            .host_budget_bytes
-            .map_or(Budget::AllChunks, Budget::Bytes),
-        device: DeviceChoice::Sim,
         io: IoConfig::default(),
-        optimizer_threads: cfg.threads,
-        moments: cfg.moments,
-        ..TrainerConfig::new(cfg.hp, cfg.nvme_dir.clone())
+        ..cfg.trainer_config(cfg.nvme_dir.clone())
+    }
+}
+
+impl CoreConfig {
+    /// The trainer's settings that both Python classes derive from their keywords the
+    /// same way: fp32, clipping, overlap, chunk size, a simulated device of four
+    /// chunks, the host pool of `host_budget_bytes` (every chunk when not given), CPU
+    /// threads and moment form; the swap file in `swap_dir`, the rest
+    /// [`TrainerConfig::new`]'s.
+    pub(crate) fn trainer_config(&self, swap_dir: PathBuf) -> TrainerConfig {
+        TrainerConfig {
+            precision: Precision::F32,
+            max_grad_norm: self.max_grad_norm,
+            overlap: if self.overlap {
+                Overlap::Backward
+            } else {
+                Overlap::Off
+            },
+            chunk_elements: self.chunk_elements,
+            device_budget: Budget::Chunks(4),
+            host_budget: self
+                .host_budget_bytes
+                .map_or(Budget::AllChunks, Budget::Bytes),
+            device: DeviceChoice::Sim,
+            optimizer_threads: self.threads,
+            moments: self.moments,
+            ..TrainerConfig::new(self.hp, swap_dir)
+        }
     }
 }
 

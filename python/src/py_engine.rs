@@ -9,11 +9,9 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tidestore_train::{
-    Budget, DType, DeviceChoice, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig,
-};
+use tidestore_train::{Budget, DType, HyperParams, ParamSpec, Precision, TrainerConfig};
 
-use crate::adamw::parse_states;
+use crate::adamw::{check_clip_and_dir, parse_states, CoreConfig};
 use crate::buffer::{parse_dtype, with_input};
 use crate::engine::EngineCore;
 use crate::error::{Error, Result};
@@ -44,34 +42,24 @@ struct Keywords {
 }
 
 impl Keywords {
-    fn trainer_config(&self) -> Result<TrainerConfig> {
-        if let Some(n) = self.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
-            return Err(Error::bad(
-                "max_grad_norm",
-                format!("{n} is not a positive finite number"),
-            ));
-        }
-        tidestore_train::aio::check_writable_dir("nvme_dir", &self.nvme_dir).map_err(|e| {
-            Error::Io {
-                path: self.nvme_dir.display().to_string(),
-                source: e,
-            }
-        })?;
+    /// The checks and settings [`CoreConfig`] shares with `tidestore.AdamW`, then this
+    /// engine's precision and device budget; the swap file in a directory of its own.
+    fn trainer_config(self) -> Result<TrainerConfig> {
+        check_clip_and_dir(self.max_grad_norm, &self.nvme_dir)?;
+        let store = CoreConfig {
+            hp: self.hp,
+            moments: parse_states(&self.states)?,
+            host_budget_bytes: self.host_budget,
+            max_grad_norm: self.max_grad_norm,
+            overlap: self.overlap,
+            threads: self.threads,
+            chunk_elements: self.chunk_elements,
+            nvme_dir: self.nvme_dir,
+        };
         Ok(TrainerConfig {
             precision: self.precision,
-            max_grad_norm: self.max_grad_norm,
-            overlap: if self.overlap {
-                Overlap::Backward
-            } else {
-                Overlap::Off
-            },
-            chunk_elements: self.chunk_elements,
             device_budget: self.device_budget.map_or(Budget::Chunks(4), Budget::Bytes),
-            host_budget: self.host_budget.map_or(Budget::AllChunks, Budget::Bytes),
-            device: DeviceChoice::Sim,
-            optimizer_threads: self.threads,
-            moments: parse_states(&self.states)?,
-            ..TrainerConfig::new(self.hp, own_swap_dir(&self.nvme_dir))
+            ..store.trainer_config(own_swap_dir(&store.nvme_dir))
         })
     }
 }

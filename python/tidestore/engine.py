@@ -44,6 +44,7 @@ import torch
 
 from ._tidestore import EngineCore, TidestoreError
 from ._views import byte_view, dtype_name, parse_bytes
+from .optim import closure_loss
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
 
@@ -464,10 +465,7 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         lrs = {g["lr"] for g in self.param_groups}
         if len(lrs) != 1:
             raise ValueError(f"param groups with different learning rates {sorted(lrs)}: "

@@ -52,6 +52,16 @@ __all__ = ["AdamW"]
 _HP_KEYS = ("betas", "eps", "weight_decay")
 
 
+def closure_loss(closure):
+    """What ``Optimizer.step(closure)`` returns: the loss ``closure`` computes, run with
+    gradients enabled (``step`` itself runs under ``torch.no_grad``), or None without
+    one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
@@ -189,10 +199,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if not self.overlap:
             self._check_all()
             for i, p in enumerate(self._params):
