@@ -70,8 +70,8 @@ impl Trainer {
     /// A trainer over a store its caller opened (the bench, whose capacity checks name
     /// its config's keys and whose step placement depends on the opened device): every
     /// spec must be a tensor of the store's layout, with an fp32 `Grads` place in `F32`
-    /// precision. Steps with `opt` as `step` says. The store's move
-    /// hook is the caller's: such a trainer counts no NVMe traffic of its own
+    /// precision. Steps with `opt` as `step` says. The store's move hook is the
+    /// caller's: such a trainer counts no NVMe traffic of its own
     /// ([`Trainer::nvme_traffic`] is `None`).
     pub fn with_store(
         store: ChunkStore,
