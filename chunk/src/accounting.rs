@@ -45,7 +45,8 @@ pub struct StoreStats {
     pub host_evictions: u64,
     /// Of those, chunks dropped without a write: still valid on the device or NVMe.
     pub host_clean_evictions: u64,
-    /// Chunks first touched and initialised to zeros.
+    /// Chunks first touched and initialised to zeros (after a discard: given a buffer
+    /// unfilled).
     pub materialized_chunks: u64,
     /// Chunks discarded: their tensors all FREE, every copy dropped unwritten.
     pub discarded_chunks: u64,
@@ -199,7 +200,7 @@ pub enum MoveKind {
     /// An NVMe slot freed to make room (its chunk is valid elsewhere, or stale).
     ReclaimNvme,
     /// Every copy dropped, NVMe slot included, without a write: the chunk's tensors are
-    /// all FREE, so its bytes are dead; it reads as zeros again, as one never written.
+    /// all FREE, so its bytes are dead (unspecified until written).
     Discard,
 }
 

@@ -28,7 +28,7 @@
 //! else any `Hold`/`HoldAfterFwd`/`HoldAfterBwd` -> [`ChunkState::Hold`]; else
 //! [`ChunkState::Free`]. A chunk that becomes `Free` through
 //! [`crate::ChunkStore::set_state`] is discarded: no payload of it is needed, so its
-//! copies are dropped unwritten and it reads as zeros until written again. [`StateTable`] keeps per-chunk counters of each tensor state,
+//! copies are dropped unwritten and its bytes are unspecified until written again. [`StateTable`] keeps per-chunk counters of each tensor state,
 //! so a transition and a chunk-state query are O(1). Invariant: for every chunk the
 //! counters sum to its tensor count and equal a recount from the tensor states.
 

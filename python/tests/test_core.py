@@ -208,7 +208,7 @@ def test_bad_arguments_are_refused_naming_them(tmp_path, rng):
     with pytest.raises(tidestore.ConfigError, match="host_budget"):
         core(tmp_path, spill_shapes(), chunk_elements=CHUNK, host_budget=4096)
     with pytest.raises(tidestore.ConfigError, match="chunk_elements"):
-        core(tmp_path, spill_shapes(), chunk_elements=65536)
+        core(tmp_path, spill_shapes(), chunk_elements=32768)
     with pytest.raises(tidestore.ConfigError, match="max_grad_norm"):
         core(tmp_path, overlap=True, max_grad_norm=1.0)
     with pytest.raises(tidestore.ConfigError, match="lr"):

@@ -110,7 +110,7 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path / "a", states="bf16",
-                         host_budget="160KiB", chunk_elements=8192)
+                         host_budget="80KiB", chunk_elements=4096)
     train(a, oa, data[:3])
     assert oa.stats()["nvme_read_bytes"] > 0
     saved = {"model": copy.deepcopy(a.state_dict()), "optim": oa.state_dict()}

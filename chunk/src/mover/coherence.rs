@@ -91,8 +91,9 @@ impl Mover {
     }
 
     /// Drops every copy of `c` — device memory, host buffer, NVMe slot — without writing
-    /// any: its tensors are all FREE, so its bytes are dead, and it reads as zeros until
-    /// written again (a chunk never written). Transfers of it in flight are waited for
+    /// any: its tensors are all FREE, so its bytes are dead. Its next host copy is taken
+    /// from the pool unfilled (its bytes unspecified until written: a gradient chunk is
+    /// overwritten by the next backward). Transfers of it in flight are waited for
     /// first. A chunk in use (pinned) is refused: FREE tensors are not in use.
     pub(crate) fn discard(&mut self, c: ChunkId, cause: Cause) -> Result<()> {
         self.wait_pending(c, cause)?;
@@ -111,6 +112,7 @@ impl Mover {
         slot.prefetched = false;
         slot.host_prefetched = false;
         slot.read_started_at = None;
+        slot.dead = true;
         if dev.is_some() {
             remove_from(&mut self.dev_list, c);
             self.dev_mark[d] = false;

@@ -188,7 +188,9 @@ impl Mover {
             self.emit(cause, MoveKind::NvmeToHost, c, len as u64);
         } else {
             let mut buf = buf;
-            buf[..len].fill(0);
+            if !std::mem::take(&mut self.slots[d].dead) {
+                buf[..len].fill(0);
+            }
             self.slots[d].host = Some(buf);
             self.host_list.push(c);
             self.host_policy.on_insert(c, cause.moment);

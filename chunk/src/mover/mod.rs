@@ -11,7 +11,9 @@
 //!   the only current one first writes it one tier down (device -> host -> NVMe), and a
 //!   failed write leaves the copy where it was. A copy that is current elsewhere is
 //!   dropped without a write (clean eviction);
-//! - a chunk never written reads as zeros: its first load zero-fills a host buffer.
+//! - a chunk never written reads as zeros: its first load zero-fills a host buffer. A
+//!   discarded chunk (its tensors all FREE: no payload needed) has no copy either, but
+//!   its next host copy is not filled: its bytes are unspecified until written.
 //!
 //! Budgets hold by construction: device memory is allocated through the device's
 //! budget (capacity = the store's tidal budget), the host pool is fixed, and the swap
@@ -109,6 +111,9 @@ pub(crate) struct Slot {
     prefetched: bool,
     /// Read into the host pool by the host-tier prefetcher and not accessed since.
     host_prefetched: bool,
+    /// Discarded (its tensors all FREE) and not materialised since: its next host copy
+    /// needs no zero-fill, its bytes being unspecified until written.
+    dead: bool,
     /// Tensors of this chunk in COMPUTE on the device.
     dev_pins: u32,
     /// Tensors of this chunk in COMPUTE on the host.
@@ -132,6 +137,7 @@ impl Slot {
             reserved_dev: None,
             prefetched: false,
             host_prefetched: false,
+            dead: false,
             dev_pins: 0,
             host_pins: 0,
             read_started_at: None,

@@ -167,9 +167,9 @@ impl ChunkStore {
     /// (e.g. HOLD_AFTER_BWD -> FREE once its gradient is consumed). Not a moment. Bytes
     /// are kept, except when it leaves every tensor of its chunk FREE: then no payload
     /// of the chunk is needed and the chunk is discarded — every copy dropped, NVMe slot
-    /// included, none written — and it reads as zeros until written again. So a dead
-    /// gradient chunk costs no write-back after the step and no read before backward
-    /// overwrites it.
+    /// included, none written — and its bytes are unspecified until written again (its
+    /// next copy is neither read nor zero-filled). So a dead gradient chunk costs no
+    /// write-back after the step, and no read or fill before backward overwrites it.
     pub fn set_state(&mut self, tensor: TensorId, list: ListKind, to: TensorState) -> Result<()> {
         let local = self.local(tensor, list)?;
         let chunk = self.location(tensor, list)?.chunk;
