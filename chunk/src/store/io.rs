@@ -58,8 +58,9 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// The tensor's bytes in `list` (zeros if never written), read through the host
-    /// pool; not a moment of the trace.
+    /// The tensor's bytes in `list` (zeros if never written; unspecified once its chunk
+    /// was discarded, until written), read through the host pool; not a moment of the
+    /// trace.
     pub fn read(&mut self, tensor: TensorId, list: ListKind) -> Result<Vec<u8>> {
         let loc = self.location(tensor, list)?;
         let chunk = loc.chunk;
