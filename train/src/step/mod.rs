@@ -617,17 +617,16 @@ impl StepLoop {
                 observe(store);
                 continue;
             };
-            let mut places = vec![
+            // A gradient of its own is dropped unread; one over the 16-bit copy is
+            // overwritten here.
+            let places = [
                 (e.spec.tensor, ListKind::Master),
                 (e.spec.tensor, ListKind::Params),
             ];
-            if e.grad_at().1 != ListKind::Params {
-                places.push(e.grad_at());
-            }
             let cpu = self.opt.cpu();
             store.with_host_views(&places, TensorState::Hold, |views| -> Result<()> {
-                let [master, p16, ..] = views else {
-                    unreachable!("two places or more were asked for")
+                let [master, p16] = views else {
+                    unreachable!("two places were asked for")
                 };
                 let master = f32s(master, &e.name, "master")?;
                 cpu.cast_params(master, param_out(p16, dtype, &e.name)?)?;
