@@ -339,6 +339,11 @@ fn train_with(
         store.stats().nvme.peak_bytes > 0 || host_buffers > 30,
         "the test meant chunks to spill to NVMe"
     );
+    if grad == Grad::GradsF32 {
+        // Every step consumed every gradient: each gradient chunk was discarded.
+        let chunks = store.layout().list_chunk_count(ListKind::Grads);
+        assert_eq!(store.stats().discarded_chunks, STEPS * chunks);
+    }
     assert_eq!(lp.stats().steps_applied, STEPS);
     lp.stats().tensors_overlapped
 }
@@ -381,8 +386,16 @@ fn small_loop(
     overlap: Overlap,
     max_grad_norm: Option<f32>,
 ) -> (tempfile::TempDir, ChunkStore, Result<StepLoop, TrainError>) {
+    small_loop_with(overlap, max_grad_norm, Grad::InParam16)
+}
+
+fn small_loop_with(
+    overlap: Overlap,
+    max_grad_norm: Option<f32>,
+    grad: Grad,
+) -> (tempfile::TempDir, ChunkStore, Result<StepLoop, TrainError>) {
     let dir = tempfile::tempdir().unwrap();
-    let store = store(&dir, Grad::InParam16, 7);
+    let store = store(&dir, grad, 7);
     let cfg = StepConfig {
         hp: hp(),
         max_grad_norm,
@@ -390,7 +403,7 @@ fn small_loop(
         place: StepPlace::Host,
         overlap,
     };
-    let lp = StepLoop::new(&store, no_gpu(), tensors(Grad::InParam16), cfg);
+    let lp = StepLoop::new(&store, no_gpu(), tensors(grad), cfg);
     (dir, store, lp)
 }
 
@@ -477,6 +490,44 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
             "w{i}: a skipped step left the gradient in the 16-bit copy"
         );
     }
+}
+
+/// The same with fp32 gradients of their own: the 16-bit copy is cast again from the
+/// unchanged master, and every gradient is consumed unread — its chunks discarded.
+#[test]
+fn a_skipped_step_drops_fp32_gradients_and_changes_nothing() {
+    let (_d, mut store, lp) = small_loop_with(Overlap::Off, None, Grad::GradsF32);
+    let mut lp = lp.unwrap();
+    let mut reference = Reference {
+        master: vec![],
+        m: vec![],
+        v: vec![],
+        moments: vec![],
+        moment_bytes: vec![],
+        p16: vec![],
+    };
+    write_initial(&mut store, &mut reference);
+    let mut observe = |_: &ChunkStore| {};
+    for i in (0..SIZES.len()).rev() {
+        let t = TensorId(i as u32);
+        let g = store.access(t, ListKind::Grads, Place::Host).unwrap();
+        store.bytes_mut(&g).unwrap().fill(0x3c);
+        store.release(g, TensorState::HoldAfterBwd).unwrap();
+        let sq = if i == 2 { f64::INFINITY } else { 1.0 };
+        lp.grad_ready(t, sq).unwrap();
+    }
+    let outcome = lp.finish(&mut store, &mut observe).unwrap();
+    assert!(matches!(outcome.decision, StepDecision::Skip { .. }));
+    for i in 0..SIZES.len() {
+        let t = TensorId(i as u32);
+        let got = store.read(t, ListKind::Master).unwrap();
+        assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
+        let got = store.read(t, ListKind::Params).unwrap();
+        assert!(got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]));
+        assert_eq!(store.state(t, ListKind::Grads), Some(TensorState::Free));
+    }
+    let grad_chunks = store.layout().list_chunk_count(ListKind::Grads);
+    assert_eq!(store.stats().discarded_chunks, grad_chunks);
 }
 
 #[test]
