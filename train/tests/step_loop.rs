@@ -116,6 +116,7 @@ fn store_sized(
 
 /// The plain-vector model of the same training; M and V as their stored bytes (in
 /// f32-aligned buffers, `moment_bytes` long), of dtype `moments[i]`.
+#[derive(Default)]
 struct Reference {
     master: Vec<Vec<f32>>,
     m: Vec<Vec<f32>>,
@@ -226,14 +227,7 @@ fn train_with(
         6
     };
     let mut store = store_sized(&dir, grad, (host_buffers, device_slots), states);
-    let mut reference = Reference {
-        master: vec![],
-        m: vec![],
-        v: vec![],
-        moments: vec![],
-        moment_bytes: vec![],
-        p16: vec![],
-    };
+    let mut reference = Reference::default();
     write_initial(&mut store, &mut reference);
     let cfg = StepConfig {
         hp: hp(),
@@ -453,24 +447,23 @@ fn misuse_is_a_typed_error() {
     ));
 }
 
-#[test]
-fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
-    let (_d, mut store, lp) = small_loop(Overlap::Off, None);
+/// Writes every gradient as backward leaves it (`grad`'s place), one of them non-finite,
+/// and finishes the step: it is skipped, and master and the 16-bit copy are as they were
+/// (a gradient over the 16-bit copy is gone: the copy is the master's again). Returns
+/// the store.
+fn skip_a_step(grad: Grad) -> (tempfile::TempDir, ChunkStore) {
+    let (d, mut store, lp) = small_loop_with(Overlap::Off, None, grad);
     let mut lp = lp.unwrap();
-    let mut reference = Reference {
-        master: vec![],
-        m: vec![],
-        v: vec![],
-        moments: vec![],
-        moment_bytes: vec![],
-        p16: vec![],
-    };
+    let mut reference = Reference::default();
     write_initial(&mut store, &mut reference);
     let mut observe = |_: &ChunkStore| {};
+    let (list, place) = match grad {
+        Grad::InParam16 => (ListKind::Params, Place::Device),
+        Grad::GradsF32 => (ListKind::Grads, Place::Host),
+    };
     for i in (0..SIZES.len()).rev() {
-        // A gradient over the 16-bit copy, as backward leaves it.
         let t = TensorId(i as u32);
-        let g = store.access(t, ListKind::Params, Place::Device).unwrap();
+        let g = store.access(t, list, place).unwrap();
         store.bytes_mut(&g).unwrap().fill(0x5a);
         store.release(g, TensorState::HoldAfterBwd).unwrap();
         let sq = if i == 2 { f64::INFINITY } else { 1.0 };
@@ -483,47 +476,27 @@ fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
         let t = TensorId(i as u32);
         let got = store.read(t, ListKind::Master).unwrap();
         assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
-        // The gradient is gone: the 16-bit copy is the master's again.
         let got = store.read(t, ListKind::Params).unwrap();
         assert!(
             got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]),
             "w{i}: a skipped step left the gradient in the 16-bit copy"
         );
     }
+    (d, store)
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
+    skip_a_step(Grad::InParam16);
 }
 
 /// The same with fp32 gradients of their own: the 16-bit copy is cast again from the
 /// unchanged master, and every gradient is consumed unread — its chunks discarded.
 #[test]
 fn a_skipped_step_drops_fp32_gradients_and_changes_nothing() {
-    let (_d, mut store, lp) = small_loop_with(Overlap::Off, None, Grad::GradsF32);
-    let mut lp = lp.unwrap();
-    let mut reference = Reference {
-        master: vec![],
-        m: vec![],
-        v: vec![],
-        moments: vec![],
-        moment_bytes: vec![],
-        p16: vec![],
-    };
-    write_initial(&mut store, &mut reference);
-    let mut observe = |_: &ChunkStore| {};
-    for i in (0..SIZES.len()).rev() {
-        let t = TensorId(i as u32);
-        let g = store.access(t, ListKind::Grads, Place::Host).unwrap();
-        store.bytes_mut(&g).unwrap().fill(0x3c);
-        store.release(g, TensorState::HoldAfterBwd).unwrap();
-        let sq = if i == 2 { f64::INFINITY } else { 1.0 };
-        lp.grad_ready(t, sq).unwrap();
-    }
-    let outcome = lp.finish(&mut store, &mut observe).unwrap();
-    assert!(matches!(outcome.decision, StepDecision::Skip { .. }));
+    let (_d, store) = skip_a_step(Grad::GradsF32);
     for i in 0..SIZES.len() {
         let t = TensorId(i as u32);
-        let got = store.read(t, ListKind::Master).unwrap();
-        assert!(got == bytemuck::cast_slice::<f32, u8>(&reference.master[i]));
-        let got = store.read(t, ListKind::Params).unwrap();
-        assert!(got == bytemuck::cast_slice::<bf16, u8>(&reference.p16[i]));
         assert_eq!(store.state(t, ListKind::Grads), Some(TensorState::Free));
     }
     let grad_chunks = store.layout().list_chunk_count(ListKind::Grads);

@@ -45,8 +45,7 @@ impl ParamSpec {
 pub enum Precision {
     /// fp32 compute from the master copy; fp32 gradients in the layout's `Grads` list
     /// (4-byte slots, its chunks mirroring master's). Numerically the same as training
-    /// in memory. The layout's 16-bit copy of a
-    /// trainable parameter stays unused.
+    /// in memory. The layout's 16-bit copy of a trainable parameter stays unused.
     #[default]
     F32,
     /// The layout's mixed precision: compute reads the bf16 copy, the bf16 gradient
