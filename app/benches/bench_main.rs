@@ -4,6 +4,7 @@
 mod adamw;
 mod compress;
 mod io_engine;
+mod matmul;
 mod store;
 
 criterion::criterion_group!(
@@ -11,6 +12,7 @@ criterion::criterion_group!(
     io_engine::bench,
     compress::bench,
     adamw::bench,
+    matmul::bench,
     store::bench
 );
 criterion::criterion_main!(benches);

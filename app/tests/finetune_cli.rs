@@ -4,8 +4,8 @@
 //! resumed gives the very losses (bit for bit) of one never stopped; the export is a
 //! Hugging Face directory (with LoRA, a PEFT adapter); the README's example runs on the
 //! shipped `examples/finetune.toml`; bad input is refused naming the key or file (a
-//! budget too small for the chunks also says why they are that large), exit code 2 for
-//! configuration.
+//! budget too small for the chunks also says why they are that large; a `TIDESTORE_BLAS`
+//! that names no usable library), exit code 2 for configuration.
 
 use std::path::Path;
 use std::process::Output;
@@ -181,6 +181,20 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         err.contains("device.budget") && err.contains("io.block_size"),
         "{err}"
     );
+    // A matrix-product library that cannot be opened: refused before the model loads.
+    std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();
+    let out = std::process::Command::new(common::bin())
+        .current_dir(d.path())
+        .arg("finetune")
+        .env("TIDESTORE_BLAS", "/no/such/libopenblas.so")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TIDESTORE_BLAS=/no/such/libopenblas.so"),
+        "{err}"
+    );
     // A model directory without its weights.
     for f in std::fs::read_dir(d.path().join("model")).unwrap() {
         let p = f.unwrap().path();
@@ -265,6 +279,14 @@ fn the_shipped_finetune_example_runs_as_the_readme_says() {
         let loss = s["loss"].as_f64().expect("a loss");
         assert!(loss.is_finite() && loss > 0.0, "{s}");
     }
+    // Where the blocks computed, and with which matrix products (OpenBLAS where this
+    // machine has it).
+    assert_eq!(v["compute"], "cpu", "{json}");
+    assert_eq!(
+        v["matmul"].as_str(),
+        Some(tidestore_candle::blas::backend().unwrap().as_str()),
+        "{json}"
+    );
     // The budgets are small on purpose: the chunks really use all three tiers.
     let peak = v["peak_tier_bytes"].as_array().expect("peak per tier");
     assert!(

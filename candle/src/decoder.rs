@@ -24,6 +24,7 @@ use std::collections::HashMap;
 
 use candle_core::{Tensor, D};
 
+use crate::blas::matmul as mm;
 use crate::error::{Error, Result};
 use crate::llama::{causal_mask, rope_tables, Llama};
 use crate::source::ParamSource;
@@ -174,7 +175,7 @@ impl Llama {
         mode: Mode,
     ) -> Result<(Tensor, ProjSaved)> {
         let w = param(src, &format!("{name}.weight"), mode)?;
-        let mut y = x.matmul(&w.t()?)?;
+        let mut y = mm(x, &w.t()?)?;
         if self.biased(short) {
             y = y.broadcast_add(&param(src, &format!("{name}.bias"), mode)?)?;
         }
@@ -182,8 +183,8 @@ impl Llama {
         if let Some(l) = self.adapted(short) {
             let a = param(src, &format!("{name}.lora_A.weight"), mode)?;
             let bm = param(src, &format!("{name}.lora_B.weight"), mode)?;
-            let lo = x.matmul(&a.t()?)?;
-            let delta = lo.matmul(&bm.t()?)?;
+            let lo = mm(x, &a.t()?)?;
+            let delta = mm(&lo, &bm.t()?)?;
             y = (y + (delta * self.lora_scale(l))?)?;
             low = Some(lo);
         }
@@ -203,7 +204,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let (x, (w, trains)) = (&saved.x, trained(src, &format!("{name}.weight"))?);
         if trains {
-            add_grad(grads, format!("{name}.weight"), g.t()?.matmul(x)?)?;
+            add_grad(grads, format!("{name}.weight"), mm(&g.t()?, x)?)?;
         }
         if self.biased(short) {
             let bias = format!("{name}.bias");
@@ -211,19 +212,19 @@ impl Llama {
                 add_grad(grads, bias, g.sum(0)?)?;
             }
         }
-        let mut dx = g.matmul(&w)?;
+        let mut dx = mm(g, &w)?;
         if let (Some(low), Some(l)) = (&saved.low, self.adapted(short)) {
             let (a, a_trains) = trained(src, &format!("{name}.lora_A.weight"))?;
             let (bm, b_trains) = trained(src, &format!("{name}.lora_B.weight"))?;
             let gs = (g * self.lora_scale(l))?;
             if b_trains {
-                add_grad(grads, format!("{name}.lora_B.weight"), gs.t()?.matmul(low)?)?;
+                add_grad(grads, format!("{name}.lora_B.weight"), mm(&gs.t()?, low)?)?;
             }
-            let dlow = gs.matmul(&bm)?;
+            let dlow = mm(&gs, &bm)?;
             if a_trains {
-                add_grad(grads, format!("{name}.lora_A.weight"), dlow.t()?.matmul(x)?)?;
+                add_grad(grads, format!("{name}.lora_A.weight"), mm(&dlow.t()?, x)?)?;
             }
-            dx = (dx + dlow.matmul(&a)?)?;
+            dx = (dx + mm(&dlow, &a)?)?;
         }
         Ok(dx)
     }
@@ -497,7 +498,7 @@ impl Llama {
             self.config().rms_eps,
             mode,
         )?;
-        let logits = h.matmul(&param(src, &p[1].name, mode)?.t()?)?;
+        let logits = mm(&h, &param(src, &p[1].name, mode)?.t()?)?;
         Ok((logits.reshape((bs, t, self.config().vocab))?, h))
     }
 
@@ -566,9 +567,9 @@ impl Llama {
         let g2 = g.reshape((bs * t, self.config().vocab))?;
         let (w, trains) = trained(src, &p[1].name)?;
         if trains {
-            add_grad(grads, p[1].name.clone(), g2.t()?.matmul(h)?)?;
+            add_grad(grads, p[1].name.clone(), mm(&g2.t()?, h)?)?;
         }
-        let dh = g2.matmul(&w)?;
+        let dh = mm(&g2, &w)?;
         let (wn, wn_trains) = trained(src, &p[0].name)?;
         let x2 = x.reshape((bs * t, hidden))?;
         let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn_trains)?;

@@ -27,6 +27,10 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The CBLAS library named by `TIDESTORE_BLAS` cannot be opened or lacks
+    /// `cblas_sgemm`.
+    #[error("blas: {0}")]
+    Blas(String),
     /// A checkpoint could not be written or read.
     #[error("checkpoint {path}: {reason}")]
     Checkpoint {

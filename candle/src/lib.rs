@@ -7,6 +7,8 @@
 //!   (the one place where training meets the store: layout, budgets, gradients, the
 //!   step) on one side, candle tensors on the other. Its module doc lists every copy the
 //!   glue makes.
+//! - [`blas`]: the decoder's matrix products through OpenBLAS where it is installed
+//!   (loaded at run time), else candle's matmul.
 //! - [`checkpoint`]: save/load in tidestore's one checkpoint format (the trainer's),
 //!   and [`checkpoint::read_params`].
 //! - [`gpt`]: a small byte-level GPT (with optional LoRA) written against
@@ -36,6 +38,7 @@
 //!
 //! Nothing here prints; it logs through `tracing`.
 
+pub mod blas;
 pub mod checkpoint;
 #[cfg(feature = "gpu")]
 mod cuda;

@@ -217,11 +217,13 @@ fn compare(curves: &[LossCurve]) {
 fn print(r: &FinetuneReport) {
     out!("tidestore finetune: {}", r.model);
     out!(
-        "{} params, {} trained; text of {} tokens; blocks compute on {}{}",
+        "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
+         {}){}",
         r.params,
         r.params_trainable,
         r.text_tokens,
         r.compute,
+        r.matmul,
         r.resumed_from
             .map_or(String::new(), |s| format!("; resumed from step {s}"))
     );

@@ -50,6 +50,16 @@ fn cuda() -> Result<Device> {
     Ok(Device::Cpu)
 }
 
+/// What computes the blocks' matrix products on `device`, for the report: on the CPU
+/// OpenBLAS where it is installed, else candle's gemm (an error when `TIDESTORE_BLAS`
+/// names a library that cannot be used).
+pub(super) fn matmul(device: &Device) -> Result<String> {
+    match device {
+        Device::Cpu => Ok(tidestore_candle::blas::backend()?),
+        _ => Ok("cuBLAS (candle's CUDA backend)".into()),
+    }
+}
+
 /// The device in a word, for the report.
 pub(super) fn name(device: &Device) -> &'static str {
     match device {

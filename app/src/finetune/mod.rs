@@ -89,6 +89,9 @@ pub struct FinetuneReport {
     pub states: String,
     /// Where the blocks computed: `cpu`, or `cuda` (candle's CUDA backend).
     pub compute: String,
+    /// What computed their matrix products: on the CPU OpenBLAS (its build and library)
+    /// or candle's gemm (see `tidestore_candle::blas`), on a GPU cuBLAS.
+    pub matmul: String,
     /// Parameters.
     pub params: u64,
     /// Trained parameters.
@@ -133,6 +136,7 @@ impl FinetuneReport {
             model: loaded.describe(),
             states: cfg.optimizer.states.moments().to_string(),
             compute: "cpu".into(),
+            matmul: String::new(),
             params: loaded.params(),
             params_trainable: loaded.params_trainable(),
             text_tokens: samples.len() as u64,
@@ -231,6 +235,7 @@ pub fn run(
     checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
     let compute = compute::compute_device(params.trainer().store().device().kind())?;
     params.set_compute_device(&compute);
+    let matmul = compute::matmul(&compute)?;
     if compute.is_cuda() {
         activation_room(cfg, &loaded, &params)?;
     }
@@ -240,6 +245,7 @@ pub fn run(
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
     report.compute = compute::name(&compute).into();
+    report.matmul = matmul;
     progress.begin(first, t.steps);
     for step in first..=t.steps {
         let record = one_step(cfg, &loaded, &samples, &mut params, step)?;

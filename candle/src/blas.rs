@@ -1,0 +1,307 @@
+//! Matrix products on the CPU through OpenBLAS's `cblas_sgemm`, loaded at run time.
+//!
+//! candle's CPU matmul is the `gemm` crate's. `cargo bench --bench bench_main --
+//! matmul` measures both on the shapes of a 0.51B LLaMA's blocks: in one run on a 2-core
+//! AMD Zen 3 VM (AVX2), candle 87-113 GFLOP/s, OpenBLAS 108-144 (1.0-1.5x per shape).
+//! The decoder's products (every projection, forward and backward, and the head) go
+//! through [`matmul`]: with OpenBLAS there, it calls `cblas_sgemm`; without it,
+//! candle's matmul, unchanged. Attention's batched products stay candle's.
+//!
+//! The library is opened once, at first use, from `TIDESTORE_BLAS` when it is set (a
+//! file name or path of a CBLAS library; `off` keeps candle's matmul), else from
+//! `libopenblas.so.0` / `libopenblas.so` (Debian's `libopenblas0-serial`,
+//! `-pthread` or `-openmp`). No build needs it: a machine without it computes with
+//! candle's gemm, and [`backend`] says which one ran.
+//!
+//! Threads: OpenBLAS is told to use one (`openblas_set_num_threads(1)`), and a product
+//! is cut into as many bands as rayon has threads, each one call, on rayon's pool — the
+//! pool candle's own operations use. A threaded OpenBLAS would run a pool of its own
+//! beside rayon's, on the cores that candle's next operation and the store's threads
+//! need. The cut is fixed by the thread count, so a run repeats its results bit for bit.
+//!
+//! Results differ from candle's by f32 rounding (another summation order): the tests
+//! hold both to an f64 product for every transposition, offsets and band cut.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+
+/// The environment variable that names the CBLAS library (or `off`).
+pub const BLAS_ENV: &str = "TIDESTORE_BLAS";
+
+/// Library names tried when [`BLAS_ENV`] is unset.
+const DEFAULT_NAMES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+
+/// Below this many multiply-adds a product is one call (a band would cost more in
+/// scheduling than it saves).
+const SPLIT_MIN_MACS: usize = 1 << 22;
+
+/// Fewest rows or columns in one band.
+const BAND_MIN: usize = 32;
+
+const CBLAS_ROW_MAJOR: c_int = 101;
+const CBLAS_NO_TRANS: c_int = 111;
+const CBLAS_TRANS: c_int = 112;
+
+type Sgemm = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    f32,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    f32,
+    *mut f32,
+    c_int,
+);
+
+/// An opened CBLAS library.
+struct Blas {
+    /// Keeps `sgemm` valid.
+    _lib: libloading::Library,
+    sgemm: Sgemm,
+    /// The library's name and, for OpenBLAS, its build (`openblas_get_config`).
+    name: String,
+}
+
+/// `Ok(None)`: candle's matmul (`off`, or no default library found). `Err`: the named
+/// library could not be used.
+static BLAS: OnceLock<std::result::Result<Option<Blas>, String>> = OnceLock::new();
+
+fn blas() -> &'static std::result::Result<Option<Blas>, String> {
+    BLAS.get_or_init(|| match std::env::var(BLAS_ENV) {
+        Ok(v) if v == "off" => Ok(None),
+        Ok(v) => open(&v)
+            .map(Some)
+            .map_err(|e| format!("{BLAS_ENV}={v}: {e}")),
+        Err(_) => Ok(DEFAULT_NAMES.iter().find_map(|n| open(n).ok())),
+    })
+}
+
+/// What computes the decoder's matrix products on the CPU, in words; an error when
+/// [`BLAS_ENV`] names a library that cannot be opened or has no `cblas_sgemm`.
+pub fn backend() -> Result<String> {
+    match blas() {
+        Ok(Some(b)) => Ok(b.name.clone()),
+        Ok(None) => Ok("candle (gemm crate)".into()),
+        Err(e) => Err(Error::Blas(e.clone())),
+    }
+}
+
+fn open(name: &str) -> std::result::Result<Blas, String> {
+    // SAFETY: loading runs the library's initialisers; a CBLAS library's (OpenBLAS:
+    // CPU detection, its thread pool) may run at any time in any thread.
+    let lib = unsafe { libloading::Library::new(name) }.map_err(|e| e.to_string())?;
+    // SAFETY: `Sgemm` is `cblas_sgemm`'s C signature (CBLAS reference, enums as int).
+    let sgemm: Sgemm = *unsafe { lib.get::<Sgemm>(b"cblas_sgemm\0") }.map_err(|e| e.to_string())?;
+    type SetThreads = unsafe extern "C" fn(c_int);
+    type GetConfig = unsafe extern "C" fn() -> *const c_char;
+    // SAFETY: OpenBLAS's `void openblas_set_num_threads(int)`.
+    let set_threads = unsafe { lib.get::<SetThreads>(b"openblas_set_num_threads\0") };
+    if let Ok(set) = set_threads {
+        // SAFETY: any positive count is valid; it only sizes OpenBLAS's own pool.
+        unsafe { set(1) };
+    }
+    // SAFETY: OpenBLAS's `char *openblas_get_config(void)`.
+    let get_config = unsafe { lib.get::<GetConfig>(b"openblas_get_config\0") };
+    let mut label = name.to_owned();
+    if let Ok(config) = get_config {
+        // SAFETY: it returns a static NUL-terminated string (or null).
+        let ptr = unsafe { config() };
+        if !ptr.is_null() {
+            // SAFETY: non-null, NUL-terminated, static (checked above).
+            let s = unsafe { CStr::from_ptr(ptr) };
+            label = format!("{} ({name})", s.to_string_lossy().trim());
+        }
+    }
+    tracing::info!(library = %label, "blas: matrix products through cblas_sgemm");
+    Ok(Blas {
+        _lib: lib,
+        sgemm,
+        name: label,
+    })
+}
+
+/// A 2-D f32 operand as CBLAS sees it (row-major storage).
+#[derive(Clone, Copy)]
+struct Operand {
+    /// Element offset of `(0, 0)` in the storage.
+    offset: usize,
+    /// Stored transposed (the logical matrix's columns are storage rows).
+    trans: bool,
+    /// Leading dimension: elements between storage rows.
+    ld: usize,
+}
+
+impl Operand {
+    /// `t`'s layout as a row-major matrix or the transpose of one; `None` for any other
+    /// striding (broadcasts, every other row, …).
+    fn of(t: &Tensor) -> Option<Operand> {
+        let (rows, cols) = t.dims2().ok()?;
+        let l = t.layout();
+        let (s0, s1) = (l.stride()[0], l.stride()[1]);
+        let offset = l.start_offset();
+        if s1 == 1 && s0 >= cols.max(1) {
+            Some(Operand {
+                offset,
+                trans: false,
+                ld: s0,
+            })
+        } else if s0 == 1 && s1 >= rows.max(1) {
+            Some(Operand {
+                offset,
+                trans: true,
+                ld: s1,
+            })
+        } else {
+            None
+        }
+    }
+
+    /// The operand from logical row `r` and column `c` on.
+    fn at(self, r: usize, c: usize) -> Operand {
+        let offset = if self.trans {
+            self.offset + c * self.ld + r
+        } else {
+            self.offset + r * self.ld + c
+        };
+        Operand { offset, ..self }
+    }
+
+    /// One past the last storage element of the `(rows, cols)` matrix it addresses.
+    fn end(self, rows: usize, cols: usize) -> usize {
+        let (r, c) = if self.trans {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        self.offset + (r - 1) * self.ld + c
+    }
+
+    fn flag(self) -> c_int {
+        if self.trans {
+            CBLAS_TRANS
+        } else {
+            CBLAS_NO_TRANS
+        }
+    }
+}
+
+/// `a · b` for 2-D `a` `(m, k)` and `b` `(k, n)`: through `cblas_sgemm` when a CBLAS
+/// library is open and both are f32 CPU tensors that no autograd graph tracks (a graph
+/// needs candle's own matmul to differentiate), else candle's matmul.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let Ok(Some(blas)) = blas() else {
+        return Ok(a.matmul(b)?);
+    };
+    match product(blas, a, b)? {
+        Some(c) => Ok(c),
+        None => Ok(a.matmul(b)?),
+    }
+}
+
+/// `None` where `cblas_sgemm` does not apply.
+fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+    if a.track_op() || b.track_op() || !matches!(a.device(), Device::Cpu) || a.rank() != 2 {
+        return Ok(None);
+    }
+    let (Ok((m, k)), Ok((k2, n))) = (a.dims2(), b.dims2()) else {
+        return Ok(None);
+    };
+    let (Some(oa), Some(ob)) = (Operand::of(a), Operand::of(b)) else {
+        return Ok(None);
+    };
+    let fits = |x: usize| c_int::try_from(x).is_ok();
+    if k != k2 || m == 0 || n == 0 || k == 0 || ![m, n, k, oa.ld, ob.ld].into_iter().all(fits) {
+        return Ok(None);
+    }
+    let (sa, _) = a.storage_and_layout();
+    let (sb, _) = b.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::F32(db))) = (&*sa, &*sb)
+    else {
+        return Ok(None);
+    };
+    if oa.end(m, k) > da.len() || ob.end(k, n) > db.len() {
+        return Ok(None);
+    }
+    let mut c = vec![0f32; m * n];
+    gemm_banded(blas.sgemm, (m, n, k), (da, oa), (db, ob), &mut c);
+    drop((sa, sb));
+    Ok(Some(Tensor::from_vec(c, (m, n), &Device::Cpu)?))
+}
+
+/// `c = a · b`, cut into bands of rows across rayon's threads (each band reads all of
+/// `b`; on a 2-core Zen 3 rows beat columns for every projection shape, the weight's
+/// gradient included).
+fn gemm_banded(
+    sgemm: Sgemm,
+    (m, n, k): (usize, usize, usize),
+    (da, oa): (&[f32], Operand),
+    (db, ob): (&[f32], Operand),
+    c: &mut [f32],
+) {
+    let bands = if m * n * k < SPLIT_MIN_MACS {
+        1
+    } else {
+        rayon::current_num_threads().min(m / BAND_MIN).max(1)
+    };
+    let rows = m.div_ceil(bands);
+    let band = |(i, c): (usize, &mut [f32])| {
+        let r0 = i * rows;
+        let mm = c.len() / n;
+        // SAFETY: `a` from row `r0` addresses `mm` rows of `da` and `b` all of `db`,
+        // both inside their slices (checked by `product` against the whole matrices);
+        // `c` is this band's `mm × n` rows, borrowed by it alone.
+        unsafe { sgemm_band(sgemm, (mm, n, k), (da, oa.at(r0, 0)), (db, ob), c) };
+    };
+    if bands == 1 {
+        band((0, c));
+    } else {
+        c.par_chunks_mut(rows * n).enumerate().for_each(band);
+    }
+}
+
+/// One `cblas_sgemm` call: `c (mm, n), row-major = a · b`.
+///
+/// # Safety
+/// `a` is a valid `(mm, k)` operand over `da` and `b` a valid `(k, n)` one over `db`:
+/// every element they address is in bounds. `c` holds `mm · n` elements.
+unsafe fn sgemm_band(
+    sgemm: Sgemm,
+    (mm, n, k): (usize, usize, usize),
+    (da, a): (&[f32], Operand),
+    (db, b): (&[f32], Operand),
+    c: &mut [f32],
+) {
+    debug_assert_eq!(c.len(), mm * n);
+    let dim = |x: usize| x as c_int; // every size was checked to fit a c_int
+                                     // SAFETY: the caller's contract: the reads stay inside `da` and `db`, and the
+                                     // writes inside `c` (`mm` rows of `n`, leading dimension `n`).
+    unsafe {
+        sgemm(
+            CBLAS_ROW_MAJOR,
+            a.flag(),
+            b.flag(),
+            dim(mm),
+            dim(n),
+            dim(k),
+            1.0,
+            da.as_ptr().add(a.offset),
+            dim(a.ld),
+            db.as_ptr().add(b.offset),
+            dim(b.ld),
+            0.0,
+            c.as_mut_ptr(),
+            dim(n),
+        )
+    }
+}
