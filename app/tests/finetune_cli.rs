@@ -279,6 +279,19 @@ fn the_shipped_finetune_example_runs_as_the_readme_says() {
         let loss = s["loss"].as_f64().expect("a loss");
         assert!(loss.is_finite() && loss > 0.0, "{s}");
     }
+    // Each step's NVMe traffic, within the run's (which counts the import too); the
+    // small budgets make the steps read from NVMe.
+    let per_step = |k: &str| steps.iter().map(|s| s[k].as_u64().expect(k)).sum::<u64>();
+    let total = v["nvme_bytes"].as_array().expect("nvme_bytes");
+    assert!(per_step("nvme_read_bytes") > 0, "{json}");
+    assert!(
+        per_step("nvme_read_bytes") <= total[0].as_u64().unwrap(),
+        "{json}"
+    );
+    assert!(
+        per_step("nvme_written_bytes") <= total[1].as_u64().unwrap(),
+        "{json}"
+    );
     // Where the blocks computed, and with which matrix products (OpenBLAS where this
     // machine has it).
     assert_eq!(v["compute"], "cpu", "{json}");

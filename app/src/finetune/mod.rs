@@ -74,6 +74,11 @@ pub struct StepRecord {
     pub store_seconds: f64,
     /// Of which the optimizer step.
     pub optimizer_seconds: f64,
+    /// Bytes read from NVMe during the step (its disk time is this over the disk's
+    /// read rate, to hold against `store_seconds`).
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe during the step.
+    pub nvme_written_bytes: u64,
     /// Global gradient norm (0 for a skipped step).
     pub grad_norm: f64,
 }
@@ -392,6 +397,7 @@ fn one_step(
 ) -> Result<StepRecord> {
     let t = &cfg.train;
     let started = Instant::now();
+    let before = params.stats();
     let lr = t.lr_at(step, cfg.optimizer.lr);
     params.set_lr(lr as f32)?;
     let mut loss_tokens = 0;
@@ -409,6 +415,7 @@ fn one_step(
         return Err(checks::non_finite_step(step, s.loss, tensor, applied));
     }
     let tokens = u64::from(t.accumulation) * u64::from(t.micro_batch) * u64::from(t.sequence);
+    let after = params.stats();
     Ok(StepRecord {
         step,
         loss: s.loss,
@@ -419,6 +426,8 @@ fn one_step(
         compute_seconds: s.times.compute.as_secs_f64(),
         store_seconds: s.times.store.as_secs_f64(),
         optimizer_seconds: s.times.optimizer.as_secs_f64(),
+        nvme_read_bytes: after.nvme_to_host_bytes - before.nvme_to_host_bytes,
+        nvme_written_bytes: after.host_to_nvme_bytes - before.host_to_nvme_bytes,
         grad_norm: match s.decision {
             StepDecision::Apply { grad_norm, .. } => grad_norm,
             StepDecision::Skip { .. } => 0.0,
