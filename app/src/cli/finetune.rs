@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::finetune::{self, FinetuneProgress, FinetuneReport, StepRecord};
+use crate::finetune::{self, DataSummary, FinetuneProgress, FinetuneReport, StepRecord};
 use crate::loss_plot::{draw_loss_curves, final_loss, LossCurve};
 use crate::plan::human_bytes;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -214,20 +214,8 @@ fn compare(curves: &[LossCurve]) {
     }
 }
 
-fn print(r: &FinetuneReport) {
-    out!("tidestore finetune: {}", r.model);
-    out!(
-        "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
-         {}){}",
-        r.params,
-        r.params_trainable,
-        r.text_tokens,
-        r.compute,
-        r.matmul,
-        r.resumed_from
-            .map_or(String::new(), |s| format!("; resumed from step {s}"))
-    );
-    let d = &r.data;
+/// What the data file gave, for a JSONL file (a text file says nothing more).
+fn print_data(d: &DataSummary) {
     if d.format != "text" {
         out!(
             "data ({}): {} records, {} samples trained on ({} truncated); left out: {} longer \
@@ -243,6 +231,23 @@ fn print(r: &FinetuneReport) {
             d.padding_tokens
         );
     }
+}
+
+fn print(r: &FinetuneReport) {
+    out!("tidestore finetune: {}", r.model);
+    let resumed = r
+        .resumed_from
+        .map_or(String::new(), |s| format!("; resumed from step {s}"));
+    out!(
+        "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
+         {}){resumed}",
+        r.params,
+        r.params_trainable,
+        r.text_tokens,
+        r.compute,
+        r.matmul,
+    );
+    print_data(&r.data);
     let (Some(first), Some(last)) = (r.steps.first(), r.steps.last()) else {
         out!("no step run (train.steps already reached)");
         return;
