@@ -7,7 +7,9 @@
 //! - `{q,kv,up,down}/fwd`: a projection's forward, `x · Wᵀ`;
 //! - `up/dx`: its input's gradient, `g · W`;
 //! - `up/dw`: its weight's gradient, `gᵀ · x`;
-//! - `head/fwd`, `head/dw`: the head's.
+//! - `head/fwd`, `head/dw`: the head's;
+//! - `attn/qk`, `attn/pv`: attention's batched products (8 key-value groups of
+//!   `2 · 512` query rows against 512 keys, 128 wide): `q · kᵀ` and `P · v`.
 //!
 //! Each shape is measured with both, one after the other, so each pair is side by side.
 //! Throughput is in floating-point operations (`2·m·k·n`): criterion's `thrpt` is
@@ -19,23 +21,33 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use criterion::{Criterion, Throughput};
 
-/// `(name, m, k, n, how the operands are stored)`: `nt` is `a (m, k) · (b (n, k))ᵀ`,
-/// `nn` `a (m, k) · b (k, n)`, `tn` `(a (k, m))ᵀ · b (k, n)`.
-const SHAPES: [(&str, usize, usize, usize, &str); 8] = [
-    ("q/fwd", 512, 2048, 2048, "nt"),
-    ("kv/fwd", 512, 2048, 1024, "nt"),
-    ("up/fwd", 512, 2048, 5632, "nt"),
-    ("down/fwd", 512, 5632, 2048, "nt"),
-    ("up/dx", 512, 5632, 2048, "nn"),
-    ("up/dw", 5632, 512, 2048, "tn"),
-    ("head/fwd", 512, 2048, 32000, "nt"),
-    ("head/dw", 32000, 512, 2048, "tn"),
+/// `(name, batch, m, k, n, how the operands are stored)`: `nt` is `a (m, k) · (b (n,
+/// k))ᵀ`, `nn` `a (m, k) · b (k, n)`, `tn` `(a (k, m))ᵀ · b (k, n)`; a batch of 1 is
+/// one 2-D product.
+const SHAPES: [(&str, usize, usize, usize, usize, &str); 10] = [
+    ("q/fwd", 1, 512, 2048, 2048, "nt"),
+    ("kv/fwd", 1, 512, 2048, 1024, "nt"),
+    ("up/fwd", 1, 512, 2048, 5632, "nt"),
+    ("down/fwd", 1, 512, 5632, 2048, "nt"),
+    ("up/dx", 1, 512, 5632, 2048, "nn"),
+    ("up/dw", 1, 5632, 512, 2048, "tn"),
+    ("head/fwd", 1, 512, 2048, 32000, "nt"),
+    ("head/dw", 1, 32000, 512, 2048, "tn"),
+    ("attn/qk", 8, 1024, 128, 512, "nt"),
+    ("attn/pv", 8, 1024, 512, 128, "nn"),
 ];
 
-fn operands(m: usize, k: usize, n: usize, how: &str) -> (Tensor, Tensor) {
+fn operands(batch: usize, m: usize, k: usize, n: usize, how: &str) -> (Tensor, Tensor) {
     let cpu = &Device::Cpu;
-    let rand = |r, c| Tensor::randn(0f32, 1.0, (r, c), cpu).expect("a CPU tensor");
-    let t = |x: Tensor| x.t().expect("2-D");
+    let rand = |r, c| {
+        let t = Tensor::randn(0f32, 1.0, (batch, r, c), cpu).expect("a CPU tensor");
+        if batch == 1 {
+            t.squeeze(0).expect("a batch of 1")
+        } else {
+            t
+        }
+    };
+    let t = |x: Tensor| x.t().expect("the last two dimensions");
     match how {
         "nt" => (rand(m, k), t(rand(n, k))),
         "nn" => (rand(m, k), rand(k, n)),
@@ -54,9 +66,9 @@ pub fn bench(c: &mut Criterion) {
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    for (name, m, k, n, how) in SHAPES {
-        let (a, b) = operands(m, k, n, how);
-        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+    for (name, batch, m, k, n, how) in SHAPES {
+        let (a, b) = operands(batch, m, k, n, how);
+        group.throughput(Throughput::Elements((2 * batch * m * k * n) as u64));
         group.bench_function(format!("{name}/candle"), |bench| {
             bench.iter(|| black_box(a.matmul(&b).expect("matching shapes")))
         });

@@ -4,8 +4,8 @@
 //! matmul` measures both on the shapes of a 0.51B LLaMA's blocks: in one run on a 2-core
 //! AMD Zen 3 VM (AVX2), candle 87-113 GFLOP/s, OpenBLAS 108-144 (1.0-1.5x per shape).
 //! The decoder's products (every projection, forward and backward, and the head) go
-//! through [`matmul`]: with OpenBLAS there, it calls `cblas_sgemm`; without it,
-//! candle's matmul, unchanged. Attention's batched products stay candle's.
+//! through [`matmul`], and so do attention's batched products: with OpenBLAS there, it
+//! calls `cblas_sgemm`; without it, candle's matmul, unchanged.
 //!
 //! The library is opened once, at first use, from `TIDESTORE_BLAS` when it is set (a
 //! file name or path of a CBLAS library; `off` keeps candle's matmul), else from
@@ -140,30 +140,44 @@ struct Operand {
     trans: bool,
     /// Leading dimension: elements between storage rows.
     ld: usize,
+    /// Elements between the matrices of a batch (0 for one matrix).
+    batch_stride: usize,
 }
 
 impl Operand {
-    /// `t`'s layout as a row-major matrix or the transpose of one; `None` for any other
-    /// striding (broadcasts, every other row, …).
+    /// `t`'s layout (its last two dimensions; a 3-D tensor is a batch of matrices) as a
+    /// row-major matrix or the transpose of one; `None` for any other striding
+    /// (broadcasts, every other row, …).
     fn of(t: &Tensor) -> Option<Operand> {
-        let (rows, cols) = t.dims2().ok()?;
-        let l = t.layout();
-        let (s0, s1) = (l.stride()[0], l.stride()[1]);
-        let offset = l.start_offset();
-        if s1 == 1 && s0 >= cols.max(1) {
-            Some(Operand {
-                offset,
-                trans: false,
-                ld: s0,
-            })
+        let (dims, stride) = (t.dims(), t.layout().stride());
+        let r = dims.len();
+        if !(2..=3).contains(&r) {
+            return None;
+        }
+        let (rows, cols) = (dims[r - 2], dims[r - 1]);
+        let (s0, s1) = (stride[r - 2], stride[r - 1]);
+        let offset = t.layout().start_offset();
+        let batch_stride = if r == 3 { stride[0] } else { 0 };
+        let (trans, ld) = if s1 == 1 && s0 >= cols.max(1) {
+            (false, s0)
         } else if s0 == 1 && s1 >= rows.max(1) {
-            Some(Operand {
-                offset,
-                trans: true,
-                ld: s1,
-            })
+            (true, s1)
         } else {
-            None
+            return None;
+        };
+        Some(Operand {
+            offset,
+            trans,
+            ld,
+            batch_stride,
+        })
+    }
+
+    /// Matrix `i` of the batch.
+    fn batch(self, i: usize) -> Operand {
+        Operand {
+            offset: self.offset + i * self.batch_stride,
+            ..self
         }
     }
 
@@ -177,14 +191,15 @@ impl Operand {
         Operand { offset, ..self }
     }
 
-    /// One past the last storage element of the `(rows, cols)` matrix it addresses.
-    fn end(self, rows: usize, cols: usize) -> usize {
+    /// One past the last storage element of the `batch` matrices of `(rows, cols)` it
+    /// addresses.
+    fn end(self, batch: usize, rows: usize, cols: usize) -> usize {
         let (r, c) = if self.trans {
             (cols, rows)
         } else {
             (rows, cols)
         };
-        self.offset + (r - 1) * self.ld + c
+        self.offset + (batch - 1) * self.batch_stride + (r - 1) * self.ld + c
     }
 
     fn flag(self) -> c_int {
@@ -196,9 +211,10 @@ impl Operand {
     }
 }
 
-/// `a · b` for 2-D `a` `(m, k)` and `b` `(k, n)`: through `cblas_sgemm` when a CBLAS
-/// library is open and both are f32 CPU tensors that no autograd graph tracks (a graph
-/// needs candle's own matmul to differentiate), else candle's matmul.
+/// `a · b` for 2-D `a` `(m, k)` and `b` `(k, n)`, or batches of them (3-D, one batch
+/// size): through `cblas_sgemm` when a CBLAS library is open and both are f32 CPU
+/// tensors that no autograd graph tracks (a graph needs candle's own matmul to
+/// differentiate), else candle's matmul.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let Ok(Some(blas)) = blas() else {
         return Ok(a.matmul(b)?);
@@ -209,19 +225,27 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `(batch, m, k, n)` of a product candle's matmul would take without broadcasting.
+fn sizes(a: &Tensor, b: &Tensor) -> Option<(usize, usize, usize, usize)> {
+    match (a.dims(), b.dims()) {
+        (&[m, k], &[k2, n]) if k == k2 => Some((1, m, k, n)),
+        (&[ba, m, k], &[bb, k2, n]) if k == k2 && ba == bb => Some((ba, m, k, n)),
+        _ => None,
+    }
+}
+
 /// `None` where `cblas_sgemm` does not apply.
 fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-    if a.track_op() || b.track_op() || !matches!(a.device(), Device::Cpu) || a.rank() != 2 {
+    if a.track_op() || b.track_op() || !matches!(a.device(), Device::Cpu) {
         return Ok(None);
     }
-    let (Ok((m, k)), Ok((k2, n))) = (a.dims2(), b.dims2()) else {
-        return Ok(None);
-    };
-    let (Some(oa), Some(ob)) = (Operand::of(a), Operand::of(b)) else {
+    let (Some((batch, m, k, n)), Some(oa), Some(ob)) =
+        (sizes(a, b), Operand::of(a), Operand::of(b))
+    else {
         return Ok(None);
     };
     let fits = |x: usize| c_int::try_from(x).is_ok();
-    if k != k2 || m == 0 || n == 0 || k == 0 || ![m, n, k, oa.ld, ob.ld].into_iter().all(fits) {
+    if [batch, m, n, k].contains(&0) || ![m, n, k, oa.ld, ob.ld].into_iter().all(fits) {
         return Ok(None);
     }
     let (sa, _) = a.storage_and_layout();
@@ -230,29 +254,45 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     else {
         return Ok(None);
     };
-    if oa.end(m, k) > da.len() || ob.end(k, n) > db.len() {
+    if oa.end(batch, m, k) > da.len() || ob.end(batch, k, n) > db.len() {
         return Ok(None);
     }
-    let mut c = vec![0f32; m * n];
-    gemm_banded(blas.sgemm, (m, n, k), (da, oa), (db, ob), &mut c);
+    let mut c = vec![0f32; batch * m * n];
+    let threads = rayon::current_num_threads();
+    let each = |(i, c): (usize, &mut [f32])| {
+        let (a, b) = ((da.as_slice(), oa.batch(i)), (db.as_slice(), ob.batch(i)));
+        gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch));
+    };
+    if batch == 1 {
+        each((0, &mut c));
+    } else {
+        // The matrices across the pool; each in bands only where the batch is smaller
+        // than the pool (a batch as large as the pool: one call per matrix).
+        c.par_chunks_mut(m * n).enumerate().for_each(each);
+    }
     drop((sa, sb));
-    Ok(Some(Tensor::from_vec(c, (m, n), &Device::Cpu)?))
+    let c = Tensor::from_vec(c, (batch * m, n), &Device::Cpu)?;
+    Ok(Some(match a.rank() {
+        2 => c,
+        _ => c.reshape((batch, m, n))?,
+    }))
 }
 
-/// `c = a · b`, cut into bands of rows across rayon's threads (each band reads all of
-/// `b`; on a 2-core Zen 3 rows beat columns for every projection shape, the weight's
-/// gradient included).
+/// `c = a · b`, cut into at most `threads` bands of rows on rayon's pool (each band reads
+/// all of `b`; on a 2-core Zen 3 rows beat columns for every projection shape, the
+/// weight's gradient included).
 fn gemm_banded(
     sgemm: Sgemm,
     (m, n, k): (usize, usize, usize),
     (da, oa): (&[f32], Operand),
     (db, ob): (&[f32], Operand),
     c: &mut [f32],
+    threads: usize,
 ) {
     let bands = if m * n * k < SPLIT_MIN_MACS {
         1
     } else {
-        rayon::current_num_threads().min(m / BAND_MIN).max(1)
+        threads.min(m / BAND_MIN).max(1)
     };
     let rows = m.div_ceil(bands);
     let band = |(i, c): (usize, &mut [f32])| {

@@ -297,15 +297,14 @@ impl Llama {
         let q = rotate(&qkv[0].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, rep * t, hd))?;
         let k = rotate(&qkv[1].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, t, hd))?;
         let v = qkv[2].0.reshape((bs * c.kv_heads, t, hd))?;
-        let s = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
+        let s = (mm(&q, &k.t()?)? / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
         let s = s.broadcast_add(&causal_mask(t, self.arch().sliding_window, x.device())?)?;
         let probs = match mode {
             Mode::Fused => candle_nn::ops::softmax_last_dim(&s)?,
             Mode::Graph => candle_nn::ops::softmax(&s, D::Minus1)?,
         }
         .reshape((bs * c.kv_heads, rep * t, t))?;
-        let o = probs
-            .matmul(&v)?
+        let o = mm(&probs, &v)?
             .reshape((bs, c.heads, t, hd))?
             .transpose(1, 2)?
             .reshape((rows, c.heads * hd))?;
@@ -421,12 +420,12 @@ impl Llama {
             .reshape((bs, t, c.heads, hd))?
             .transpose(1, 2)?
             .reshape((bs * c.kv_heads, rep * t, hd))?;
-        let dp = d_o.matmul(&s.v.t()?)?;
-        let dv = s.p.t()?.matmul(&d_o)?;
+        let dp = mm(&d_o, &s.v.t()?)?;
+        let dv = mm(&s.p.t()?, &d_o)?;
         let ds = ((&s.p * dp.broadcast_sub(&(&s.p * &dp)?.sum_keepdim(D::Minus1)?)?)?
             / (hd as f64).sqrt())?;
-        let dq = ds.matmul(&s.k)?.reshape((bs, c.heads, t, hd))?;
-        let dk = ds.t()?.matmul(&s.q)?.reshape((bs, c.kv_heads, t, hd))?;
+        let dq = mm(&ds, &s.k)?.reshape((bs, c.heads, t, hd))?;
+        let dk = mm(&ds.t()?, &s.q)?.reshape((bs, c.kv_heads, t, hd))?;
         Ok([
             rotate(&dq, &s.cos, &s.sin, true)?,
             rotate(&dk, &s.cos, &s.sin, true)?,

@@ -2,8 +2,9 @@
 //! OpenBLAS: for every transposition of either operand, operands that start inside a
 //! larger tensor (an offset, a leading dimension past the row), and products cut into
 //! uneven bands across threads, it must equal an f64 reference to f32 rounding, as
-//! candle's matmul does; where `cblas_sgemm` does not apply (a tracked graph, a
-//! broadcast operand, a batch) it must be candle's matmul, bit for bit.
+//! candle's matmul does, and so must batches of products (attention's); where
+//! `cblas_sgemm` does not apply (a tracked graph, a broadcast operand, a 4-D batch) it
+//! must be candle's matmul, bit for bit.
 //!
 //! Without OpenBLAS on the machine (`libopenblas.so.0`; Debian's `libopenblas0`) the
 //! OpenBLAS comparisons are skipped, saying so: they would compare candle with itself.
@@ -151,12 +152,58 @@ fn where_sgemm_does_not_apply_the_product_is_candles() {
     // A broadcast operand (row stride 0).
     let row = filled(1, 20, 7).broadcast_as((33, 20)).unwrap();
     same(&row, &b, "broadcast");
-    // A batch of products (3-D).
-    let a3 = Tensor::stack(&[&a, &a], 0).unwrap();
-    let b3 = Tensor::stack(&[&b, &b], 0).unwrap();
-    let got = blas::matmul(&a3, &b3).unwrap();
+    // A 4-D batch, and a batch against one matrix (candle broadcasts neither here).
+    let a4 = Tensor::stack(&[&a, &a], 0).unwrap().unsqueeze(0).unwrap();
+    let b4 = Tensor::stack(&[&b, &b], 0).unwrap().unsqueeze(0).unwrap();
+    let got = blas::matmul(&a4, &b4).unwrap();
+    let want = a4.matmul(&b4).unwrap();
     assert_eq!(
-        got.to_vec3::<f32>().unwrap(),
-        a3.matmul(&b3).unwrap().to_vec3::<f32>().unwrap()
+        got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        "4-D"
     );
+    let a3 = Tensor::stack(&[&a, &a], 0).unwrap();
+    assert!(
+        blas::matmul(&a3, &b).is_err() == a3.matmul(&b).is_err(),
+        "3-D · 2-D"
+    );
+}
+
+/// Attention's products: batches of matrices, as stored and transposed, a batch smaller
+/// than the pool (each matrix in bands) and larger (one call per matrix).
+#[test]
+fn batches_equal_the_f64_product() {
+    if !blas_present() {
+        return;
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for (batch, m, k, n) in [(2, 260, 40, 530), (5, 33, 17, 29)] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let mats = |rows: usize, cols: usize, seed: u32| {
+                let each: Vec<Tensor> = (0..batch as u32)
+                    .map(|i| filled(rows, cols, seed + i))
+                    .collect();
+                Tensor::stack(&each, 0).unwrap()
+            };
+            // Transposed as attention's are: the stored batch's last two dimensions.
+            let a = match ta {
+                true => mats(k, m, 10).transpose(1, 2).unwrap(),
+                false => mats(m, k, 10),
+            };
+            let b = match tb {
+                true => mats(n, k, 20).transpose(1, 2).unwrap(),
+                false => mats(k, n, 20),
+            };
+            let c = pool.install(|| blas::matmul(&a, &b)).unwrap();
+            assert_eq!(c.dims(), [batch, m, n]);
+            for i in 0..batch {
+                let at = |t: &Tensor| t.get(i).unwrap();
+                let what = format!("matrix {i} of {batch}: a transposed {ta}, b transposed {tb}");
+                assert_product(&at(&a), &at(&b), &at(&c), &what);
+            }
+        }
+    }
 }
