@@ -261,7 +261,10 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     let threads = rayon::current_num_threads();
     let each = |(i, c): (usize, &mut [f32])| {
         let (a, b) = ((da.as_slice(), oa.batch(i)), (db.as_slice(), ob.batch(i)));
-        gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch));
+        // SAFETY: matrix `i` of each operand lies inside its storage (the batch's last
+        // element was checked against the slices above), and `c` is that matrix's
+        // `m × n` part of the output.
+        unsafe { gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch)) };
     };
     if batch == 1 {
         each((0, &mut c));
@@ -281,7 +284,11 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
 /// `c = a · b`, cut into at most `threads` bands of rows on rayon's pool (each band reads
 /// all of `b`; on a 2-core Zen 3 rows beat columns for every projection shape, the
 /// weight's gradient included).
-fn gemm_banded(
+///
+/// # Safety
+/// `oa` is a valid `(m, k)` operand over `da` and `ob` a valid `(k, n)` one over `db`:
+/// every element they address is in bounds. `c` holds `m · n` elements.
+unsafe fn gemm_banded(
     sgemm: Sgemm,
     (m, n, k): (usize, usize, usize),
     (da, oa): (&[f32], Operand),
@@ -298,9 +305,9 @@ fn gemm_banded(
     let band = |(i, c): (usize, &mut [f32])| {
         let r0 = i * rows;
         let mm = c.len() / n;
-        // SAFETY: `a` from row `r0` addresses `mm` rows of `da` and `b` all of `db`,
-        // both inside their slices (checked by `product` against the whole matrices);
-        // `c` is this band's `mm × n` rows, borrowed by it alone.
+        // SAFETY: `a` from row `r0` addresses `mm` of the `m` rows of `da` that the
+        // caller vouches for, and `b` all of `db`'s; `c` is this band's `mm × n` rows,
+        // borrowed by it alone.
         unsafe { sgemm_band(sgemm, (mm, n, k), (da, oa.at(r0, 0)), (db, ob), c) };
     };
     if bands == 1 {
@@ -323,9 +330,10 @@ unsafe fn sgemm_band(
     c: &mut [f32],
 ) {
     debug_assert_eq!(c.len(), mm * n);
-    let dim = |x: usize| x as c_int; // every size was checked to fit a c_int
-                                     // SAFETY: the caller's contract: the reads stay inside `da` and `db`, and the
-                                     // writes inside `c` (`mm` rows of `n`, leading dimension `n`).
+    // Every size was checked to fit a c_int.
+    let dim = |x: usize| x as c_int;
+    // SAFETY: the caller's contract: the reads stay inside `da` and `db`, and the
+    // writes inside `c` (`mm` rows of `n`, leading dimension `n`).
     unsafe {
         sgemm(
             CBLAS_ROW_MAJOR,
