@@ -74,18 +74,28 @@ fn operand(rows: usize, cols: usize, transposed: bool, seed: u32) -> Tensor {
     }
 }
 
+/// Every (`a` transposed, `b` transposed) pair.
+const TRANSPOSITIONS: [(bool, bool); 4] =
+    [(false, false), (false, true), (true, false), (true, true)];
+
+/// A pool of three threads: products past the split size are cut into three uneven
+/// bands, and a batch of two is smaller than the pool.
+fn three_threads() -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn every_transposition_equals_the_f64_product() {
     if !blas_present() {
         return;
     }
-    // One call (small), and a product cut into three uneven bands of rows.
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
+    // One call (small), and a product cut into bands of rows.
+    let pool = three_threads();
     for (m, k, n) in [(37, 29, 53), (301, 67, 257)] {
-        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (ta, tb) in TRANSPOSITIONS {
             let a = operand(m, k, ta, 1);
             let b = operand(k, n, tb, 2);
             let c = pool.install(|| blas::matmul(&a, &b)).unwrap();
@@ -176,12 +186,9 @@ fn batches_equal_the_f64_product() {
     if !blas_present() {
         return;
     }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
+    let pool = three_threads();
     for (batch, m, k, n) in [(2, 260, 40, 530), (5, 33, 17, 29)] {
-        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        for (ta, tb) in TRANSPOSITIONS {
             let mats = |rows: usize, cols: usize, seed: u32| {
                 let each: Vec<Tensor> = (0..batch as u32)
                     .map(|i| filled(rows, cols, seed + i))
