@@ -266,13 +266,9 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
         // `m × n` part of the output.
         unsafe { gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch)) };
     };
-    if batch == 1 {
-        each((0, &mut c));
-    } else {
-        // The matrices across the pool; each in bands only where the batch is smaller
-        // than the pool (a batch as large as the pool: one call per matrix).
-        c.par_chunks_mut(m * n).enumerate().for_each(each);
-    }
+    // The matrices across the pool; each in bands only where the batch is smaller than
+    // the pool (a batch as large as the pool: one call per matrix).
+    for_each_piece(&mut c, m * n, each);
     drop((sa, sb));
     let c = Tensor::from_vec(c, (batch * m, n), &Device::Cpu)?;
     Ok(Some(match a.rank() {
@@ -310,10 +306,16 @@ unsafe fn gemm_banded(
         // borrowed by it alone.
         unsafe { sgemm_band(sgemm, (mm, n, k), (da, oa.at(r0, 0)), (db, ob), c) };
     };
-    if bands == 1 {
-        band((0, c));
+    for_each_piece(c, rows * n, band);
+}
+
+/// `f((i, piece))` for the `i`-th `len`-element piece of `c`: on rayon's pool where
+/// there are several, on this thread where `c` is one piece.
+fn for_each_piece(c: &mut [f32], len: usize, f: impl Fn((usize, &mut [f32])) + Send + Sync) {
+    if c.len() <= len {
+        f((0, c));
     } else {
-        c.par_chunks_mut(rows * n).enumerate().for_each(band);
+        c.par_chunks_mut(len).enumerate().for_each(f);
     }
 }
 
