@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// What a guard removes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +38,32 @@ fn registry() -> MutexGuard<'static, BTreeMap<u64, Target>> {
     REGISTRY
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Atomic writes under way (live [`Scratch::temps_in`] guards), and whether
+/// [`close_writes`] has closed the run to new ones.
+static WRITES: Mutex<(usize, bool)> = Mutex::new((0, false));
+static WRITES_CHANGED: Condvar = Condvar::new();
+
+fn writes() -> MutexGuard<'static, (usize, bool)> {
+    WRITES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// For a signal handler, before [`remove_registered`]: waits for the atomic writes
+/// under way to end (each file then complete and renamed, or removed by its guard)
+/// and lets no new one start — a [`Scratch::temps_in`] made after this blocks until the
+/// process exits. Without it a checkpoint's temporary made between the handler's
+/// clean-up and its exit stays behind.
+pub fn close_writes() {
+    let mut w = writes();
+    w.1 = true;
+    while w.0 > 0 {
+        w = WRITES_CHANGED
+            .wait(w)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+    }
 }
 
 /// A scratch path, removed when the guard drops unless [`Scratch::keep`] was called.
@@ -64,8 +90,17 @@ impl Scratch {
         Scratch::register(Target::Path(path.into()))
     }
 
-    /// Guards the `.NAME.tmp.PID` entries this process makes in `dir`.
+    /// Guards the `.NAME.tmp.PID` entries this process makes in `dir`: one atomic
+    /// write under way while it lives (see [`close_writes`]).
     pub fn temps_in(dir: impl Into<PathBuf>) -> Scratch {
+        let mut w = writes();
+        while w.1 {
+            w = WRITES_CHANGED
+                .wait(w)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        w.0 += 1;
+        drop(w);
         Scratch::register(Target::TempsIn(dir.into()))
     }
 
@@ -90,6 +125,10 @@ impl Drop for Scratch {
             for path in remove(&self.target) {
                 tracing::debug!(path = %path.display(), "scratch removed");
             }
+        }
+        if matches!(self.target, Target::TempsIn(_)) {
+            writes().0 -= 1;
+            WRITES_CHANGED.notify_all();
         }
     }
 }

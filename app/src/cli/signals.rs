@@ -104,6 +104,9 @@ fn wait_and_clean(read_fd: libc::c_int) {
     } else {
         "SIGTERM"
     };
+    // A checkpoint or export being written is finished first (and no other begun), so
+    // that no temporary of it appears after the clean-up.
+    crate::scratch::close_writes();
     let removed = crate::scratch::remove_registered();
     let list: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
     let _ = writeln!(
