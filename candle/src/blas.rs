@@ -254,14 +254,79 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     else {
         return Ok(None);
     };
-    if oa.end(batch, m, k) > da.len() || ob.end(batch, k, n) > db.len() {
+    let Some(c) = run(blas, (batch, m, k, n), (da, oa), (db, ob)) else {
         return Ok(None);
+    };
+    drop((sa, sb));
+    let c = Tensor::from_vec(c, (batch * m, n), &Device::Cpu)?;
+    Ok(Some(match a.rank() {
+        2 => c,
+        _ => c.reshape((batch, m, n))?,
+    }))
+}
+
+/// `a · Wᵀ` (`transposed`) or `a · W` for a 2-D `a` and the row-major `(rows, cols)`
+/// matrix `w` held outside candle (a parameter the store lends for a block, read in
+/// place): the same `cblas_sgemm` calls [`matmul`] makes for `w` in a contiguous tensor
+/// (so the same result, bit for bit), else candle's matmul on a tensor copied from
+/// `w`.
+pub fn matmul_slice(
+    a: &Tensor,
+    w: &[f32],
+    (rows, cols): (usize, usize),
+    transposed: bool,
+) -> Result<Tensor> {
+    if w.len() != rows * cols {
+        return Err(Error::BadParam {
+            name: String::new(),
+            reason: format!("{} elements for a ({rows}, {cols}) matrix", w.len()),
+        });
+    }
+    let (k, n) = if transposed {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let ob = Operand {
+        offset: 0,
+        trans: transposed,
+        ld: cols,
+        batch_stride: 0,
+    };
+    if let (Ok(Some(blas)), &[m, ka], Some(oa)) = (blas(), a.dims(), Operand::of(a)) {
+        let fits = [m, n, k, oa.ld, ob.ld]
+            .into_iter()
+            .all(|x| c_int::try_from(x).is_ok());
+        if ka == k && m > 0 && k > 0 && n > 0 && fits && !a.track_op() && a.device().is_cpu() {
+            let (sa, _) = a.storage_and_layout();
+            if let Storage::Cpu(CpuStorage::F32(da)) = &*sa {
+                if let Some(c) = run(blas, (1, m, k, n), (da, oa), (w, ob)) {
+                    drop(sa);
+                    return Ok(Tensor::from_vec(c, (m, n), &Device::Cpu)?);
+                }
+            }
+        }
+    }
+    let t = Tensor::from_slice(w, (rows, cols), a.device())?;
+    matmul(a, &if transposed { t.t()? } else { t })
+}
+
+/// The `batch` products `(m, k) · (k, n)` of operands `oa` over `da` and `ob` over `db`,
+/// row-major; `None` where an operand reaches past its slice.
+fn run(
+    blas: &Blas,
+    (batch, m, k, n): (usize, usize, usize, usize),
+    (da, oa): (&[f32], Operand),
+    (db, ob): (&[f32], Operand),
+) -> Option<Vec<f32>> {
+    if oa.end(batch, m, k) > da.len() || ob.end(batch, k, n) > db.len() {
+        return None;
     }
     let mut c = vec![0f32; batch * m * n];
     let threads = rayon::current_num_threads();
     let each = |(i, c): (usize, &mut [f32])| {
-        let (a, b) = ((da.as_slice(), oa.batch(i)), (db.as_slice(), ob.batch(i)));
-        // SAFETY: matrix `i` of each operand lies inside its storage (the batch's last
+        let (a, b) = ((da, oa.batch(i)), (db, ob.batch(i)));
+        // SAFETY: matrix `i` of each operand lies inside its slice (the batch's last
         // element was checked against the slices above), and `c` is that matrix's
         // `m × n` part of the output.
         unsafe { gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch)) };
@@ -269,12 +334,7 @@ fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
     // The matrices across the pool; each in bands only where the batch is smaller than
     // the pool (a batch as large as the pool: one call per matrix).
     for_each_piece(&mut c, m * n, each);
-    drop((sa, sb));
-    let c = Tensor::from_vec(c, (batch * m, n), &Device::Cpu)?;
-    Ok(Some(match a.rank() {
-        2 => c,
-        _ => c.reshape((batch, m, n))?,
-    }))
+    Some(c)
 }
 
 /// `c = a · b`, cut into at most `threads` bands of rows on rayon's pool (each band reads

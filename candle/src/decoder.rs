@@ -24,10 +24,10 @@ use std::collections::HashMap;
 
 use candle_core::{Tensor, D};
 
-use crate::blas::matmul as mm;
+use crate::blas::{matmul as mm, matmul_slice};
 use crate::error::{Error, Result};
 use crate::llama::{causal_mask, rope_tables, Llama};
-use crate::source::ParamSource;
+use crate::source::{Loan, ParamSource};
 
 /// How the forward operations are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,12 +152,9 @@ impl Llama {
     ) -> Result<Tensor> {
         if b == 0 {
             let (bs, t) = x.dims2()?;
-            let w = src.param("model.embed_tokens.weight")?;
-            return Ok(w.index_select(&x.flatten_all()?, 0)?.reshape((
-                bs,
-                t,
-                self.config().hidden,
-            ))?);
+            let (w, _) = weight(src, "model.embed_tokens.weight", mode)?;
+            let rows = w.rows(src, &x.flatten_all()?)?;
+            return Ok(rows.reshape((bs, t, self.config().hidden))?);
         }
         if b == self.config().layers + 1 {
             return Ok(self.head_forward(src, x, mode)?.0);
@@ -174,8 +171,8 @@ impl Llama {
         short: &str,
         mode: Mode,
     ) -> Result<(Tensor, ProjSaved)> {
-        let w = param(src, &format!("{name}.weight"), mode)?;
-        let mut y = mm(x, &w.t()?)?;
+        let (w, _) = weight(src, &format!("{name}.weight"), mode)?;
+        let mut y = w.apply(src, x)?;
         if self.biased(short) {
             y = y.broadcast_add(&param(src, &format!("{name}.bias"), mode)?)?;
         }
@@ -202,7 +199,8 @@ impl Llama {
         g: &Tensor,
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
-        let (x, (w, trains)) = (&saved.x, trained(src, &format!("{name}.weight"))?);
+        let x = &saved.x;
+        let (w, trains) = weight(src, &format!("{name}.weight"), Mode::Fused)?;
         if trains {
             add_grad(grads, format!("{name}.weight"), mm(&g.t()?, x)?)?;
         }
@@ -212,7 +210,7 @@ impl Llama {
                 add_grad(grads, bias, g.sum(0)?)?;
             }
         }
-        let mut dx = mm(g, &w)?;
+        let mut dx = w.back(src, g)?;
         if let (Some(low), Some(l)) = (&saved.low, self.adapted(short)) {
             let (a, a_trains) = trained(src, &format!("{name}.lora_A.weight"))?;
             let (bm, b_trains) = trained(src, &format!("{name}.lora_B.weight"))?;
@@ -497,7 +495,7 @@ impl Llama {
             self.config().rms_eps,
             mode,
         )?;
-        let logits = mm(&h, &param(src, &p[1].name, mode)?.t()?)?;
+        let logits = weight(src, &p[1].name, mode)?.0.apply(src, &h)?;
         Ok((logits.reshape((bs, t, self.config().vocab))?, h))
     }
 
@@ -534,15 +532,16 @@ impl Llama {
         };
         if b == 0 {
             let name = "model.embed_tokens.weight";
-            let (w, trains) = trained(src, name)?;
+            let (w, trains) = weight(src, name, Mode::Fused)?;
             if trains {
                 let ids = x.flatten_all()?;
                 let hidden = self.config().hidden;
                 let rows = g.reshape((ids.elem_count(), hidden))?;
+                let zeros = Tensor::zeros(w.shape(), candle_core::DType::F32, g.device())?;
                 add_grad(
                     &mut grads,
                     name.to_string(),
-                    w.zeros_like()?.index_add(&ids, &rows, 0)?,
+                    zeros.index_add(&ids, &rows, 0)?,
                 )?;
             }
             return Ok((None, grads, None));
@@ -564,11 +563,11 @@ impl Llama {
         let (bs, t, hidden) = x.dims3()?;
         let p = self.block_params(self.blocks() - 1);
         let g2 = g.reshape((bs * t, self.config().vocab))?;
-        let (w, trains) = trained(src, &p[1].name)?;
+        let (w, trains) = weight(src, &p[1].name, Mode::Fused)?;
         if trains {
             add_grad(grads, p[1].name.clone(), mm(&g2.t()?, h)?)?;
         }
-        let dh = mm(&g2, &w)?;
+        let dh = w.back(src, &g2)?;
         let (wn, wn_trains) = trained(src, &p[0].name)?;
         let x2 = x.reshape((bs * t, hidden))?;
         let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn_trains)?;
@@ -587,6 +586,93 @@ fn param(src: &mut dyn ParamSource, name: &str, mode: Mode) -> Result<Tensor> {
         Mode::Fused => t.detach(),
         Mode::Graph => t,
     })
+}
+
+/// A weight matrix `(out, in)` as the products read it: a candle tensor, or the
+/// source's memory lent for the block (no copy into candle).
+enum Weight {
+    Tensor(Tensor),
+    Lent(Loan),
+}
+
+impl Weight {
+    /// Its shape.
+    fn shape(&self) -> Vec<usize> {
+        match self {
+            Weight::Tensor(w) => w.dims().to_vec(),
+            Weight::Lent(l) => l.shape.clone(),
+        }
+    }
+
+    /// `(out, in)`, for a lent matrix.
+    fn dims2(l: &Loan) -> Result<(usize, usize)> {
+        match l.shape[..] {
+            [rows, cols] => Ok((rows, cols)),
+            _ => Err(Error::BadParam {
+                name: format!("loan {}", l.id),
+                reason: format!("shape {:?} where a matrix was expected", l.shape),
+            }),
+        }
+    }
+
+    /// `x · Wᵀ` for rows `x` `(rows, in)`.
+    fn apply(&self, src: &dyn ParamSource, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Tensor(w) => mm(x, &w.t()?),
+            Weight::Lent(l) => matmul_slice(x, src.lent(l)?, Weight::dims2(l)?, true),
+        }
+    }
+
+    /// `g · W` for rows `g` `(rows, out)`.
+    fn back(&self, src: &dyn ParamSource, g: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Tensor(w) => mm(g, w),
+            Weight::Lent(l) => matmul_slice(g, src.lent(l)?, Weight::dims2(l)?, false),
+        }
+    }
+
+    /// Rows `ids` (u32, 1-D) of the matrix: an embedding's lookup.
+    fn rows(&self, src: &dyn ParamSource, ids: &Tensor) -> Result<Tensor> {
+        let l = match self {
+            Weight::Tensor(w) => return Ok(w.index_select(ids, 0)?),
+            Weight::Lent(l) => l,
+        };
+        let (rows, cols) = Weight::dims2(l)?;
+        let w = src.lent(l)?;
+        let device = ids.device().clone();
+        let ids = ids.to_vec1::<u32>()?;
+        let mut out = Vec::with_capacity(ids.len() * cols);
+        for &id in &ids {
+            let r = usize::try_from(id).unwrap_or(usize::MAX);
+            if r >= rows {
+                return Err(Error::BadParam {
+                    name: format!("loan {}", l.id),
+                    reason: format!("row {id} of a matrix of {rows} rows"),
+                });
+            }
+            out.extend_from_slice(&w[r * cols..(r + 1) * cols]);
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), cols), &device)?)
+    }
+}
+
+/// Weight `name` for `mode`'s pass and whether it trains: lent where the source lends
+/// it in a fused pass, else its tensor as [`param`] hands it out (a trainable one is a
+/// variable).
+fn weight(src: &mut dyn ParamSource, name: &str, mode: Mode) -> Result<(Weight, bool)> {
+    if mode == Mode::Fused {
+        if let Some(l) = src.lend(name)? {
+            let trains = l.trainable;
+            return Ok((Weight::Lent(l), trains));
+        }
+    }
+    let t = src.param(name)?;
+    let trains = t.is_variable();
+    let t = match mode {
+        Mode::Fused => t.detach(),
+        Mode::Graph => t,
+    };
+    Ok((Weight::Tensor(t), trains))
 }
 
 /// Parameter `name` detached (see [`param`]), and whether it trains (the source hands

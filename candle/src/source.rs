@@ -13,13 +13,30 @@ use candle_core::{Device, Tensor, Var};
 
 use crate::error::{Error, Result};
 
-pub use tidestore_train::ParamSpec;
+pub use tidestore_train::{Loan, ParamSpec};
 
 /// Hands a layer its parameters as candle tensors.
 pub trait ParamSource {
     /// The parameter `name`, for the layer about to run. Trainable parameters come back
     /// as variables (candle tracks their gradient); frozen ones as plain tensors.
     fn param(&mut self, name: &str) -> Result<Tensor>;
+
+    /// Parameter `name` lent for the block about to run, where the source can: its
+    /// fp32 elements stay in the source's memory ([`ParamSource::lent`]) and a product
+    /// reads them there, no candle tensor made. `None` (the default): ask
+    /// [`ParamSource::param`].
+    fn lend(&mut self, name: &str) -> Result<Option<Loan>> {
+        let _ = name;
+        Ok(None)
+    }
+
+    /// The elements of a loan this source made for the running block.
+    fn lent(&self, loan: &Loan) -> Result<&[f32]> {
+        Err(Error::BadParam {
+            name: String::new(),
+            reason: format!("loan {} was not made by this source", loan.id),
+        })
+    }
 }
 
 /// Checks that `values` fits `spec` and that no name is used twice.

@@ -13,7 +13,7 @@
 
 use candle_core::Tensor;
 use tidestore_train::TensorState;
-use tidestore_train::{BlockGrads, BlockParams, Blocks, StepDecision, StepState, Upstream};
+use tidestore_train::{BlockGrads, BlockParams, Blocks, Loan, StepDecision, StepState, Upstream};
 
 use crate::decoder::Mode;
 use crate::error::{Error, Result};
@@ -21,23 +21,60 @@ use crate::llama::Llama;
 use crate::source::{InMemory, ParamSource};
 use crate::tide::TideParams;
 
-/// One block's parameters, fetched as the block asks for them; the same tensor for the
-/// same name within the block.
+/// A parameter handed to a block: fetched into a tensor, or lent.
+enum Handed {
+    Fetched(Tensor),
+    Lent(Loan),
+}
+
+impl Handed {
+    /// Whether the block's backward gives this parameter's gradient.
+    fn trains(&self) -> bool {
+        match self {
+            Handed::Fetched(t) => t.is_variable(),
+            Handed::Lent(loan) => loan.trainable,
+        }
+    }
+}
+
+/// One block's parameters, fetched (or lent) as the block asks for them; the same
+/// tensor for the same name within the block.
 struct BlockSource<'a> {
     params: &'a mut dyn BlockParams<Llama>,
     backward: bool,
-    /// What was handed out: (name, tensor).
-    handed: Vec<(String, Tensor)>,
+    /// What was handed out, in order: (name, what).
+    handed: Vec<(String, Handed)>,
 }
 
 impl ParamSource for BlockSource<'_> {
     fn param(&mut self, name: &str) -> Result<Tensor> {
-        if let Some((_, t)) = self.handed.iter().find(|(n, _)| n == name) {
+        let found = self.handed.iter().find(|(n, _)| n == name);
+        if let Some((_, Handed::Fetched(t))) = found {
             return Ok(t.clone());
         }
         let t = self.params.fetch(name, self.backward)?;
-        self.handed.push((name.to_string(), t.clone()));
+        self.handed
+            .push((name.to_string(), Handed::Fetched(t.clone())));
         Ok(t)
+    }
+
+    fn lend(&mut self, name: &str) -> Result<Option<Loan>> {
+        let found = self.handed.iter().find(|(n, _)| n == name);
+        if let Some((_, Handed::Lent(l))) = found {
+            return Ok(Some(l.clone()));
+        }
+        let loan = self.params.lend(name, self.backward)?;
+        if let Some(l) = &loan {
+            if !self.handed.iter().any(|(n, _)| n == name) {
+                self.handed
+                    .push((name.to_string(), Handed::Lent(l.clone())));
+            }
+        }
+        Ok(loan)
+    }
+
+    fn lent(&self, loan: &Loan) -> Result<&[f32]> {
+        self.params.lent(loan)
     }
 }
 
@@ -86,16 +123,20 @@ impl Blocks for Llama {
             backward: true,
             handed: Vec::new(),
         };
+        let device = input.device().clone();
         let (input, mut grads, loss) = self.block_backward(block, &mut src, input, upstream)?;
         // Every trainable parameter handed out gets a gradient, in the order handed.
         let params = src
             .handed
             .into_iter()
-            .filter(|(_, t)| t.is_variable())
-            .map(|(name, t)| {
-                let g = match grads.remove(&name) {
-                    Some(g) => g,
-                    None => t.zeros_like()?,
+            .filter(|(_, h)| h.trains())
+            .map(|(name, h)| {
+                let g = match (grads.remove(&name), h) {
+                    (Some(g), _) => g,
+                    (None, Handed::Fetched(t)) => t.zeros_like()?,
+                    (None, Handed::Lent(loan)) => {
+                        Tensor::zeros(loan.shape, candle_core::DType::F32, &device)?
+                    }
                 };
                 Ok((name, g))
             })
@@ -124,6 +165,18 @@ impl BlockParams<Llama> for TideParams {
             TensorState::HoldAfterFwd
         };
         Ok(TideParams::fetch(self, name, backward, to)?.0)
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>> {
+        TideParams::lend(self, name, backward)
+    }
+
+    fn lent(&self, loan: &Loan) -> Result<&[f32]> {
+        TideParams::lent(self, loan)
+    }
+
+    fn end_loans(&mut self) -> Result<()> {
+        TideParams::end_loans(self)
     }
 
     fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {

@@ -13,17 +13,22 @@
 //!    registration order, puts each trainable tensor's gradient into the trainer.
 //! 3. **Step.** [`TideParams::step`]: the trainer's step loop.
 //!
-//! The layer-streamed trainer ([`crate::streamed`]) uses [`TideParams::fetch`] and
-//! [`TideParams::put_grad_part`] one block at a time instead.
+//! The layer-streamed trainer ([`crate::streamed`]) uses [`TideParams::lend`] (or
+//! [`TideParams::fetch`]) and [`TideParams::put_grad_part`] one block at a time instead.
 //!
-//! Copies made per iteration (the cost of the glue): forward, per parameter, chunk
-//! bytes -> a `Vec<f32>` that candle takes over without copying (plus candle's host ->
-//! GPU upload on a CUDA candle device); backward, per trainable parameter, candle's
-//! gradient -> a `Vec<f32>` (a GPU -> host download on CUDA) -> the chunk.
+//! Copies made per iteration (the cost of the glue): full-graph forward, per parameter,
+//! chunk bytes -> a `Vec<f32>` that candle takes over without copying (plus candle's
+//! host -> GPU upload on a CUDA candle device); backward, per trainable parameter,
+//! candle's gradient -> a `Vec<f32>` (a GPU -> host download on CUDA) -> the chunk. The
+//! layer-streamed trainer on the CPU copies no weight matrix: the store lends it for the
+//! block ([`TideParams::lend`]) and the products read it where the store keeps it (the
+//! embedding's lookup reads only its rows); small tensors (norms, biases) are still
+//! fetched, and each gradient is copied once, from candle's buffer into its chunk.
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
-    HyperParams, NvmeTraffic, StepDecision, StoreStats, TensorState, Trainer, Values,
+    DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, StepDecision, StoreStats,
+    TensorState, TensorView, Trainer, Values,
 };
 
 use crate::error::{Error, Result};
@@ -39,6 +44,8 @@ pub struct TideParams {
     live: Vec<Option<Tensor>>,
     /// Gradients of a [`TideParams::backward`] wait for [`TideParams::step`].
     grads_pending: bool,
+    /// The running block's loans ([`TideParams::lend`]), each with the state it ends in.
+    loans: Vec<(Lease, TensorState)>,
 }
 
 impl std::fmt::Debug for TideParams {
@@ -77,6 +84,7 @@ impl TideParams {
             trainer,
             device: device.clone(),
             grads_pending: false,
+            loans: Vec::new(),
         })
     }
 
@@ -178,6 +186,72 @@ impl TideParams {
         Ok((t, var))
     }
 
+    /// Parameter `name` lent for the block about to run: accessed where compute reads it
+    /// and held there ([`Trainer::lease`]) until [`TideParams::end_loans`], its f32
+    /// elements read in place by [`TideParams::lent`] — the copy into a candle tensor
+    /// [`TideParams::fetch`] makes is not made. Lent only where that memory is what
+    /// compute reads: candle on the CPU and elements in f32 (not a trainable parameter
+    /// in bf16 precision); else `None`. The loan is `trainable` as `fetch` with
+    /// `as_var = backward` makes a variable.
+    pub fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>> {
+        let i = self.trainer.index(name)?;
+        if !self.device.is_cpu() || self.trainer.compute_dtype(i)? != DType::F32 {
+            return Ok(None);
+        }
+        let spec = self.trainer.spec(i)?;
+        let (shape, trainable) = (spec.shape.clone(), backward && spec.trainable);
+        let to = if backward {
+            TensorState::HoldAfterBwd
+        } else {
+            TensorState::HoldAfterFwd
+        };
+        let lease = self.trainer.lease(i)?;
+        self.loans.push((lease, to));
+        let loan = Loan {
+            id: self.loans.len() - 1,
+            shape,
+            trainable,
+        };
+        // The view's checks (size, dtype, host memory) at once, not at the first read.
+        self.lent(&loan)?;
+        Ok(Some(loan))
+    }
+
+    /// The f32 elements of `loan`, in the store's memory (see [`TideParams::lend`]).
+    pub fn lent(&self, loan: &Loan) -> Result<&[f32]> {
+        let bad = |reason: &str| Error::BadParam {
+            name: format!("loan {}", loan.id),
+            reason: reason.into(),
+        };
+        let (lease, _) = self
+            .loans
+            .get(loan.id)
+            .ok_or_else(|| bad("no such loan: the block's loans ended"))?;
+        let (view, dtype) = self.trainer.lease_view(lease)?;
+        let bytes = match view {
+            TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b,
+            TensorView::Device(DeviceView::Cuda(_)) => return Err(bad("lent from GPU memory")),
+        };
+        if dtype != DType::F32 {
+            return Err(bad("lent elements are not f32"));
+        }
+        bytemuck::try_cast_slice(bytes).map_err(|_| bad("lent elements not aligned for f32"))
+    }
+
+    /// Ends every loan (the running block is done): each parameter released to the
+    /// state it was lent for; their chunks may move again. Every loan is ended even if
+    /// one fails; the first error is returned.
+    pub fn end_loans(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for (lease, to) in self.loans.drain(..) {
+            let r = self.trainer.end_lease(lease, to);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        Ok(first?)
+    }
+
     /// One AdamW step over every trainable parameter with the gradients put since the
     /// last one, by the trainer's step loop; ends the store's iteration. Returns the
     /// optimizer's decision (clipping coefficient, gradient norm).
@@ -186,6 +260,12 @@ impl TideParams {
             return Err(Error::BadParam {
                 name: String::new(),
                 reason: "step() without backward() since the last step".into(),
+            });
+        }
+        if !self.loans.is_empty() {
+            return Err(Error::BadParam {
+                name: String::new(),
+                reason: "step() while a block's parameters are lent (end_loans first)".into(),
             });
         }
         self.grads_pending = false;
@@ -285,12 +365,11 @@ impl ParamSource for TideParams {
 /// A parameter's stored elements, wherever the trainer read them, as a tensor of
 /// `shape` on `device` (in their stored dtype).
 fn to_device(
-    view: tidestore_train::TensorView<'_>,
-    dtype: tidestore_train::DType,
+    view: TensorView<'_>,
+    dtype: DType,
     shape: &[usize],
     device: &Device,
 ) -> Result<Tensor> {
-    use tidestore_train::{DeviceView, TensorView};
     match view {
         TensorView::Host(bytes) | TensorView::Device(DeviceView::Host(bytes)) => {
             upload(bytes, dtype, shape, device)

@@ -214,3 +214,41 @@ fn batches_equal_the_f64_product() {
         }
     }
 }
+
+/// A matrix the store lends (a slice, not a tensor) multiplies as the same matrix in a
+/// contiguous tensor does, bit for bit, with OpenBLAS or without (then candle's matmul
+/// on a copy): `x · Wᵀ` as in a projection's forward, `g · W` as in its backward, `x`
+/// plain and transposed, one call and in bands. A slice of the wrong length is refused.
+#[test]
+fn a_lent_matrix_multiplies_as_its_tensor_does() {
+    let pool = three_threads();
+    for (m, out, inp) in [(37, 29, 53), (301, 257, 67)] {
+        let w = filled(out, inp, 8);
+        let slice = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for ta in [false, true] {
+            let x = operand(m, inp, ta, 9);
+            let g = operand(m, out, ta, 10);
+            let fwd = pool
+                .install(|| blas::matmul_slice(&x, &slice, (out, inp), true))
+                .unwrap();
+            let want = pool.install(|| blas::matmul(&x, &w.t().unwrap())).unwrap();
+            assert_eq!(
+                rows(&fwd),
+                rows(&want),
+                "x · Wᵀ, ({m}x{inp}), x transposed {ta}"
+            );
+            let back = pool
+                .install(|| blas::matmul_slice(&g, &slice, (out, inp), false))
+                .unwrap();
+            let want = pool.install(|| blas::matmul(&g, &w)).unwrap();
+            assert_eq!(
+                rows(&back),
+                rows(&want),
+                "g · W, ({m}x{out}), g transposed {ta}"
+            );
+        }
+        let short = &slice[1..];
+        let e = blas::matmul_slice(&filled(m, inp, 9), short, (out, inp), true);
+        assert!(e.is_err(), "a slice one element short was taken");
+    }
+}

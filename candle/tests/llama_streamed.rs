@@ -16,7 +16,7 @@ use tidestore_candle::{
     train_step, InMemory, Llama, LlamaConfig, LlamaLora, ParamSource, Precision, TideParams,
 };
 use tidestore_train::MicroBatchOrder::{self, Horizontal, Vertical};
-use tidestore_train::{BlockParams, StepDecision};
+use tidestore_train::{BlockParams, Loan, StepDecision};
 
 /// `TideParams` whose step reads every trainable gradient first: the step consumes them.
 struct GradsBeforeStep<'a> {
@@ -285,4 +285,142 @@ fn the_in_memory_baseline_of_the_same_recompute_equals_candle_full_graph() {
     }
     eprintln!("full graph: {want:?}\nrecompute:  {got:?}");
     assert!(max_rel_diff(&want, &got) <= 1e-5);
+}
+
+/// `TideParams` lending (or not, `lend: false`: every parameter copied into a candle
+/// tensor), counting the loans it made.
+struct Lending<'a> {
+    p: &'a mut TideParams,
+    lend: bool,
+    loans: usize,
+}
+
+impl BlockParams<Llama> for Lending<'_> {
+    fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
+        BlockParams::<Llama>::fetch(self.p, name, backward)
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
+        if !self.lend {
+            return Ok(None);
+        }
+        let loan = self.p.lend(name, backward)?;
+        self.loans += usize::from(loan.is_some());
+        Ok(loan)
+    }
+
+    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
+        self.p.lent(loan)
+    }
+
+    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
+        self.p.end_loans()
+    }
+
+    fn put_grad(
+        &mut self,
+        name: &str,
+        grad: &Tensor,
+        first: bool,
+        last: bool,
+    ) -> tidestore_candle::Result<()> {
+        BlockParams::<Llama>::put_grad(self.p, name, grad, first, last)
+    }
+
+    fn step(&mut self) -> tidestore_candle::Result<StepDecision> {
+        BlockParams::<Llama>::step(self.p)
+    }
+}
+
+/// The weights the store lends (read in place by the products and the embedding's
+/// lookup, no candle copy) train exactly as copied ones: the same losses and the same
+/// master weights after five steps, bit for bit, with a tied embedding and with LoRA
+/// (frozen base weights lent, adapters too), micro-batches in either order.
+#[test]
+fn lent_weights_train_bit_for_bit_as_copied_ones() {
+    for (tie, lora, order) in [
+        (false, false, Vertical),
+        (true, false, Horizontal),
+        (false, true, Vertical),
+    ] {
+        let model = llama(tie, lora);
+        let init = model.init(6);
+        let data = batches();
+        let run = |lend: bool| -> (Vec<u32>, Vec<Vec<f32>>, usize) {
+            let dir = tempfile::tempdir().unwrap();
+            let cfg = tide_config(dir.path(), Precision::F32);
+            let mut p = TideParams::open(&init, &cfg, &Device::Cpu).unwrap();
+            let mut through = Lending {
+                p: &mut p,
+                lend,
+                loans: 0,
+            };
+            let losses = (0..5)
+                .map(|s| {
+                    let (x, y) = data.get(s, &Device::Cpu).unwrap();
+                    let half = |t: &Tensor, i: usize| t.narrow(0, 2 * i, 2).unwrap();
+                    let parts = [(half(&x, 0), half(&y, 0)), (half(&x, 1), half(&y, 1))];
+                    let step = train_step(&mut through, &model, &parts, order);
+                    step.unwrap().loss.to_bits()
+                })
+                .collect();
+            let loans = through.loans;
+            let values = init.iter().map(|(s, _)| p.values(&s.name).unwrap());
+            (losses, values.collect(), loans)
+        };
+        let (fetched, lent) = (run(false), run(true));
+        assert_eq!(fetched.0, lent.0, "tie {tie} lora {lora}: losses");
+        assert!(fetched.1 == lent.1, "tie {tie} lora {lora}: weights differ");
+        // Every matrix, each block's forward and backward: the embedding (twice), 7 per
+        // layer and pass, the head once (in backward; tied, it is the embedding).
+        let per_step = 2 + 3 * 7 * 2 + 1;
+        let passes = if order == Vertical { 1 } else { 2 };
+        assert_eq!(
+            lent.2,
+            5 * passes * per_step,
+            "tie {tie} lora {lora}: loans"
+        );
+    }
+}
+
+/// What `TideParams` lends and what it refuses: f32 parameters on the CPU, trainable
+/// only for backward; nothing in bf16 precision (compute reads a bf16 copy); a loan
+/// read after its block's loans ended, or a step while loans are held, is an error.
+#[test]
+fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
+    let model = llama(false, false);
+    let init = model.init(2);
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = TideParams::open(
+        &init,
+        &tide_config(dir.path(), Precision::F32),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let fwd = p
+        .lend(name, false)
+        .unwrap()
+        .expect("f32 on the CPU is lent");
+    let down = "model.layers.0.mlp.down_proj.weight";
+    let bwd = p.lend(down, true).unwrap().expect("lent for backward");
+    assert_eq!((fwd.trainable, bwd.trainable), (false, true));
+    assert_eq!(
+        (&fwd.shape[..], &bwd.shape[..]),
+        (&[64, 32][..], &[32, 64][..])
+    );
+    let want = &init.iter().find(|(s, _)| s.name == name).unwrap().1;
+    assert_eq!(p.lent(&fwd).unwrap(), &want[..]);
+    p.put_grad(name, &vec![0.0; want.len()]).unwrap();
+    assert!(p.step().is_err(), "a step while loans are held");
+    p.end_loans().unwrap();
+    assert!(p.lent(&fwd).is_err(), "a loan read after the loans ended");
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = TideParams::open(
+        &init,
+        &tide_config(dir.path(), Precision::Bf16),
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert!(p.lend(name, false).unwrap().is_none(), "bf16: nothing lent");
 }

@@ -71,6 +71,20 @@ pub struct BlockGrads<T> {
     pub loss: Option<f32>,
 }
 
+/// A parameter lent to the block about to run ([`BlockParams::lend`]): its fp32
+/// elements stay in the source's memory and are read there ([`BlockParams::lent`])
+/// until the driver ends the block's loans.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loan {
+    /// The source's number for it, valid until its loans end.
+    pub id: usize,
+    /// The parameter's shape.
+    pub shape: Vec<usize>,
+    /// Whether the block's backward gives its gradient (a trainable parameter lent for
+    /// backward's recompute).
+    pub trainable: bool,
+}
+
 /// A model as blocks, computed by a framework.
 pub trait Blocks {
     /// The framework's tensor: activations, parameters handed to a block, gradients.
@@ -112,6 +126,27 @@ pub trait BlockParams<B: Blocks + ?Sized> {
     /// recompute, and a trainable parameter comes back as something the framework
     /// differentiates.
     fn fetch(&mut self, name: &str, backward: bool) -> Result<B::Tensor, B::Error>;
+
+    /// Parameter `name` lent to the block about to run instead of copied: its fp32
+    /// elements where the source keeps them, read with [`BlockParams::lent`] and held
+    /// there until [`BlockParams::end_loans`], which the driver calls once the block is
+    /// done with every micro-batch. `None` where the source does not lend this one (the
+    /// block then fetches it); `backward` as in [`BlockParams::fetch`]. The default
+    /// lends nothing.
+    fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>, B::Error> {
+        let _ = (name, backward);
+        Ok(None)
+    }
+
+    /// The elements of `loan`, a loan not yet ended.
+    fn lent(&self, loan: &Loan) -> Result<&[f32], B::Error> {
+        Err(TrainError::Protocol(format!("loan {} was not made by this source", loan.id)).into())
+    }
+
+    /// Ends every loan: the lent memory may move again. The default has none to end.
+    fn end_loans(&mut self) -> Result<(), B::Error> {
+        Ok(())
+    }
 
     /// One micro-batch's part of `name`'s gradient: the `first` replaces, later ones
     /// add; after the `last` the gradient is final.
@@ -172,6 +207,24 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_
         let t = self.params.fetch(name, backward);
         self.store += started.elapsed();
         t
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>, B::Error> {
+        let started = Instant::now();
+        let loan = self.params.lend(name, backward);
+        self.store += started.elapsed();
+        loan
+    }
+
+    fn lent(&self, loan: &Loan) -> Result<&[f32], B::Error> {
+        self.params.lent(loan)
+    }
+
+    fn end_loans(&mut self) -> Result<(), B::Error> {
+        let started = Instant::now();
+        let r = self.params.end_loans();
+        self.store += started.elapsed();
+        r
     }
 
     fn put_grad(
@@ -309,11 +362,31 @@ where
     Ok(())
 }
 
-/// A block's parameters fetched once and handed out again for every micro-batch of the
-/// pass (one, in [`MicroBatchOrder::Horizontal`]).
+/// A block's parameters fetched (or lent) once and handed out again for every
+/// micro-batch of the pass (one, in [`MicroBatchOrder::Horizontal`]).
 struct BlockCache<'a, B: Blocks + ?Sized, P: ?Sized> {
     params: &'a mut P,
     fetched: Vec<(String, B::Tensor)>,
+    lent: Vec<(String, Option<Loan>)>,
+}
+
+impl<'a, B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockCache<'a, B, P> {
+    fn new(params: &'a mut P) -> Self {
+        BlockCache {
+            params,
+            fetched: Vec::new(),
+            lent: Vec::new(),
+        }
+    }
+
+    /// Ends the block: its loans end whether or not `done` (the block's work) failed;
+    /// the first error is returned.
+    fn finish<T>(self, done: Result<T, B::Error>) -> Result<T, B::Error> {
+        let ended = self.params.end_loans();
+        let t = done?;
+        ended?;
+        Ok(t)
+    }
 }
 
 impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCache<'_, B, P> {
@@ -324,6 +397,24 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCac
         let t = self.params.fetch(name, backward)?;
         self.fetched.push((name.to_string(), t.clone()));
         Ok(t)
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>, B::Error> {
+        if let Some((_, loan)) = self.lent.iter().find(|(n, _)| n == name) {
+            return Ok(loan.clone());
+        }
+        let loan = self.params.lend(name, backward)?;
+        self.lent.push((name.to_string(), loan.clone()));
+        Ok(loan)
+    }
+
+    fn lent(&self, loan: &Loan) -> Result<&[f32], B::Error> {
+        self.params.lent(loan)
+    }
+
+    /// Loans end with the block ([`BlockCache::finish`]), not when a micro-batch asks.
+    fn end_loans(&mut self) -> Result<(), B::Error> {
+        Ok(())
     }
 
     fn put_grad(
@@ -359,14 +450,13 @@ where
     // Forward: per micro-batch, the input of every block (the checkpoints).
     let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
     for b in 0..head {
-        let mut cache = BlockCache::<B, P> {
-            params: &mut *params,
-            fetched: Vec::new(),
-        };
-        for x in &mut inputs {
+        let mut cache = BlockCache::<B, P>::new(&mut *params);
+        let done = inputs.iter_mut().try_for_each(|x| {
             let y = model.forward(b, &mut cache, &x[b])?;
             x.push(y);
-        }
+            Ok(())
+        });
+        cache.finish(done)?;
     }
     let mut pending: HashMap<String, B::Tensor> = HashMap::new();
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
@@ -413,10 +503,25 @@ where
     B: Blocks + ?Sized,
     P: BlockParams<B>,
 {
-    let mut cache = BlockCache::<B, P> {
-        params,
-        fetched: Vec::new(),
-    };
+    let mut cache = BlockCache::<B, P>::new(params);
+    let done = micro_batches_backward(&mut cache, model, b, batches, inputs, upstream, scale);
+    cache.finish(done)
+}
+
+/// The micro-batches of [`block_backward`], their parameters from `cache`.
+fn micro_batches_backward<B, P>(
+    cache: &mut BlockCache<'_, B, P>,
+    model: &B,
+    b: usize,
+    batches: &[(B::Tensor, B::Tensor)],
+    inputs: &mut [Vec<B::Tensor>],
+    upstream: &mut [Option<B::Tensor>],
+    scale: f64,
+) -> Result<(Named<B::Tensor>, f32), B::Error>
+where
+    B: Blocks + ?Sized,
+    P: BlockParams<B> + ?Sized,
+{
     let mut sums: Vec<(String, B::Tensor)> = Vec::new();
     let mut loss_sum = 0.0;
     for (k, (_, targets)) in batches.iter().enumerate() {
@@ -427,7 +532,7 @@ where
             None => Upstream::Loss { targets, scale },
             Some(g) => Upstream::Grad(g),
         };
-        let grads = model.backward(b, &mut cache, &input, up)?;
+        let grads = model.backward(b, cache, &input, up)?;
         if b + 1 == model.block_count() {
             loss_sum += grads
                 .loss
@@ -464,6 +569,20 @@ mod tests {
     #[derive(Debug)]
     struct Chain {
         blocks: usize,
+        /// A block whose forward fails after taking its weight.
+        fails: Option<usize>,
+    }
+
+    /// The weight of a block: lent where the params lend, else fetched.
+    fn take(
+        params: &mut dyn BlockParams<Chain>,
+        name: &str,
+        backward: bool,
+    ) -> Result<f64, TrainError> {
+        match params.lend(name, backward)? {
+            Some(loan) => Ok(f64::from(params.lent(&loan)?[0])),
+            None => Ok(params.fetch(name, backward)?[0]),
+        }
     }
 
     fn weight_of(chain: &Chain, b: usize) -> String {
@@ -492,7 +611,10 @@ mod tests {
             params: &mut dyn BlockParams<Self>,
             input: &Vec<f64>,
         ) -> Result<Vec<f64>, TrainError> {
-            let w = params.fetch(&weight_of(self, block), false)?[0];
+            let w = take(params, &weight_of(self, block), false)?;
+            if self.fails == Some(block) {
+                return Err(TrainError::Protocol(format!("block {block} fails")));
+            }
             Ok(input.iter().map(|x| w * x).collect())
         }
 
@@ -504,7 +626,7 @@ mod tests {
             upstream: Upstream<'_, Vec<f64>>,
         ) -> Result<BlockGrads<Vec<f64>>, TrainError> {
             let name = weight_of(self, block);
-            let w = params.fetch(&name, true)?[0];
+            let w = take(params, &name, true)?;
             let (dy, loss) = match upstream {
                 Upstream::Loss { targets, scale } => {
                     let d: Vec<f64> = input.iter().zip(targets).map(|(x, t)| w * x - t).collect();
@@ -534,12 +656,51 @@ mod tests {
         fetches: usize,
         /// Per parameter: the gradient as the store would hold it, and its puts.
         grads: HashMap<String, (f64, usize)>,
+        /// Lend instead of being fetched from.
+        lends: bool,
+        /// The loans not ended yet (their one element each).
+        live: Vec<f32>,
+        /// Loans made, loans ended, and the most live at once.
+        made: usize,
+        ended: usize,
+        most_live: usize,
+    }
+
+    /// The value of weight `name`.
+    fn value(name: &str) -> f32 {
+        0.5 + name[1..].parse::<f32>().unwrap_or(0.0) / 10.0
     }
 
     impl BlockParams<Chain> for Counting {
         fn fetch(&mut self, name: &str, _backward: bool) -> Result<Vec<f64>, TrainError> {
             self.fetches += 1;
-            Ok(vec![0.5 + name[1..].parse::<f64>().unwrap_or(0.0) / 10.0])
+            Ok(vec![f64::from(value(name))])
+        }
+
+        fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>, TrainError> {
+            if !self.lends {
+                return Ok(None);
+            }
+            self.live.push(value(name));
+            self.made += 1;
+            self.most_live = self.most_live.max(self.live.len());
+            Ok(Some(Loan {
+                id: self.live.len() - 1,
+                shape: vec![1],
+                trainable: backward,
+            }))
+        }
+
+        fn lent(&self, loan: &Loan) -> Result<&[f32], TrainError> {
+            self.live
+                .get(loan.id..=loan.id)
+                .ok_or_else(|| TrainError::Protocol(format!("loan {} ended", loan.id)))
+        }
+
+        fn end_loans(&mut self) -> Result<(), TrainError> {
+            self.ended += self.live.len();
+            self.live.clear();
+            Ok(())
         }
 
         fn put_grad(
@@ -564,14 +725,67 @@ mod tests {
         }
     }
 
-    fn run(order: MicroBatchOrder, parts: usize) -> (Counting, f32) {
-        let chain = Chain { blocks: 5 };
-        let batches: Vec<(Vec<f64>, Vec<f64>)> = (0..parts)
+    fn batches(parts: usize) -> Vec<(Vec<f64>, Vec<f64>)> {
+        (0..parts)
             .map(|k| (vec![1.0 + k as f64, -0.5], vec![0.25, k as f64]))
-            .collect();
-        let mut p = Counting::default();
-        let s = train_step(&mut p, &chain, &batches, order).unwrap();
+            .collect()
+    }
+
+    fn run_with(order: MicroBatchOrder, parts: usize, lends: bool) -> (Counting, f32) {
+        let chain = Chain {
+            blocks: 5,
+            fails: None,
+        };
+        let mut p = Counting {
+            lends,
+            ..Counting::default()
+        };
+        let s = train_step(&mut p, &chain, &batches(parts), order).unwrap();
         (p, s.loss)
+    }
+
+    fn run(order: MicroBatchOrder, parts: usize) -> (Counting, f32) {
+        run_with(order, parts, false)
+    }
+
+    /// Lent weights give what fetched ones give, bit for bit; a block's loans are made
+    /// once per pass however many micro-batches share them, and end with the block:
+    /// never more than the block's one weight live, none left after the step.
+    #[test]
+    fn lent_weights_give_what_fetched_ones_give_and_end_with_their_block() {
+        for order in [MicroBatchOrder::Vertical, MicroBatchOrder::Horizontal] {
+            for parts in [1, 3] {
+                let (f, lf) = run_with(order, parts, false);
+                let (l, ll) = run_with(order, parts, true);
+                assert_eq!(lf.to_bits(), ll.to_bits(), "{order:?}, {parts}: loss");
+                for (name, (g, _)) in &f.grads {
+                    assert_eq!(g.to_bits(), l.grads[name].0.to_bits(), "{name}");
+                }
+                let passes = if order == MicroBatchOrder::Vertical {
+                    1
+                } else {
+                    parts
+                };
+                assert_eq!((l.fetches, l.made), (0, 9 * passes), "{order:?}, {parts}");
+                assert_eq!((l.ended, l.most_live, l.live.len()), (l.made, 1, 0));
+            }
+        }
+    }
+
+    /// A block that fails still ends its loans: nothing stays held by a failed step.
+    #[test]
+    fn a_failing_block_ends_its_loans() {
+        let chain = Chain {
+            blocks: 5,
+            fails: Some(2),
+        };
+        let mut p = Counting {
+            lends: true,
+            ..Counting::default()
+        };
+        let e = train_step(&mut p, &chain, &batches(2), MicroBatchOrder::Vertical);
+        assert!(matches!(e, Err(TrainError::Protocol(_))), "{e:?}");
+        assert_eq!((p.made, p.ended, p.live.len()), (3, 3, 0));
     }
 
     #[test]
@@ -619,7 +833,11 @@ mod tests {
     #[test]
     fn a_step_needs_a_micro_batch() {
         let mut p = Counting::default();
-        let e = train_step(&mut p, &Chain { blocks: 3 }, &[], MicroBatchOrder::Vertical);
+        let chain = Chain {
+            blocks: 3,
+            fails: None,
+        };
+        let e = train_step(&mut p, &chain, &[], MicroBatchOrder::Vertical);
         assert!(
             matches!(e, Err(TrainError::Config { key: "batches", .. })),
             "{e:?}"

@@ -31,7 +31,8 @@ pub mod step;
 pub mod trainer;
 
 pub use blocks::{
-    train_step, BlockGrads, BlockParams, Blocks, MicroBatchOrder, StepTimes, StreamedStep, Upstream,
+    train_step, BlockGrads, BlockParams, Blocks, Loan, MicroBatchOrder, StepTimes, StreamedStep,
+    Upstream,
 };
 pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;

@@ -107,6 +107,16 @@ impl Trainer {
         }
     }
 
+    /// The dtype compute reads parameter `i` in ([`Trainer::fetch_view`],
+    /// [`Trainer::lease_view`]): bf16 for a trainable parameter in `Bf16`, f32 otherwise.
+    pub fn compute_dtype(&self, i: usize) -> Result<DType> {
+        let trainable = self.entry(i)?.spec.trainable;
+        Ok(match (trainable, self.precision) {
+            (true, Precision::Bf16) => DType::BF16,
+            _ => DType::F32,
+        })
+    }
+
     /// Writes parameter `i`'s values (untraced: not a moment of the iteration): the
     /// master copy (and the bf16 copy in `Bf16`) of a trainable parameter, the fp32
     /// tensor itself of a frozen one.
