@@ -292,6 +292,16 @@ fn the_shipped_finetune_example_runs_as_the_readme_says() {
         per_step("nvme_written_bytes") <= total[1].as_u64().unwrap(),
         "{json}"
     );
+    // The disk's time for those bytes: some, within each step's wall time.
+    for s in steps {
+        let busy = s["nvme_busy_seconds"].as_f64().expect("nvme_busy_seconds");
+        assert!(busy >= 0.0 && busy <= s["seconds"].as_f64().unwrap(), "{s}");
+    }
+    let busy: f64 = steps
+        .iter()
+        .map(|s| s["nvme_busy_seconds"].as_f64().unwrap())
+        .sum();
+    assert!(busy > 0.0, "steps that read from NVMe kept it busy: {json}");
     // Where the blocks computed, and with which matrix products (OpenBLAS where this
     // machine has it).
     assert_eq!(v["compute"], "cpu", "{json}");

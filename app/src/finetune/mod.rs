@@ -74,11 +74,14 @@ pub struct StepRecord {
     pub store_seconds: f64,
     /// Of which the optimizer step.
     pub optimizer_seconds: f64,
-    /// Bytes read from NVMe during the step (its disk time is this over the disk's
-    /// read rate, to hold against `store_seconds`).
+    /// Bytes read from NVMe during the step.
     pub nvme_read_bytes: u64,
     /// Bytes written to NVMe during the step.
     pub nvme_written_bytes: u64,
+    /// Seconds of the step with at least one NVMe request in flight (the swap file's
+    /// I/O thread samples it every 200 µs): the disk's time for the step's bytes, to
+    /// hold against `compute_seconds` and `store_seconds`.
+    pub nvme_busy_seconds: f64,
     /// Global gradient norm (0 for a skipped step).
     pub grad_norm: f64,
 }
@@ -387,6 +390,11 @@ fn export_checked(
     model::export(t, loaded, params, dir, merged)
 }
 
+/// Nanoseconds the store's swap file has had a request in flight since it opened.
+fn nvme_busy_ns(params: &TideParams) -> u64 {
+    params.trainer().store().nvme().activity().busy_ns
+}
+
 /// Step `step`: its micro-batches through the streamed trainer, at its learning rate.
 fn one_step(
     cfg: &Config,
@@ -398,6 +406,7 @@ fn one_step(
     let t = &cfg.train;
     let started = Instant::now();
     let before = params.stats();
+    let busy_before = nvme_busy_ns(params);
     let lr = t.lr_at(step, cfg.optimizer.lr);
     params.set_lr(lr as f32)?;
     let mut loss_tokens = 0;
@@ -428,6 +437,7 @@ fn one_step(
         optimizer_seconds: s.times.optimizer.as_secs_f64(),
         nvme_read_bytes: after.nvme_to_host_bytes - before.nvme_to_host_bytes,
         nvme_written_bytes: after.host_to_nvme_bytes - before.host_to_nvme_bytes,
+        nvme_busy_seconds: nvme_busy_ns(params).saturating_sub(busy_before) as f64 / 1e9,
         grad_norm: match s.decision {
             StepDecision::Apply { grad_norm, .. } => grad_norm,
             StepDecision::Skip { .. } => 0.0,
