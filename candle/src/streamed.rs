@@ -179,6 +179,10 @@ impl BlockParams<Llama> for TideParams {
         TideParams::end_loans(self)
     }
 
+    fn step_early(&mut self) -> Result<()> {
+        TideParams::step_early(self)
+    }
+
     fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {
         // A contiguous f32 gradient in CPU memory goes to the store straight from candle's
         // buffer; anything else (a GPU tensor, a strided view) through one copy.

@@ -272,6 +272,15 @@ impl TideParams {
         Ok(self.trainer.step(&mut |_| {})?.decision)
     }
 
+    /// Steps, before backward ends, every parameter group whose gradients are all
+    /// final (when the trainer was opened with `Overlap::Backward`; else nothing): the
+    /// same step [`TideParams::step`] would make, made while the rest of backward is
+    /// still to come, so the step's chunk I/O overlaps backward's compute.
+    pub fn step_early(&mut self) -> Result<()> {
+        self.trainer.step_ready(None, &mut |_| {})?;
+        Ok(())
+    }
+
     /// Sets the learning rate of the steps to come (a schedule's).
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
         Ok(self.trainer.set_lr(lr)?)

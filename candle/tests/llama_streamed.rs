@@ -424,3 +424,36 @@ fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
     .unwrap();
     assert!(p.lend(name, false).unwrap().is_none(), "bf16: nothing lent");
 }
+
+/// With `Overlap::Backward` the driver has each parameter group stepped as soon as its
+/// gradients are final, while backward goes on: the same losses and weights as the
+/// step after backward, bit for bit (no clipping, so the decision is known up front),
+/// with tensors stepped early in every step.
+#[test]
+fn stepping_during_backward_trains_bit_for_bit_as_after_it() {
+    use tidestore_train::Overlap;
+    let model = llama(false, false);
+    let init = model.init(8);
+    let data = batches();
+    let run = |overlap: Overlap| -> (Vec<u32>, Vec<Vec<f32>>, u64) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tide_config(dir.path(), Precision::F32);
+        cfg.overlap = overlap;
+        let mut p = TideParams::open(&init, &cfg, &Device::Cpu).unwrap();
+        let losses = (0..4)
+            .map(|s| {
+                let (x, y) = data.get(s, &Device::Cpu).unwrap();
+                let step = train_step(&mut p, &model, &[(x, y)], Vertical).unwrap();
+                step.loss.to_bits()
+            })
+            .collect();
+        let early = p.trainer().step_loop().stats().tensors_overlapped;
+        let values = init.iter().map(|(s, _)| p.values(&s.name).unwrap());
+        (losses, values.collect(), early)
+    };
+    let (after, during) = (run(Overlap::Off), run(Overlap::Backward));
+    assert_eq!(after.0, during.0, "losses");
+    assert!(after.1 == during.1, "weights differ");
+    assert_eq!(after.2, 0);
+    assert!(during.2 > 0, "nothing was stepped during backward");
+}

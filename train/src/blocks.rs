@@ -158,6 +158,13 @@ pub trait BlockParams<B: Blocks + ?Sized> {
         last: bool,
     ) -> Result<(), B::Error>;
 
+    /// Steps what the gradients made final so far let the optimizer step before
+    /// backward ends (a store trained with `Overlap::Backward`): the driver calls it
+    /// after each block's gradients are put. The default steps nothing.
+    fn step_early(&mut self) -> Result<(), B::Error> {
+        Ok(())
+    }
+
     /// The optimizer step, after the last micro-batch.
     fn step(&mut self) -> Result<StepDecision, B::Error>;
 }
@@ -180,7 +187,8 @@ pub struct StepTimes {
     pub compute: Duration,
     /// Getting parameters and putting gradients (waits for chunks included).
     pub store: Duration,
-    /// The optimizer step (its chunk I/O included).
+    /// The optimizer step (its chunk I/O included), the part made during backward
+    /// ([`BlockParams::step_early`]) included.
     pub optimizer: Duration,
 }
 
@@ -195,10 +203,12 @@ pub struct StreamedStep {
     pub times: StepTimes,
 }
 
-/// `params` with the time of every fetch and gradient put added to `store`.
+/// `params` with the time of every fetch and gradient put added to `store`, and of the
+/// optimizer's steps during backward to `early`.
 struct Timed<'a, P: ?Sized> {
     params: &'a mut P,
     store: Duration,
+    early: Duration,
 }
 
 impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_, P> {
@@ -237,6 +247,13 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_
         let started = Instant::now();
         let r = self.params.put_grad(name, grad, first, last);
         self.store += started.elapsed();
+        r
+    }
+
+    fn step_early(&mut self) -> Result<(), B::Error> {
+        let started = Instant::now();
+        let r = self.params.step_early();
+        self.early += started.elapsed();
         r
     }
 
@@ -284,6 +301,7 @@ where
     let mut timed = Timed {
         params,
         store: Duration::ZERO,
+        early: Duration::ZERO,
     };
     let parts = batches.len();
     let scale = 1.0 / parts as f64;
@@ -318,9 +336,9 @@ where
         loss: loss_sum / parts as f32,
         decision,
         times: StepTimes {
-            compute: compute_and_store.saturating_sub(timed.store),
+            compute: compute_and_store.saturating_sub(timed.store + timed.early),
             store: timed.store,
-            optimizer: step_started.elapsed(),
+            optimizer: step_started.elapsed() + timed.early,
         },
     })
 }
@@ -473,6 +491,7 @@ where
         )?;
         loss_sum += loss;
         put_block_grads(params, model, sums, b, first, &mut pending, part)?;
+        params.step_early()?;
     }
     if let Some(name) = pending.keys().next() {
         return Err(TrainError::Protocol(format!(
@@ -660,6 +679,8 @@ mod tests {
         lends: bool,
         /// The loans not ended yet (their one element each).
         live: Vec<f32>,
+        /// Calls to step early.
+        early: usize,
         /// Loans made, loans ended, and the most live at once.
         made: usize,
         ended: usize,
@@ -700,6 +721,11 @@ mod tests {
         fn end_loans(&mut self) -> Result<(), TrainError> {
             self.ended += self.live.len();
             self.live.clear();
+            Ok(())
+        }
+
+        fn step_early(&mut self) -> Result<(), TrainError> {
+            self.early += 1;
             Ok(())
         }
 
@@ -796,6 +822,8 @@ mod tests {
             // 4 blocks forward without the head, 5 in backward.
             assert_eq!(v.fetches, 9, "vertical, {parts} micro-batches");
             assert_eq!(h.fetches, 9 * parts, "horizontal, {parts} micro-batches");
+            // The optimizer may step early after each block's backward.
+            assert_eq!((v.early, h.early), (5, 5 * parts));
             assert!(
                 v.grads.values().all(|&(_, puts)| puts == 1),
                 "{:?}",

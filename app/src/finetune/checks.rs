@@ -64,7 +64,6 @@ pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
     only_default("device.sim_memory", c.sim_memory, d.sim_memory)?;
     only_default("device.pcie_gbps", c.pcie_gbps, d.pcie_gbps)?;
     only_default("optimizer.device", cfg.optimizer.device, o.device)?;
-    only_default("optimizer.overlap", cfg.optimizer.overlap, o.overlap)?;
     only_default("policy.eviction", cfg.policy.eviction, p.eviction)?;
     only_default(
         "policy.prefetch_lookahead",
@@ -336,10 +335,6 @@ mod tests {
     fn unread_settings_name_the_key() {
         let mut cfg = Config::default();
         refuse_unread_settings(&cfg).unwrap();
-        cfg.optimizer.overlap = tidestore::config::OverlapName::Backward;
-        let e = refuse_unread_settings(&cfg).unwrap_err();
-        assert_eq!(e.key(), Some("optimizer.overlap"));
-        cfg.optimizer.overlap = tidestore::config::OverlapName::Off;
         cfg.nvme.compression = CompressionName::Zstd;
         assert_eq!(
             refuse_unread_settings(&cfg).unwrap_err().key(),
