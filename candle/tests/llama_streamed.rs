@@ -13,21 +13,55 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use common::*;
 use tidestore_candle::{
-    train_step, InMemory, Llama, LlamaConfig, LlamaLora, ParamSource, Precision, TideParams,
+    train_step, InMemory, Llama, LlamaConfig, LlamaLora, ParamSource, ParamSpec, Precision,
+    TideParams,
 };
 use tidestore_train::MicroBatchOrder::{self, Horizontal, Vertical};
-use tidestore_train::{BlockParams, Loan, StepDecision};
+use tidestore_train::{BlockParams, Loan, Overlap, StepDecision};
 
-/// `TideParams` whose step reads every trainable gradient first: the step consumes them.
-struct GradsBeforeStep<'a> {
+/// `TideParams` as the driver sees it, lending (or not, `lend: false`: every parameter
+/// copied into a candle tensor) and counting its loans; its step first reads the
+/// gradients of `names` (the step consumes them).
+struct Through<'a> {
     p: &'a mut TideParams,
+    lend: bool,
+    loans: usize,
     names: Vec<String>,
     grads: HashMap<String, Vec<f32>>,
 }
 
-impl BlockParams<Llama> for GradsBeforeStep<'_> {
+impl<'a> Through<'a> {
+    fn new(p: &'a mut TideParams, lend: bool) -> Self {
+        Through {
+            p,
+            lend,
+            loans: 0,
+            names: Vec::new(),
+            grads: HashMap::new(),
+        }
+    }
+}
+
+impl BlockParams<Llama> for Through<'_> {
     fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
         BlockParams::<Llama>::fetch(self.p, name, backward)
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
+        if !self.lend {
+            return Ok(None);
+        }
+        let loan = self.p.lend(name, backward)?;
+        self.loans += usize::from(loan.is_some());
+        Ok(loan)
+    }
+
+    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
+        self.p.lent(loan)
+    }
+
+    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
+        self.p.end_loans()
     }
 
     fn put_grad(
@@ -46,6 +80,20 @@ impl BlockParams<Llama> for GradsBeforeStep<'_> {
         }
         BlockParams::<Llama>::step(self.p)
     }
+}
+
+/// `init` in a new `TideParams` (the test config at `precision`, `overlap`), in a
+/// temporary directory that lives as long as the first value.
+fn opened(
+    init: &[(ParamSpec, Vec<f32>)],
+    precision: Precision,
+    overlap: Overlap,
+) -> (tempfile::TempDir, TideParams) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tide_config(dir.path(), precision);
+    cfg.overlap = overlap;
+    let p = TideParams::open(init, &cfg, &Device::Cpu).unwrap();
+    (dir, p)
 }
 
 fn llama(tie: bool, lora: bool) -> Llama {
@@ -90,22 +138,13 @@ fn step1_matches_full_graph(tie: bool, lora: bool) {
     let want_loss = loss.to_scalar::<f32>().unwrap();
     let grads = loss.backward().unwrap();
     // The same weights, streamed through the store.
-    let dir = tempfile::tempdir().unwrap();
-    let mut p = TideParams::open(
-        &init,
-        &tide_config(dir.path(), Precision::F32),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
     let names = init
         .iter()
         .filter(|(s, _)| s.trainable)
         .map(|(s, _)| s.name.clone());
-    let mut before_step = GradsBeforeStep {
-        p: &mut p,
-        names: names.collect(),
-        grads: HashMap::new(),
-    };
+    let mut before_step = Through::new(&mut p, true);
+    before_step.names = names.collect();
     let s = train_step(
         &mut before_step,
         &model,
@@ -177,13 +216,7 @@ fn twenty_streamed_steps_equal_full_graph_training() {
     let init = model.init(9);
     let data = batches();
     let run = |streamed: bool| -> Vec<f32> {
-        let dir = tempfile::tempdir().unwrap();
-        let mut p = TideParams::open(
-            &init,
-            &tide_config(dir.path(), Precision::F32),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
         (0..20)
             .map(|s| {
                 let (x, y) = data.get(s, &Device::Cpu).unwrap();
@@ -220,13 +253,7 @@ fn two_micro_batches_equal_one_batch_of_both_in_either_order() {
     let init = model.init(3);
     let data = batches();
     let run = |split: bool, order: MicroBatchOrder| -> Vec<f32> {
-        let dir = tempfile::tempdir().unwrap();
-        let mut p = TideParams::open(
-            &init,
-            &tide_config(dir.path(), Precision::F32),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
         (0..5)
             .map(|s| {
                 let (x, y) = data.get(s, &Device::Cpu).unwrap();
@@ -287,51 +314,6 @@ fn the_in_memory_baseline_of_the_same_recompute_equals_candle_full_graph() {
     assert!(max_rel_diff(&want, &got) <= 1e-5);
 }
 
-/// `TideParams` lending (or not, `lend: false`: every parameter copied into a candle
-/// tensor), counting the loans it made.
-struct Lending<'a> {
-    p: &'a mut TideParams,
-    lend: bool,
-    loans: usize,
-}
-
-impl BlockParams<Llama> for Lending<'_> {
-    fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
-        BlockParams::<Llama>::fetch(self.p, name, backward)
-    }
-
-    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
-        if !self.lend {
-            return Ok(None);
-        }
-        let loan = self.p.lend(name, backward)?;
-        self.loans += usize::from(loan.is_some());
-        Ok(loan)
-    }
-
-    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
-        self.p.lent(loan)
-    }
-
-    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
-        self.p.end_loans()
-    }
-
-    fn put_grad(
-        &mut self,
-        name: &str,
-        grad: &Tensor,
-        first: bool,
-        last: bool,
-    ) -> tidestore_candle::Result<()> {
-        BlockParams::<Llama>::put_grad(self.p, name, grad, first, last)
-    }
-
-    fn step(&mut self) -> tidestore_candle::Result<StepDecision> {
-        BlockParams::<Llama>::step(self.p)
-    }
-}
-
 /// The weights the store lends (read in place by the products and the embedding's
 /// lookup, no candle copy) train exactly as copied ones: the same losses and the same
 /// master weights after five steps, bit for bit, with a tied embedding and with LoRA
@@ -347,14 +329,8 @@ fn lent_weights_train_bit_for_bit_as_copied_ones() {
         let init = model.init(6);
         let data = batches();
         let run = |lend: bool| -> (Vec<u32>, Vec<Vec<f32>>, usize) {
-            let dir = tempfile::tempdir().unwrap();
-            let cfg = tide_config(dir.path(), Precision::F32);
-            let mut p = TideParams::open(&init, &cfg, &Device::Cpu).unwrap();
-            let mut through = Lending {
-                p: &mut p,
-                lend,
-                loans: 0,
-            };
+            let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
+            let mut through = Through::new(&mut p, lend);
             let losses = (0..5)
                 .map(|s| {
                     let (x, y) = data.get(s, &Device::Cpu).unwrap();
@@ -391,13 +367,7 @@ fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
     let model = llama(false, false);
     let init = model.init(2);
     let name = "model.layers.0.mlp.up_proj.weight";
-    let dir = tempfile::tempdir().unwrap();
-    let mut p = TideParams::open(
-        &init,
-        &tide_config(dir.path(), Precision::F32),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
     let fwd = p
         .lend(name, false)
         .unwrap()
@@ -415,13 +385,7 @@ fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
     assert!(p.step().is_err(), "a step while loans are held");
     p.end_loans().unwrap();
     assert!(p.lent(&fwd).is_err(), "a loan read after the loans ended");
-    let dir = tempfile::tempdir().unwrap();
-    let mut p = TideParams::open(
-        &init,
-        &tide_config(dir.path(), Precision::Bf16),
-        &Device::Cpu,
-    )
-    .unwrap();
+    let (_dir, mut p) = opened(&init, Precision::Bf16, Overlap::Off);
     assert!(p.lend(name, false).unwrap().is_none(), "bf16: nothing lent");
 }
 
@@ -431,15 +395,11 @@ fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
 /// with tensors stepped early in every step.
 #[test]
 fn stepping_during_backward_trains_bit_for_bit_as_after_it() {
-    use tidestore_train::Overlap;
     let model = llama(false, false);
     let init = model.init(8);
     let data = batches();
     let run = |overlap: Overlap| -> (Vec<u32>, Vec<Vec<f32>>, u64) {
-        let dir = tempfile::tempdir().unwrap();
-        let mut cfg = tide_config(dir.path(), Precision::F32);
-        cfg.overlap = overlap;
-        let mut p = TideParams::open(&init, &cfg, &Device::Cpu).unwrap();
+        let (_dir, mut p) = opened(&init, Precision::F32, overlap);
         let losses = (0..4)
             .map(|s| {
                 let (x, y) = data.get(s, &Device::Cpu).unwrap();

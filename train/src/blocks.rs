@@ -480,15 +480,10 @@ where
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
     let mut loss_sum = 0.0;
     for b in (0..=head).rev() {
-        let (sums, loss) = block_backward(
-            params,
-            model,
-            b,
-            batches,
-            &mut inputs,
-            &mut upstream,
-            part.scale,
-        )?;
+        let mut cache = BlockCache::<B, P>::new(&mut *params);
+        let (ins, ups) = (&mut inputs, &mut upstream);
+        let done = block_backward(&mut cache, model, b, batches, ins, ups, part.scale);
+        let (sums, loss) = cache.finish(done)?;
         loss_sum += loss;
         put_block_grads(params, model, sums, b, first, &mut pending, part)?;
         params.step_early()?;
@@ -505,30 +500,12 @@ where
 /// Tensors by parameter name, in the order the block gave them.
 type Named<T> = Vec<(String, T)>;
 
-/// Block `b`'s backward for every micro-batch, from its saved input (popped from
-/// `inputs`) and `upstream` (replaced by the gradient of the block's input), the loss
-/// times `scale`: its parameters' gradients summed over the micro-batches in first-seen
-/// order, and the sum of the micro-batches' losses (the last block's; 0 for the others).
+/// Block `b`'s backward for every micro-batch, its parameters from `cache`, from its
+/// saved input (popped from `inputs`) and `upstream` (replaced by the gradient of the
+/// block's input), the loss times `scale`: its parameters' gradients summed over the
+/// micro-batches in first-seen order, and the sum of the micro-batches' losses (the
+/// last block's; 0 for the others).
 fn block_backward<B, P>(
-    params: &mut P,
-    model: &B,
-    b: usize,
-    batches: &[(B::Tensor, B::Tensor)],
-    inputs: &mut [Vec<B::Tensor>],
-    upstream: &mut [Option<B::Tensor>],
-    scale: f64,
-) -> Result<(Named<B::Tensor>, f32), B::Error>
-where
-    B: Blocks + ?Sized,
-    P: BlockParams<B>,
-{
-    let mut cache = BlockCache::<B, P>::new(params);
-    let done = micro_batches_backward(&mut cache, model, b, batches, inputs, upstream, scale);
-    cache.finish(done)
-}
-
-/// The micro-batches of [`block_backward`], their parameters from `cache`.
-fn micro_batches_backward<B, P>(
     cache: &mut BlockCache<'_, B, P>,
     model: &B,
     b: usize,
