@@ -223,8 +223,8 @@ fn item4_settings_finetune_cannot_honour_are_refused_naming_the_key() {
         ),
         (
             "threads = 1\n",
-            "threads = 1\noverlap = \"backward\"\nmax_grad_norm = 0.0\n",
-            "optimizer.overlap",
+            "threads = 1\ndevice = \"cpu\"\n",
+            "optimizer.device",
         ),
     ];
     for (from, to, key) in cases {
@@ -241,6 +241,20 @@ fn item4_settings_finetune_cannot_honour_are_refused_naming_the_key() {
             "{key}: {err}"
         );
     }
+    // Stepping during backward is honoured, and refused beside clipping, which needs
+    // every gradient first.
+    std::fs::write(
+        d.path().join("tidestore.toml"),
+        config("").replace("threads = 1\n", "threads = 1\noverlap = \"backward\"\n"),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune", "--steps", "1"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("optimizer.overlap") && err.contains("max_grad_norm"),
+        "{err}"
+    );
     if !cfg!(feature = "cuda") {
         std::fs::write(
             d.path().join("tidestore.toml"),
