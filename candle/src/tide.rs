@@ -46,6 +46,9 @@ pub struct TideParams {
     grads_pending: bool,
     /// The running block's loans ([`TideParams::lend`]), each with the state it ends in.
     loans: Vec<(Lease, TensorState)>,
+    /// Loans ended so far: a loan's id is this plus its place in `loans`, so an id of an
+    /// ended block never names a later block's loan.
+    loans_ended: usize,
 }
 
 impl std::fmt::Debug for TideParams {
@@ -85,6 +88,7 @@ impl TideParams {
             device: device.clone(),
             grads_pending: false,
             loans: Vec::new(),
+            loans_ended: 0,
         })
     }
 
@@ -208,7 +212,7 @@ impl TideParams {
         let lease = self.trainer.lease(i)?;
         self.loans.push((lease, to));
         let loan = Loan {
-            id: self.loans.len() - 1,
+            id: self.loans_ended + self.loans.len() - 1,
             shape,
             trainable,
         };
@@ -223,10 +227,11 @@ impl TideParams {
             name: format!("loan {}", loan.id),
             reason: reason.into(),
         };
-        let (lease, _) = self
-            .loans
-            .get(loan.id)
-            .ok_or_else(|| bad("no such loan: the block's loans ended"))?;
+        let (lease, _) = loan
+            .id
+            .checked_sub(self.loans_ended)
+            .and_then(|k| self.loans.get(k))
+            .ok_or_else(|| bad("no such loan: its block's loans ended"))?;
         let (view, dtype) = self.trainer.lease_view(lease)?;
         let bytes = match view {
             TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b,
@@ -243,6 +248,7 @@ impl TideParams {
     /// one fails; the first error is returned.
     pub fn end_loans(&mut self) -> Result<()> {
         let mut first = Ok(());
+        self.loans_ended += self.loans.len();
         for (lease, to) in self.loans.drain(..) {
             let r = self.trainer.end_lease(lease, to);
             if first.is_ok() {

@@ -385,6 +385,12 @@ fn tide_params_lend_f32_on_the_cpu_and_keep_the_protocol() {
     assert!(p.step().is_err(), "a step while loans are held");
     p.end_loans().unwrap();
     assert!(p.lent(&fwd).is_err(), "a loan read after the loans ended");
+    // Nor does an ended loan's id name the next block's loan.
+    let next = p.lend(down, false).unwrap().expect("lent again");
+    assert_ne!(next.id, fwd.id);
+    assert!(p.lent(&fwd).is_err() && p.lent(&bwd).is_err());
+    assert_eq!(p.lent(&next).unwrap().len(), 32 * 64);
+    p.end_loans().unwrap();
     let (_dir, mut p) = opened(&init, Precision::Bf16, Overlap::Off);
     assert!(p.lend(name, false).unwrap().is_none(), "bf16: nothing lent");
 }
