@@ -236,28 +236,47 @@ fn sizes(a: &Tensor, b: &Tensor) -> Option<(usize, usize, usize, usize)> {
 
 /// `None` where `cblas_sgemm` does not apply.
 fn product(blas: &Blas, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-    if a.track_op() || b.track_op() || !matches!(a.device(), Device::Cpu) {
+    let (Some(sizes), Some(ob)) = (sizes(a, b), Operand::of(b)) else {
+        return Ok(None);
+    };
+    if b.track_op() {
         return Ok(None);
     }
-    let (Some((batch, m, k, n)), Some(oa), Some(ob)) =
-        (sizes(a, b), Operand::of(a), Operand::of(b))
-    else {
+    let (sb, _) = b.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(db)) = &*sb else {
+        return Ok(None);
+    };
+    product_over(blas, a, sizes, (db, ob))
+}
+
+/// `a · b` of sizes `(batch, m, k, n)` for `b` given as the operand `ob` over `db`;
+/// `None` where `cblas_sgemm` does not apply to `a` (tracked by a graph, not an f32 CPU
+/// tensor, strided otherwise), to the sizes, or to `ob`'s extent.
+fn product_over(
+    blas: &Blas,
+    a: &Tensor,
+    (batch, m, k, n): (usize, usize, usize, usize),
+    (db, ob): (&[f32], Operand),
+) -> Result<Option<Tensor>> {
+    let Some(oa) = Operand::of(a) else {
         return Ok(None);
     };
     let fits = |x: usize| c_int::try_from(x).is_ok();
-    if [batch, m, n, k].contains(&0) || ![m, n, k, oa.ld, ob.ld].into_iter().all(fits) {
+    if a.track_op()
+        || !a.device().is_cpu()
+        || [batch, m, n, k].contains(&0)
+        || ![m, n, k, oa.ld, ob.ld].into_iter().all(fits)
+    {
         return Ok(None);
     }
     let (sa, _) = a.storage_and_layout();
-    let (sb, _) = b.storage_and_layout();
-    let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::F32(db))) = (&*sa, &*sb)
-    else {
+    let Storage::Cpu(CpuStorage::F32(da)) = &*sa else {
         return Ok(None);
     };
     let Some(c) = run(blas, (batch, m, k, n), (da, oa), (db, ob)) else {
         return Ok(None);
     };
-    drop((sa, sb));
+    drop(sa);
     let c = Tensor::from_vec(c, (batch * m, n), &Device::Cpu)?;
     Ok(Some(match a.rank() {
         2 => c,
@@ -293,17 +312,10 @@ pub fn matmul_slice(
         ld: cols,
         batch_stride: 0,
     };
-    if let (Ok(Some(blas)), &[m, ka], Some(oa)) = (blas(), a.dims(), Operand::of(a)) {
-        let fits = [m, n, k, oa.ld, ob.ld]
-            .into_iter()
-            .all(|x| c_int::try_from(x).is_ok());
-        if ka == k && m > 0 && k > 0 && n > 0 && fits && !a.track_op() && a.device().is_cpu() {
-            let (sa, _) = a.storage_and_layout();
-            if let Storage::Cpu(CpuStorage::F32(da)) = &*sa {
-                if let Some(c) = run(blas, (1, m, k, n), (da, oa), (w, ob)) {
-                    drop(sa);
-                    return Ok(Tensor::from_vec(c, (m, n), &Device::Cpu)?);
-                }
+    if let (Ok(Some(blas)), &[m, ka]) = (blas(), a.dims()) {
+        if ka == k {
+            if let Some(c) = product_over(blas, a, (1, m, k, n), (w, ob))? {
+                return Ok(c);
             }
         }
     }

@@ -660,18 +660,16 @@ impl Weight {
 /// it in a fused pass, else its tensor as [`param`] hands it out (a trainable one is a
 /// variable).
 fn weight(src: &mut dyn ParamSource, name: &str, mode: Mode) -> Result<(Weight, bool)> {
-    if mode == Mode::Fused {
-        if let Some(l) = src.lend(name)? {
-            let trains = l.trainable;
-            return Ok((Weight::Lent(l), trains));
-        }
+    if mode == Mode::Graph {
+        let t = param(src, name, mode)?;
+        let trains = t.is_variable();
+        return Ok((Weight::Tensor(t), trains));
     }
-    let t = src.param(name)?;
-    let trains = t.is_variable();
-    let t = match mode {
-        Mode::Fused => t.detach(),
-        Mode::Graph => t,
-    };
+    if let Some(l) = src.lend(name)? {
+        let trains = l.trainable;
+        return Ok((Weight::Lent(l), trains));
+    }
+    let (t, trains) = trained(src, name)?;
     Ok((Weight::Tensor(t), trains))
 }
 
