@@ -145,6 +145,16 @@ proptest! {
                 let mut acc = a.m.clone();
                 opt.accumulate(&mut acc, g, scale).unwrap();
                 check_same(&acc, &want_acc, &format!("{level:?} x{threads} accumulate"))?;
+                // Widened exactly, with the norm the widened copy has, bit for bit.
+                let mut wide = vec![f32::NAN; g.len()];
+                let wide_sq = opt.widen_grads(g, &mut wide).unwrap();
+                for (i, w) in wide.iter().enumerate() {
+                    prop_assert_eq!(w.to_bits(), g.get_f32(i).unwrap().to_bits(), "{:?} x{} widen {}", level, threads, i);
+                }
+                prop_assert_eq!(wide_sq.to_bits(), opt.grad_sq_norm(Grads::F32(&wide)).to_bits());
+                let mut copied = vec![f32::NAN; g.len()];
+                opt.copy(&wide, &mut copied).unwrap();
+                check_same(&copied, &wide, &format!("{level:?} x{threads} copy"))?;
             }
         }
         for (level, threads, opt) in common::optimizers(c.block) {

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use rayon::ThreadPool;
 
 pub use level::{SimdLevel, SimdReason, SIMD_ENV};
-use parallel::{run_blocks, AccJob, CastJob, Split, StepJob};
+use parallel::{run_blocks, AccJob, CastJob, Split, StepJob, WidenJob};
 use raw::{grad_raw, out_raw, StepPtrs};
 
 use crate::error::{check_len, OptimError, Result};
@@ -240,6 +240,35 @@ impl AdamW {
         )
     }
 
+    /// Widens `grads` into `dst` and returns what [`AdamW::grad_sq_norm`] returns for
+    /// `dst`, bit for bit (the same blocks, each summed while it is still in cache): how
+    /// a gradient enters an fp32 place in one pass over memory, spread over the threads.
+    pub fn widen_grads(&self, grads: Grads<'_>, dst: &mut [f32]) -> Result<f64> {
+        check_len("dst", dst.len(), "grads", grads.len())?;
+        Ok(self.run(
+            WidenJob { g: grads, dst },
+            |level, j: WidenJob<'_>| {
+                widen_leaf(j.g, j.dst);
+                sq_norm_leaf(level, Grads::F32(j.dst))
+            },
+            |a: f64, b: f64| a + b,
+        ))
+    }
+
+    /// Copies `src` into `dst`, spread over the threads (a master copy handed out).
+    pub fn copy(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
+        check_len("dst", dst.len(), "src", src.len())?;
+        self.run(
+            WidenJob {
+                g: Grads::F32(src),
+                dst,
+            },
+            |_, j: WidenJob<'_>| widen_leaf(j.g, j.dst),
+            |(), ()| (),
+        );
+        Ok(())
+    }
+
     /// True when no gradient is inf or NaN (the loss-scaling overflow check).
     pub fn grads_finite(&self, grads: Grads<'_>) -> bool {
         self.run(
@@ -422,6 +451,16 @@ macro_rules! grad_leaf {
 }
 
 grad_leaf!(sq_norm_leaf, sq_norm, f64);
+
+/// `g` widened to f32 into `dst` (as long as `g`): exact for every dtype.
+fn widen_leaf(g: Grads<'_>, dst: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    match g {
+        Grads::F32(g) => dst.copy_from_slice(g),
+        Grads::F16(g) => g.convert_to_f32_slice(dst),
+        Grads::Bf16(g) => g.convert_to_f32_slice(dst),
+    }
+}
 grad_leaf!(finite_leaf, all_finite, bool);
 
 fn accumulate_leaf(level: SimdLevel, j: AccJob<'_>, scale: f32) {

@@ -185,6 +185,24 @@ impl Split for AccJob<'_> {
     }
 }
 
+/// Gradients and the fp32 buffer they are widened into.
+pub(crate) struct WidenJob<'a> {
+    pub g: Grads<'a>,
+    pub dst: &'a mut [f32],
+}
+
+impl Split for WidenJob<'_> {
+    fn len(&self) -> usize {
+        self.dst.len()
+    }
+
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        let (d0, d1) = self.dst.split_at_mut(mid);
+        let (g0, g1) = self.g.split_at(mid);
+        (WidenJob { g: g0, dst: d0 }, WidenJob { g: g1, dst: d1 })
+    }
+}
+
 /// fp32 parameters and their 16-bit destination.
 pub(crate) struct CastJob<'a> {
     pub src: &'a [f32],

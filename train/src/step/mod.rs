@@ -191,6 +191,11 @@ pub struct StepOutcome {
 /// pieces.
 const STEP_PIECE: usize = 128 * 1024;
 
+/// Parameters per kernel call in the host pool where no gradient is staged: pieces long
+/// enough that splitting one over the optimizer's threads costs little beside it (a
+/// piece of fp32 state is 28 MB, about a millisecond of memory traffic between polls).
+const STEP_PIECE_UNSTAGED: usize = 1024 * 1024;
+
 #[derive(Debug)]
 struct Entry {
     spec: StepTensor,

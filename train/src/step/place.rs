@@ -11,7 +11,7 @@ use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
 use tidestore_optimizer::{DeviceGrads, DeviceSlices, Placement, StepState};
 
 use super::views::*;
-use super::{GradPlace, Observer, StepLoop, STEP_PIECE};
+use super::{GradPlace, Observer, StepLoop, STEP_PIECE, STEP_PIECE_UNSTAGED};
 use crate::error::{Result, TrainError};
 
 impl StepLoop {
@@ -45,8 +45,13 @@ impl StepLoop {
                 let master = f32s(master, &e.name, "master")?;
                 let mut ns = 0u64;
                 let mut at = 0;
+                let piece = if matches!(e.spec.grad, GradPlace::InParam16) {
+                    STEP_PIECE
+                } else {
+                    STEP_PIECE_UNSTAGED
+                };
                 while at < e.len {
-                    let end = (at + STEP_PIECE).min(e.len);
+                    let end = (at + piece).min(e.len);
                     let n = end - at;
                     let started = Instant::now();
                     if matches!(e.spec.grad, GradPlace::InParam16) {

@@ -65,14 +65,19 @@ impl Trainer {
         let cpu = self.step.optimizer().cpu();
         let g = self.store.access(tensor, list, Place::Host)?;
         let written: Result<f64> = if first && g.dtype() == DType::F32 {
-            // Widened straight into the fp32 place: no copy of the gradient.
+            // Widened straight into the fp32 place, its norm taken in the same pass.
             self.store
                 .bytes_mut(&g)
                 .map_err(TrainError::from)
                 .and_then(|b| {
                     let dst = f32_view_mut(b)?;
-                    grad.widen_into(dst);
-                    Ok(cpu.grad_sq_norm(Grads::F32(dst)))
+                    match grad.as_grads() {
+                        Some(src) => Ok(cpu.widen_grads(src, dst)?),
+                        None => {
+                            grad.widen_into(dst);
+                            Ok(cpu.grad_sq_norm(Grads::F32(dst)))
+                        }
+                    }
                 })
         } else {
             let mut sum = vec![0.0; n];
