@@ -122,6 +122,16 @@ impl AdamWCore {
         Ok(self.trainer.sync_master(i, bytes(src, dtype))?)
     }
 
+    /// Where parameter `i`'s master copy stays for the optimizer's life (address and
+    /// bytes of its fp32 elements), for the Python layer to make the parameter's own
+    /// memory; `None` when the store may move it (a host budget below the state).
+    pub fn resident_master(&mut self, i: usize) -> Result<Option<(usize, usize)>> {
+        Ok(self
+            .trainer
+            .resident_master(i)?
+            .map(|r| (r.addr, 4 * r.len)))
+    }
+
     /// Writes parameter `i`'s master copy, rounded to `dtype`, into `out`.
     pub fn read_param(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
         Ok(self.trainer.read_master(i, out, dtype)?)

@@ -141,6 +141,13 @@ impl PyAdamWCore {
         )
     }
 
+    /// (address, bytes) of parameter `i`'s fp32 master copy where it stays while this
+    /// core lives, or None when the store may move it (see `AdamW`'s adoption).
+    fn resident_master(&mut self, py: Python<'_>, i: usize) -> PyResult<Option<(usize, usize)>> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.resident_master(i))?)
+    }
+
     /// Writes parameter `i`'s master, rounded to `dtype`, into `out` (a writable uint8
     /// buffer).
     fn read_param(

@@ -5,7 +5,9 @@ against an fp32 master trained by torch); clipping that differs from
 clip_grad_norm_; overlap=True that is not bit-identical to overlap=False; a state_dict
 that does not resume bit for bit or loads a file overwritten since; bad input (a
 non-float or non-contiguous parameter, a parameter whose shape changed, a missing
-gradient) that changes anything before it is refused. Skipped, with the reason printed,
+gradient) that changes anything before it is refused; a CPU fp32 parameter bound to the
+store's master copy that a step moves, that loses an edit, or that is left over freed
+memory when the optimizer goes. Skipped, with the reason printed,
 where torch is not installed (see .ci/python-tests.sh).
 """
 
@@ -151,6 +153,63 @@ def test_parameter_changed_outside_the_optimizer_is_taken(tmp_path):
     train(a, oa, data[2:])
     train(b, ob, data[2:])
     assert max_diff(a, b) < 2e-5
+
+
+def test_fp32_cpu_parameters_are_the_master_copy_in_ram(tmp_path):
+    """Without a host budget a CPU fp32 parameter's memory is the store's master copy: a
+    step changes it in place (no copy back), an edit of it is an edit of the master, a
+    replaced .data is taken and bound again, and close() hands each parameter memory of
+    its own with its values. With state on NVMe nothing is bound."""
+    a, b = model(), model()
+    before = [p.data_ptr() for p in a.parameters()]
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path)
+    ob = torch.optim.AdamW(b.parameters(), **HP, foreach=False)
+    bound = [p.data_ptr() for p in a.parameters()]
+    assert all(x != y for x, y in zip(before, bound)), "no parameter was bound to the store"
+    data = batches(6)
+    train(a, oa, data[:2])
+    train(b, ob, data[:2])
+    assert [p.data_ptr() for p in a.parameters()] == bound, "a step moved a parameter"
+    assert max_diff(a, b) < 2e-5
+    with torch.no_grad():
+        for m in (a, b):
+            m[0].weight.mul_(0.5)  # in place: the master itself
+            m[2].weight.data = torch.full_like(m[2].weight, 0.01)  # replaced
+    train(a, oa, data[2:4])
+    train(b, ob, data[2:4])
+    assert a[0].weight.data_ptr() == bound[0]
+    assert max_diff(a, b) < 2e-5
+    rebound = a[2].weight.data_ptr()
+    train(a, oa, data[4:])
+    assert a[2].weight.data_ptr() == rebound, "the replaced parameter was not bound again"
+    values = [p.detach().clone() for p in a.parameters()]
+    oa.close()
+    assert all(p.data_ptr() not in bound + [rebound] for p in a.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(a.parameters(), values))
+
+    c = model()
+    (tmp_path / "nvme").mkdir()
+    before = [p.data_ptr() for p in c.parameters()]
+    oc = tidestore.AdamW(c.parameters(), **HP, nvme_dir=tmp_path / "nvme", host_budget="80KiB",
+                         chunk_elements=4096)
+    train(c, oc, data[:1])
+    assert [p.data_ptr() for p in c.parameters()] == before
+
+
+def test_a_bound_parameter_outlives_its_optimizer():
+    """Dropping the optimizer without close() leaves every parameter its values in memory
+    of its own (the store's memory is not read after the store is gone)."""
+    import gc
+
+    a = model()
+    opt = tidestore.AdamW(a.parameters(), **HP)
+    train(a, opt, batches(2))
+    values = [p.detach().clone() for p in a.parameters()]
+    bound = [p.data_ptr() for p in a.parameters()]
+    del opt
+    gc.collect()
+    assert all(p.data_ptr() not in bound for p in a.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(a.parameters(), values))
 
 
 def test_lr_scheduler_changes_the_step(tmp_path):

@@ -76,3 +76,23 @@ def parse_bytes(value, what):
         if unit in _UNITS and n > 0:
             return int(n * _UNITS[unit])
     raise ValueError(f"{what}: {value!r} is not a size (an int of bytes, or e.g. '512MiB', '4GB')")
+
+
+class _StoreMemory:
+    """numpy's view of ``nbytes`` of a store's memory at ``addr``; it references the
+    Rust core that owns the store, so the store outlives every tensor over its memory."""
+
+    __slots__ = ("__array_interface__", "_core")
+
+    def __init__(self, core, addr, nbytes):
+        self._core = core
+        self.__array_interface__ = {
+            "version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (addr, False)}
+
+
+def store_memory(core, addr, nbytes):
+    """A uint8 CPU torch tensor over ``nbytes`` of ``core``'s store at ``addr`` (no copy);
+    it keeps ``core`` alive."""
+    import torch
+
+    return torch.from_numpy(np.asarray(_StoreMemory(core, addr, nbytes)))

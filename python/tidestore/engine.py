@@ -39,28 +39,15 @@ import shutil
 import tempfile
 import weakref
 
-import numpy as np
 import torch
 
 from ._tidestore import EngineCore, TidestoreError
-from ._views import byte_view, dtype_name, parse_bytes
+from ._views import byte_view, dtype_name, parse_bytes, store_memory
 from .optim import closure_loss
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _StoreMemory:
-    """numpy's view of ``nbytes`` of the store's memory at ``addr``; it references the
-    engine core, so the store outlives every tensor over its memory."""
-
-    __slots__ = ("__array_interface__", "_core")
-
-    def __init__(self, core, addr, nbytes):
-        self._core = core
-        self.__array_interface__ = {
-            "version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (addr, False)}
 
 
 class _Saved:
@@ -188,10 +175,8 @@ class Engine:
         self._holds[i] += 1
         if self._holds[i] == 1:
             self._held += 1
-            mem = np.asarray(_StoreMemory(self.core, addr, nbytes))
-            t = torch.from_numpy(mem).view(_TORCH_DTYPES[dtype]).view(self._shapes[i])
-            self.params[i].data = t
-            del mem, t
+            self.params[i].data = store_memory(self.core, addr, nbytes).view(
+                _TORCH_DTYPES[dtype]).view(self._shapes[i])
             self._users[i] = _storage_users(self.params[i])
             self._by_storage[addr] = i
 

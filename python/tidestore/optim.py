@@ -15,9 +15,19 @@ class only moves tensors in and out:
   The result is bit-identical to ``overlap=False``. It is refused with ``max_grad_norm``
   (clipping needs every gradient first) and needs one backward per step (no gradient
   accumulation over several backward passes).
-- A parameter changed outside the optimizer (``model.load_state_dict``, an in-place edit
-  under ``no_grad``: its version counter moved) is compared with the master copy before
-  the next step; if its values differ, they become the master copy.
+- **A CPU fp32 parameter is its own master copy** where the store keeps every chunk in
+  host memory (no ``host_budget``): at construction its ``.data`` becomes a tensor over
+  the master's memory in the store (the store never moves it; the tensor keeps the
+  store alive), so a step reads and writes the parameter in place, with nothing copied
+  back, and an edit of the parameter is an edit of the master. A tensor taken of the
+  parameter's old ``.data`` before the optimizer was made no longer follows it.
+  ``close()`` (or collecting the optimizer) gives each such parameter memory of its own
+  again. A parameter whose ``.data`` is replaced later (``.to()``, ``p.data = ...``) is
+  taken as the new master at the next step and bound again where it can be.
+- Any other parameter (16-bit, on the GPU, or with a ``host_budget`` that puts state on
+  NVMe) is copied: changed outside the optimizer (``model.load_state_dict``, an
+  in-place edit under ``no_grad``: its version counter moved), it is compared with the
+  master copy before the next step; if its values differ, they become the master copy.
 
 Checkpoints are streamed: ``state_dict()`` writes the state into a tidestore checkpoint
 (one safetensors file: ``optimizer.master.param.I``, ``optimizer.exp_avg.param.I``,
@@ -45,7 +55,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
-from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes
+from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
 
@@ -60,6 +70,16 @@ def closure_loss(closure):
         return None
     with torch.enable_grad():
         return closure()
+
+
+def _unbind(params, adopted):
+    """Gives every parameter still bound to a store's memory (``adopted``: the address
+    per parameter, or None) a copy of its own, so that the store can go."""
+    with torch.no_grad():
+        for k, (p, addr) in enumerate(zip(params, adopted)):
+            if addr is not None and p.data_ptr() == addr:
+                p.data = p.data.clone()
+            adopted[k] = None
 
 
 class AdamW(torch.optim.Optimizer):
@@ -90,8 +110,14 @@ class AdamW(torch.optim.Optimizer):
             nvme_dir=self.nvme_dir, host_budget=host_budget, max_grad_norm=max_grad_norm,
             overlap=self.overlap, threads=threads, chunk_elements=chunk_elements)
         self._lr = float(g0["lr"])
+        # Per parameter, the address of the store's memory its .data is bound to (None:
+        # copied; see the module doc).
+        self._adopted = [None] * len(self._params)
         for i, p in enumerate(self._params):
             self._core.set_param(i, self._cpu_view(p), dtype_name(p))
+            self._adopt(i, p)
+        unbind = weakref.finalize(self, _unbind, self._params, self._adopted)
+        unbind.atexit = False
         self._versions = [p._version for p in self._params]
         self._checked = False
         self._hooks = []
@@ -151,7 +177,15 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(self._params):
             self._check_param(i, p, self._shapes[i])
         for i, p in enumerate(self._params):
-            if p._version != self._versions[i]:
+            if self._adopted[i] is not None:
+                if self._bound(i):
+                    continue
+                # .data was replaced: the new values are the master, bound again.
+                self._adopted[i] = None
+                self._core.set_param(i, self._cpu_view(p), dtype_name(p))
+                self._adopt(i, p)
+                self._versions[i] = p._version
+            elif p._version != self._versions[i]:
                 self._core.sync_param(i, self._cpu_view(p), dtype_name(p))
                 self._versions[i] = p._version
         lr = float(self.param_groups[0]["lr"])
@@ -160,6 +194,22 @@ class AdamW(torch.optim.Optimizer):
             self._lr = lr
 
     # -- moving tensors ----------------------------------------------------------------
+
+    def _adopt(self, i, p):
+        """Binds a CPU fp32 parameter's .data to its master copy in the store, where the
+        store keeps that in place (see the module doc); otherwise leaves it copied."""
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            return
+        where = self._core.resident_master(i)
+        if where is None:
+            return
+        addr, nbytes = where
+        p.data = store_memory(self._core, addr, nbytes).view(torch.float32).view(p.shape)
+        self._adopted[i] = addr
+
+    def _bound(self, i):
+        """Parameter i's .data is still the store's memory it was bound to."""
+        return self._adopted[i] is not None and self._params[i].data_ptr() == self._adopted[i]
 
     @staticmethod
     def _cpu_view(t):
@@ -176,6 +226,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _write_back(self):
         for i, p in enumerate(self._params):
+            if self._bound(i):
+                continue
             dt = dtype_name(p)
             if p.device.type == "cpu":
                 self._core.read_param(i, byte_view(p.detach(), f"parameter {i}", writable=True), dt)
@@ -285,6 +337,7 @@ class AdamW(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _unbind(self._params, self._adopted)
         self._core = None
 
     def stats(self):

@@ -42,8 +42,8 @@ pub use step::{
     StepTensor,
 };
 pub use trainer::{
-    decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec, Precision, Trainer,
-    TrainerConfig, Values,
+    decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec, Precision, Resident,
+    Trainer, TrainerConfig, Values,
 };
 
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,

@@ -28,7 +28,7 @@ mod open;
 mod state;
 mod values;
 
-pub use values::{decode_moment, Lease, Values};
+pub use values::{decode_moment, Lease, Resident, Values};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,6 +90,8 @@ pub struct Trainer {
     /// Where compute reads parameters: the device tier when it is host memory (the
     /// simulation), else the host pool.
     compute_place: Place,
+    /// A master copy was handed out as resident ([`Trainer::resident_master`]).
+    resident: bool,
     /// Bytes between host and NVMe per list, counted through the store's move hook (a
     /// trainer that opened its store; see [`Trainer::with_store`]).
     traffic: Option<Arc<NvmeTraffic>>,

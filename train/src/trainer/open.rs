@@ -99,6 +99,7 @@ impl Trainer {
             by_name,
             precision,
             compute_place,
+            resident: false,
             traffic: None,
             swap_path,
             reported: 0,

@@ -3,7 +3,8 @@
 //! moments (decoded from their stored form: the one decoder of bf16 and int8 moments)
 //! read back.
 
-use tidestore_chunk::{typed, DType, Guard, ListKind, Place, TensorState, TensorView};
+use tidestore_chunk::{typed, DType, Guard, ListKind, Place, TensorId, TensorState, TensorView};
+use tidestore_optimizer::Grads;
 use tidestore_tiers::{DeviceKind, DeviceView};
 
 use super::{Precision, Trainer};
@@ -58,6 +59,15 @@ impl Lease {
     }
 }
 
+/// A master copy that never moves ([`Trainer::resident_master`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resident {
+    /// Address of its first fp32 element in this process.
+    pub addr: usize,
+    /// Elements.
+    pub len: usize,
+}
+
 /// Values as a front end has them: fp32, or a framework tensor's memory as it is.
 #[derive(Debug, Clone, Copy)]
 pub enum Values<'a> {
@@ -84,6 +94,20 @@ impl Values<'_> {
                 other => Err(TrainError::Protocol(format!(
                     "values of dtype {other}: only F32, BF16 and F16 are taken"
                 ))),
+            },
+        }
+    }
+
+    /// The values as the optimizer's gradient slices, where their bytes are aligned for
+    /// their element type (a framework's tensors are).
+    pub(crate) fn as_grads(&self) -> Option<Grads<'_>> {
+        match *self {
+            Values::F32(v) => Some(Grads::F32(v)),
+            Values::Bytes { bytes, dtype } => match dtype {
+                DType::F32 => bytemuck::try_cast_slice(bytes).ok().map(Grads::F32),
+                DType::BF16 => bytemuck::try_cast_slice(bytes).ok().map(Grads::Bf16),
+                DType::F16 => bytemuck::try_cast_slice(bytes).ok().map(Grads::F16),
+                DType::Q8 => None,
             },
         }
     }
@@ -231,14 +255,50 @@ impl Trainer {
     /// computes on that GPU asks for it (the parameters then stay on the device, and
     /// [`Trainer::fetch_view`] hands out device pointers; [`Trainer::fetch`] cannot
     /// read them). Set before the first step: the warm-up iteration traces the place.
+    /// While a master copy is resident ([`Trainer::resident_master`]) compute stays in
+    /// the host pool whatever is asked.
     pub fn set_compute_on_device(&mut self, on_device: bool) {
-        self.compute_place = compute_place(self.store.device().kind(), on_device);
+        if !self.resident {
+            self.compute_place = compute_place(self.store.device().kind(), on_device);
+        }
+    }
+
+    /// Where trainable parameter `i`'s fp32 master copy stays for the trainer's life: for
+    /// a front end whose own tensor becomes that memory (`tidestore.AdamW` binds a CPU
+    /// fp32 parameter to it, so nothing is copied in or out around a step). `None`
+    /// unless nothing can move it: `F32` precision, the step in the host pool, and a
+    /// host pool that holds every chunk of the layout at once (nothing is evicted).
+    /// From the first one on, compute reads parameters in the host pool too, so no
+    /// access takes a chunk to the device tier. The memory is the store's: valid while
+    /// the trainer lives, written by its steps and by [`Trainer::set_master`] /
+    /// [`Trainer::load`].
+    pub fn resident_master(&mut self, i: usize) -> Result<Option<Resident>> {
+        let plan = self.store.capacity_plan();
+        let stays = self.precision == Precision::F32
+            && self.step.place() == crate::step::StepPlace::Host
+            && plan.host_buffers >= plan.chunks;
+        if !stays {
+            return Ok(None);
+        }
+        self.resident = true;
+        self.compute_place = Place::Host;
+        let (addr, len) = self.with_master(i, |m| (m.as_mut_ptr() as usize, m.len()))?;
+        Ok(Some(Resident { addr, len }))
     }
 
     /// Runs `f` on trainable parameter `i`'s fp32 master copy, in place in the host
     /// pool (a traced access, released to `Hold`): how a front end whose tensors live
     /// elsewhere reads the new values after a step, or writes values it changed.
     pub fn with_master<R>(&mut self, i: usize, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        let id = self.trainable_id(i)?;
+        self.store
+            .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
+                f32_view_mut(v[0]).map(f)
+            })?
+    }
+
+    /// The id of parameter `i`, refused when it is frozen (it has no master copy).
+    fn trainable_id(&self, i: usize) -> Result<TensorId> {
         let e = self.entry(i)?;
         if !e.spec.trainable {
             return Err(TrainError::Tensor {
@@ -246,11 +306,7 @@ impl Trainer {
                 reason: "frozen: it has no master copy".into(),
             });
         }
-        let id = e.id;
-        self.store
-            .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
-                f32_view_mut(v[0]).map(f)
-            })?
+        Ok(e.id)
     }
 
     /// Writes `values` as trainable parameter `i`'s master copy (in place, a traced
@@ -288,7 +344,20 @@ impl Trainer {
     /// into `out` (little-endian elements).
     pub fn read_master(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
         self.check_values(i, &Values::Bytes { bytes: out, dtype }, "output")?;
-        self.with_master(i, |m| typed::encode_f32(m, dtype, out))
+        let id = self.trainable_id(i)?;
+        let cpu = self.step.optimizer().cpu();
+        self.store
+            .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
+                let m = f32_view_mut(v[0])?;
+                match bytemuck::try_cast_slice_mut(out) {
+                    // fp32 out: a copy, spread over the optimizer's threads.
+                    Ok(dst) if dtype == DType::F32 => Ok(cpu.copy(m, dst)?),
+                    _ => {
+                        typed::encode_f32(m, dtype, out);
+                        Ok(())
+                    }
+                }
+            })?
     }
 
     /// `values` are exactly parameter `i`'s elements (`what`: values, gradient,
