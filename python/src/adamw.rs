@@ -147,6 +147,18 @@ impl AdamWCore {
         Ok(())
     }
 
+    /// The step with every parameter's gradient given here (elements of its dtype, in
+    /// parameter order), read where it is when the store steps in place in RAM (no copy
+    /// into the store), else put as by [`AdamWCore::put_grad`]; as [`AdamWCore::step`]
+    /// otherwise. For `overlap = False` (with overlap the gradients arrive one by one).
+    pub fn step_given(&mut self, grads: &[(&[u8], DType)]) -> Result<Option<(f64, f64)>> {
+        let values: Vec<Option<Values<'_>>> =
+            grads.iter().map(|&(b, d)| Some(bytes(b, d))).collect();
+        Ok(norm_and_clip(
+            self.trainer.step_given(&values, &mut |_| {})?.decision,
+        ))
+    }
+
     /// Gradients given since the last step.
     pub fn reported(&self) -> usize {
         self.trainer.reported()

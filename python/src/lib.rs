@@ -27,7 +27,7 @@ use std::sync::{Mutex, PoisonError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tidestore_train::aio::{EngineChoice, IoConfig, Op};
-use tidestore_train::HyperParams;
+use tidestore_train::{DType, HyperParams};
 
 use crate::adamw::{parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};
@@ -191,6 +191,24 @@ impl PyAdamWCore {
     fn step(&mut self, py: Python<'_>) -> PyResult<Option<(f64, f64)>> {
         let core = self.core();
         Ok(py.allow_threads(|| core.step())?)
+    }
+
+    /// The step with every parameter's gradient given: a list of (uint8 buffer, dtype)
+    /// in parameter order, read where they are when the store can (see
+    /// `AdamWCore::step_given` in Rust).
+    fn step_given(
+        &mut self,
+        py: Python<'_>,
+        grads: Vec<(Bound<'_, PyAny>, String)>,
+    ) -> PyResult<Option<(f64, f64)>> {
+        let mut held = Vec::with_capacity(grads.len());
+        for (i, (buf, dtype)) in grads.iter().enumerate() {
+            let what = format!("{}.grad", adamw::param_name(i));
+            held.push((Bytes::new(buf, &what, false)?, parse_dtype("dtype", dtype)?));
+        }
+        let views: Vec<(&[u8], DType)> = held.iter().map(|(b, d)| (b.as_slice(), *d)).collect();
+        let core = self.core();
+        Ok(py.allow_threads(|| core.step_given(&views))?)
     }
 
     fn set_lr(&mut self, lr: f32) -> PyResult<()> {

@@ -7,8 +7,9 @@ store: a host-memory pool of ``host_budget`` bytes, the rest in a swap file in
 class only moves tensors in and out:
 
 - ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it is copied
-  to the CPU first) is handed to the core, the core steps, and each parameter receives
-  its new master copy rounded to its dtype, in place.
+  to the CPU first) is handed to the core, which reads it where it is when the store
+  steps in RAM (no copy into the store; else it is copied in), steps, and each
+  parameter receives its new master copy rounded to its dtype, in place.
 - ``overlap=True``: a ``register_post_accumulate_grad_hook`` hands each gradient over as
   soon as backward has finished it, and the core steps every group whose gradients are
   all final while backward goes on; ``step()`` steps the rest and writes parameters back.
@@ -256,10 +257,12 @@ class AdamW(torch.optim.Optimizer):
             self._check_all()
             for i, p in enumerate(self._params):
                 self._check_grad(i, p)
-            for i, p in enumerate(self._params):
-                self._put_grad(i, p)
+            # Read where torch left them (copied in only where the store cannot).
+            grads = [(self._cpu_view(p.grad), dtype_name(p.grad)) for p in self._params]
+            self.last_step = self._core.step_given(grads)
+        else:
+            self.last_step = self._core.step()
         self._checked = False
-        self.last_step = self._core.step()
         self._write_back()
         return loss
 

@@ -50,8 +50,8 @@ use std::time::Instant;
 
 use tidestore_chunk::{ChunkId, ChunkStore, DType, ListKind, TensorId, TensorState};
 use tidestore_optimizer::{
-    ControllerState, HybridAdamW, HyperParams, LossScalerConfig, StepController, StepDecision,
-    StepState,
+    ControllerState, Grads, HybridAdamW, HyperParams, LossScalerConfig, StepController,
+    StepDecision, StepState,
 };
 
 use crate::error::{Result, TrainError};
@@ -229,6 +229,14 @@ impl Entry {
             store.set_state(self.spec.tensor, ListKind::Grads, TensorState::Free)?;
         }
         Ok(())
+    }
+
+    /// Parameters per kernel call of its step in the host pool.
+    fn piece(&self) -> usize {
+        match self.spec.grad {
+            GradPlace::InParam16 => STEP_PIECE,
+            GradPlace::InGrads { .. } => STEP_PIECE_UNSTAGED,
+        }
     }
 
     /// The places the step uses, in access order: the gradient, the 16-bit copy when
@@ -512,7 +520,7 @@ impl StepLoop {
             .get_or_insert(StepState::new(self.ctrl.step() + 1));
         let mut n = 0;
         while let Some(i) = self.ready.pop_front() {
-            self.step_entry(store, i, state, observe)?;
+            self.step_entry(store, i, state, observe, None)?;
             self.stats.tensors_overlapped += 1;
             n += 1;
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -528,7 +536,31 @@ impl StepLoop {
     /// skipped step consumes the gradients (each gradient place accessed and released)
     /// and changes nothing else. Every tensor's gradient must have been reported.
     pub fn finish(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<StepOutcome> {
+        self.finish_given(store, observe, &[])
+    }
+
+    /// Whether [`StepLoop::finish_given`] reads given gradients where they are: the
+    /// step runs in place in the host pool, and no tensor has a 16-bit copy to write.
+    pub fn reads_given(&self) -> bool {
+        self.place == StepPlace::Host
+            && self.in_place
+            && self.entries.iter().all(|e| e.out_dtype.is_none())
+    }
+
+    /// As [`StepLoop::finish`], with the gradients of `given`'s tensors read from the
+    /// caller's memory instead of their `Grads` places (which stay untouched): a front
+    /// end whose framework holds the gradients hands them over without a copy (it
+    /// reports each one's norm first, [`StepLoop::grad_ready`]). Refused before the
+    /// decision unless [`StepLoop::reads_given`], and for a tensor that is not stepped,
+    /// already stepped, given twice or of another length.
+    pub fn finish_given(
+        &mut self,
+        store: &mut ChunkStore,
+        observe: Observer<'_>,
+        given: &[(TensorId, Grads<'_>)],
+    ) -> Result<StepOutcome> {
         self.check_poisoned()?;
+        let given = self.given_by_entry(given)?;
         if let Some(e) = self.entries.iter().find(|e| !e.grad_final) {
             return Err(TrainError::Protocol(format!(
                 "finish() before the gradient of `{}` was reported",
@@ -548,7 +580,7 @@ impl StepLoop {
                 }
                 self.stats.steps_applied += 1;
                 self.stats.grad_norm = grad_norm;
-                let r = self.step_rest(store, state, observe);
+                let r = self.step_rest(store, state, observe, &given);
                 if let (Err(e), None) = (&r, &self.poisoned) {
                     // The controller counted the step: whatever failed, it is half made.
                     self.poisoned = Some(format!("step {}: {e}", state.step));
@@ -562,7 +594,7 @@ impl StepLoop {
             StepDecision::Skip { .. } => {
                 self.stats.steps_skipped += 1;
                 self.last_skip_tensor = self.non_finite.clone();
-                self.consume_grads(store, observe)
+                self.consume_grads(store, observe, &given)
             }
         };
         self.new_iteration();
@@ -594,16 +626,64 @@ impl StepLoop {
         self.last_skip_tensor.as_deref()
     }
 
+    /// `given` (tensor, gradient) pairs as a gradient per entry, checked (see
+    /// [`StepLoop::finish_given`]).
+    fn given_by_entry<'g>(
+        &self,
+        given: &[(TensorId, Grads<'g>)],
+    ) -> Result<Vec<Option<Grads<'g>>>> {
+        let mut by_entry = vec![
+            None;
+            if given.is_empty() {
+                0
+            } else {
+                self.entries.len()
+            }
+        ];
+        if !given.is_empty() && !self.reads_given() {
+            return Err(TrainError::Protocol(
+                "gradients given to the step need the step in place in the host pool, with \
+                 no 16-bit copy to write"
+                    .into(),
+            ));
+        }
+        for &(t, g) in given {
+            let i = *self.by_tensor.get(&t).ok_or_else(|| {
+                TrainError::Protocol(format!("a gradient given for {t}, which is not stepped"))
+            })?;
+            let e = &self.entries[i];
+            let why = if e.stepped {
+                Some("it was stepped during backward".to_string())
+            } else if by_entry[i].is_some() {
+                Some("it was given twice".to_string())
+            } else if g.len() != e.len {
+                Some(format!("{} elements for a tensor of {}", g.len(), e.len))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(TrainError::Argument {
+                    tensor: e.name.clone(),
+                    reason: format!("the gradient given to the step: {why}"),
+                });
+            }
+            by_entry[i] = Some(g);
+        }
+        Ok(by_entry)
+    }
+
     fn step_rest(
         &mut self,
         store: &mut ChunkStore,
         state: StepState,
         observe: Observer<'_>,
+        given: &[Option<Grads<'_>>],
     ) -> Result<()> {
         store.begin_optimizer_step()?;
         for i in 0..self.entries.len() {
             if !self.entries[i].stepped {
-                self.step_entry(store, i, state, observe)?;
+                let g = given.get(i).copied().flatten();
+                self.step_entry(store, i, state, observe, g)?;
             }
         }
         store.end_optimizer_step()?;
@@ -614,8 +694,18 @@ impl StepLoop {
     /// over the 16-bit copy (or the step would refresh that copy), the copy is cast anew
     /// from the unchanged master, so that the next forward reads parameters, not
     /// gradients. Done in the host pool.
-    fn consume_grads(&mut self, store: &mut ChunkStore, observe: Observer<'_>) -> Result<()> {
-        for e in &self.entries {
+    fn consume_grads(
+        &mut self,
+        store: &mut ChunkStore,
+        observe: Observer<'_>,
+        given: &[Option<Grads<'_>>],
+    ) -> Result<()> {
+        for (i, e) in self.entries.iter().enumerate() {
+            if given.get(i).is_some_and(Option::is_some) {
+                // Given to the step (no 16-bit copy, see `reads_given`): its place
+                // was never written.
+                continue;
+            }
             let Some(dtype) = e.out_dtype else {
                 // A gradient of its own, no 16-bit copy to refresh: dropped unread.
                 e.grad_consumed(store)?;
@@ -643,13 +733,15 @@ impl StepLoop {
         Ok(())
     }
 
-    /// Steps entry `i`: its places accessed, stepped, released on every path.
+    /// Steps entry `i`: its places accessed, stepped, released on every path; its
+    /// gradient read from `given` where given (its `Grads` place then left alone).
     fn step_entry(
         &mut self,
         store: &mut ChunkStore,
         i: usize,
         state: StepState,
         observe: Observer<'_>,
+        given: Option<Grads<'_>>,
     ) -> Result<()> {
         if self.entries[i].stepped {
             return Err(TrainError::Protocol(format!(
@@ -658,11 +750,14 @@ impl StepLoop {
             )));
         }
         let stepped = match (self.place, self.in_place) {
-            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe),
+            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe, given),
             (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe),
             (StepPlace::Device, _) => self.step_device(store, i, state, observe),
         }
-        .and_then(|()| self.entries[i].grad_consumed(store));
+        .and_then(|()| match given {
+            Some(_) => Ok(()),
+            None => self.entries[i].grad_consumed(store),
+        });
         if let Err(e) = stepped {
             let reason = format!("stepping `{}`: {e}", self.entries[i].name);
             tracing::error!(%reason, "step loop: a tensor's step failed; poisoned until restore()");

@@ -8,50 +8,43 @@
 use std::time::Instant;
 
 use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
-use tidestore_optimizer::{DeviceGrads, DeviceSlices, Placement, StepState};
+use tidestore_optimizer::{DeviceGrads, DeviceSlices, Grads, Placement, StepState};
 
 use super::views::*;
-use super::{GradPlace, Observer, StepLoop, STEP_PIECE, STEP_PIECE_UNSTAGED};
+use super::{Entry, GradPlace, Observer, StepLoop};
 use crate::error::{Result, TrainError};
 
 impl StepLoop {
+    /// The step in place in the host pool; the gradient read from `given` where given
+    /// (its place not accessed).
     pub(super) fn step_host_in_place(
         &mut self,
         store: &mut ChunkStore,
         i: usize,
         state: StepState,
         observe: Observer<'_>,
+        given: Option<Grads<'_>>,
     ) -> Result<()> {
         let e = &self.entries[i];
         let places = e.places();
+        // The gradient's place comes first; a given gradient needs none.
+        let places = &places[usize::from(given.is_some())..];
         let (opt, hp, scratch) = (&self.opt, &self.hp, &mut self.scratch);
         let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
         let ns =
             store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
                 let mut views = host_slices(views, &e.name)?;
-                let (grad_bytes, rest) = views.split_first_mut().expect("four places or five");
-                let (mut out, rest) = match e.spec.grad {
-                    GradPlace::InGrads {
-                        write_param16: true,
-                    } => {
-                        let (o, r) = rest.split_first_mut().expect("five places");
-                        (Some(o), r)
-                    }
-                    _ => (None, rest),
-                };
-                let [master, m, v] = rest else {
-                    unreachable!("master, M and V follow the gradient places")
-                };
-                let master = f32s(master, &e.name, "master")?;
+                let InPlace {
+                    grad: grad_bytes,
+                    mut out,
+                    master,
+                    m,
+                    v,
+                } = InPlace::split(&mut views, e, given.is_some())?;
                 let mut ns = 0u64;
                 let mut at = 0;
-                let piece = if matches!(e.spec.grad, GradPlace::InParam16) {
-                    STEP_PIECE
-                } else {
-                    STEP_PIECE_UNSTAGED
-                };
                 while at < e.len {
-                    let end = (at + piece).min(e.len);
+                    let end = (at + e.piece()).min(e.len);
                     let n = end - at;
                     let started = Instant::now();
                     if matches!(e.spec.grad, GradPlace::InParam16) {
@@ -73,7 +66,10 @@ impl StepLoop {
                         )?;
                     } else {
                         let w = e.grad_dtype.size_bytes() as usize;
-                        let grads = grads_of(&grad_bytes[w * at..w * end], e.grad_dtype, &e.name)?;
+                        let grads = match given {
+                            Some(g) => g.split_at(end).0.split_at(at).1,
+                            None => grads_of(&grad_bytes[w * at..w * end], e.grad_dtype, &e.name)?,
+                        };
                         let out = match (&mut out, e.out_dtype) {
                             (Some(o), Some(d)) => {
                                 Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?)
@@ -208,6 +204,48 @@ impl StepLoop {
         self.stats.kernel_ns += ns;
         self.stats.simulated |= simulated;
         Ok(())
+    }
+}
+
+/// The host views of an in-place step, by role.
+struct InPlace<'a> {
+    /// The gradient's place (empty for a given gradient).
+    grad: &'a mut [u8],
+    /// The 16-bit copy's place, when the step writes it apart from the gradient.
+    out: Option<&'a mut [u8]>,
+    master: &'a mut [f32],
+    m: &'a mut [u8],
+    v: &'a mut [u8],
+}
+
+impl<'a> InPlace<'a> {
+    /// `views` of `e.places()` (without the gradient's when `given`) by role.
+    fn split(views: &'a mut [&mut [u8]], e: &Entry, given: bool) -> Result<Self> {
+        let (grad, rest): (&mut [u8], _) = if given {
+            (&mut [], views)
+        } else {
+            let (g, rest) = views.split_first_mut().expect("four places or five");
+            (&mut **g, rest)
+        };
+        let (out, rest) = match e.spec.grad {
+            GradPlace::InGrads {
+                write_param16: true,
+            } => {
+                let (o, r) = rest.split_first_mut().expect("five places");
+                (Some(&mut **o), r)
+            }
+            _ => (None, rest),
+        };
+        let [master, m, v] = rest else {
+            unreachable!("master, M and V follow the gradient places")
+        };
+        Ok(InPlace {
+            grad,
+            out,
+            master: f32s(master, &e.name, "master")?,
+            m,
+            v,
+        })
     }
 }
 

@@ -145,6 +145,91 @@ impl Trainer {
     /// parameter's gradient must have been reported. Does not end the store's iteration
     /// ([`Trainer::end_iteration`]; [`Trainer::step`] does both).
     pub fn finish_step(&mut self, observe: Observer<'_>) -> Result<StepOutcome> {
+        self.finish_given(observe, &[])
+    }
+
+    /// The whole step with every gradient given here, one per parameter in order
+    /// (`None` for a frozen one), instead of [`Trainer::put_grad`]: each one's norm is
+    /// taken where it is, and where the step loop can ([`StepLoop::reads_given`]) the
+    /// kernel reads it there too, so nothing is copied into the store (`tidestore.AdamW`
+    /// hands torch's `.grad` tensors over this way). Otherwise, or for bytes not
+    /// aligned for their dtype, a gradient is put into its place as by `put_grad`.
+    /// Refused, before anything changes, after a gradient was put in this iteration.
+    /// Ends the store's iteration, as [`Trainer::step`].
+    ///
+    /// [`StepLoop::reads_given`]: crate::StepLoop::reads_given
+    pub fn step_given(
+        &mut self,
+        grads: &[Option<Values<'_>>],
+        observe: Observer<'_>,
+    ) -> Result<StepOutcome> {
+        self.check_given(grads)?;
+        let reads = self.step.reads_given();
+        let mut given = Vec::new();
+        for (i, g) in grads.iter().enumerate() {
+            let Some(g) = g else { continue };
+            match g.as_grads().filter(|_| reads) {
+                Some(view) => given.push((i, view)),
+                None => self.put_grad(i, *g, true, true)?,
+            }
+        }
+        let cpu = self.step.optimizer().cpu();
+        let norms: Vec<f64> = given.iter().map(|&(_, g)| cpu.grad_sq_norm(g)).collect();
+        for (&(i, _), sq) in given.iter().zip(norms) {
+            self.grad_written(i, sq)?;
+        }
+        let given: Vec<_> = given
+            .into_iter()
+            .map(|(i, g)| (self.entries[i].id, g))
+            .collect();
+        let outcome = self.finish_given(observe, &given)?;
+        self.end_iteration()?;
+        Ok(outcome)
+    }
+
+    /// `grads` has one gradient per trainable parameter, of its size, none for a frozen
+    /// one, and no gradient was put in this iteration.
+    fn check_given(&self, grads: &[Option<Values<'_>>]) -> Result<()> {
+        if grads.len() != self.entries.len() {
+            return Err(TrainError::Protocol(format!(
+                "{} gradients given for {} parameters",
+                grads.len(),
+                self.entries.len()
+            )));
+        }
+        if let Some(e) = self.entries.iter().find(|e| e.reported) {
+            return Err(TrainError::Protocol(format!(
+                "gradients given to the step after the gradient of `{}` was put",
+                e.spec.name
+            )));
+        }
+        for (i, (e, g)) in self.entries.iter().zip(grads).enumerate() {
+            match (e.spec.trainable, g) {
+                (true, Some(g)) => self.check_values(i, g, "gradient")?,
+                (true, None) => {
+                    return Err(TrainError::Argument {
+                        tensor: e.spec.name.clone(),
+                        reason: "no gradient given".into(),
+                    })
+                }
+                (false, Some(_)) => {
+                    return Err(TrainError::Argument {
+                        tensor: e.spec.name.clone(),
+                        reason: "frozen: it takes no gradient".into(),
+                    })
+                }
+                (false, None) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Trainer::finish_step`], the gradients of `given` read where they are.
+    fn finish_given(
+        &mut self,
+        observe: Observer<'_>,
+        given: &[(TensorId, Grads<'_>)],
+    ) -> Result<StepOutcome> {
         if let Some(e) = self
             .entries
             .iter()
@@ -155,7 +240,7 @@ impl Trainer {
                 e.spec.name
             )));
         }
-        let outcome = self.step.finish(&mut self.store, observe);
+        let outcome = self.step.finish_given(&mut self.store, observe, given);
         self.entries.iter_mut().for_each(|e| e.reported = false);
         self.reported = 0;
         outcome
