@@ -12,6 +12,12 @@ largest module's parameters and their gradients while it runs (in the bound dtyp
 the activations of one step with gradient checkpointing (each layer's saved input, one
 layer recomputed with its attention scores, the logits with their log-softmax and
 gradient; derived from the config, in the compute dtype).
+
+Each step's time is also split three ways: waiting on the store (its parameters made
+current where compute reads them, leases ended, gradients written in: the engine
+core's ``store_ns``), the optimizer (``optimizer_ns``: groups stepped during backward and
+the step itself, M and V streamed from NVMe included), and compute (the rest: torch's
+forward and backward, and the engine's Python hooks).
 """
 
 import argparse
@@ -98,6 +104,7 @@ def main():
     steps = []
     for _ in range(args.steps):
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        before = eng.core.stats()
         t = [time.perf_counter()]
         loss = model(input_ids=ids, labels=ids).loss
         t.append(time.perf_counter())
@@ -106,9 +113,17 @@ def main():
         opt.step()
         opt.zero_grad()
         t.append(time.perf_counter())
+        after = eng.core.stats()
+        spent = {k: (after[k] - before[k]) / 1e9 for k in ("store_ns", "optimizer_ns")}
         steps.append({"loss": loss.item(), "forward_s": t[1] - t[0],
                       "backward_s": t[2] - t[1], "step_s": t[3] - t[2],
-                      "total_s": t[3] - t[0], "rss": rss_bytes()})
+                      "total_s": t[3] - t[0],
+                      # The split: waiting on the store (loads, lease ends, gradients
+                      # written in), the optimizer (during backward and at the step),
+                      # and compute (the rest: torch, and the engine's Python hooks).
+                      "store_s": spent["store_ns"], "optimizer_s": spent["optimizer_ns"],
+                      "compute_s": t[3] - t[0] - spent["store_ns"] - spent["optimizer_ns"],
+                      "rss": rss_bytes()})
     peak = peak_rss_bytes()
     stats = eng.core.stats()
     print(json.dumps({

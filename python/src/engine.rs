@@ -63,6 +63,27 @@ pub struct EngineCore {
     held: HashMap<usize, Held>,
     /// Removed with the engine: the run's own swap directory.
     swap_dir: PathBuf,
+    /// Time spent in the store and in the optimizer since open.
+    times: Times,
+}
+
+/// Where an engine's time went, in nanoseconds since open: what the Python layer
+/// subtracts from a step's wall time to get its compute.
+#[derive(Debug, Default, Clone, Copy)]
+struct Times {
+    /// Waiting on the store: parameters made current where compute reads them (loads
+    /// from NVMe, moves between tiers), leases ended, gradients written into it.
+    store_ns: u64,
+    /// The optimizer: tensors stepped during backward and at the step.
+    optimizer_ns: u64,
+}
+
+/// Runs `f`, adding its wall time to `*ns`.
+fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
+    let started = std::time::Instant::now();
+    let r = f();
+    *ns += started.elapsed().as_nanos() as u64;
+    r
 }
 
 impl Drop for EngineCore {
@@ -98,6 +119,7 @@ impl EngineCore {
             trainer,
             held: HashMap::new(),
             swap_dir: cfg.swap_dir.clone(),
+            times: Times::default(),
         })
     }
 
@@ -122,7 +144,8 @@ impl EngineCore {
         if let Some(h) = self.held.get_mut(&i) {
             h.holds += 1;
         } else {
-            let lease = self.trainer.lease(i)?;
+            let trainer = &mut self.trainer;
+            let lease = timed(&mut self.times.store_ns, || trainer.lease(i))?;
             self.held.insert(i, Held { lease, holds: 1 });
         }
         let lease = &self.held[&i].lease;
@@ -164,7 +187,8 @@ impl EngineCore {
         } else {
             TensorState::HoldAfterFwd
         };
-        self.trainer.end_lease(lease, to)?;
+        let trainer = &mut self.trainer;
+        timed(&mut self.times.store_ns, || trainer.end_lease(lease, to))?;
         Ok(0)
     }
 
@@ -244,14 +268,18 @@ impl EngineCore {
         last: bool,
     ) -> Result<()> {
         self.refuse_held(i, "the gradient of")?;
-        Ok(self
-            .trainer
-            .put_grad(i, Values::Bytes { bytes: src, dtype }, first, last)?)
+        let (trainer, values) = (&mut self.trainer, Values::Bytes { bytes: src, dtype });
+        Ok(timed(&mut self.times.store_ns, || {
+            trainer.put_grad(i, values, first, last)
+        })?)
     }
 
     /// Steps every group whose gradients are all final (overlap); how many tensors.
     pub fn step_ready(&mut self) -> Result<usize> {
-        Ok(self.trainer.step_ready(None, &mut |_| {})?)
+        let trainer = &mut self.trainer;
+        Ok(timed(&mut self.times.optimizer_ns, || {
+            trainer.step_ready(None, &mut |_| {})
+        })?)
     }
 
     /// The step: decided (global norm, clipping), the rest stepped, the store's
@@ -261,7 +289,9 @@ impl EngineCore {
         if let Some(&i) = self.held().first() {
             self.refuse_held(i, "the step with")?;
         }
-        Ok(norm_and_clip(self.trainer.step(&mut |_| {})?.decision))
+        let trainer = &mut self.trainer;
+        let outcome = timed(&mut self.times.optimizer_ns, || trainer.step(&mut |_| {}))?;
+        Ok(norm_and_clip(outcome.decision))
     }
 
     /// Gradients reported in this iteration.
@@ -314,8 +344,13 @@ impl EngineCore {
     }
 
     /// Counters of the store and the step loop, by name.
+    /// Counters of the store and the step loop, and where the engine's time went since
+    /// open (`store_ns`, `optimizer_ns`: see [`EngineCore`]'s fields), by name.
     pub fn stats(&self) -> BTreeMap<&'static str, u64> {
-        self.trainer.counters()
+        let mut c = self.trainer.counters();
+        c.insert("store_ns", self.times.store_ns);
+        c.insert("optimizer_ns", self.times.optimizer_ns);
+        c
     }
 }
 
@@ -374,5 +409,23 @@ mod tests {
             !dir.path().join("run").exists(),
             "the run's swap directory is removed"
         );
+    }
+
+    #[test]
+    fn time_in_the_store_and_the_optimizer_is_counted_where_it_is_spent() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = engine(dir.path());
+        let times = |e: &EngineCore| (e.stats()["store_ns"], e.stats()["optimizer_ns"]);
+        assert_eq!(times(&e), (0, 0));
+        e.acquire(0).unwrap();
+        e.release(0, false).unwrap();
+        let (store, opt) = times(&e);
+        assert!(store > 0 && opt == 0, "acquire/release: {store} / {opt}");
+        let grad: Vec<u8> = (0..32).flat_map(|x| (x as f32).to_le_bytes()).collect();
+        e.put_grad(0, &grad, DType::F32, true, true).unwrap();
+        assert!(times(&e).0 > store && times(&e).1 == 0, "put_grad");
+        let store = times(&e).0;
+        e.step().unwrap();
+        assert!(times(&e).0 == store && times(&e).1 > 0, "step");
     }
 }
