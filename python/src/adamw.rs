@@ -62,14 +62,20 @@ pub struct AdamWCore {
     trainer: Trainer,
 }
 
-impl Drop for AdamWCore {
-    fn drop(&mut self) {
-        // A store never takes a swap file's bytes from an earlier run as state, so
-        // nothing in it outlives the optimizer. Unlinked while the store still has it
-        // open: its space is freed when the store (dropped right after this) closes it.
-        let path = self.trainer.swap_path();
-        if let Err(e) = std::fs::remove_file(path) {
-            tracing::warn!(path = %path.display(), error = %e, "tidestore.AdamW: swap file not removed");
+/// Unlinks the store's swap file (and then `dir`, the run's own directory) as soon as the
+/// store has it open. A store never takes a swap file's bytes from an earlier run as
+/// state (checkpoints resume a run), and it reads and writes the file through the
+/// descriptor it holds, so nothing needs the name: the space comes back when the
+/// process closes the file — when the core is dropped, at exit, or when the process is
+/// killed. A failure is logged, and the file then stays behind.
+pub(crate) fn unlink_swap(trainer: &Trainer, dir: Option<&Path>) {
+    let file = trainer.swap_path();
+    for (gone, res) in [
+        (file, std::fs::remove_file(file)),
+        (dir.unwrap_or(file), dir.map_or(Ok(()), std::fs::remove_dir)),
+    ] {
+        if let Err(e) = res {
+            tracing::warn!(path = %gone.display(), error = %e, "tidestore: swap space not unlinked");
         }
     }
 }
@@ -97,6 +103,7 @@ impl AdamWCore {
             .map(|(i, s)| ParamSpec::new(param_name(i), s, true))
             .collect();
         let trainer = Trainer::open(&specs, &trainer_config(cfg)).map_err(open_error)?;
+        unlink_swap(&trainer, None);
         Ok(AdamWCore { trainer })
     }
 

@@ -28,14 +28,14 @@
 //! stepped is refused here, never raced.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tidestore_train::hf::HfWeights;
 use tidestore_train::{
     DType, DeviceView, Lease, ParamSpec, TensorState, TensorView, Trainer, TrainerConfig, Values,
 };
 
-use crate::adamw::norm_and_clip;
+use crate::adamw::{norm_and_clip, unlink_swap};
 use crate::error::{Error, Result};
 
 /// A parameter held for compute: its lease and how many holds it has.
@@ -61,8 +61,6 @@ pub struct Binding {
 pub struct EngineCore {
     trainer: Trainer,
     held: HashMap<usize, Held>,
-    /// Removed with the engine: the run's own swap directory.
-    swap_dir: PathBuf,
     /// Time spent in the store and in the optimizer since open.
     times: Times,
 }
@@ -86,39 +84,24 @@ fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
     r
 }
 
-impl Drop for EngineCore {
-    fn drop(&mut self) {
-        // The swap file holds nothing an open ever takes back (checkpoints resume a
-        // run), so it goes with the engine: unlinked while the store still has it
-        // open, its space is freed when the store closes it right after this.
-        let path = self.trainer.swap_path().to_path_buf();
-        for gone in [path.as_path(), self.swap_dir.as_path()] {
-            let res = if gone.is_dir() {
-                std::fs::remove_dir(gone)
-            } else {
-                std::fs::remove_file(gone)
-            };
-            if let Err(e) = res {
-                tracing::warn!(path = %gone.display(), error = %e, "tidestore engine: swap space not removed");
-            }
-        }
-    }
-}
-
 impl EngineCore {
     /// Registers `specs` (forward order; values zero until set or imported) in a store
     /// laid out as `cfg` says. `cfg.swap_dir` is the run's own directory, made here and
-    /// removed with the engine.
+    /// unlinked with the swap file in it as soon as the store has the file open (see
+    /// [`crate::adamw::unlink_swap`]): no run leaves it behind, however it ends.
     pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Self> {
         std::fs::create_dir_all(&cfg.swap_dir).map_err(|source| Error::Os {
             path: cfg.swap_dir.display().to_string(),
             source,
         })?;
-        let trainer = Trainer::open(specs, cfg)?;
+        let trainer = Trainer::open(specs, cfg).inspect_err(|_| {
+            // Nothing of the run is left: the store removes what it made.
+            let _ = std::fs::remove_dir(&cfg.swap_dir);
+        })?;
+        unlink_swap(&trainer, Some(&cfg.swap_dir));
         Ok(EngineCore {
             trainer,
             held: HashMap::new(),
-            swap_dir: cfg.swap_dir.clone(),
             times: Times::default(),
         })
     }

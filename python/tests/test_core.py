@@ -266,9 +266,33 @@ def test_importing_tidestore_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-def test_swap_file_is_removed_with_the_core(tmp_path, rng):
-    c = core(tmp_path, spill_shapes(), chunk_elements=CHUNK, host_budget=SMALL_HOST)
-    init_params(c, rng, spill_shapes())
-    assert os.listdir(tmp_path) == ["tidestore-chunks.swap"]
-    del c
+def test_no_swap_file_outlives_the_process_however_it_ends(tmp_path, rng):
+    """The swap file is unlinked as soon as the store has it open: the core spills
+    through it with no name in nvme_dir, and a process that exits without any cleanup
+    (os._exit) leaves nothing behind."""
+    import subprocess
+    import sys
+
+    shapes = spill_shapes()
+    c = core(tmp_path, shapes, chunk_elements=CHUNK, host_budget=SMALL_HOST)
+    ps = init_params(c, rng, shapes)
     assert os.listdir(tmp_path) == []
+    for i, p in enumerate(ps):
+        c.put_grad(i, u8(np.ones_like(p)), "float32")
+    c.step()
+    assert c.stats()["nvme_read_bytes"] > 0, "the state did not spill"
+    assert np.all(np.frombuffer(c.master(7), np.float32) != ps[7].ravel())
+
+    (tmp_path / "killed").mkdir()
+    code = (
+        "import os, sys, numpy as np; from tidestore import AdamWCore\n"
+        f"c = AdamWCore([[256, 256]] * 8, nvme_dir=sys.argv[1], host_budget={SMALL_HOST}, "
+        f"chunk_elements={CHUNK}, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, "
+        "states='fp32')\n"
+        "for i in range(8): c.set_param(i, np.ones(65536, np.float32).view(np.uint8), 'float32')\n"
+        "print(os.listdir(sys.argv[1]), flush=True); os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "killed")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert os.listdir(tmp_path / "killed") == []

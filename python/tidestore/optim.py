@@ -3,7 +3,7 @@
 The optimizer state — an fp32 master copy of every parameter, Adam's M and V (fp32,
 bf16 or block-wise int8), and an fp32 copy of each gradient — lives in a tidestore
 store: a host-memory pool of ``host_budget`` bytes, the rest in a swap file in
-``nvme_dir``. The Rust core steps it with tidestore's SIMD AdamW (``AdamWCore``); this
+``nvme_dir`` (unlinked as soon as it is open: no run leaves it behind). The Rust core steps it with tidestore's SIMD AdamW (``AdamWCore``); this
 class only moves tensors in and out:
 
 - ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it is copied
@@ -335,8 +335,10 @@ class AdamW(torch.optim.Optimizer):
         self._restore_groups(state_dict["param_groups"])
 
     def close(self):
-        """Releases the store now: its host pool, and its swap file in ``nvme_dir``
-        (otherwise removed when the optimizer is garbage-collected)."""
+        """Releases the store now: its host pool, and the space of its swap file (the
+        file has no name in ``nvme_dir`` once the store is open; its space comes back
+        when the store goes: here, when the optimizer is garbage-collected, or when the
+        process ends). Bound parameters get memory of their own first."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
