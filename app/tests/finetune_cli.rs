@@ -292,6 +292,15 @@ fn the_shipped_finetune_example_runs_as_the_readme_says() {
         per_step("nvme_written_bytes") <= total[1].as_u64().unwrap(),
         "{json}"
     );
+    // The run's bytes per chunk list add up to its total, and M and V moved.
+    let lists = v["nvme_bytes_by_list"]
+        .as_object()
+        .expect("nvme_bytes_by_list");
+    for (k, dir) in [(0, "read"), (1, "written")] {
+        let sum: u64 = lists.values().map(|rw| rw[k].as_u64().unwrap()).sum();
+        assert_eq!(sum, total[k].as_u64().unwrap(), "{dir} per list: {json}");
+    }
+    assert!(lists.contains_key("m") && lists.contains_key("v"), "{json}");
     // The disk's time for those bytes: some, within each step's wall time.
     for s in steps {
         let busy = s["nvme_busy_seconds"].as_f64().expect("nvme_busy_seconds");

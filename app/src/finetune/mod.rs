@@ -36,7 +36,7 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
-use tidestore_chunk::{ChunkError, StoreStats};
+use tidestore_chunk::{ChunkError, ListKind, StoreStats};
 use tidestore_optimizer::StepDecision;
 use tidestore_train::{CheckpointDir, TrainError};
 
@@ -126,6 +126,9 @@ pub struct FinetuneReport {
     pub store: StoreStats,
     /// Bytes moved NVMe -> host and host -> NVMe over the run.
     pub nvme_bytes: (u64, u64),
+    /// The same per chunk list (`param16`, `master`, `m`, `v`, `grads`), where the store
+    /// counted them; lists that moved nothing are left out.
+    pub nvme_bytes_by_list: std::collections::BTreeMap<&'static str, (u64, u64)>,
     /// Most bytes in use per tier over the run: device, host, NVMe.
     pub peak_tier_bytes: (u64, u64, u64),
     /// Peak resident memory of the process (`VmHWM`), where the OS reports it.
@@ -157,6 +160,7 @@ impl FinetuneReport {
             swap_dir: PathBuf::new(),
             store: StoreStats::default(),
             nvme_bytes: (0, 0),
+            nvme_bytes_by_list: Default::default(),
             peak_tier_bytes: (0, 0, 0),
             peak_rss_bytes: None,
         }
@@ -166,6 +170,13 @@ impl FinetuneReport {
     fn finish(&mut self, params: &TideParams, swap_dir: PathBuf) {
         let st = params.stats();
         self.nvme_bytes = (st.nvme_to_host_bytes, st.host_to_nvme_bytes);
+        if let Some(t) = params.nvme_traffic() {
+            self.nvme_bytes_by_list = ListKind::ALL
+                .into_iter()
+                .map(|l| (l.as_str(), (t.read_bytes(l), t.written_bytes(l))))
+                .filter(|&(_, rw)| rw != (0, 0))
+                .collect();
+        }
         self.peak_tier_bytes = (st.device.peak_bytes, st.host.peak_bytes, st.nvme.peak_bytes);
         self.store = st;
         self.peak_rss_bytes = peak_rss_bytes();
