@@ -31,7 +31,7 @@ use std::sync::Arc;
 use rayon::ThreadPool;
 
 pub use level::{SimdLevel, SimdReason, SIMD_ENV};
-use parallel::{run_blocks, AccJob, CastJob, Split, StepJob, WidenJob};
+use parallel::{run_blocks, AccJob, CastJob, Split, StepJob};
 use raw::{grad_raw, out_raw, StepPtrs};
 
 use crate::error::{check_len, OptimError, Result};
@@ -246,10 +246,10 @@ impl AdamW {
     pub fn widen_grads(&self, grads: Grads<'_>, dst: &mut [f32]) -> Result<f64> {
         check_len("dst", dst.len(), "grads", grads.len())?;
         Ok(self.run(
-            WidenJob { g: grads, dst },
-            |level, j: WidenJob<'_>| {
-                widen_leaf(j.g, j.dst);
-                sq_norm_leaf(level, Grads::F32(j.dst))
+            AccJob { acc: dst, g: grads },
+            |level, j: AccJob<'_>| {
+                widen_leaf(j.g, j.acc);
+                sq_norm_leaf(level, Grads::F32(j.acc))
             },
             |a: f64, b: f64| a + b,
         ))
@@ -259,11 +259,11 @@ impl AdamW {
     pub fn copy(&self, src: &[f32], dst: &mut [f32]) -> Result<()> {
         check_len("dst", dst.len(), "src", src.len())?;
         self.run(
-            WidenJob {
+            AccJob {
+                acc: dst,
                 g: Grads::F32(src),
-                dst,
             },
-            |_, j: WidenJob<'_>| widen_leaf(j.g, j.dst),
+            |_, j: AccJob<'_>| widen_leaf(j.g, j.acc),
             |(), ()| (),
         );
         Ok(())

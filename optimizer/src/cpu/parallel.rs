@@ -167,7 +167,8 @@ impl Split for Grads<'_> {
     }
 }
 
-/// An fp32 accumulator and the gradients added into it.
+/// An fp32 array and gradients beside it: an accumulator and the gradients added into
+/// it, or a buffer and the gradients widened into it.
 pub(crate) struct AccJob<'a> {
     pub acc: &'a mut [f32],
     pub g: Grads<'a>,
@@ -182,24 +183,6 @@ impl Split for AccJob<'_> {
         let (a0, a1) = self.acc.split_at_mut(mid);
         let (g0, g1) = self.g.split_at(mid);
         (AccJob { acc: a0, g: g0 }, AccJob { acc: a1, g: g1 })
-    }
-}
-
-/// Gradients and the fp32 buffer they are widened into.
-pub(crate) struct WidenJob<'a> {
-    pub g: Grads<'a>,
-    pub dst: &'a mut [f32],
-}
-
-impl Split for WidenJob<'_> {
-    fn len(&self) -> usize {
-        self.dst.len()
-    }
-
-    fn split_at(self, mid: usize) -> (Self, Self) {
-        let (d0, d1) = self.dst.split_at_mut(mid);
-        let (g0, g1) = self.g.split_at(mid);
-        (WidenJob { g: g0, dst: d0 }, WidenJob { g: g1, dst: d1 })
     }
 }
 
