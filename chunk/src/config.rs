@@ -101,6 +101,13 @@ pub struct StoreConfig {
     /// [`crate::ChunkStore::close`] after its last change. Opening for adoption clears
     /// the file's clean marker on disk before anything else changes.
     pub adopt: bool,
+    /// Whether the host pool is pinned: locked in RAM, registered with the device and
+    /// offered to the swap file's engine as fixed buffers (`true`, the default: chunks
+    /// move to and from a GPU and NVMe from pinned memory). `false` for a store whose
+    /// chunks never leave the pool (it holds every chunk, and nothing computes on a
+    /// GPU): a buffer's pages are then made when it is first used, so the lists a run
+    /// never touches cost no memory.
+    pub pin_host: bool,
 }
 
 impl StoreConfig {
@@ -125,7 +132,14 @@ impl StoreConfig {
             non_model_slack_bytes: 1 << 20,
             working_set_chunks: 1,
             adopt: false,
+            pin_host: true,
         }
+    }
+
+    /// With the host pool pinned or not (see [`StoreConfig::pin_host`]).
+    pub fn with_pinned_host(mut self, pin: bool) -> Self {
+        self.pin_host = pin;
+        self
     }
 
     /// Taking the chunks an existing swap file stores as the contents (see

@@ -204,8 +204,15 @@ impl std::fmt::Debug for BufferPool {
 }
 
 impl BufferPool {
-    /// Allocate `count` buffers of `buf_bytes` each (rounded up to 4096) in one mapping.
+    /// Allocate `count` buffers of `buf_bytes` each (rounded up to 4096) in one mapping,
+    /// locked in RAM (`mlock`, which makes every page now).
     pub fn new(buf_bytes: usize, count: usize) -> Result<Self> {
+        Self::with_lock(buf_bytes, count, true)
+    }
+
+    /// As [`BufferPool::new`], locked only when `lock`: unlocked, a page is made when a
+    /// buffer first touches it, so buffers never used cost no memory.
+    pub fn with_lock(buf_bytes: usize, count: usize, lock: bool) -> Result<Self> {
         if buf_bytes == 0 || count == 0 {
             return Err(IoError::Pool {
                 reason: format!("needs at least one buffer of at least one byte (asked {count} x {buf_bytes} bytes)"),
@@ -228,7 +235,7 @@ impl BufferPool {
         if let Err(e) = map.advise(memmap2::Advice::HugePage) {
             tracing::debug!(error = %e, "pool: transparent huge pages not available");
         }
-        if let Err(e) = map.lock() {
+        if let Err(e) = lock.then(|| map.lock()).transpose() {
             tracing::debug!(error = %e, total_bytes, "pool: mlock refused; buffers stay pageable");
         }
         let free = FreeState {
@@ -508,6 +515,42 @@ impl Drop for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How many of the pool's pages are resident now.
+    #[cfg(target_os = "linux")]
+    fn resident_pages(pool: &BufferPool) -> usize {
+        let (addr, len) = pool.region();
+        let page = 4096;
+        let mut vec = vec![0u8; len.div_ceil(page)];
+        // SAFETY: `addr..addr + len` is the pool's whole mapping, page-aligned and alive
+        // for this call; `vec` has one byte per page of it.
+        let rc = unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn an_unlocked_pool_makes_only_the_pages_its_buffers_touch() {
+        let pool = BufferPool::with_lock(1 << 20, 8, false).unwrap();
+        assert_eq!(
+            resident_pages(&pool),
+            0,
+            "an unlocked pool made pages up front"
+        );
+        let mut a = pool.try_take().unwrap();
+        // SAFETY: `a` is an exclusive buffer of `capacity()` bytes.
+        unsafe { std::ptr::write_bytes(a.as_mut_ptr(), 1, a.capacity()) };
+        let touched = resident_pages(&pool);
+        assert!(
+            (256..=2 * 256 + 512).contains(&touched),
+            "one 1 MiB buffer written, {touched} pages resident"
+        );
+        let locked = BufferPool::new(1 << 20, 8).unwrap();
+        let made = resident_pages(&locked);
+        // mlock makes every page; where RLIMIT_MEMLOCK refuses it, nothing is made.
+        assert!(made == 8 * 256 || made == 0, "{made} pages");
+    }
 
     #[test]
     fn pool_buffers_are_aligned_distinct_and_returned() {

@@ -33,6 +33,8 @@ use crate::error::{Result, TierError};
 pub struct HostTier {
     pool: BufferPool,
     pinned: PinnedRegion,
+    /// Locked in RAM ([`HostTier::with_pinning`]).
+    locked: bool,
     capacity_bytes: u64,
     peak_bytes: AtomicU64,
 }
@@ -40,6 +42,19 @@ pub struct HostTier {
 impl HostTier {
     /// Allocate `budget_bytes / align_up(chunk_bytes)` buffers and pin them for `device`.
     pub fn new(budget_bytes: u64, chunk_bytes: usize, device: &Device) -> Result<Self> {
+        Self::with_pinning(budget_bytes, chunk_bytes, device, true)
+    }
+
+    /// As [`HostTier::new`], pinned (locked, registered with `device`) only when `pin`.
+    /// Unpinned, for a store whose chunks never leave this tier, a buffer's pages are
+    /// made when it is first used, so a pool sized for chunks that are never made costs
+    /// no memory for them.
+    pub fn with_pinning(
+        budget_bytes: u64,
+        chunk_bytes: usize,
+        device: &Device,
+        pin: bool,
+    ) -> Result<Self> {
         if chunk_bytes == 0 {
             return Err(TierError::Config {
                 key: "chunk_size",
@@ -59,11 +74,12 @@ impl HostTier {
             key: "host.budget",
             reason: format!("{count} buffers do not fit in this address space"),
         })?;
-        let pool = BufferPool::new(buf_bytes, count)
+        let pool = BufferPool::with_lock(buf_bytes, count, pin)
             .map_err(|e| TierError::io(TierKind::Host, None, e))?;
-        let pinned = match device.pin_pool(&pool) {
-            Ok(p) => p,
-            Err(e) => {
+        let pinned = match pin.then(|| device.pin_pool(&pool)) {
+            None => PinnedRegion::unpinned(),
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
                 tracing::warn!(error = %e, bytes = count * buf_bytes,
                     "host tier: pinning refused; copies will be staged by the driver");
                 PinnedRegion::unpinned()
@@ -79,6 +95,7 @@ impl HostTier {
             capacity_bytes: (count * buf_bytes) as u64,
             pool,
             pinned,
+            locked: pin,
             peak_bytes: AtomicU64::new(0),
         })
     }
@@ -202,6 +219,13 @@ impl HostTier {
     /// Whether the buffers are pinned for a GPU.
     pub fn is_pinned(&self) -> bool {
         self.pinned.is_pinned()
+    }
+
+    /// Whether the pool is locked in RAM (every page made at allocation); an unlocked
+    /// one is kept out of the io engine's fixed buffers, whose registration would lock
+    /// it.
+    pub fn is_locked(&self) -> bool {
+        self.locked
     }
 
     /// The pool, for registering it with the io engine (fixed buffers).

@@ -4,6 +4,7 @@
 //!   memory. It is handed out only where nothing can move it, it is what the steps
 //!   update in place, and compute reads from the host pool once one is out, so it holds
 //!   the master's values after any number of steps and a checkpoint load.
+//!   A pool that holds every chunk beside the simulated device is not pinned.
 //! - `Trainer::step_given`: the gradients handed to the step and read where they are.
 //!   It trains bit for bit as `put_grad` + `step` (clipping included), skips a
 //!   non-finite step leaving everything as it was, falls back to copying where the
@@ -98,6 +99,9 @@ fn state(t: &mut Trainer) -> Vec<Vec<u32>> {
 fn a_resident_master_is_stepped_in_place_and_never_moves() {
     let dir = tempfile::tempdir().unwrap();
     let mut t = open(dir.path(), Budget::AllChunks);
+    // Nothing leaves a pool that holds every chunk beside the simulated device: it is not
+    // pinned, so chunks never made (the gradients given below) cost no memory.
+    assert!(!t.store().host_pinned());
     let resident: Vec<Resident> = (0..SHAPES.len())
         .map(|i| {
             t.resident_master(i)
@@ -149,6 +153,10 @@ fn a_resident_master_is_stepped_in_place_and_never_moves() {
 fn a_master_the_host_pool_cannot_keep_is_not_handed_out() {
     let dir = tempfile::tempdir().unwrap();
     let mut t = open(dir.path(), Budget::Chunks(5));
+    assert!(
+        t.store().host_pinned(),
+        "a pool that spills to NVMe is pinned"
+    );
     assert_eq!(t.resident_master(0).unwrap(), None);
     // Nothing changed: the trainer still trains.
     step(&mut t, 0);

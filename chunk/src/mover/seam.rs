@@ -14,7 +14,7 @@
 //! - the device bytes pinned are those of the chunks pinned on the device, counted once
 //!   per chunk.
 
-use tidestore_tiers::{Device, DeviceMem, NvmeTier};
+use tidestore_tiers::{Device, DeviceMem, HostTier, NvmeTier};
 
 use super::{Mover, Pending, Slot};
 use crate::accounting::{MoveHook, MoveReason, StoreStats};
@@ -69,6 +69,11 @@ impl Mover {
     /// The NVMe tier (its swap file and io engine).
     pub(crate) fn nvme(&self) -> &NvmeTier {
         &self.nvme
+    }
+
+    /// The host tier.
+    pub(crate) fn host(&self) -> &HostTier {
+        &self.host
     }
 
     /// Reports the device memory used by everything but chunks now.

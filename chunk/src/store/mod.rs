@@ -187,6 +187,11 @@ impl ChunkStore {
         self.mover.device()
     }
 
+    /// Whether the host pool is pinned (see [`crate::StoreConfig::pin_host`]).
+    pub fn host_pinned(&self) -> bool {
+        self.mover.host().is_locked()
+    }
+
     /// The NVMe tier (its swap file and io engine), for reports and tests.
     pub fn nvme(&self) -> &NvmeTier {
         self.mover.nvme()

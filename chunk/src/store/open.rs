@@ -49,6 +49,7 @@ impl ChunkStore {
             non_model_slack_bytes,
             working_set_chunks,
             adopt,
+            pin_host,
         } = config;
         let fingerprint = layout.fingerprint();
         let (nvme_slots, source) = SwapSource::from_config(nvme, max_chunk)?;
@@ -72,7 +73,7 @@ impl ChunkStore {
         // allocate.
         let mut nvme = source.open(nvme_slots, slot_bytes, adopt.then_some(fingerprint))?;
         let adopted = prepare_swap_file(&mut nvme, &len_bytes, fingerprint, adopt)?;
-        let host = HostTier::new(host_budget_bytes, slot_bytes, &device)
+        let host = HostTier::with_pinning(host_budget_bytes, slot_bytes, &device, pin_host)
             .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
 
         let settings = Settings {
@@ -216,8 +217,14 @@ fn build_mover(
         .set_budget_capacity(cap)
         .map_err(|e| ChunkError::tier("setting the device budget", None, e))?;
     // Chunks move between the host pool and NVMe only: with the pool registered as
-    // fixed buffers, no request pins pages.
-    match nvme.register_pool(host.pool()) {
+    // fixed buffers, no request pins pages. An unpinned pool stays out (registration
+    // would lock it).
+    let registered = if host.is_locked() {
+        nvme.register_pool(host.pool())
+    } else {
+        Ok(false)
+    };
+    match registered {
         Ok(fixed) => {
             tracing::debug!(
                 fixed,

@@ -11,7 +11,7 @@ use tidestore_chunk::{
     NvmeSource, SearchConfig, StoreConfig, TensorSpec,
 };
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
-use tidestore_tiers::{Device, DeviceConfig};
+use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
 
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
 use super::{Entry, NvmeTraffic, Trainer};
@@ -40,6 +40,11 @@ impl Trainer {
         let layout = layout(specs, cfg)?;
         let (store_cfg, slot_bytes) = store_config(&layout, cfg);
         let device = open_device(cfg, store_cfg.device_budget_bytes)?;
+        // A pool that holds every chunk beside a simulated device: no chunk ever goes to
+        // NVMe or a GPU, so nothing needs it pinned, and the lists this run never
+        // touches then cost no memory.
+        let stays = cfg.host_budget == Budget::AllChunks && device.kind() == DeviceKind::Sim;
+        let store_cfg = store_cfg.with_pinned_host(!stays);
         tracing::info!(
             chunk_elements = layout.chunk_elements(),
             slot_bytes,
