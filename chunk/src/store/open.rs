@@ -61,14 +61,7 @@ impl ChunkStore {
             nvme_slots,
             device_bytes.slab,
         )?;
-        if prefetch_lookahead_bytes_max == 0 {
-            return Err(ChunkError::Config {
-                key: "store.prefetch_lookahead_bytes",
-                reason: "a window of zero bytes prefetches nothing; set the look-ahead to 0 \
-                         instead"
-                    .into(),
-            });
-        }
+        check_window(prefetch_lookahead_bytes_max)?;
         // Everything fits: open the swap file and decide what its chunks are, then
         // allocate.
         let mut nvme = source.open(nvme_slots, slot_bytes, adopt.then_some(fingerprint))?;
@@ -191,6 +184,19 @@ impl SwapSource {
             }
         })
     }
+}
+
+/// Refuses a prefetch window of zero bytes (`store.prefetch_lookahead_bytes`).
+fn check_window(bytes_max: u64) -> Result<()> {
+    if bytes_max == 0 {
+        return Err(ChunkError::Config {
+            key: "store.prefetch_lookahead_bytes",
+            reason: "a window of zero bytes prefetches nothing; set the look-ahead to 0 \
+                     instead"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// The mover over the three tiers: the policies both tiers evict by (`lifetime` waits
