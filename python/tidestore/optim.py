@@ -3,8 +3,9 @@
 The optimizer state — an fp32 master copy of every parameter, Adam's M and V (fp32,
 bf16 or block-wise int8), and an fp32 copy of each gradient — lives in a tidestore
 store: a host-memory pool of ``host_budget`` bytes, the rest in a swap file in
-``nvme_dir`` (unlinked as soon as it is open: no run leaves it behind). The Rust core steps it with tidestore's SIMD AdamW (``AdamWCore``); this
-class only moves tensors in and out:
+``nvme_dir`` (unlinked as soon as it is open: no run leaves it behind). The Rust core
+steps it with tidestore's SIMD AdamW (``AdamWCore``); this class only moves tensors in
+and out:
 
 - ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it is copied
   to the CPU first) is handed to the core, which reads it where it is when the store
