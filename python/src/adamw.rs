@@ -70,10 +70,11 @@ pub struct AdamWCore {
 /// killed. A failure is logged, and the file then stays behind.
 pub(crate) fn unlink_swap(trainer: &Trainer, dir: Option<&Path>) {
     let file = trainer.swap_path();
-    for (gone, res) in [
-        (file, std::fs::remove_file(file)),
-        (dir.unwrap_or(file), dir.map_or(Ok(()), std::fs::remove_dir)),
-    ] {
+    let mut unlinked = vec![(file, std::fs::remove_file(file))];
+    if let Some(dir) = dir {
+        unlinked.push((dir, std::fs::remove_dir(dir)));
+    }
+    for (gone, res) in unlinked {
         if let Err(e) = res {
             tracing::warn!(path = %gone.display(), error = %e, "tidestore: swap space not unlinked");
         }

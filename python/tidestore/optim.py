@@ -116,8 +116,7 @@ class AdamW(torch.optim.Optimizer):
         # copied; see the module doc).
         self._adopted = [None] * len(self._params)
         for i, p in enumerate(self._params):
-            self._core.set_param(i, self._cpu_view(p), dtype_name(p))
-            self._adopt(i, p)
+            self._take(i, p)
         unbind = weakref.finalize(self, _unbind, self._params, self._adopted)
         unbind.atexit = False
         self._versions = [p._version for p in self._params]
@@ -183,9 +182,7 @@ class AdamW(torch.optim.Optimizer):
                 if self._bound(i):
                     continue
                 # .data was replaced: the new values are the master, bound again.
-                self._adopted[i] = None
-                self._core.set_param(i, self._cpu_view(p), dtype_name(p))
-                self._adopt(i, p)
+                self._take(i, p)
                 self._versions[i] = p._version
             elif p._version != self._versions[i]:
                 self._core.sync_param(i, self._cpu_view(p), dtype_name(p))
@@ -197,9 +194,12 @@ class AdamW(torch.optim.Optimizer):
 
     # -- moving tensors ----------------------------------------------------------------
 
-    def _adopt(self, i, p):
-        """Binds a CPU fp32 parameter's .data to its master copy in the store, where the
-        store keeps that in place (see the module doc); otherwise leaves it copied."""
+    def _take(self, i, p):
+        """p's values become parameter i's master copy, and p is bound to it where the
+        store keeps it in place (a CPU fp32 parameter, see the module doc); otherwise
+        it stays copied."""
+        self._adopted[i] = None
+        self._core.set_param(i, self._cpu_view(p), dtype_name(p))
         if p.device.type != "cpu" or p.dtype != torch.float32:
             return
         where = self._core.resident_master(i)

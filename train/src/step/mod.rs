@@ -59,6 +59,8 @@ use crate::error::{Result, TrainError};
 mod place;
 mod views;
 
+pub(crate) use views::grads_of;
+
 use views::{f32s, param_out};
 
 /// Where tensors are stepped (see the module doc).

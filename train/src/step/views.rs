@@ -21,7 +21,7 @@ pub(super) fn f32s<'a>(bytes: &'a mut [u8], tensor: &str, what: &str) -> Result<
     bytemuck::try_cast_slice_mut(bytes).map_err(|_| cast_err(tensor, what))
 }
 
-pub(super) fn grads_of<'a>(bytes: &'a [u8], dtype: DType, tensor: &str) -> Result<Grads<'a>> {
+pub(crate) fn grads_of<'a>(bytes: &'a [u8], dtype: DType, tensor: &str) -> Result<Grads<'a>> {
     let err = |_| cast_err(tensor, "gradient");
     Ok(match dtype {
         DType::F32 => Grads::F32(bytemuck::try_cast_slice(bytes).map_err(err)?),

@@ -103,12 +103,7 @@ impl Values<'_> {
     pub(crate) fn as_grads(&self) -> Option<Grads<'_>> {
         match *self {
             Values::F32(v) => Some(Grads::F32(v)),
-            Values::Bytes { bytes, dtype } => match dtype {
-                DType::F32 => bytemuck::try_cast_slice(bytes).ok().map(Grads::F32),
-                DType::BF16 => bytemuck::try_cast_slice(bytes).ok().map(Grads::Bf16),
-                DType::F16 => bytemuck::try_cast_slice(bytes).ok().map(Grads::F16),
-                DType::Q8 => None,
-            },
+            Values::Bytes { bytes, dtype } => crate::step::grads_of(bytes, dtype, "").ok(),
         }
     }
 
@@ -280,9 +275,9 @@ impl Trainer {
         if !stays {
             return Ok(None);
         }
+        let (addr, len) = self.with_master(i, |m| (m.as_mut_ptr() as usize, m.len()))?;
         self.resident = true;
         self.compute_place = Place::Host;
-        let (addr, len) = self.with_master(i, |m| (m.as_mut_ptr() as usize, m.len()))?;
         Ok(Some(Resident { addr, len }))
     }
 
