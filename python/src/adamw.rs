@@ -28,8 +28,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tidestore_train::{
-    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, MomentForm, Overlap, ParamSpec,
-    Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
+    Budget, ChunkError, DType, DeviceChoice, HyperParams, IoConfig, MomentForm, NormPeers, Overlap,
+    ParamSpec, Precision, StepDecision, TrainError, Trainer, TrainerConfig, Values,
 };
 
 use crate::error::{Error, Result};
@@ -165,6 +165,13 @@ impl AdamWCore {
         Ok(norm_and_clip(
             self.trainer.step_given(&values, &mut |_| {})?.decision,
         ))
+    }
+
+    /// Makes this core one rank of a data-parallel run that steps its shards: the
+    /// step is decided from the norm `peers` sums over the ranks (see
+    /// [`tidestore_train::peers`]).
+    pub fn set_norm_peers(&mut self, peers: Box<dyn NormPeers>) {
+        self.trainer.set_norm_peers(peers);
     }
 
     /// Gradients given since the last step.

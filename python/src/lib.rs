@@ -34,6 +34,17 @@ use crate::aio::{AioConfig, Memory, Worker};
 use crate::buffer::{parse_dtype, with_input, Bytes};
 use crate::error::{ConfigError, Error, TidestoreError, TidestoreIoError};
 
+/// The other ranks' gradient norms through a Python callable (the step calls it with
+/// the GIL released; it takes the GIL back for the call).
+struct PyNormPeers(Py<PyAny>);
+
+impl tidestore_train::NormPeers for PyNormPeers {
+    fn sum_sq_norm(&mut self, local: f64) -> tidestore_train::Result<f64> {
+        Python::with_gil(|py| self.0.call1(py, (local,))?.extract::<f64>(py))
+            .map_err(|e| tidestore_train::TrainError::Collective(e.to_string()))
+    }
+}
+
 /// `tidestore._tidestore.AdamWCore`: see [`adamw`].
 #[pyclass(name = "AdamWCore", module = "tidestore._tidestore")]
 struct PyAdamWCore {
@@ -213,6 +224,15 @@ impl PyAdamWCore {
 
     fn set_lr(&mut self, lr: f32) -> PyResult<()> {
         Ok(self.core().set_lr(lr)?)
+    }
+
+    /// Makes this core one rank of a data-parallel run that steps its shards:
+    /// `all_reduce(local_sq_norm) -> float` sums this rank's squared gradient norm with
+    /// the other ranks' (e.g. through `torch.distributed`); the step is decided from
+    /// that sum. An exception it raises fails the step and stops the core.
+    fn set_norm_peers(&mut self, all_reduce: Py<PyAny>) {
+        self.core()
+            .set_norm_peers(Box::new(PyNormPeers(all_reduce)));
     }
 
     fn step_count(&mut self) -> u64 {

@@ -31,6 +31,19 @@ and out:
   in-place edit under ``no_grad``: its version counter moved), it is compared with the
   master copy before the next step; if its values differ, they become the master copy.
 
+**Data parallel** (``process_group=torch.distributed.group.WORLD``, or any group; launch
+with ``torchrun --nproc-per-node N``): the state is sharded over the group's ranks
+(ZeRO-DP stage 2, see ``_shards.py``). Every rank registers the same parameters with
+the same settings (checked at construction, naming what differs) and starts from rank
+0's values (broadcast, as ``DistributedDataParallel`` starts); each rank's store holds
+``1/N`` of every parameter's master copy, M and V (its own host pool and swap file). A
+step reduce-scatters the gradients (each rank gets the average over the ranks of its
+shard: do not also wrap the model in DDP), sums the ranks' gradient norms (clipping
+and skipping decided alike everywhere), steps the shards and all-gathers the new
+values into every rank's parameters. Checkpoints are per rank (the file name carries
+the rank and world size) and resume only on the same world size. A rank that dies
+makes the others' next collective fail with an error naming it.
+
 Checkpoints are streamed: ``state_dict()`` writes the state into a tidestore checkpoint
 (one safetensors file: ``optimizer.master.param.I``, ``optimizer.exp_avg.param.I``,
 ``optimizer.exp_avg_sq.param.I``, one tensor at a time, never all in RAM) at
@@ -57,6 +70,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
+from ._shards import Shards, rank_path
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
@@ -87,7 +101,8 @@ def _unbind(params, adopted):
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
-                 overlap=False, threads=0, checkpoint_path=None, chunk_elements=None):
+                 overlap=False, threads=0, checkpoint_path=None, chunk_elements=None,
+                 process_group=None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self._check_groups()
@@ -106,11 +121,23 @@ class AdamW(torch.optim.Optimizer):
         self.overlap = bool(overlap)
         self._shapes = [tuple(p.shape) for p in self._params]
         g0 = self.param_groups[0]
+        core_shapes = [list(s) for s in self._shapes]
+        self._shards = None
+        if process_group is not None:
+            self._shards = Shards(self._params, process_group)
+            self._shards.check_alike(self._params, {
+                **{k: (list(v) if isinstance(v, tuple) else v) for k, v in g0.items()
+                   if k != "params"},
+                "states": states, "max_grad_norm": max_grad_norm, "overlap": self.overlap})
+            self._shards.broadcast(self._params)
+            core_shapes = [[s] for s in self._shards.lens]
         self._core = AdamWCore(
-            [list(s) for s in self._shapes], lr=float(g0["lr"]), betas=tuple(g0["betas"]),
+            core_shapes, lr=float(g0["lr"]), betas=tuple(g0["betas"]),
             eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
             nvme_dir=self.nvme_dir, host_budget=host_budget, max_grad_norm=max_grad_norm,
             overlap=self.overlap, threads=threads, chunk_elements=chunk_elements)
+        if self._shards is not None:
+            self._core.set_norm_peers(self._shards.sum_sq_norm)
         self._lr = float(g0["lr"])
         # Per parameter, the address of the store's memory its .data is bound to (None:
         # copied; see the module doc).
@@ -185,7 +212,7 @@ class AdamW(torch.optim.Optimizer):
                 self._take(i, p)
                 self._versions[i] = p._version
             elif p._version != self._versions[i]:
-                self._core.sync_param(i, self._cpu_view(p), dtype_name(p))
+                self._core.sync_param(i, self._cpu_view(self._held(i, p)), dtype_name(p))
                 self._versions[i] = p._version
         lr = float(self.param_groups[0]["lr"])
         if lr != self._lr:
@@ -199,8 +226,8 @@ class AdamW(torch.optim.Optimizer):
         store keeps it in place (a CPU fp32 parameter, see the module doc); otherwise
         it stays copied."""
         self._adopted[i] = None
-        self._core.set_param(i, self._cpu_view(p), dtype_name(p))
-        if p.device.type != "cpu" or p.dtype != torch.float32:
+        self._core.set_param(i, self._cpu_view(self._held(i, p)), dtype_name(p))
+        if p.device.type != "cpu" or p.dtype != torch.float32 or self._shards is not None:
             return
         where = self._core.resident_master(i)
         if where is None:
@@ -208,6 +235,20 @@ class AdamW(torch.optim.Optimizer):
         addr, nbytes = where
         p.data = store_memory(self._core, addr, nbytes).view(torch.float32).view(p.shape)
         self._adopted[i] = addr
+
+    def _held(self, i, t):
+        """What the core holds of parameter ``i`` (or its gradient) ``t``: all of it, or
+        this rank's shard (the ranks' average, for a gradient)."""
+        if self._shards is None:
+            return t
+        return self._shards.values(i, t)
+
+    def _grad(self, i, g):
+        """Parameter ``i``'s gradient ``g`` as the core takes it: as it is, or this
+        rank's shard of the ranks' average."""
+        if self._shards is None:
+            return g.detach()
+        return self._shards.grad(i, g)
 
     def _bound(self, i):
         """Parameter i's .data is still the store's memory it was bound to."""
@@ -223,7 +264,7 @@ class AdamW(torch.optim.Optimizer):
         return byte_view(t, "tensor")
 
     def _put_grad(self, i, p):
-        g = p.grad.detach()
+        g = self._grad(i, p.grad)
         self._core.put_grad(i, self._cpu_view(g), dtype_name(g))
 
     def _write_back(self):
@@ -231,7 +272,11 @@ class AdamW(torch.optim.Optimizer):
             if self._bound(i):
                 continue
             dt = dtype_name(p)
-            if p.device.type == "cpu":
+            if self._shards is not None:
+                shard = torch.empty(self._shards.lens[i], dtype=p.dtype)
+                self._core.read_param(i, byte_view(shard, f"parameter {i}", writable=True), dt)
+                self._shards.gather(i, p, shard)
+            elif p.device.type == "cpu":
                 self._core.read_param(i, byte_view(p.detach(), f"parameter {i}", writable=True), dt)
             else:
                 tmp = torch.empty(p.shape, dtype=p.dtype, device="cpu")
@@ -259,7 +304,8 @@ class AdamW(torch.optim.Optimizer):
             for i, p in enumerate(self._params):
                 self._check_grad(i, p)
             # Read where torch left them (copied in only where the store cannot).
-            grads = [(self._cpu_view(p.grad), dtype_name(p.grad)) for p in self._params]
+            grads = [(self._cpu_view(self._grad(i, p.grad)), dtype_name(p.grad))
+                     for i, p in enumerate(self._params)]
             self.last_step = self._core.step_given(grads)
         else:
             self.last_step = self._core.step()
@@ -277,19 +323,49 @@ class AdamW(torch.optim.Optimizer):
             groups.append(meta)
         return groups
 
-    def save(self, path):
-        """Streams the optimizer state into a tidestore checkpoint file at ``path``."""
+    def _rank_path(self, path):
+        """Where this rank keeps the checkpoint named ``path`` (``path`` itself without
+        a process group)."""
         path = os.fspath(path)
+        if self._shards is None:
+            return path
+        return rank_path(path, self._shards.rank, self._shards.world)
+
+    def _world(self):
+        return {"world_size": "1", "rank": "0"} if self._shards is None else {
+            "world_size": str(self._shards.world), "rank": str(self._shards.rank)}
+
+    def _check_world(self, world_size, rank, path):
+        """Refuses a checkpoint written on another world size, or (``rank`` not None)
+        by another rank: there is no re-sharding."""
+        mine = self._world()
+        if str(world_size) != mine["world_size"] or (rank is not None and str(rank) != mine["rank"]):
+            who = f"rank {rank} of {world_size}" if rank is not None else f"{world_size} rank(s)"
+            raise ValueError(
+                f"checkpoint {path} was written by {who}; this optimizer is rank "
+                f"{mine['rank']} of {mine['world_size']}: a checkpoint resumes on the world "
+                "size that wrote it (tidestore does not re-shard)")
+
+    def save(self, path):
+        """Streams the optimizer state into a tidestore checkpoint file at ``path``
+        (with a process group, every rank writes its shards into a file of its own,
+        named after ``path`` with its rank and the world size; returns that name)."""
+        path = self._rank_path(path)
         meta = {"param_groups": json.dumps(self._groups_meta()),
-                "step": str(self._core.step_count())}
+                "step": str(self._core.step_count()), **self._world()}
         self._core.save(path, meta)
         return path
 
     def load(self, path):
         """Loads a checkpoint written by ``save``/``state_dict`` (verified whole first)
-        and writes its master copies into the parameters."""
-        path = os.fspath(path)
-        groups = json.loads(AdamWCore.read_metadata(path).get("param_groups", "[]"))
+        and writes its master copies into the parameters. A sharded checkpoint loads
+        only on the same world size, each rank its own file (no re-sharding)."""
+        base, path = os.fspath(path), self._rank_path(path)
+        if not os.path.exists(path) and os.path.exists(base):
+            path = base  # written without a process group: refused below, by name
+        found = AdamWCore.read_metadata(path)
+        self._check_world(found.get("world_size", 1), found.get("rank", 0), path)
+        groups = json.loads(found.get("param_groups", "[]"))
         if len(groups) != len(self.param_groups):
             raise ValueError(
                 f"checkpoint {path} has {len(groups)} param groups, this optimizer "
@@ -317,7 +393,8 @@ class AdamW(torch.optim.Optimizer):
             "state": {},
             "param_groups": self._groups_meta(),
             "tidestore": {"format": "tidestore.checkpoint.v1", "path": path,
-                          "step": self._core.step_count()},
+                          "base_path": self.checkpoint_path,
+                          "step": self._core.step_count(), **self._world()},
         }
 
     def load_state_dict(self, state_dict):
@@ -326,13 +403,15 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(
                 "not a tidestore.AdamW state dict (no 'tidestore' entry naming the checkpoint "
                 "file); torch.optim.AdamW state cannot be loaded into it")
-        path = ts["path"]
+        # Every rank loads its own file, whichever rank's dict this is.
+        path = self._rank_path(ts["base_path"]) if "base_path" in ts else ts["path"]
+        self._check_world(ts.get("world_size", 1), None, path)
         found = AdamWCore.read_metadata(path).get("step")
         if found != str(ts.get("step")):
             raise ValueError(
                 f"checkpoint {path} holds step {found}, the state dict names step "
                 f"{ts.get('step')}: the file was overwritten by a later save")
-        self.load(path)
+        self.load(ts.get("base_path", path))
         self._restore_groups(state_dict["param_groups"])
 
     def close(self):

@@ -263,6 +263,11 @@ pub enum TrainError {
     /// step finished with tensors left, ...).
     #[error("step loop: {0}")]
     Protocol(String),
+
+    /// A collective with the other data-parallel ranks failed (a rank died, a timeout,
+    /// ranks that disagree).
+    #[error("data parallel: {0}")]
+    Collective(String),
 }
 
 fn needed_by(tensor: &Option<String>) -> String {

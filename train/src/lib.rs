@@ -9,6 +9,7 @@
 //!   taken, reported to the step loop — once, here); the step; checkpoints;
 //! - [`blocks`]: the layer-streamed block driver over a framework-free [`Blocks`] trait;
 //! - [`step`]: the step loop that steps each tensor's groups where the store holds them;
+//! - [`peers`]: what the step needs of the other ranks of a data-parallel run;
 //! - [`checkpoint`] and [`CheckpointDir`]: checkpoints streamed out of the store and back;
 //! - [`hf`]: the Hugging Face formats a model comes in and goes out in;
 //! - [`aio`]: the block-I/O engine, for front ends that move tensors to and from files
@@ -27,6 +28,7 @@ pub mod checkpoint;
 pub mod checkpoint_dir;
 pub mod error;
 pub mod hf;
+pub mod peers;
 pub mod step;
 pub mod trainer;
 
@@ -37,6 +39,7 @@ pub use blocks::{
 pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
+pub use peers::NormPeers;
 pub use step::{
     GradPlace, Observer, Overlap, StepConfig, StepLoop, StepOutcome, StepPlace, StepStats,
     StepTensor,

@@ -55,6 +55,7 @@ use tidestore_optimizer::{
 };
 
 use crate::error::{Result, TrainError};
+use crate::peers::{NormPeers, Peers};
 
 mod place;
 mod views;
@@ -301,6 +302,8 @@ pub struct StepLoop {
     non_finite: Option<String>,
     /// The same, of the last step that was skipped.
     last_skip_tensor: Option<String>,
+    /// The other data-parallel ranks, whose norms join this rank's before the decision.
+    peers: Option<Peers>,
 }
 
 impl StepLoop {
@@ -370,6 +373,7 @@ impl StepLoop {
             early: None,
             non_finite: None,
             last_skip_tensor: None,
+            peers: None,
             grad_sq: 0.0,
             finals: 0,
             in_place,
@@ -441,6 +445,15 @@ impl StepLoop {
         self.poisoned = None;
         self.new_iteration();
         Ok(())
+    }
+
+    /// Makes this loop one rank of a data-parallel run that steps shards: from the next
+    /// decision on, its squared gradient norm is summed with the other ranks' by
+    /// `peers` before the step is decided (clipped, skipped), so every rank decides
+    /// alike (see [`crate::peers`]). A failed all-reduce poisons the loop: the ranks
+    /// may no longer agree on what was stepped.
+    pub fn set_peers(&mut self, peers: Box<dyn NormPeers>) {
+        self.peers = Some(Peers(peers));
     }
 
     /// Whether a failed step stopped the loop (see the module doc).
@@ -570,7 +583,8 @@ impl StepLoop {
             )));
         }
         let overlapped = self.entries.iter().filter(|e| e.stepped).count();
-        let decision = self.ctrl.decide(self.grad_sq);
+        let grad_sq = self.sum_with_peers()?;
+        let decision = self.ctrl.decide(grad_sq);
         let result = match decision {
             StepDecision::Apply {
                 state, grad_norm, ..
@@ -604,6 +618,21 @@ impl StepLoop {
             decision,
             overlapped,
         })
+    }
+
+    /// This iteration's squared gradient norm, summed with the other ranks' when the
+    /// loop has peers; a failed all-reduce poisons the loop.
+    fn sum_with_peers(&mut self) -> Result<f64> {
+        let Some(peers) = &mut self.peers else {
+            return Ok(self.grad_sq);
+        };
+        match peers.0.sum_sq_norm(self.grad_sq) {
+            Ok(sum) => Ok(sum),
+            Err(e) => {
+                self.poisoned = Some(format!("the ranks' gradient norms: {e}"));
+                Err(e)
+            }
+        }
     }
 
     fn new_iteration(&mut self) {

@@ -172,6 +172,12 @@ impl Trainer {
         self.step.hyper_params()
     }
 
+    /// Makes this trainer one rank of a data-parallel run that steps its shards of the
+    /// tensors: see [`StepLoop::set_peers`].
+    pub fn set_norm_peers(&mut self, peers: Box<dyn crate::NormPeers>) {
+        self.step.set_peers(peers);
+    }
+
     /// The step loop (its counters, optimizer and settings).
     pub fn step_loop(&self) -> &StepLoop {
         &self.step
@@ -196,11 +202,13 @@ impl Trainer {
 
     /// Counters of the store and the step loop, by name: NVMe bytes read and written,
     /// the host budget (bytes, buffers), the chunk size, whether the step runs in place,
-    /// steps applied, tensors stepped during backward, host evictions.
+    /// steps applied, tensors stepped during backward, host evictions; per list of the
+    /// optimizer state (master, M, V), the bytes the store keeps of it (used prefixes of
+    /// its chunks, page-rounded) and (where counted) its NVMe traffic.
     pub fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
         let s = self.store.stats();
         let plan = self.store.capacity_plan();
-        std::collections::BTreeMap::from([
+        let mut counters = std::collections::BTreeMap::from([
             ("nvme_read_bytes", s.nvme_to_host_bytes),
             ("nvme_written_bytes", s.host_to_nvme_bytes),
             ("host_budget_bytes", plan.host_buffers * plan.slot_bytes),
@@ -210,7 +218,35 @@ impl Trainer {
             ("steps", self.step.step_count()),
             ("tensors_overlapped", self.step.stats().tensors_overlapped),
             ("host_evictions", s.host_evictions),
-        ])
+        ]);
+        // What each rank of a data-parallel run holds and moves of its shards.
+        let layout = self.store.layout();
+        let lists = [
+            (
+                ListKind::Master,
+                [
+                    "master_bytes",
+                    "master_nvme_read_bytes",
+                    "master_nvme_written_bytes",
+                ],
+            ),
+            (
+                ListKind::Momentum,
+                ["m_bytes", "m_nvme_read_bytes", "m_nvme_written_bytes"],
+            ),
+            (
+                ListKind::Variance,
+                ["v_bytes", "v_nvme_read_bytes", "v_nvme_written_bytes"],
+            ),
+        ];
+        for (list, [held, read, written]) in lists {
+            counters.insert(held, layout.list_stored_bytes(list));
+            if let Some(t) = self.nvme_traffic() {
+                counters.insert(read, t.read_bytes(list));
+                counters.insert(written, t.written_bytes(list));
+            }
+        }
+        counters
     }
 
     /// Bytes moved between host and NVMe per list since open (`None` for a trainer over

@@ -1,0 +1,163 @@
+"""One rank of the data-parallel tests (``test_dist.py``): a tiny transformers LLaMA (or
+a small MLP with odd sizes), full or LoRA, trained with ``tidestore.AdamW`` sharded
+over a gloo process group. Launched by ``torchrun`` (or with torchrun's environment
+variables set by hand: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
+``train(..., group=None)`` is the one-process reference, run in the test itself.
+
+Every rank takes its slice of each step's global batch; the loss reported is the mean
+over the global batch. Each rank writes ``rank{r}.json`` into ``--out``: the losses,
+a hash of the final parameters, the optimizer's counters, and the error that stopped
+it (if one did).
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+import tidestore
+
+VOCAB = 128
+BATCH = 4  # sequences per step, over all ranks
+SEQ = 16
+
+
+def model_of(kind, lora):
+    torch.manual_seed(0)
+    if kind == "mlp":
+        # Sizes no world size of 2 divides: the last shards are padded.
+        return torch.nn.Sequential(torch.nn.Embedding(VOCAB, 15), torch.nn.Linear(15, 21),
+                                   torch.nn.Tanh(), torch.nn.Linear(21, VOCAB))
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    return model
+
+
+def loss_of(kind, model, ids):
+    if kind == "mlp":
+        logits = model(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def data(steps):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(steps)]
+
+
+def params_hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(a, rank, world, group):
+    """Trains as ``a`` says; the result dict (``error`` set when a collective failed)."""
+    torch.set_num_threads(1)
+    model = model_of(a.model, a.lora)
+    if a.resume:
+        model.load_state_dict(torch.load(os.path.join(a.resume, "model.pt")))
+    params = [p for p in model.parameters() if p.requires_grad]
+    settings = dict(lr=1e-3, weight_decay=a.weight_decay if rank == world - 1 else 0.01)
+    if a.drop_last and rank == world - 1:
+        params = params[:-1]
+    os.makedirs(os.path.join(a.out, f"swap{rank}"), exist_ok=True)
+    opt = tidestore.AdamW(
+        params, **settings, overlap=a.overlap, threads=1, max_grad_norm=a.clip,
+        nvme_dir=os.path.join(a.out, f"swap{rank}"), host_budget=a.host_budget,
+        chunk_elements=a.chunk_elements,
+        checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group)
+    start = 0
+    if a.resume:
+        state = torch.load(os.path.join(a.resume, "optim.pt"))
+        opt.load_state_dict(state)
+        start = state["tidestore"]["step"]
+    per = BATCH // world
+    losses, error = [], None
+    try:
+        for step, batch in enumerate(data(a.steps)):
+            if step < start:
+                continue
+            ids = batch[rank * per:(rank + 1) * per]
+            loss = loss_of(a.model, model, ids)
+            loss.backward()
+            if step == a.die_at and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            if group is not None:
+                dist.all_reduce(mean, group=group)
+            losses.append(float(mean) / world)
+            if step + 1 == a.save_at:
+                save(a.out, rank, model, opt)
+    except Exception as e:  # the rank that lost its peer reports why
+        error = f"{type(e).__name__}: {e}"
+    stats = opt.stats()
+    opt.close()
+    return {"losses": losses, "hash": params_hash(model), "stats": stats, "error": error}
+
+
+def save(out, rank, model, opt):
+    """Every rank writes its shards; rank 0 the model and the state dict (which names
+    the shards' files of every rank)."""
+    state = opt.state_dict()
+    if rank == 0:
+        ckpt = os.path.join(out, "ckpt")
+        os.makedirs(ckpt, exist_ok=True)
+        for name, obj in (("model.pt", model.state_dict()), ("optim.pt", state)):
+            tmp = os.path.join(ckpt, name + ".tmp")
+            torch.save(obj, tmp)
+            os.replace(tmp, os.path.join(ckpt, name))
+
+
+def args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="llama", choices=["llama", "mlp"])
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--clip", type=float, default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--host-budget", default=None)
+    p.add_argument("--chunk-elements", type=int, default=None)
+    p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="the last rank's")
+    p.add_argument("--drop-last", action="store_true", help="the last rank drops a parameter")
+    return p.parse_args(argv)
+
+
+def main():
+    a = args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        result = train(a, rank, world, dist.group.WORLD)
+    except Exception as e:  # a refusal at construction: reported, not a traceback
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if result.get("error") is None:
+        dist.destroy_process_group()
+    os._exit(0 if result.get("error") is None else 3)
+
+
+if __name__ == "__main__":
+    main()

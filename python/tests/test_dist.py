@@ -1,0 +1,166 @@
+"""tidestore.AdamW sharded over the ranks of a torch.distributed process group (gloo,
+two ranks on this machine, launched by torchrun as people launch them).
+
+Guards against: two ranks whose losses drift from one rank with the doubled batch
+(fp32, <= 1e-5 relative; full and LoRA, with and without overlap, clipping, sizes the
+world size does not divide); ranks that end with different parameters; a rank whose
+store holds more than its half of the master copies, M and V, or moves more than its
+share of them over NVMe; a resume from the checkpoint of a run one of whose ranks was
+killed with SIGKILL that is not bit-identical to the run never stopped; a rank that
+outlives a dead peer without an error, or hangs; ranks that differ (settings,
+parameters) without an error naming what differs; a sharded checkpoint loaded on
+another world size. Skipped, with the reason printed, where torch, transformers or peft
+is not installed (see .ci/python-tests.sh).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the torch-level tests need it")
+pytest.importorskip("transformers", reason="transformers is not installed: the LLaMA tests need it")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("this torch has no gloo backend for torch.distributed", allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import dist_worker  # noqa: E402
+
+WORKER = os.path.join(HERE, "dist_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(out, *flags, ranks=2, check=True):
+    """Runs the worker on ``ranks`` ranks under torchrun; each rank's result."""
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), WORKER,
+           "--out", str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [read(out, r) for r in range(ranks)]
+
+
+def read(out, rank):
+    path = os.path.join(out, f"rank{rank}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def one_rank(out, *flags):
+    """The reference: one process, no process group, the whole batch."""
+    a = dist_worker.args(["--out", str(out), *flags])
+    os.makedirs(out, exist_ok=True)
+    return dist_worker.train(a, 0, 1, None)
+
+
+def assert_close(a, b, rel=1e-5):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rel * abs(x), f"step {i + 1}: one rank {x}, two ranks {y}"
+
+
+CASES = {
+    "full": [],
+    "full-overlap": ["--overlap"],
+    "full-clip-nvme": ["--clip", "0.5", "--chunk-elements", "8192", "--host-budget", "320KiB"],
+    "lora": ["--lora"],
+    "lora-overlap": ["--lora", "--overlap"],
+    "padded": ["--model", "mlp"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
+    flags = CASES[case]
+    if "--lora" in flags:
+        pytest.importorskip("peft", reason="peft is not installed: the LoRA case needs it")
+    ref = one_rank(tmp_path / "one", *flags)
+    ranks = torchrun(tmp_path / "two", *flags)
+    for r, got in enumerate(ranks):
+        assert got["error"] is None, f"rank {r}: {got['error']}"
+        assert_close(ref["losses"], got["losses"])
+    assert ranks[0]["hash"] == ranks[1]["hash"], "the ranks ended with different parameters"
+    # Each rank's store keeps its half of the optimizer state (the halves are rounded
+    # up to whole elements and to pages: at most a page per tensor more).
+    pages = 4096 * len([p for p in dist_worker.model_of(
+        "mlp" if "mlp" in flags else "llama", "--lora" in flags).parameters() if p.requires_grad])
+    for key in ("master_bytes", "m_bytes", "v_bytes"):
+        whole = ref["stats"][key]
+        for r, got in enumerate(ranks):
+            assert got["stats"][key] <= whole / 2 + pages, (key, r, got["stats"][key], whole)
+            assert got["stats"][key] >= whole / 2 - pages, (key, r, got["stats"][key], whole)
+    if "--host-budget" in flags:
+        # The state spills to NVMe on both ranks, each moving about half of what one
+        # rank moves.
+        for key in ("m_nvme_read_bytes", "v_nvme_written_bytes"):
+            whole = ref["stats"][key]
+            assert whole > 0, (key, ref["stats"])
+            for r, got in enumerate(ranks):
+                assert 0 < got["stats"][key] <= 0.6 * whole, (key, r, got["stats"][key], whole)
+
+
+def test_a_resume_after_one_rank_was_killed_is_bit_identical(tmp_path):
+    whole = torchrun(tmp_path / "whole", "--save-at", "2")
+    # The same run, its last rank killed with SIGKILL in step 4 (after the checkpoint of
+    # step 2); torchrun stops the other.
+    torchrun(tmp_path / "killed", "--save-at", "2", "--die-at", "3", check=False)
+    ckpt = tmp_path / "killed" / "ckpt"
+    assert (ckpt / "optim.pt").exists() and (ckpt / "model.pt").exists()
+    resumed = torchrun(tmp_path / "resumed", "--resume", str(ckpt))
+    for r in range(2):
+        assert resumed[r]["error"] is None, resumed[r]["error"]
+        assert resumed[r]["hash"] == whole[r]["hash"], f"rank {r} resumed to other parameters"
+        assert resumed[r]["losses"] == whole[r]["losses"][2:]
+    # A sharded checkpoint does not load on another world size.
+    a = dist_worker.args(["--out", str(tmp_path / "one"), "--resume", str(ckpt)])
+    os.makedirs(a.out, exist_ok=True)
+    with pytest.raises(ValueError, match=r"written by 2 rank\(s\); this optimizer is rank 0 of 1"):
+        dist_worker.train(a, 0, 1, None)
+
+
+def test_a_dead_rank_stops_the_other_with_an_error(tmp_path):
+    # Launched as mpirun-style launchers do: each rank its own process with RANK,
+    # WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no torchrun to stop the survivor).
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, "--out", str(tmp_path), "--die-at", "1"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    start = time.monotonic()
+    out0 = procs[0].communicate(timeout=120)[0].decode(errors="replace")
+    waited = time.monotonic() - start
+    procs[1].wait(timeout=60)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 3, out0[-3000:]
+    got = read(tmp_path, 0)
+    assert "with the other ranks failed" in got["error"], got
+    assert len(got["losses"]) == 1, got
+    assert waited < 100, f"the survivor took {waited:.0f} s to stop"
+
+
+@pytest.mark.parametrize("flag,why", [
+    (["--weight-decay", "0.02"], "rank 1 differs from rank 0: weight_decay = 0.02 against 0.01"),
+    (["--drop-last"], "rank 1 differs from rank 0: 4 parameters against 5"),
+])
+def test_ranks_that_differ_are_refused_naming_what_differs(flag, why, tmp_path):
+    ranks = torchrun(tmp_path, "--model", "mlp", *flag, check=False)
+    for r, got in enumerate(ranks):
+        assert got is not None and got["error"] is not None, f"rank {r} was not refused"
+        assert why in got["error"], got["error"]

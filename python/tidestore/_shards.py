@@ -1,0 +1,163 @@
+"""Data parallelism for ``tidestore.AdamW``: the optimizer state sharded over the ranks
+of a ``torch.distributed`` process group (ZeRO-DP with gradients partitioned: ZeRO
+stage 2).
+
+Layout: every parameter of ``n`` elements is cut into ``world`` equal shards of
+``ceil(n / world)`` elements, rank ``r`` owning shard ``r``; the last shards are padded
+with zeros where ``world`` does not divide ``n`` (a padded element has a zero gradient,
+so AdamW leaves it zero). Each rank's store holds only its shards' fp32 master copies,
+M and V: its host pool and its swap file hold ``1 / world`` of the state.
+
+Per step, over the group's backend (gloo on CPUs, NCCL on GPUs; no transport of our own):
+- every gradient is **reduce-scattered**: each rank receives the sum of the ranks'
+  gradients over its shard, divided by ``world`` (the average, as
+  ``DistributedDataParallel`` makes it: the model must not also be wrapped in DDP);
+- the ranks' squared gradient norms are summed by one **all-reduce** of a float64,
+  so that clipping and the skip of a non-finite step are decided alike everywhere
+  (``AdamWCore.set_norm_peers``);
+- every rank steps its shards;
+- the new values are **all-gathered** into every rank's parameters.
+
+Per step and parameter of ``n`` elements of ``b`` bytes, each rank sends and receives
+``(world - 1) * ceil(n / world) * b`` bytes in each of the two collectives.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Shards", "rank_path"]
+
+
+def rank_path(path, rank, world):
+    """Where rank ``rank`` of ``world`` keeps the checkpoint named ``path``: the rank
+    and world size go into the file name, before its extension."""
+    stem, dot, ext = path.rpartition(".")
+    if not dot or "/" in ext:
+        return f"{path}.rank{rank}-of-{world}"
+    return f"{stem}.rank{rank}-of-{world}.{ext}"
+
+
+class Shards:
+    """The shards of ``params`` this rank of ``group`` owns, and the collectives that
+    move gradients and values between the ranks."""
+
+    def __init__(self, params, group):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "process_group was given but torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first (torchrun sets its environment)")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.numels = [p.numel() for p in params]
+        self.lens = [-(-n // self.world) for n in self.numels]
+        backend = dist.get_backend(group)
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if backend == "nccl" else torch.device("cpu"))
+
+    # -- start: every rank the same ------------------------------------------------
+
+    def check_alike(self, params, settings):
+        """Raises on every rank, naming what differs, unless every rank registered the
+        same parameters (shapes, dtypes) with the same optimizer settings."""
+        mine = {"shapes": [tuple(p.shape) for p in params],
+                "dtypes": [str(p.dtype) for p in params], "settings": settings}
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        first = everyone[0]
+        for r, theirs in enumerate(everyone[1:], 1):
+            why = _difference(first, theirs)
+            if why is not None:
+                raise ValueError(
+                    f"tidestore.AdamW: rank {r} differs from rank 0: {why}; every rank must "
+                    "build the same model and optimizer")
+
+    def broadcast(self, params):
+        """Rank 0's parameter values on every rank (as ``DistributedDataParallel``
+        starts)."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        with torch.no_grad():
+            for p in params:
+                t = p.detach().to(self.device)
+                dist.broadcast(t, src=src, group=self.group)
+                if t.data_ptr() != p.data_ptr():
+                    p.copy_(t)
+
+    # -- per step ------------------------------------------------------------------
+
+    def values(self, i, t):
+        """This rank's shard of parameter ``i``'s values ``t``: a contiguous CPU tensor
+        of the shard's length, zero-padded."""
+        lo, hi = self._bounds(i)
+        flat = t.detach().reshape(-1)[lo:hi].to("cpu")
+        if hi - lo == self.lens[i]:
+            return flat.contiguous()
+        out = torch.zeros(self.lens[i], dtype=t.dtype)
+        out[: hi - lo] = flat
+        return out
+
+    def grad(self, i, g):
+        """This rank's shard of the ranks' average gradient of parameter ``i`` (the
+        gradient ``g`` of this rank's batch reduce-scattered), on the CPU."""
+        s, n = self.lens[i], self.numels[i]
+        flat = g.detach().reshape(-1).to(self.device)
+        if s * self.world != n:
+            padded = torch.zeros(s * self.world, dtype=g.dtype, device=self.device)
+            padded[:n] = flat
+            flat = padded
+        out = torch.empty(s, dtype=g.dtype, device=self.device)
+        with _collective(f"the reduce-scatter of parameter {i}'s gradient"):
+            dist.reduce_scatter_tensor(out, flat.contiguous(), op=dist.ReduceOp.SUM,
+                                       group=self.group)
+        out.div_(self.world)
+        return out.to("cpu")
+
+    def gather(self, i, p, shard):
+        """Every rank's new shard of parameter ``i`` (this rank's is ``shard``) into
+        ``p``."""
+        s, n = self.lens[i], self.numels[i]
+        shard = shard.to(self.device)
+        direct = (s * self.world == n and p.device == self.device and p.is_contiguous())
+        full = p.detach().view(-1) if direct else torch.empty(
+            s * self.world, dtype=p.dtype, device=self.device)
+        with _collective(f"the all-gather of parameter {i}"):
+            dist.all_gather_into_tensor(full, shard, group=self.group)
+        if not direct:
+            with torch.no_grad():
+                p.view(-1).copy_(full[:n].to(p.device))
+
+    def sum_sq_norm(self, local):
+        """The ranks' squared gradient norms summed (the step loop's ``NormPeers``)."""
+        t = torch.tensor([local], dtype=torch.float64, device=self.device)
+        with _collective("the all-reduce of the gradient norm"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return float(t.item())
+
+    def _bounds(self, i):
+        s, n = self.lens[i], self.numels[i]
+        return min(self.rank * s, n), min((self.rank + 1) * s, n)
+
+
+@contextlib.contextmanager
+def _collective(what):
+    """Names the collective that failed (a rank that died, a timeout)."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"tidestore.AdamW: {what} with the other ranks failed: {e}") from e
+
+
+def _difference(a, b):
+    """What differs between two ranks' registrations (None: nothing)."""
+    if len(a["shapes"]) != len(b["shapes"]):
+        return f"{len(b['shapes'])} parameters against {len(a['shapes'])}"
+    for k, (sa, sb, da, db) in enumerate(zip(a["shapes"], b["shapes"], a["dtypes"], b["dtypes"])):
+        if sa != sb or da != db:
+            return f"parameter {k} is {sb} {db} against {sa} {da}"
+    for key, va in a["settings"].items():
+        vb = b["settings"].get(key)
+        if va != vb:
+            return f"{key} = {vb!r} against {va!r}"
+    return None
