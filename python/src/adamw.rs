@@ -55,6 +55,9 @@ pub struct CoreConfig {
     pub threads: usize,
     /// Chunk size in elements (`None`: searched).
     pub chunk_elements: Option<u64>,
+    /// Skip a step whose gradients are not all finite (`false`: apply it as torch does,
+    /// and take no gradient norms; refused with clipping).
+    pub check_finite: bool,
 }
 
 /// The optimizer state of one `tidestore.AdamW` (see the module doc).
@@ -275,9 +278,9 @@ fn trainer_config(cfg: &CoreConfig) -> TrainerConfig {
 
 impl CoreConfig {
     /// The trainer's settings that both Python classes derive from their keywords the
-    /// same way: fp32, clipping, overlap, chunk size, a simulated device of four
-    /// chunks, the host pool of `host_budget_bytes` (every chunk when not given), CPU
-    /// threads and moment form; the swap file in `swap_dir`, the rest
+    /// same way: fp32, clipping, the finiteness check, overlap, chunk size, a simulated
+    /// device of four chunks, the host pool of `host_budget_bytes` (every chunk when not
+    /// given), CPU threads and moment form; the swap file in `swap_dir`, the rest
     /// [`TrainerConfig::new`]'s.
     pub(crate) fn trainer_config(&self, swap_dir: PathBuf) -> TrainerConfig {
         TrainerConfig {
@@ -289,6 +292,7 @@ impl CoreConfig {
                 Overlap::Off
             },
             chunk_elements: self.chunk_elements,
+            check_finite: self.check_finite,
             device_budget: Budget::Chunks(4),
             host_budget: self
                 .host_budget_bytes
@@ -308,6 +312,13 @@ fn open_error(e: TrainError) -> Error {
             key: "chunk_elements",
             reason,
         } => Error::bad("chunk_elements", reason),
+        TrainError::Config {
+            key: "optimizer.check_finite",
+            reason,
+        } => Error::bad(
+            "check_finite",
+            format!("{reason} (here: pass max_grad_norm=None or check_finite=True)"),
+        ),
         TrainError::Config {
             key: "optimizer.overlap",
             reason,
@@ -362,6 +373,7 @@ mod tests {
             overlap: true,
             threads: 1,
             chunk_elements: None,
+            check_finite: true,
         };
         let e = AdamWCore::new(&[vec![4, 4]], &cfg).unwrap_err();
         assert!(

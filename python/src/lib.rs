@@ -72,7 +72,8 @@ pub(crate) fn f32_bytes<'py>(py: Python<'py>, v: &[f32]) -> Bound<'py, PyBytes> 
 impl PyAdamWCore {
     #[new]
     #[pyo3(signature = (shapes, *, lr, betas, eps, weight_decay, states, nvme_dir,
-        host_budget, max_grad_norm=None, overlap=false, threads=0, chunk_elements=None))]
+        host_budget, max_grad_norm=None, overlap=false, threads=0, chunk_elements=None,
+        check_finite=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,6 +89,7 @@ impl PyAdamWCore {
         overlap: bool,
         threads: usize,
         chunk_elements: Option<u64>,
+        check_finite: bool,
     ) -> PyResult<Self> {
         let cfg = CoreConfig {
             hp: HyperParams::adamw(lr, betas, eps, weight_decay),
@@ -98,6 +100,7 @@ impl PyAdamWCore {
             overlap,
             threads,
             chunk_elements,
+            check_finite,
         };
         let core = py.allow_threads(|| AdamWCore::new(&shapes, &cfg))?;
         Ok(PyAdamWCore {

@@ -54,6 +54,7 @@ impl Keywords {
             overlap: self.overlap,
             threads: self.threads,
             chunk_elements: self.chunk_elements,
+            check_finite: true,
             nvme_dir: self.nvme_dir,
         };
         Ok(TrainerConfig {

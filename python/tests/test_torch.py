@@ -2,7 +2,8 @@
 
 Guards against: parameters that drift from torch.optim.AdamW (fp32, and bf16 parameters
 against an fp32 master trained by torch); clipping that differs from
-clip_grad_norm_; overlap=True that is not bit-identical to overlap=False; a state_dict
+clip_grad_norm_; check_finite=False that steps otherwise than torch (a NaN gradient
+included) or than the checked steps on finite gradients; overlap=True that is not bit-identical to overlap=False; a state_dict
 that does not resume bit for bit or loads a file overwritten since; bad input (a
 non-float or non-contiguous parameter, a parameter whose shape changed, a missing
 gradient) that changes anything before it is refused; a CPU fp32 parameter bound to the
@@ -98,6 +99,33 @@ def test_overlap_is_bit_identical(tmp_path):
     assert ob.stats()["tensors_overlapped"] > 0
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_without_the_finiteness_check_steps_are_torchs_nan_included(tmp_path):
+    a, b, c = model(), model(), model()
+    data = batches(4)
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path, check_finite=False)
+    oc = tidestore.AdamW(c.parameters(), **HP, nvme_dir=tmp_path)
+    ob = torch.optim.AdamW(b.parameters(), **HP, foreach=False)
+    train(a, oa, data)
+    train(b, ob, data)
+    train(c, oc, data)
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert torch.equal(p, q), "finite steps differ with and without the check"
+    assert max_diff(a, b) < 2e-5
+    assert oa.last_step[0] != oa.last_step[0], "a norm was reported (none is taken)"
+    # A NaN in one gradient: applied, as torch applies it (the check would skip it).
+    for m, o in ((a, oa), (b, ob), (c, oc)):
+        o.zero_grad()
+        x, y = data[0]
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        m[0].weight.grad[3, 5] = float("nan")
+        o.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.isnan(), q.isnan())
+    assert a[0].weight[3, 5].isnan() and not c[0].weight.isnan().any()
+    with pytest.raises(tidestore.ConfigError, match="check_finite"):
+        tidestore.AdamW(model().parameters(), max_grad_norm=1.0, check_finite=False)
 
 
 def test_overlap_with_clipping_is_refused():

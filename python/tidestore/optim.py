@@ -54,6 +54,12 @@ still holds the step the dict names) before it changes anything, loads it and wr
 master copies into the parameters. ``save(path)`` / ``load(path)`` do the same with an
 explicit file.
 
+A step with a non-finite gradient (inf, NaN) is skipped, leaving everything as it was:
+that takes every gradient's norm before any parameter is stepped, one more pass over
+the gradients. ``check_finite=False`` (refused with ``max_grad_norm``) applies every
+step as ``torch.optim.AdamW`` does and takes no norm (``last_step`` then reports a NaN
+norm).
+
 Differences from ``torch.optim.AdamW``: every parameter is stepped every step (one
 without a gradient is an error, where torch skips it); all param groups must share one
 set of hyper-parameters (the learning rate may change between steps, e.g. by a
@@ -102,7 +108,7 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
                  overlap=False, threads=0, checkpoint_path=None, chunk_elements=None,
-                 process_group=None):
+                 process_group=None, check_finite=True):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self._check_groups()
@@ -128,14 +134,16 @@ class AdamW(torch.optim.Optimizer):
             self._shards.check_alike(self._params, {
                 **{k: (list(v) if isinstance(v, tuple) else v) for k, v in g0.items()
                    if k != "params"},
-                "states": states, "max_grad_norm": max_grad_norm, "overlap": self.overlap})
+                "states": states, "max_grad_norm": max_grad_norm, "overlap": self.overlap,
+                "check_finite": bool(check_finite)})
             self._shards.broadcast(self._params)
             core_shapes = [[s] for s in self._shards.lens]
         self._core = AdamWCore(
             core_shapes, lr=float(g0["lr"]), betas=tuple(g0["betas"]),
             eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
             nvme_dir=self.nvme_dir, host_budget=host_budget, max_grad_norm=max_grad_norm,
-            overlap=self.overlap, threads=threads, chunk_elements=chunk_elements)
+            overlap=self.overlap, threads=threads, chunk_elements=chunk_elements,
+            check_finite=bool(check_finite))
         if self._shards is not None:
             self._core.set_norm_peers(self._shards.sum_sq_norm)
         self._lr = float(g0["lr"])

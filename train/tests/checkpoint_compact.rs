@@ -129,6 +129,7 @@ mod resume {
             loss_scaler: None,
             place: StepPlace::Host,
             overlap: Overlap::Off,
+            check_finite: true,
         };
         StepLoop::new(store, opt, tensors, cfg).unwrap()
     }

@@ -128,6 +128,7 @@ fn step_loop(store: &ChunkStore, tensors: &[TensorId]) -> StepLoop {
         }),
         place: StepPlace::Device,
         overlap: Overlap::Off,
+        check_finite: true,
     };
     let tensors = tensors
         .iter()

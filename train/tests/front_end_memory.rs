@@ -10,6 +10,9 @@
 //!   non-finite step leaving everything as it was, falls back to copying where the
 //!   store steps through scratch, and refuses a wrong hand-over before changing
 //!   anything.
+//! - `TrainerConfig::check_finite` off: no norm taken, every step applied (a NaN
+//!   gradient's element becomes NaN, as in torch), the same steps otherwise; refused
+//!   with clipping.
 
 use tidestore_train::{
     Budget, DeviceChoice, HyperParams, ParamSpec, Precision, Resident, TensorState, TrainError,
@@ -33,14 +36,19 @@ fn open(dir: &std::path::Path, host_budget: Budget) -> Trainer {
 }
 
 fn open_as(dir: &std::path::Path, host_budget: Budget, precision: Precision) -> Trainer {
+    let mut cfg = config(dir, host_budget);
+    cfg.precision = precision;
+    open_with(&cfg)
+}
+
+/// A trainer over `SHAPES` opened with `cfg`, its values set.
+fn open_with(cfg: &TrainerConfig) -> Trainer {
     let specs: Vec<ParamSpec> = SHAPES
         .iter()
         .enumerate()
         .map(|(i, s)| ParamSpec::new(format!("p{i}"), s, true))
         .collect();
-    let mut cfg = config(dir, host_budget);
-    cfg.precision = precision;
-    let mut t = Trainer::open(&specs, &cfg).unwrap();
+    let mut t = Trainer::open(&specs, cfg).unwrap();
     for (i, shape) in SHAPES.iter().enumerate() {
         let n: usize = shape.iter().product();
         let v: Vec<f32> = (0..n)
@@ -231,4 +239,53 @@ fn a_non_finite_given_gradient_skips_the_step_and_a_bad_hand_over_changes_nothin
     }
     t.step(&mut |_| {}).unwrap();
     assert_eq!(t.step_count(), 2);
+}
+
+/// A trainer without clipping, with `check_finite` as given (off needs clipping off).
+fn open_unclipped(dir: &std::path::Path, check_finite: bool) -> Trainer {
+    let mut cfg = config(dir, Budget::AllChunks);
+    cfg.max_grad_norm = None;
+    cfg.check_finite = check_finite;
+    open_with(&cfg)
+}
+
+#[test]
+fn without_the_finiteness_check_every_step_is_applied_as_torch_applies_it() {
+    // Finite gradients: the same steps as with the check (clipping off in both).
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut unchecked = open_unclipped(da.path(), false);
+    let mut checked = open_unclipped(db.path(), true);
+    for k in 0..3 {
+        step_given(&mut unchecked, &grads(k)).unwrap();
+        step_given(&mut checked, &grads(k)).unwrap();
+    }
+    assert_eq!(state(&mut unchecked), state(&mut checked));
+    // No norm was taken: none is reported.
+    assert!(unchecked.step_loop().stats().grad_norm.is_nan());
+    assert!(checked.step_loop().stats().grad_norm > 0.0);
+
+    // A NaN gradient is applied (where the check skips the step): the element's
+    // master, M and V become NaN, as torch.optim.AdamW's would; the others step.
+    let mut nan = grads(3);
+    nan[2][7] = f32::NAN;
+    step_given(&mut unchecked, &nan).unwrap();
+    assert_eq!(unchecked.step_count(), 4);
+    let p2 = unchecked.values(2).unwrap();
+    assert!(p2[7].is_nan() && p2[8].is_finite());
+    let (m, v) = unchecked.moments(2).unwrap();
+    assert!(m[7].is_nan() && v[7].is_nan());
+}
+
+#[test]
+fn the_finiteness_check_cannot_be_off_with_clipping() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), Budget::AllChunks);
+    cfg.check_finite = false; // config() clips at 0.5
+    let specs = [ParamSpec::new("p0", &[10], true)];
+    let e = Trainer::open(&specs, &cfg).err().expect("refused");
+    assert!(
+        matches!(&e, TrainError::Config { key: "optimizer.check_finite", reason }
+            if reason.contains("max_grad_norm")),
+        "{e}"
+    );
 }

@@ -78,6 +78,7 @@ fn step_loop(store: &ChunkStore) -> StepLoop {
         loss_scaler: None,
         place: StepPlace::Host,
         overlap: Overlap::Off,
+        check_finite: true,
     };
     StepLoop::new(store, opt, tensors, cfg).unwrap()
 }

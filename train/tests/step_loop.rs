@@ -235,6 +235,7 @@ fn train_with(
         loss_scaler: None,
         place,
         overlap,
+        check_finite: true,
     };
     let mut lp = StepLoop::new(&store, no_gpu(), tensors(grad), cfg).expect("step loop");
     let cpu = cpu();
@@ -396,6 +397,7 @@ fn small_loop_with(
         loss_scaler: None,
         place: StepPlace::Host,
         overlap,
+        check_finite: true,
     };
     let lp = StepLoop::new(&store, no_gpu(), tensors(grad), cfg);
     (dir, store, lp)
@@ -439,6 +441,7 @@ fn misuse_is_a_typed_error() {
         loss_scaler: None,
         place: StepPlace::Host,
         overlap: Overlap::Off,
+        check_finite: true,
     };
     let twice = vec![tensors(Grad::InParam16)[0]; 2];
     assert!(matches!(

@@ -400,6 +400,7 @@ fn trainer(
             OverlapName::Off => Overlap::Off,
             OverlapName::Backward => Overlap::Backward,
         },
+        check_finite: true,
     };
     Ok(Trainer::with_store(
         store,

@@ -129,6 +129,12 @@ pub struct StepConfig {
     pub place: StepPlace,
     /// When tensors are stepped.
     pub overlap: Overlap,
+    /// Whether a step whose gradients are not all finite is skipped (the default);
+    /// `false`, allowed only without clipping and loss scaling, applies every step as
+    /// `torch.optim.AdamW` does, and then no gradient's norm is needed: front ends that
+    /// hand gradients over ([`crate::Trainer::step_given`]) take none, and
+    /// [`StepStats::grad_norm`] is NaN.
+    pub check_finite: bool,
 }
 
 impl StepConfig {
@@ -154,6 +160,14 @@ impl StepConfig {
                 });
             }
         }
+        if !self.check_finite && (self.max_grad_norm.is_some() || self.loss_scaler.is_some()) {
+            return Err(TrainError::Config {
+                key: "optimizer.check_finite",
+                reason: "off needs no clipping (max_grad_norm) and no loss scaling: both \
+                         read the gradients' norm, and a non-finite norm must skip the step"
+                    .into(),
+            });
+        }
         StepController::new(self.max_grad_norm, self.loss_scaler)?;
         Ok(())
     }
@@ -176,7 +190,8 @@ pub struct StepStats {
     pub kernel_ns: u64,
     /// Whether a device step ran over the simulated device's memory.
     pub simulated: bool,
-    /// The global gradient norm of the last applied step.
+    /// The global gradient norm of the last applied step (NaN where the loop takes no
+    /// norms: [`StepConfig::check_finite`] off).
     pub grad_norm: f64,
 }
 
@@ -283,6 +298,7 @@ pub struct StepLoop {
     ctrl: StepController,
     place: StepPlace,
     overlap: Overlap,
+    check_finite: bool,
     entries: Vec<Entry>,
     by_tensor: HashMap<TensorId, usize>,
     /// Per group (gradient chunk): members, and how many gradients are not final.
@@ -366,6 +382,7 @@ impl StepLoop {
             ctrl,
             place: cfg.place,
             overlap: cfg.overlap,
+            check_finite: cfg.check_finite,
             entries,
             by_tensor,
             groups,
@@ -410,6 +427,12 @@ impl StepLoop {
     /// When tensors are stepped.
     pub fn overlap(&self) -> Overlap {
         self.overlap
+    }
+
+    /// Whether the step needs the gradients' norms (see [`StepConfig::check_finite`]);
+    /// where it does not, a front end may report each gradient with a norm of 0.
+    pub fn needs_norms(&self) -> bool {
+        self.check_finite
     }
 
     /// Whether host steps work in place (else through scratch copies).
@@ -527,7 +550,7 @@ impl StepLoop {
         observe: Observer<'_>,
     ) -> Result<usize> {
         self.check_poisoned()?;
-        if self.ready.is_empty() || !self.grad_sq.is_finite() {
+        if self.ready.is_empty() || (self.check_finite && !self.grad_sq.is_finite()) {
             return Ok(0);
         }
         let state = *self
@@ -583,8 +606,16 @@ impl StepLoop {
             )));
         }
         let overlapped = self.entries.iter().filter(|e| e.stepped).count();
-        let grad_sq = self.sum_with_peers()?;
-        let decision = self.ctrl.decide(grad_sq);
+        // Without the finiteness check no norm counts: the step is applied as it is.
+        let grad_sq = if self.check_finite {
+            self.sum_with_peers()?
+        } else {
+            0.0
+        };
+        let mut decision = self.ctrl.decide(grad_sq);
+        if let (false, StepDecision::Apply { grad_norm, .. }) = (self.check_finite, &mut decision) {
+            *grad_norm = f64::NAN; // not taken
+        }
         let result = match decision {
             StepDecision::Apply {
                 state, grad_norm, ..

@@ -108,6 +108,9 @@ pub struct TrainerConfig {
     /// When groups are stepped: after backward, or during it as their gradients
     /// become final.
     pub overlap: Overlap,
+    /// Whether a step with a non-finite gradient is skipped (see
+    /// [`StepConfig::check_finite`](crate::StepConfig::check_finite)).
+    pub check_finite: bool,
     /// Chunk size in element slots; `None`: the chunk-size search (capped at twice the
     /// largest tensor, so that a small model still has several chunks per list).
     pub chunk_elements: Option<u64>,
@@ -132,15 +135,17 @@ pub struct TrainerConfig {
 }
 
 impl TrainerConfig {
-    /// fp32, the given hyper-parameters, no clipping, overlap off, a searched chunk
-    /// size, 4 device chunks and the smallest host pool (5 chunks), the device the build
-    /// has, swap file in `swap_dir` written in 64 KiB blocks.
+    /// fp32, the given hyper-parameters, no clipping, non-finite steps skipped, overlap
+    /// off, a searched chunk size, 4 device chunks and the smallest host pool (5
+    /// chunks), the device the build has, swap file in `swap_dir` written in 64 KiB
+    /// blocks.
     pub fn new(hp: HyperParams, swap_dir: impl Into<PathBuf>) -> Self {
         TrainerConfig {
             precision: Precision::F32,
             hp,
             max_grad_norm: None,
             overlap: Overlap::Off,
+            check_finite: true,
             chunk_elements: None,
             device_budget: Budget::Chunks(4),
             host_budget: Budget::Chunks(5),

@@ -174,7 +174,11 @@ impl Trainer {
             }
         }
         let cpu = self.step.optimizer().cpu();
-        let norms: Vec<f64> = given.iter().map(|&(_, g)| cpu.grad_sq_norm(g)).collect();
+        let needs = self.step.needs_norms();
+        let norms: Vec<f64> = given
+            .iter()
+            .map(|&(_, g)| if needs { cpu.grad_sq_norm(g) } else { 0.0 })
+            .collect();
         for (&(i, _), sq) in given.iter().zip(norms) {
             self.grad_written(i, sq)?;
         }

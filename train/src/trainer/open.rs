@@ -35,6 +35,7 @@ impl Trainer {
             loss_scaler: None,
             place: StepPlace::Host,
             overlap: cfg.overlap,
+            check_finite: cfg.check_finite,
         };
         step.validate()?;
         let layout = layout(specs, cfg)?;
