@@ -96,8 +96,17 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
     assert ranks[0]["hash"] == ranks[1]["hash"], "the ranks ended with different parameters"
     # Each rank's store keeps its half of the optimizer state (the halves are rounded
     # up to whole elements and to pages: at most a page per tensor more).
-    pages = 4096 * len([p for p in dist_worker.model_of(
-        "mlp" if "mlp" in flags else "llama", "--lora" in flags).parameters() if p.requires_grad])
+    model = dist_worker.model_of("mlp" if "mlp" in flags else "llama", "--lora" in flags)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    pages = 4096 * len(trained)
+    # What each rank sent, as the layout predicts: per step, one half (rounded up) of
+    # every fp32 gradient and every fp32 parameter, and one float64 norm.
+    half = sum(4 * -(-p.numel() // 2) for p in trained)
+    for got in ranks:
+        steps = len(got["losses"])
+        assert got["stats"]["sent_reduce_scatter_bytes"] == steps * half
+        assert got["stats"]["sent_all_gather_bytes"] == steps * half
+        assert got["stats"]["sent_all_reduce_bytes"] == steps * 8
     for key in ("master_bytes", "m_bytes", "v_bytes"):
         whole = ref["stats"][key]
         for r, got in enumerate(ranks):

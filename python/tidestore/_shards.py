@@ -11,7 +11,9 @@ M and V: its host pool and its swap file hold ``1 / world`` of the state.
 Per step, over the group's backend (gloo on CPUs, NCCL on GPUs; no transport of our own):
 - every gradient is **reduce-scattered**: each rank receives the sum of the ranks'
   gradients over its shard, divided by ``world`` (the average, as
-  ``DistributedDataParallel`` makes it: the model must not also be wrapped in DDP);
+  ``DistributedDataParallel`` makes it; a model also wrapped in DDP arrives with its
+  gradients averaged already and they stay so, but DDP's all-reduce is then sent for
+  nothing);
 - the ranks' squared gradient norms are summed by one **all-reduce** of a float64,
   so that clipping and the skip of a non-finite step are decided alike everywhere
   (``AdamWCore.set_norm_peers``);
@@ -53,6 +55,9 @@ class Shards:
         self.rank = dist.get_rank(group)
         self.numels = [p.numel() for p in params]
         self.lens = [-(-n // self.world) for n in self.numels]
+        # Bytes this rank sent into each collective (``(world - 1)`` shards of each
+        # tensor it passed: what ring and direct algorithms send alike).
+        self.sent = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0}
         backend = dist.get_backend(group)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if backend == "nccl" else torch.device("cpu"))
@@ -112,6 +117,7 @@ class Shards:
             dist.reduce_scatter_tensor(out, flat.contiguous(), op=dist.ReduceOp.SUM,
                                        group=self.group)
         out.div_(self.world)
+        self.sent["reduce_scatter"] += (self.world - 1) * out.numel() * out.element_size()
         return out.to("cpu")
 
     def gather(self, i, p, shard):
@@ -124,6 +130,7 @@ class Shards:
             s * self.world, dtype=p.dtype, device=self.device)
         with _collective(f"the all-gather of parameter {i}"):
             dist.all_gather_into_tensor(full, shard, group=self.group)
+        self.sent["all_gather"] += (self.world - 1) * shard.numel() * shard.element_size()
         if not direct:
             with torch.no_grad():
                 p.view(-1).copy_(full[:n].to(p.device))
@@ -133,6 +140,7 @@ class Shards:
         t = torch.tensor([local], dtype=torch.float64, device=self.device)
         with _collective("the all-reduce of the gradient norm"):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.sent["all_reduce"] += (self.world - 1) * t.element_size()
         return float(t.item())
 
     def _bounds(self, i):

@@ -38,9 +38,9 @@ the same settings (checked at construction, naming what differs) and starts from
 0's values (broadcast, as ``DistributedDataParallel`` starts); each rank's store holds
 ``1/N`` of every parameter's master copy, M and V (its own host pool and swap file). A
 step reduce-scatters the gradients (each rank gets the average over the ranks of its
-shard: do not also wrap the model in DDP), sums the ranks' gradient norms (clipping
-and skipping decided alike everywhere), steps the shards and all-gathers the new
-values into every rank's parameters. Checkpoints are per rank (the file name carries
+shard: no DDP wrapper is needed, its all-reduce would be traffic for nothing), sums
+the ranks' gradient norms (clipping and skipping decided alike everywhere), steps the
+shards and all-gathers the new values into every rank's parameters. Checkpoints are per rank (the file name carries
 the rank and world size) and resume only on the same world size. A rank that dies
 makes the others' next collective fail with an error naming it.
 
@@ -434,5 +434,11 @@ class AdamW(torch.optim.Optimizer):
         self._core = None
 
     def stats(self):
-        """The store's and the step loop's counters (NVMe bytes moved, host buffers...)."""
-        return self._core.stats()
+        """The store's and the step loop's counters (NVMe bytes moved, host buffers...);
+        with a process group, also the world size and the bytes this rank sent into
+        each collective (``sent_reduce_scatter_bytes``, ...)."""
+        stats = self._core.stats()
+        if self._shards is not None:
+            stats["world_size"] = self._shards.world
+            stats.update({f"sent_{k}_bytes": v for k, v in self._shards.sent.items()})
+        return stats
