@@ -287,6 +287,27 @@ struct Scratch {
     out16: Vec<u16>,
 }
 
+impl Scratch {
+    /// What a loop stepping at `place` needs, for tensors of at most `longest` elements:
+    /// nothing on the device; a piece's widened gradient in place in the host pool;
+    /// whole tensors' copies when it steps through scratch.
+    fn for_step(place: StepPlace, in_place: bool, longest: usize) -> Scratch {
+        match (place, in_place) {
+            (StepPlace::Device, _) => Scratch::default(),
+            (StepPlace::Host, true) => Scratch {
+                grad: vec![0; STEP_PIECE.min(longest).div_ceil(2)],
+                ..Scratch::default()
+            },
+            (StepPlace::Host, false) => Scratch {
+                grad: vec![0; longest],
+                m: vec![0.0; longest],
+                v: vec![0.0; longest],
+                out16: vec![0; longest],
+            },
+        }
+    }
+}
+
 /// Called after every access and release the loop makes, with the store as it is then.
 pub type Observer<'a> = &'a mut dyn FnMut(&ChunkStore);
 
@@ -355,19 +376,7 @@ impl StepLoop {
         let places_max = entries.iter().map(|e| e.places().len()).max().unwrap_or(0);
         let in_place = store.capacity_plan().host_buffers > places_max as u64;
         let longest = entries.iter().map(|e| e.len).max().unwrap_or(0);
-        let scratch = match (cfg.place, in_place) {
-            (StepPlace::Device, _) => Scratch::default(),
-            (StepPlace::Host, true) => Scratch {
-                grad: vec![0; STEP_PIECE.min(longest).div_ceil(2)],
-                ..Scratch::default()
-            },
-            (StepPlace::Host, false) => Scratch {
-                grad: vec![0; longest],
-                m: vec![0.0; longest],
-                v: vec![0.0; longest],
-                out16: vec![0; longest],
-            },
-        };
+        let scratch = Scratch::for_step(cfg.place, in_place, longest);
         if !in_place && cfg.place == StepPlace::Host {
             tracing::info!(
                 host_buffers = store.capacity_plan().host_buffers,
