@@ -1,6 +1,7 @@
 """One rank of the data-parallel tests (``test_dist.py``): a tiny transformers LLaMA (or
 a small MLP with odd sizes), full or LoRA, trained with ``tidestore.AdamW`` sharded
-over a gloo process group. Launched by ``torchrun`` (or with torchrun's environment
+over a gloo process group (on the CPU), or an NCCL one (``--device cuda``: rank ``r``
+on GPU ``r``). Launched by ``torchrun`` (or with torchrun's environment
 variables set by hand: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``);
 ``train(..., group=None)`` is the one-process reference, run in the test itself.
 
@@ -62,16 +63,16 @@ def data(steps):
 def params_hash(model):
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().to(torch.float32).contiguous().numpy().tobytes())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
 def train(a, rank, world, group):
     """Trains as ``a`` says; the result dict (``error`` set when a collective failed)."""
     torch.set_num_threads(1)
-    model = model_of(a.model, a.lora)
+    model = model_of(a.model, a.lora).to(a.device)
     if a.resume:
-        model.load_state_dict(torch.load(os.path.join(a.resume, "model.pt")))
+        model.load_state_dict(torch.load(os.path.join(a.resume, "model.pt"), map_location=a.device))
     params = [p for p in model.parameters() if p.requires_grad]
     settings = dict(lr=1e-3, weight_decay=a.weight_decay if rank == world - 1 else 0.01)
     if a.drop_last and rank == world - 1:
@@ -93,7 +94,7 @@ def train(a, rank, world, group):
         for step, batch in enumerate(data(a.steps)):
             if step < start:
                 continue
-            ids = batch[rank * per:(rank + 1) * per]
+            ids = batch[rank * per:(rank + 1) * per].to(a.device)
             loss = loss_of(a.model, model, ids)
             loss.backward()
             if step == a.die_at and rank == world - 1:
@@ -136,6 +137,7 @@ def args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--host-budget", default=None)
     p.add_argument("--chunk-elements", type=int, default=None)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--resume", default=None)
@@ -146,7 +148,10 @@ def args(argv=None):
 
 def main():
     a = args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if a.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         result = train(a, rank, world, dist.group.WORLD)

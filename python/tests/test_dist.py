@@ -9,8 +9,9 @@ share of them over NVMe; a resume from the checkpoint of a run one of whose rank
 killed with SIGKILL that is not bit-identical to the run never stopped; a rank that
 outlives a dead peer without an error, or hangs; ranks that differ (settings,
 parameters) without an error naming what differs; a sharded checkpoint loaded on
-another world size. Skipped, with the reason printed, where torch, transformers or peft
-is not installed (see .ci/python-tests.sh).
+another world size; two GPUs over NCCL (where a machine has them: `.ci/gpu-check`)
+that drift from one GPU. Skipped, with the reason printed, where torch, transformers or
+peft is not installed (see .ci/python-tests.sh).
 """
 
 import json
@@ -173,3 +174,17 @@ def test_ranks_that_differ_are_refused_naming_what_differs(flag, why, tmp_path):
     for r, got in enumerate(ranks):
         assert got is not None and got["error"] is not None, f"rank {r} was not refused"
         assert why in got["error"], got["error"]
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"skipped: NCCL needs two CUDA GPUs, this machine has {GPUS}")
+def test_two_gpus_over_nccl_equal_one_gpu_with_the_doubled_batch(tmp_path):
+    ref = one_rank(tmp_path / "one", "--device", "cuda")
+    ranks = torchrun(tmp_path / "two", "--device", "cuda")
+    for r, got in enumerate(ranks):
+        assert got["error"] is None, f"rank {r}: {got['error']}"
+        # The GPUs' kernels reduce in other orders than one GPU's for another batch.
+        assert_close(ref["losses"], got["losses"], rel=1e-4)
+    assert ranks[0]["hash"] == ranks[1]["hash"], "the ranks ended with different parameters"
