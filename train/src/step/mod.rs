@@ -138,8 +138,9 @@ pub struct StepConfig {
 }
 
 impl StepConfig {
-    /// Refuses what no store could make work: invalid hyper-parameters, and
-    /// [`Overlap::Backward`] with clipping or loss scaling (see the module doc). Checked
+    /// Refuses what no store could make work: invalid hyper-parameters,
+    /// [`Overlap::Backward`] with clipping or loss scaling (see the module doc), and
+    /// [`StepConfig::check_finite`] off with either of them. Checked
     /// by [`StepLoop::new`], and by a [`crate::Trainer`] before it opens its store.
     pub fn validate(&self) -> Result<()> {
         self.hp.validate()?;
