@@ -257,6 +257,12 @@ impl EngineCore {
         })?)
     }
 
+    /// Makes this core one rank of a data-parallel run that steps its shards (see
+    /// [`tidestore_train::peers`]).
+    pub fn set_norm_peers(&mut self, peers: Box<dyn tidestore_train::NormPeers>) {
+        self.trainer.set_norm_peers(peers);
+    }
+
     /// Steps every group whose gradients are all final (overlap); how many tensors.
     pub fn step_ready(&mut self) -> Result<usize> {
         let trainer = &mut self.trainer;

@@ -36,7 +36,7 @@ use crate::error::{ConfigError, Error, TidestoreError, TidestoreIoError};
 
 /// The other ranks' gradient norms through a Python callable (the step calls it with
 /// the GIL released; it takes the GIL back for the call).
-struct PyNormPeers(Py<PyAny>);
+pub(crate) struct PyNormPeers(pub(crate) Py<PyAny>);
 
 impl tidestore_train::NormPeers for PyNormPeers {
     fn sum_sq_norm(&mut self, local: f64) -> tidestore_train::Result<f64> {

@@ -254,6 +254,13 @@ impl PyEngineCore {
         })
     }
 
+    /// Makes this core one rank of a data-parallel run that steps its shards (as
+    /// `AdamWCore.set_norm_peers`).
+    fn set_norm_peers(&mut self, all_reduce: Py<PyAny>) {
+        self.core()
+            .set_norm_peers(Box::new(crate::PyNormPeers(all_reduce)));
+    }
+
     /// Steps the groups whose gradients are all final; returns the tensors stepped.
     fn step_ready(&mut self, py: Python<'_>) -> PyResult<usize> {
         let core = self.core();

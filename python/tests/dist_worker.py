@@ -61,28 +61,43 @@ def data(steps):
 
 
 def params_hash(model):
+    """A hash of every parameter's values (an offloaded model's from its store: a
+    collective with a process group, every rank calls it)."""
+    engine = getattr(model, "tidestore_engine", None)
+    values = (engine.state_dict().values() if engine is not None
+              else (p.detach() for p in model.parameters()))
     h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for t in values:
+        h.update(t.to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def optimizer(a, model, rank, world, group):
+    """``tidestore.AdamW`` over the trainable parameters, or the whole model offloaded
+    (``--engine offload``); the model to train and its optimizer."""
+    swap = os.path.join(a.out, f"swap{rank}")
+    os.makedirs(swap, exist_ok=True)
+    wd = a.weight_decay if rank == world - 1 else 0.01
+    common = dict(lr=1e-3, weight_decay=wd, overlap=a.overlap, threads=1, max_grad_norm=a.clip,
+                  nvme_dir=swap, host_budget=a.host_budget, chunk_elements=a.chunk_elements,
+                  checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group)
+    if a.engine == "offload":
+        if a.checkpointing:
+            model.gradient_checkpointing_enable()
+        return tidestore.offload(model, **common, device_budget=a.device_budget)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if a.drop_last and rank == world - 1:
+        params = params[:-1]
+    return model, tidestore.AdamW(params, **common)
 
 
 def train(a, rank, world, group):
     """Trains as ``a`` says; the result dict (``error`` set when a collective failed)."""
     torch.set_num_threads(1)
     model = model_of(a.model, a.lora).to(a.device)
-    if a.resume:
+    if a.resume and a.engine != "offload":  # the engine's checkpoint holds the model
         model.load_state_dict(torch.load(os.path.join(a.resume, "model.pt"), map_location=a.device))
-    params = [p for p in model.parameters() if p.requires_grad]
-    settings = dict(lr=1e-3, weight_decay=a.weight_decay if rank == world - 1 else 0.01)
-    if a.drop_last and rank == world - 1:
-        params = params[:-1]
-    os.makedirs(os.path.join(a.out, f"swap{rank}"), exist_ok=True)
-    opt = tidestore.AdamW(
-        params, **settings, overlap=a.overlap, threads=1, max_grad_norm=a.clip,
-        nvme_dir=os.path.join(a.out, f"swap{rank}"), host_budget=a.host_budget,
-        chunk_elements=a.chunk_elements,
-        checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group)
+    model, opt = optimizer(a, model, rank, world, group)
     start = 0
     if a.resume:
         state = torch.load(os.path.join(a.resume, "optim.pt"))
@@ -109,19 +124,28 @@ def train(a, rank, world, group):
                 save(a.out, rank, model, opt)
     except Exception as e:  # the rank that lost its peer reports why
         error = f"{type(e).__name__}: {e}"
-    stats = opt.stats()
-    opt.close()
-    return {"losses": losses, "hash": params_hash(model), "stats": stats, "error": error}
+    if a.engine == "offload":
+        stats = model.tidestore_engine.stats()
+        digest = params_hash(model) if error is None else None
+    else:
+        stats = opt.stats()
+        opt.close()
+        digest = params_hash(model)
+    return {"losses": losses, "hash": digest, "stats": stats, "error": error}
 
 
 def save(out, rank, model, opt):
     """Every rank writes its shards; rank 0 the model and the state dict (which names
     the shards' files of every rank)."""
     state = opt.state_dict()
+    # An offloaded model's values are in the engine's checkpoint.
+    objs = [("optim.pt", state)]
+    if not hasattr(model, "tidestore_engine"):
+        objs.append(("model.pt", model.state_dict()))
     if rank == 0:
         ckpt = os.path.join(out, "ckpt")
         os.makedirs(ckpt, exist_ok=True)
-        for name, obj in (("model.pt", model.state_dict()), ("optim.pt", state)):
+        for name, obj in objs:
             tmp = os.path.join(ckpt, name + ".tmp")
             torch.save(obj, tmp)
             os.replace(tmp, os.path.join(ckpt, name))
@@ -137,7 +161,12 @@ def args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--host-budget", default=None)
     p.add_argument("--chunk-elements", type=int, default=None)
+    p.add_argument("--device-budget", default=None, help="offload only")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--engine", default="adamw", choices=["adamw", "offload"],
+                   help="tidestore.AdamW, or the whole model offloaded (tidestore.offload)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing (transformers'), offload only")
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--resume", default=None)

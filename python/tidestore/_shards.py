@@ -1,6 +1,6 @@
-"""Data parallelism for ``tidestore.AdamW``: the optimizer state sharded over the ranks
-of a ``torch.distributed`` process group (ZeRO-DP with gradients partitioned: ZeRO
-stage 2).
+"""Data parallelism for ``tidestore.AdamW`` (the optimizer state sharded over the ranks
+of a ``torch.distributed`` process group, gradients partitioned: ZeRO stage 2) and for
+``tidestore.offload`` (the parameters sharded too, gathered per module: stage 3).
 
 Layout: every parameter of ``n`` elements is cut into ``world`` equal shards of
 ``ceil(n / world)`` elements, rank ``r`` owning shard ``r``; the last shards are padded
@@ -18,7 +18,8 @@ Per step, over the group's backend (gloo on CPUs, NCCL on GPUs; no transport of 
   so that clipping and the skip of a non-finite step are decided alike everywhere
   (``AdamWCore.set_norm_peers``);
 - every rank steps its shards;
-- the new values are **all-gathered** into every rank's parameters.
+- the new values are **all-gathered** into every rank's parameters (``tidestore.AdamW``,
+  after the step; ``tidestore.offload``, into a module's buffer each time it is bound).
 
 Per step and parameter of ``n`` elements of ``b`` bytes, each rank sends and receives
 ``(world - 1) * ceil(n / world) * b`` bytes in each of the two collectives.
@@ -124,16 +125,24 @@ class Shards:
         """Every rank's new shard of parameter ``i`` (this rank's is ``shard``) into
         ``p``."""
         s, n = self.lens[i], self.numels[i]
+        if s * self.world == n and p.device == self.device and p.is_contiguous():
+            self._all_gather(i, p.detach().view(-1), shard)
+        else:
+            with torch.no_grad():
+                p.view(-1).copy_(self.gathered(i, shard).to(p.device))
+
+    def gathered(self, i, shard):
+        """Parameter ``i``'s whole values, flat, in a new tensor: every rank's shard
+        (this rank's is ``shard``) gathered."""
+        full = torch.empty(self.lens[i] * self.world, dtype=shard.dtype, device=self.device)
+        self._all_gather(i, full, shard)
+        return full[: self.numels[i]]
+
+    def _all_gather(self, i, full, shard):
         shard = shard.to(self.device)
-        direct = (s * self.world == n and p.device == self.device and p.is_contiguous())
-        full = p.detach().view(-1) if direct else torch.empty(
-            s * self.world, dtype=p.dtype, device=self.device)
         with _collective(f"the all-gather of parameter {i}"):
             dist.all_gather_into_tensor(full, shard, group=self.group)
         self.sent["all_gather"] += (self.world - 1) * shard.numel() * shard.element_size()
-        if not direct:
-            with torch.no_grad():
-                p.view(-1).copy_(full[:n].to(p.device))
 
     def sum_sq_norm(self, local):
         """The ranks' squared gradient norms summed (the step loop's ``NormPeers``)."""

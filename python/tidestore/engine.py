@@ -43,6 +43,7 @@ import torch
 
 from ._tidestore import EngineCore, TidestoreError
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
+from ._shards import Shards, rank_path
 from .optim import closure_loss
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
@@ -140,9 +141,10 @@ def _in_backward():
 class Engine:
     """The hooks and the store of one offloaded model (see the module doc)."""
 
-    def __init__(self, model, core, params, names, accumulation, overlap):
+    def __init__(self, model, core, params, names, accumulation, overlap, shards=None):
         self.model = model
         self.core = core
+        self._shards = shards  # with a process group: this rank's shards of every parameter
         self.params = params  # index -> Parameter
         self.names = names  # index -> name
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -153,7 +155,8 @@ class Engine:
         self._held = 0  # parameters with a hold
         self._bf16 = core.precision == "bf16"
         self._users = [None] * len(params)  # tensors over a parameter's memory once bound
-        self._shapes = [tuple(core.spec(i)[1]) for i in range(len(params))]
+        self._shapes = ([tuple(p.shape) for p in params] if shards is not None
+                        else [tuple(core.spec(i)[1]) for i in range(len(params))])
         # The dtype a parameter is bound in: bf16 for a trainable one in bf16 precision.
         bf16 = core.precision == "bf16"
         self._dtypes = [torch.bfloat16 if bf16 and p.requires_grad else torch.float32
@@ -175,10 +178,14 @@ class Engine:
         self._holds[i] += 1
         if self._holds[i] == 1:
             self._held += 1
-            self.params[i].data = store_memory(self.core, addr, nbytes).view(
-                _TORCH_DTYPES[dtype]).view(self._shapes[i])
+            mem = store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype])
+            if self._shards is not None:
+                # Every rank binds in the same order (the same model, the same hooks).
+                mem = self._shards.gathered(i, mem)
+            self.params[i].data = mem.view(self._shapes[i])
+            del mem  # counted below, it would hide a module's reference
             self._users[i] = _storage_users(self.params[i])
-            self._by_storage[addr] = i
+            self._by_storage[self.params[i].data.data_ptr()] = i
 
     def _placeholder(self, i):
         """What a parameter is while not bound: its shape and dtype over one NaN (stride
@@ -340,6 +347,8 @@ class Engine:
         if g.device.type != "cpu":
             raise TidestoreError(
                 f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+        if self._shards is not None:
+            g = self._shards.grad(i, g)
         g = g.contiguous()
         first = self.micro == 0
         last = self.micro == self.accumulation - 1
@@ -400,8 +409,10 @@ class Engine:
 
     def values(self, i):
         """Parameter ``i``'s current values (fp32; the master copy of a trainable one)."""
-        b = self.core.values(i)
-        return torch.frombuffer(bytearray(b), dtype=torch.float32).view(self._shapes[i])
+        t = torch.frombuffer(bytearray(self.core.values(i)), dtype=torch.float32)
+        if self._shards is not None:
+            t = self._shards.gathered(i, t)  # a collective: every rank calls it
+        return t.view(self._shapes[i])
 
     def state_dict(self):
         """Every parameter's values by name, one tensor at a time into a new dict (the
@@ -416,6 +427,10 @@ class Engine:
         when it has a config; atomically (an existing export is replaced whole). Stands
         in for the model's own ``save_pretrained``, which would write the unbound
         parameters' placeholders."""
+        if self._shards is not None:
+            raise TidestoreError(
+                "save_pretrained of a model sharded over a process group is not built yet "
+                "(the export reads whole tensors from one store)")
         name = str(dtype).replace("torch.", "")
         config = getattr(self.model, "config", None)
         config_json = None
@@ -427,6 +442,16 @@ class Engine:
             config_json = config.to_json_string()
         return self.core.export_dir(os.fspath(save_directory), name, int(max_shard_size),
                                     config_json)
+
+    def stats(self):
+        """The store's and the step loop's counters; with a process group, also the
+        world size and the bytes this rank sent into each collective (as
+        ``tidestore.AdamW.stats``)."""
+        stats = self.core.stats()
+        if self._shards is not None:
+            stats["world_size"] = self._shards.world
+            stats.update({f"sent_{k}_bytes": v for k, v in self._shards.sent.items()})
+        return stats
 
     def remove(self):
         for h in self._handles:
@@ -462,18 +487,38 @@ class EngineOptimizer(torch.optim.Optimizer):
         for p in self.engine.params:
             p.grad = None
 
+    def _world(self):
+        shards = self.engine._shards
+        return (1, 0) if shards is None else (shards.world, shards.rank)
+
+    def _path(self, base):
+        """Where this rank keeps the checkpoint named ``base`` (``base`` without a
+        process group: see ``tidestore.AdamW``)."""
+        world, rank = self._world()
+        return base if world == 1 else rank_path(base, rank, world)
+
     def state_dict(self):
-        self.engine.core.save(self.checkpoint_path)
+        """The training state streamed into this rank's checkpoint file; with a process
+        group every rank writes its shards (call it on every rank)."""
+        path = self._path(self.checkpoint_path)
+        world, rank = self._world()
+        self.engine.core.save(path, {"world_size": str(world), "rank": str(rank)})
         return {"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "tidestore": {"path": self.checkpoint_path,
-                          "step": self.engine.core.step_count()}}
+            "tidestore": {"path": path, "base_path": self.checkpoint_path,
+                          "step": self.engine.core.step_count(), "world_size": world}}
 
     def load_state_dict(self, state_dict):
         ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
         if not ts:
             raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry)")
-        self.engine.core.load(ts["path"])
+        world, rank = self._world()
+        if int(ts.get("world_size", 1)) != world:
+            raise ValueError(
+                f"checkpoint {ts['path']} was written by {ts.get('world_size', 1)} rank(s); this "
+                f"engine is rank {rank} of {world}: a checkpoint resumes on the world size that "
+                "wrote it (tidestore does not re-shard)")
+        self.engine.core.load(self._path(ts["base_path"]) if "base_path" in ts else ts["path"])
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g["lr"] = saved["lr"]
 
@@ -518,10 +563,27 @@ def _from_dir(path):
     return model
 
 
+def _shard(named, group, source_dir, config, settings):
+    """The shards of ``named``'s parameters this rank of ``group`` owns, after checking
+    that every rank hands over the same model with the same settings and taking rank
+    0's values."""
+    if source_dir is not None or config is not None:
+        raise ValueError(
+            "process_group: a model directory or a config file is not built for data "
+            "parallelism yet; hand the model over in memory with keyword settings")
+    if settings["precision"] not in ("f32", "fp32", "float32"):
+        raise ValueError("process_group: only precision='f32' is built for data parallelism yet")
+    params = [p for _, p in named]
+    shards = Shards(params, group)
+    shards.check_alike(params, {**settings, "names": [n for n, _ in named]})
+    shards.broadcast(params)
+    return shards
+
+
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
-            chunk_elements=None, accumulation=1, checkpoint_path=None):
+            chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None):
     """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
     built with its parameters on the meta device and imported straight into the store)
     to a tidestore store; returns ``(model, optimizer)``.
@@ -531,6 +593,16 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     it the keywords do (``host_budget``/``device_budget`` in bytes or '4GiB'; no
     ``host_budget``: every chunk in RAM). ``accumulation``: backward passes per step.
     After the call the model's own parameter storage is freed: its values are the store's.
+
+    ``process_group`` (a ``torch.distributed`` group, e.g. ``group.WORLD``; launch with
+    ``torchrun``): every parameter is sharded over the group's ranks as
+    ``tidestore.AdamW`` shards its state (ZeRO-DP stage 3): each rank's store holds
+    ``1/N`` of every parameter, its master copy, M and V. A module's parameters are
+    all-gathered when it is bound (forward, recompute, backward) and dropped when it is
+    released; gradients are reduce-scattered (the ranks' average) into the store; the
+    ranks' norms are summed for the step. The model is handed over in memory on every
+    rank (rank 0's values are taken); a model directory, ``save_pretrained`` and bf16
+    are not built for it yet.
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
@@ -553,6 +625,13 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         if dtype_name(p) not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"parameter `{n}`: dtype {p.dtype} is not a float type")
     specs = [(n, list(p.shape), bool(p.requires_grad)) for n, p in named]
+    shards = None
+    if process_group is not None:
+        shards = _shard(named, process_group, source_dir, config, dict(
+            precision=precision, lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
+            states=states, max_grad_norm=max_grad_norm, overlap=overlap,
+            accumulation=accumulation))
+        specs = [(n, [s], t) for (n, _, t), s in zip(specs, shards.lens)]
     tmpdir = None
     if config is None and nvme_dir is None:
         tmpdir = tempfile.mkdtemp(prefix="tidestore-engine-")
@@ -570,10 +649,12 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         core.import_dir(source_dir)
     else:
         for i, (n, p) in enumerate(named):
-            t = p.detach().contiguous()
+            t = p.detach().contiguous() if shards is None else shards.values(i, p)
             core.set_values(i, byte_view(t, n), dtype_name(t))
+    if shards is not None:
+        core.set_norm_peers(shards.sum_sq_norm)
     params = [p for _, p in named]
-    engine = Engine(model, core, params, [n for n, _ in named], accumulation, overlap)
+    engine = Engine(model, core, params, [n for n, _ in named], accumulation, overlap, shards)
     # The model's own storage is freed: from here its values are the store's.
     for i, p in enumerate(params):
         p.data = engine._placeholder(i)
