@@ -26,20 +26,43 @@ Per step and parameter of ``n`` elements of ``b`` bytes, each rank sends and rec
 """
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Shards", "rank_path"]
+__all__ = ["Shards", "check_world", "rank_file", "world_of"]
 
 
-def rank_path(path, rank, world):
-    """Where rank ``rank`` of ``world`` keeps the checkpoint named ``path``: the rank
-    and world size go into the file name, before its extension."""
+def world_of(shards):
+    """(world size, rank) of a sharded run's ``shards``; (1, 0) without a group."""
+    return (1, 0) if shards is None else (shards.world, shards.rank)
+
+
+def rank_file(path, shards):
+    """Where this rank keeps the checkpoint named ``path``: ``path`` itself without a
+    process group; else the rank and world size go into the file name, before its
+    extension."""
+    path = os.fspath(path)
+    world, rank = world_of(shards)
+    if world == 1:
+        return path
     stem, dot, ext = path.rpartition(".")
     if not dot or "/" in ext:
         return f"{path}.rank{rank}-of-{world}"
     return f"{stem}.rank{rank}-of-{world}.{ext}"
+
+
+def check_world(path, world_size, rank, shards, who):
+    """Refuses the checkpoint ``path`` written on another world size, or (``rank`` not
+    None) by another rank: there is no re-sharding. ``who``: what loads it."""
+    world, mine = world_of(shards)
+    if int(world_size) != world or (rank is not None and int(rank) != mine):
+        by = f"rank {rank} of {world_size}" if rank is not None else f"{world_size} rank(s)"
+        raise ValueError(
+            f"checkpoint {path} was written by {by}; this {who} is rank {mine} of {world}: "
+            "a checkpoint resumes on the world size that wrote it (tidestore does not "
+            "re-shard)")
 
 
 class Shards:

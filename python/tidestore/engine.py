@@ -43,7 +43,7 @@ import torch
 
 from ._tidestore import EngineCore, TidestoreError
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
-from ._shards import Shards, rank_path
+from ._shards import Shards, check_world, rank_file, world_of
 from .optim import closure_loss
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
@@ -487,21 +487,11 @@ class EngineOptimizer(torch.optim.Optimizer):
         for p in self.engine.params:
             p.grad = None
 
-    def _world(self):
-        shards = self.engine._shards
-        return (1, 0) if shards is None else (shards.world, shards.rank)
-
-    def _path(self, base):
-        """Where this rank keeps the checkpoint named ``base`` (``base`` without a
-        process group: see ``tidestore.AdamW``)."""
-        world, rank = self._world()
-        return base if world == 1 else rank_path(base, rank, world)
-
     def state_dict(self):
         """The training state streamed into this rank's checkpoint file; with a process
         group every rank writes its shards (call it on every rank)."""
-        path = self._path(self.checkpoint_path)
-        world, rank = self._world()
+        path = rank_file(self.checkpoint_path, self.engine._shards)
+        world, rank = world_of(self.engine._shards)
         self.engine.core.save(path, {"world_size": str(world), "rank": str(rank)})
         return {"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -512,13 +502,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
         if not ts:
             raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry)")
-        world, rank = self._world()
-        if int(ts.get("world_size", 1)) != world:
-            raise ValueError(
-                f"checkpoint {ts['path']} was written by {ts.get('world_size', 1)} rank(s); this "
-                f"engine is rank {rank} of {world}: a checkpoint resumes on the world size that "
-                "wrote it (tidestore does not re-shard)")
-        self.engine.core.load(self._path(ts["base_path"]) if "base_path" in ts else ts["path"])
+        shards = self.engine._shards
+        check_world(ts["path"], ts.get("world_size", 1), None, shards, "engine")
+        self.engine.core.load(rank_file(ts["base_path"], shards) if "base_path" in ts
+                              else ts["path"])
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g["lr"] = saved["lr"]
 

@@ -40,9 +40,10 @@ the same settings (checked at construction, naming what differs) and starts from
 step reduce-scatters the gradients (each rank gets the average over the ranks of its
 shard: no DDP wrapper is needed, its all-reduce would be traffic for nothing), sums
 the ranks' gradient norms (clipping and skipping decided alike everywhere), steps the
-shards and all-gathers the new values into every rank's parameters. Checkpoints are per rank (the file name carries
-the rank and world size) and resume only on the same world size. A rank that dies
-makes the others' next collective fail with an error naming it.
+shards and all-gathers the new values into every rank's parameters. Checkpoints are
+per rank (the file name carries the rank and world size) and resume only on the same
+world size. A rank that dies makes the others' next collective fail with an error
+naming it.
 
 Checkpoints are streamed: ``state_dict()`` writes the state into a tidestore checkpoint
 (one safetensors file: ``optimizer.master.param.I``, ``optimizer.exp_avg.param.I``,
@@ -76,7 +77,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
-from ._shards import Shards, rank_path
+from ._shards import Shards, check_world, rank_file, world_of
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
@@ -331,34 +332,15 @@ class AdamW(torch.optim.Optimizer):
             groups.append(meta)
         return groups
 
-    def _rank_path(self, path):
-        """Where this rank keeps the checkpoint named ``path`` (``path`` itself without
-        a process group)."""
-        path = os.fspath(path)
-        if self._shards is None:
-            return path
-        return rank_path(path, self._shards.rank, self._shards.world)
-
     def _world(self):
-        return {"world_size": "1", "rank": "0"} if self._shards is None else {
-            "world_size": str(self._shards.world), "rank": str(self._shards.rank)}
-
-    def _check_world(self, world_size, rank, path):
-        """Refuses a checkpoint written on another world size, or (``rank`` not None)
-        by another rank: there is no re-sharding."""
-        mine = self._world()
-        if str(world_size) != mine["world_size"] or (rank is not None and str(rank) != mine["rank"]):
-            who = f"rank {rank} of {world_size}" if rank is not None else f"{world_size} rank(s)"
-            raise ValueError(
-                f"checkpoint {path} was written by {who}; this optimizer is rank "
-                f"{mine['rank']} of {mine['world_size']}: a checkpoint resumes on the world "
-                "size that wrote it (tidestore does not re-shard)")
+        world, rank = world_of(self._shards)
+        return {"world_size": str(world), "rank": str(rank)}
 
     def save(self, path):
         """Streams the optimizer state into a tidestore checkpoint file at ``path``
         (with a process group, every rank writes its shards into a file of its own,
         named after ``path`` with its rank and the world size; returns that name)."""
-        path = self._rank_path(path)
+        path = rank_file(path, self._shards)
         meta = {"param_groups": json.dumps(self._groups_meta()),
                 "step": str(self._core.step_count()), **self._world()}
         self._core.save(path, meta)
@@ -368,11 +350,12 @@ class AdamW(torch.optim.Optimizer):
         """Loads a checkpoint written by ``save``/``state_dict`` (verified whole first)
         and writes its master copies into the parameters. A sharded checkpoint loads
         only on the same world size, each rank its own file (no re-sharding)."""
-        base, path = os.fspath(path), self._rank_path(path)
+        base, path = os.fspath(path), rank_file(path, self._shards)
         if not os.path.exists(path) and os.path.exists(base):
             path = base  # written without a process group: refused below, by name
         found = AdamWCore.read_metadata(path)
-        self._check_world(found.get("world_size", 1), found.get("rank", 0), path)
+        check_world(path, found.get("world_size", 1), found.get("rank", 0), self._shards,
+                    "optimizer")
         groups = json.loads(found.get("param_groups", "[]"))
         if len(groups) != len(self.param_groups):
             raise ValueError(
@@ -412,8 +395,8 @@ class AdamW(torch.optim.Optimizer):
                 "not a tidestore.AdamW state dict (no 'tidestore' entry naming the checkpoint "
                 "file); torch.optim.AdamW state cannot be loaded into it")
         # Every rank loads its own file, whichever rank's dict this is.
-        path = self._rank_path(ts["base_path"]) if "base_path" in ts else ts["path"]
-        self._check_world(ts.get("world_size", 1), None, path)
+        path = rank_file(ts["base_path"], self._shards) if "base_path" in ts else ts["path"]
+        check_world(path, ts.get("world_size", 1), None, self._shards, "optimizer")
         found = AdamWCore.read_metadata(path).get("step")
         if found != str(ts.get("step")):
             raise ValueError(
