@@ -113,7 +113,9 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
     # every fp32 gradient and one float64 norm; of the parameters, tidestore.AdamW
     # gathers each trained one once, after the step; the offloaded model every one,
     # frozen ones too, when its module runs forward, and again for its backward where
-    # that needs it (every module of the full model; a recompute finds it bound).
+    # that needs it (every module of the full model; a recompute finds it bound; with
+    # LoRA not the embedding nor layer 0's frozen norm and projections, since nothing
+    # before them trains).
     half = sum(4 * -(-p.numel() // 2) for p in trained)
     every = sum(4 * -(-p.numel() // 2) for p in model.parameters())
     for got in ranks:
