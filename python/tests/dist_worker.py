@@ -84,7 +84,8 @@ def optimizer(a, model, rank, world, group):
     if a.engine == "offload":
         if a.checkpointing:
             model.gradient_checkpointing_enable()
-        return tidestore.offload(model, **common, device_budget=a.device_budget)
+        return tidestore.offload(model, **common, device_budget=a.device_budget,
+                                 precision=a.precision)
     params = [p for p in model.parameters() if p.requires_grad]
     if a.drop_last and rank == world - 1:
         params = params[:-1]
@@ -162,6 +163,7 @@ def args(argv=None):
     p.add_argument("--host-budget", default=None)
     p.add_argument("--chunk-elements", type=int, default=None)
     p.add_argument("--device-budget", default=None, help="offload only")
+    p.add_argument("--precision", default="f32", choices=["f32", "bf16"], help="offload only")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--engine", default="adamw", choices=["adamw", "offload"],
                    help="tidestore.AdamW, or the whole model offloaded (tidestore.offload)")

@@ -90,6 +90,7 @@ CASES = {
                                    "--chunk-elements", "8192", "--host-budget", "640KiB",
                                    "--device-budget", "512KiB"],
     "offload-lora": ["--engine", "offload", "--lora"],
+    "offload-bf16": ["--engine", "offload", "--precision", "bf16"],
 }
 
 
@@ -100,9 +101,12 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
         pytest.importorskip("peft", reason="peft is not installed: the LoRA case needs it")
     ref = one_rank(tmp_path / "one", *flags)
     ranks = torchrun(tmp_path / "two", *flags)
+    # bf16 parameters and gradients: the ranks' average is summed in bf16 (the issue's
+    # bound for mixed precision, 1e-3).
+    bf16 = "bf16" in flags
     for r, got in enumerate(ranks):
         assert got["error"] is None, f"rank {r}: {got['error']}"
-        assert_close(ref["losses"], got["losses"])
+        assert_close(ref["losses"], got["losses"], rel=1e-3 if bf16 else 1e-5)
     assert ranks[0]["hash"] == ranks[1]["hash"], "the ranks ended with different parameters"
     # Each rank's store keeps its half of the optimizer state (the halves are rounded
     # up to whole elements and to pages: at most a page per tensor more).
@@ -116,8 +120,9 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
     # that needs it (every module of the full model; a recompute finds it bound; with
     # LoRA not the embedding nor layer 0's frozen norm and projections, since nothing
     # before them trains).
-    half = sum(4 * -(-p.numel() // 2) for p in trained)
-    every = sum(4 * -(-p.numel() // 2) for p in model.parameters())
+    size = 2 if bf16 else 4  # (the full model's parameters are all trained)
+    half = sum(size * -(-p.numel() // 2) for p in trained)
+    every = sum(size * -(-p.numel() // 2) for p in model.parameters())
     for got in ranks:
         steps = len(got["losses"])
         sent = got["stats"]

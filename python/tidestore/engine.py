@@ -558,8 +558,6 @@ def _shard(named, group, source_dir, config, settings):
         raise ValueError(
             "process_group: a model directory or a config file is not built for data "
             "parallelism yet; hand the model over in memory with keyword settings")
-    if settings["precision"] not in ("f32", "fp32", "float32"):
-        raise ValueError("process_group: only precision='f32' is built for data parallelism yet")
     params = [p for _, p in named]
     shards = Shards(params, group)
     shards.check_alike(params, {**settings, "names": [n for n, _ in named]})
@@ -588,8 +586,8 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     all-gathered when it is bound (forward, recompute, backward) and dropped when it is
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
-    rank (rank 0's values are taken); a model directory, ``save_pretrained`` and bf16
-    are not built for it yet.
+    rank (rank 0's values are taken); a model directory and ``save_pretrained`` are not
+    built for it yet.
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
