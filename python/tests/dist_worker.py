@@ -84,7 +84,7 @@ def optimizer(a, model, rank, world, group):
     if a.engine == "offload":
         if a.checkpointing:
             model.gradient_checkpointing_enable()
-        return tidestore.offload(model, **common, device_budget=a.device_budget,
+        return tidestore.offload(a.model_dir or model, **common, device_budget=a.device_budget,
                                  precision=a.precision)
     params = [p for p in model.parameters() if p.requires_grad]
     if a.drop_last and rank == world - 1:
@@ -164,6 +164,8 @@ def args(argv=None):
     p.add_argument("--chunk-elements", type=int, default=None)
     p.add_argument("--device-budget", default=None, help="offload only")
     p.add_argument("--precision", default="f32", choices=["f32", "bf16"], help="offload only")
+    p.add_argument("--model-dir", default=None,
+                   help="offload only: a Hugging Face directory to import instead")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--engine", default="adamw", choices=["adamw", "offload"],
                    help="tidestore.AdamW, or the whole model offloaded (tidestore.offload)")

@@ -149,6 +149,21 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
                 assert 0 < got["stats"][key] <= 0.6 * whole, (key, r, got["stats"][key], whole)
 
 
+def test_ranks_import_their_shards_of_a_model_directory(tmp_path):
+    # The tiny LLaMA written by transformers; one rank imports it with the Rust importer,
+    # two ranks read their shards of each tensor from the files.
+    dist_worker.model_of("llama", False).save_pretrained(tmp_path / "model")
+    flags = ["--engine", "offload", "--model-dir", str(tmp_path / "model")]
+    ref = one_rank(tmp_path / "one", *flags)
+    ranks = torchrun(tmp_path / "two", *flags)
+    for r, got in enumerate(ranks):
+        assert got["error"] is None, f"rank {r}: {got['error']}"
+        assert_close(ref["losses"], got["losses"])
+    assert ranks[0]["hash"] == ranks[1]["hash"]
+    # The same losses as the model handed over in memory.
+    assert_close(one_rank(tmp_path / "mem", "--engine", "offload")["losses"], ref["losses"])
+
+
 @pytest.mark.parametrize("engine", ["adamw", "offload"])
 def test_a_resume_after_one_rank_was_killed_is_bit_identical(engine, tmp_path):
     whole = torchrun(tmp_path / "whole", "--engine", engine, "--save-at", "2")

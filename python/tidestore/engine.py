@@ -34,6 +34,7 @@ checkpoint file).
 
 import contextlib
 import copy
+import json
 import os
 import shutil
 import tempfile
@@ -554,15 +555,42 @@ def _shard(named, group, source_dir, config, settings):
     """The shards of ``named``'s parameters this rank of ``group`` owns, after checking
     that every rank hands over the same model with the same settings and taking rank
     0's values."""
-    if source_dir is not None or config is not None:
+    if config is not None:
         raise ValueError(
-            "process_group: a model directory or a config file is not built for data "
-            "parallelism yet; hand the model over in memory with keyword settings")
+            "process_group: a config file is not built for data parallelism yet; pass the "
+            "settings as keywords")
     params = [p for _, p in named]
     shards = Shards(params, group)
     shards.check_alike(params, {**settings, "names": [n for n, _ in named]})
-    shards.broadcast(params)
+    if source_dir is None:
+        shards.broadcast(params)  # (every rank reads a directory's same files)
     return shards
+
+
+def _import_shards(core, shards, source_dir, named):
+    """This rank's shard of every parameter from a Hugging Face directory's safetensors
+    (one file, or the shards its index maps), one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    index = os.path.join(source_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = {n: os.path.join(source_dir, fn) for n, fn in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(source_dir, "model.safetensors")
+        with safe_open(single, "pt") as f:
+            files = {n: single for n in f.keys()}
+    for i, (n, _) in enumerate(named):
+        if n not in files:
+            raise TidestoreError(f"{source_dir}: no tensor `{n}` in its safetensors files")
+        with safe_open(files[n], "pt") as f:
+            t = f.get_tensor(n)
+        if t.numel() != shards.numels[i]:
+            raise TidestoreError(
+                f"{source_dir}: `{n}` has {tuple(t.shape)} in the files, the model "
+                f"{shards.numels[i]} elements")
+        shard = shards.values(i, t)
+        core.set_values(i, byte_view(shard, n), dtype_name(shard))
 
 
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -586,8 +614,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     all-gathered when it is bound (forward, recompute, backward) and dropped when it is
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
-    rank (rank 0's values are taken); a model directory and ``save_pretrained`` are not
-    built for it yet.
+    rank (rank 0's values are taken), or each rank reads its shards of a model
+    directory's safetensors, one tensor at a time; ``save_pretrained`` and a config file
+    are not built for it yet.
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
@@ -630,7 +659,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                   max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
                   chunk_elements=chunk_elements)
     core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
-    if source_dir is not None:
+    if source_dir is not None and shards is not None:
+        _import_shards(core, shards, source_dir, named)
+    elif source_dir is not None:
         core.import_dir(source_dir)
     else:
         for i, (n, p) in enumerate(named):
