@@ -38,6 +38,31 @@ use tidestore_train::{
 use crate::adamw::{norm_and_clip, unlink_swap};
 use crate::error::{Error, Result};
 
+/// This rank's part of every parameter in a data-parallel run that shards them, laid out
+/// as `python/tidestore/_shards.py` lays it out: a parameter of `n` elements is cut
+/// into `world` shards of `ceil(n / world)`, rank `r` owning shard `r`, the last ones
+/// zero-padded.
+pub struct Shard {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in all.
+    pub world: usize,
+    /// Each parameter's whole shape, as the files hold it.
+    pub shapes: Vec<Vec<usize>>,
+}
+
+impl Shard {
+    /// This rank's shard of the flat values of a whole parameter.
+    fn cut(&self, whole: &[f32]) -> Vec<f32> {
+        let len = whole.len().div_ceil(self.world);
+        let lo = (self.rank * len).min(whole.len());
+        let hi = (lo + len).min(whole.len());
+        let mut part = whole[lo..hi].to_vec();
+        part.resize(len, 0.0);
+        part
+    }
+}
+
 /// A parameter held for compute: its lease and how many holds it has.
 #[derive(Debug)]
 struct Held {
@@ -210,15 +235,26 @@ impl EngineCore {
     /// the files are never all in memory). Everything is checked before anything is
     /// written: each parameter present, with its shape, in a dtype tidestore reads.
     /// `skip` names parameters the files need not hold (adapters the caller initialises).
-    /// Returns how many tensors were written.
-    pub fn import_dir(&mut self, dir: &Path, skip: &[String]) -> Result<usize> {
+    /// With `shard`, each parameter is registered as this rank's shard of it and the
+    /// files hold it whole (see [`Shard`]). Returns how many tensors were written.
+    pub fn import_dir(
+        &mut self,
+        dir: &Path,
+        skip: &[String],
+        shard: Option<&Shard>,
+    ) -> Result<usize> {
         let wanted: Vec<(usize, String, Vec<usize>)> = (0..self.trainer.len())
             .map(|i| {
-                self.trainer
-                    .spec(i)
-                    .map(|s| (i, s.name.clone(), s.shape.clone()))
+                let spec = self.trainer.spec(i)?;
+                let shape = match shard {
+                    Some(s) => s.shapes.get(i).cloned().ok_or_else(|| {
+                        Error::Protocol(format!("no whole shape given for `{}`", spec.name))
+                    })?,
+                    None => spec.shape.clone(),
+                };
+                Ok((i, spec.name.clone(), shape))
             })
-            .collect::<std::result::Result<_, _>>()?;
+            .collect::<Result<_>>()?;
         let wanted: Vec<_> = wanted
             .into_iter()
             .filter(|(_, name, _)| !skip.contains(name))
@@ -233,7 +269,10 @@ impl EngineCore {
             let values = weights.tensor_f32(name).ok_or_else(|| {
                 Error::Protocol(format!("`{name}` checked present, then missing"))
             })?;
-            self.trainer.set_values(*i, &values)?;
+            match shard {
+                Some(s) => self.trainer.set_values(*i, &s.cut(&values))?,
+                None => self.trainer.set_values(*i, &values)?,
+            }
             weights.release(name);
         }
         tracing::info!(dir = %dir.display(), tensors = wanted.len(), "tidestore engine: imported");

@@ -13,7 +13,7 @@ use tidestore_train::{Budget, DType, HyperParams, ParamSpec, Precision, TrainerC
 
 use crate::adamw::{check_clip_and_dir, parse_states, CoreConfig};
 use crate::buffer::{parse_dtype, with_input};
-use crate::engine::EngineCore;
+use crate::engine::{EngineCore, Shard};
 use crate::error::{Error, Result};
 use crate::f32_bytes;
 
@@ -230,11 +230,26 @@ impl PyEngineCore {
     }
 
     /// Imports the registered parameters from a Hugging Face model directory; `skip`:
-    /// names the files need not hold. Returns the tensors written.
-    #[pyo3(signature = (dir, skip=Vec::new()))]
-    fn import_dir(&mut self, py: Python<'_>, dir: PathBuf, skip: Vec<String>) -> PyResult<usize> {
+    /// names the files need not hold. With `shapes` (each parameter's whole shape),
+    /// every parameter is registered as shard `rank` of `world` and that shard is taken
+    /// (see `engine::Shard`). Returns the tensors written.
+    #[pyo3(signature = (dir, skip=Vec::new(), shapes=None, rank=0, world=1))]
+    fn import_dir(
+        &mut self,
+        py: Python<'_>,
+        dir: PathBuf,
+        skip: Vec<String>,
+        shapes: Option<Vec<Vec<usize>>>,
+        rank: usize,
+        world: usize,
+    ) -> PyResult<usize> {
+        let shard = shapes.map(|shapes| Shard {
+            rank,
+            world,
+            shapes,
+        });
         let core = self.core();
-        Ok(py.allow_threads(|| core.import_dir(&dir, &skip))?)
+        Ok(py.allow_threads(|| core.import_dir(&dir, &skip, shard.as_ref()))?)
     }
 
     /// One micro-batch's part of parameter `i`'s gradient; `last` reports it final.

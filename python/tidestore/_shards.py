@@ -100,8 +100,8 @@ class Shards:
             why = _difference(first, theirs)
             if why is not None:
                 raise ValueError(
-                    f"tidestore.AdamW: rank {r} differs from rank 0: {why}; every rank must "
-                    "build the same model and optimizer")
+                    f"tidestore: rank {r} differs from rank 0: {why}; every rank must build "
+                    "the same model and optimizer")
 
     def broadcast(self, params):
         """Rank 0's parameter values on every rank (as ``DistributedDataParallel``
@@ -186,7 +186,7 @@ def _collective(what):
     try:
         yield
     except RuntimeError as e:
-        raise RuntimeError(f"tidestore.AdamW: {what} with the other ranks failed: {e}") from e
+        raise RuntimeError(f"tidestore: {what} with the other ranks failed: {e}") from e
 
 
 def _difference(a, b):

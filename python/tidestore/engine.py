@@ -34,7 +34,6 @@ checkpoint file).
 
 import contextlib
 import copy
-import json
 import os
 import shutil
 import tempfile
@@ -567,32 +566,6 @@ def _shard(named, group, source_dir, config, settings):
     return shards
 
 
-def _import_shards(core, shards, source_dir, named):
-    """This rank's shard of every parameter from a Hugging Face directory's safetensors
-    (one file, or the shards its index maps), one tensor in memory at a time."""
-    from safetensors import safe_open
-
-    index = os.path.join(source_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = {n: os.path.join(source_dir, fn) for n, fn in json.load(f)["weight_map"].items()}
-    else:
-        single = os.path.join(source_dir, "model.safetensors")
-        with safe_open(single, "pt") as f:
-            files = {n: single for n in f.keys()}
-    for i, (n, _) in enumerate(named):
-        if n not in files:
-            raise TidestoreError(f"{source_dir}: no tensor `{n}` in its safetensors files")
-        with safe_open(files[n], "pt") as f:
-            t = f.get_tensor(n)
-        if t.numel() != shards.numels[i]:
-            raise TidestoreError(
-                f"{source_dir}: `{n}` has {tuple(t.shape)} in the files, the model "
-                f"{shards.numels[i]} elements")
-        shard = shards.values(i, t)
-        core.set_values(i, byte_view(shard, n), dtype_name(shard))
-
-
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
@@ -614,8 +587,8 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     all-gathered when it is bound (forward, recompute, backward) and dropped when it is
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
-    rank (rank 0's values are taken), or each rank reads its shards of a model
-    directory's safetensors, one tensor at a time; ``save_pretrained`` and a config file
+    rank (rank 0's values are taken), or each rank imports its shards of a model
+    directory (the importer reads one tensor at a time); ``save_pretrained`` and a config file
     are not built for it yet.
     """
     if accumulation < 1:
@@ -660,7 +633,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                   chunk_elements=chunk_elements)
     core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
     if source_dir is not None and shards is not None:
-        _import_shards(core, shards, source_dir, named)
+        # The Rust importer reads each tensor whole and keeps this rank's shard of it.
+        core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],
+                        rank=shards.rank, world=shards.world)
     elif source_dir is not None:
         core.import_dir(source_dir)
     else:
