@@ -232,12 +232,6 @@ fn item4_settings_finetune_cannot_honour_are_refused_naming_the_key() {
         ),
         (
             "threads = 1\n",
-            "threads = 1\ndevice = \"cpu\"\n",
-            "optimizer.device",
-            "finetune",
-        ),
-        (
-            "threads = 1\n",
             "threads = 1\noverlap = \"backward\"\n",
             "optimizer.overlap",
             "max_grad_norm",

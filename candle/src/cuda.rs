@@ -1,12 +1,16 @@
-//! A parameter's bytes on the store's GPU into a candle CUDA tensor, device to device
-//! (the `gpu` feature: candle's CUDA backend over the cudarc the store uses, both in
-//! the device's primary context).
+//! A parameter's bytes on the store's GPU into a candle CUDA tensor, and a gradient from
+//! one into its place on the store's GPU, device to device (the `gpu` feature: candle's
+//! CUDA backend over the cudarc the store uses, both in the device's primary context).
 
-use candle_core::cuda_backend::cudarc::driver::{result, DevicePtr, DeviceRepr};
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    result, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Device, Storage, Tensor};
-use tidestore_train::{CudaSpan, DType};
+use tidestore_train::{CudaSpan, CudaSpanMut, DType};
 
 use crate::error::{Error, Result};
 
@@ -64,4 +68,125 @@ fn copy<T: CudaDType + DeviceRepr>(span: &CudaSpan<'_>, cuda: &CudaDevice) -> Re
     }
     stream.synchronize().w()?;
     Ok(CudaStorage::wrap_cuda_slice(dst, cuda.clone()))
+}
+
+/// Writes the f32 gradient `grad` (`n` elements, any shape) into `span` as `dtype` —
+/// replacing what is there (`first`) or adding to it — on the GPU, waited for: the span
+/// may be released once this returns. Returns the squared L2 norm of what the span then
+/// holds, summed on the GPU from the f32 values before they are rounded to `dtype`.
+pub(crate) fn write_grad_span(
+    mut span: CudaSpanMut<'_>,
+    dtype: DType,
+    grad: &Tensor,
+    first: bool,
+) -> Result<f64> {
+    let n = grad.elem_count();
+    if span.len_bytes() as u64 != n as u64 * dtype.size_bytes() {
+        return Err(Error::BadParam {
+            name: String::new(),
+            reason: format!(
+                "a gradient of {n} elements for a place of {} bytes of {dtype:?}",
+                span.len_bytes()
+            ),
+        });
+    }
+    let g = grad.to_dtype(candle_core::DType::F32)?.flatten_all()?;
+    let sum = if first {
+        g
+    } else {
+        let earlier = tensor_from_span(&span.as_span(), dtype, &[n], grad.device())?;
+        (earlier.to_dtype(candle_core::DType::F32)? + g)?
+    };
+    let sq = sum.sqr()?.sum_all()?.to_scalar::<f32>()?;
+    let stored = sum.to_dtype(candle_dtype(dtype)?)?.contiguous()?;
+    copy_into(&stored, &mut span)?;
+    Ok(f64::from(sq))
+}
+
+/// candle's dtype for elements stored as `dtype` (the float types compute reads).
+fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
+    match dtype {
+        DType::F32 => Ok(candle_core::DType::F32),
+        DType::BF16 => Ok(candle_core::DType::BF16),
+        DType::F16 => Ok(candle_core::DType::F16),
+        other => Err(Error::BadParam {
+            name: String::new(),
+            reason: format!("a gradient cannot be stored as {other:?}"),
+        }),
+    }
+}
+
+/// The contiguous CUDA tensor `t`'s bytes into `span` (as long as each other), on the
+/// tensor's stream, waited for.
+fn copy_into(t: &Tensor, span: &mut CudaSpanMut<'_>) -> Result<()> {
+    let Device::Cuda(cuda) = t.device() else {
+        return Err(Error::BadParam {
+            name: String::new(),
+            reason: "a gradient for the GPU's device tier computed off the GPU".into(),
+        });
+    };
+    let stream = cuda.cuda_stream();
+    {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            return Err(Error::BadParam {
+                name: String::new(),
+                reason: "a CUDA tensor without CUDA storage".into(),
+            });
+        };
+        let at = layout.start_offset();
+        match t.dtype() {
+            candle_core::DType::F32 => copy_slice(cs.as_cuda_slice::<f32>()?, at, span, &stream)?,
+            candle_core::DType::BF16 => {
+                copy_slice(cs.as_cuda_slice::<half::bf16>()?, at, span, &stream)?
+            }
+            candle_core::DType::F16 => {
+                copy_slice(cs.as_cuda_slice::<half::f16>()?, at, span, &stream)?
+            }
+            other => {
+                return Err(Error::BadParam {
+                    name: String::new(),
+                    reason: format!("a gradient of dtype {other:?}"),
+                })
+            }
+        }
+    }
+    stream.synchronize().w()?;
+    Ok(())
+}
+
+/// `span.len_bytes()` bytes of `src` from element `at` into `span`, queued on `stream`.
+fn copy_slice<T: DeviceRepr>(
+    src: &CudaSlice<T>,
+    at: usize,
+    span: &mut CudaSpanMut<'_>,
+    stream: &Arc<CudaStream>,
+) -> Result<()> {
+    let width = std::mem::size_of::<T>();
+    let bytes = span.len_bytes();
+    if (src.len().saturating_sub(at)) * width < bytes {
+        return Err(Error::BadParam {
+            name: String::new(),
+            reason: format!(
+                "a gradient of {} bytes for a place of {bytes}",
+                src.len().saturating_sub(at) * width
+            ),
+        });
+    }
+    let (src_ptr, _record) = src.device_ptr(stream);
+    // SAFETY: `span` is `bytes` of writable memory of an accessed chunk on this GPU (the
+    // store keeps it resident while the caller's view lives, and the caller synchronizes
+    // the stream before the view can be released); the source is `bytes` of `src` from
+    // element `at` (checked above), in the same (primary) context, kept alive by the
+    // borrow of `src` until the stream is synchronized.
+    unsafe {
+        result::memcpy_dtod_async(
+            span.ptr(),
+            src_ptr + (at * width) as u64,
+            bytes,
+            stream.cu_stream(),
+        )
+    }
+    .w()?;
+    Ok(())
 }

@@ -184,19 +184,7 @@ impl BlockParams<Llama> for TideParams {
     }
 
     fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {
-        // A contiguous f32 gradient in CPU memory goes to the store straight from candle's
-        // buffer; anything else (a GPU tensor, a strided view) through one copy.
-        let (storage, layout) = grad.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((from, to))) =
-            (&*storage, layout.contiguous_offsets())
-        {
-            if let Ok(all) = cpu.as_slice::<f32>() {
-                return self.put_grad_part(name, &all[from..to], first, last);
-            }
-        }
-        drop(storage);
-        let values = grad.flatten_all()?.to_vec1::<f32>()?;
-        self.put_grad_part(name, &values, first, last)
+        self.put_grad_tensor(name, grad, first, last)
     }
 
     fn step(&mut self) -> Result<StepDecision> {

@@ -28,7 +28,7 @@
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
     DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, StepDecision, StoreStats,
-    TensorState, TensorView, Trainer, Values,
+    TensorState, TensorView, TensorViewMut, Trainer, Values,
 };
 
 use crate::error::{Error, Result};
@@ -150,6 +150,43 @@ impl TideParams {
         self.trainer.put_grad(i, Values::F32(values), first, last)?;
         self.grads_pending = true;
         Ok(())
+    }
+
+    /// Writes one micro-batch's part of `name`'s gradient from a candle tensor. With the
+    /// optimizer step on the device tier and the gradient on a CUDA device: device to
+    /// device into the gradient's place there ([`Trainer::grad_view`]), its squared norm
+    /// summed on the GPU — nothing crosses the host. Otherwise through host memory as
+    /// [`TideParams::put_grad_part`]: a contiguous f32 CPU tensor straight from candle's
+    /// buffer, anything else (a GPU tensor, a strided view) through one copy.
+    pub fn put_grad_tensor(
+        &mut self,
+        name: &str,
+        grad: &Tensor,
+        first: bool,
+        last: bool,
+    ) -> Result<()> {
+        if grad.device().is_cuda() && self.trainer.step_placement().0 {
+            let i = self.trainer.index(name)?;
+            let sq = self.trainer.grad_view(i, first, |view, dtype| {
+                grad_to_view(view, dtype, grad, first)
+            })??;
+            if last {
+                self.trainer.grad_written(i, sq)?;
+            }
+            self.grads_pending = true;
+            return Ok(());
+        }
+        let (storage, layout) = grad.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((from, to))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            if let Ok(all) = cpu.as_slice::<f32>() {
+                return self.put_grad_part(name, &all[from..to], first, last);
+            }
+        }
+        drop(storage);
+        let values = grad.flatten_all()?.to_vec1::<f32>()?;
+        self.put_grad_part(name, &values, first, last)
     }
 
     /// Parameter `name` as a fresh candle tensor (a variable when `as_var` and the
@@ -399,6 +436,30 @@ fn to_device(
             reason: "a parameter on the GPU, in a build without candle's CUDA backend".into(),
         }),
     }
+}
+
+/// A CUDA gradient into its place on the GPU's device tier (see
+/// [`TideParams::put_grad_tensor`]); its squared norm.
+#[cfg(feature = "gpu")]
+fn grad_to_view(view: TensorViewMut<'_>, dtype: DType, grad: &Tensor, first: bool) -> Result<f64> {
+    match view {
+        TensorViewMut::Device(tidestore_train::DeviceViewMut::Cuda(span)) => {
+            crate::cuda::write_grad_span(span, dtype, grad, first)
+        }
+        _ => Err(Error::BadParam {
+            name: String::new(),
+            reason: format!("a gradient on the GPU for a place of {dtype:?} in host memory"),
+        }),
+    }
+}
+
+/// Without candle's CUDA backend no gradient is on a GPU.
+#[cfg(not(feature = "gpu"))]
+fn grad_to_view(_: TensorViewMut<'_>, _: DType, _: &Tensor, _: bool) -> Result<f64> {
+    Err(Error::BadParam {
+        name: String::new(),
+        reason: "a gradient on the GPU, in a build without candle's CUDA backend".into(),
+    })
 }
 
 /// `bytes` (little-endian elements of `dtype`) as a tensor of `shape` on `device`.

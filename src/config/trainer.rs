@@ -5,9 +5,11 @@
 use std::path::PathBuf;
 
 use tidestore_optimizer::{HyperParams, Mode};
-use tidestore_train::{Budget, DeviceChoice, Overlap, Precision, TrainerConfig};
+use tidestore_train::{Budget, DeviceChoice, Overlap, Precision, StepDevice, TrainerConfig};
 
-use super::{AutoSize, Config, DecayMode, DeviceKindName, OverlapName, PrecisionName};
+use super::{
+    AutoSize, Config, DecayMode, DeviceKindName, OptimizerDevice, OverlapName, PrecisionName,
+};
 use crate::error::Result;
 
 impl Config {
@@ -58,6 +60,11 @@ impl Config {
             DeviceKindName::Sim => DeviceChoice::Sim,
             DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
         };
+        tc.step_device = match self.optimizer.device {
+            OptimizerDevice::Cpu => StepDevice::Cpu,
+            OptimizerDevice::Gpu => StepDevice::Gpu,
+            OptimizerDevice::Auto => StepDevice::Auto,
+        };
         Ok(tc)
     }
 }
@@ -70,7 +77,7 @@ mod tests {
     fn the_toml_file_decides_the_trainer_config() {
         let cfg = Config::from_toml_str(
             "[train]\nprecision = \"f32\"\n[optimizer]\nlr = 0.002\nstates = \"int8\"\n\
-             max_grad_norm = 1.0\n[chunk]\nsize = \"4MiB\"\n[host]\nbudget = \"64MiB\"\n\
+             max_grad_norm = 1.0\ndevice = \"gpu\"\n[chunk]\nsize = \"4MiB\"\n[host]\nbudget = \"64MiB\"\n\
              [device]\nkind = \"sim\"\nbudget = \"32MiB\"\n[nvme]\ndir = \"/tmp\"\n",
         )
         .unwrap();
@@ -83,6 +90,7 @@ mod tests {
         assert_eq!(tc.host_budget, Budget::Bytes(64 << 20));
         assert_eq!(tc.device_budget, Budget::Bytes(32 << 20));
         assert_eq!(tc.device, DeviceChoice::Sim);
+        assert_eq!(tc.step_device, StepDevice::Gpu);
         assert_eq!(tc.swap_dir, PathBuf::from("/tmp/swap"));
     }
 }

@@ -46,19 +46,20 @@ pub use step::{
 };
 pub use trainer::{
     decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec, Precision, Resident,
-    Trainer, TrainerConfig, Values,
+    StepDevice, Trainer, TrainerConfig, Values,
 };
 
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,
 /// tensor states, the store's counters and errors, and the I/O settings of a swap file.
 pub use tidestore_chunk::{
     typed, ChunkError, DType, ListKind, MomentForm, StoreStats, TensorState, TensorView,
+    TensorViewMut,
 };
 pub use tidestore_io::IoConfig;
 /// The optimizer's types a front end configures a run with.
 pub use tidestore_optimizer::{HyperParams, Mode, OptimError, StepDecision, StepState};
 /// What a [`TensorView`] on the device tier is: host bytes (the simulation) or GPU memory.
-pub use tidestore_tiers::{CudaSpan, DeviceView};
+pub use tidestore_tiers::{CudaSpan, CudaSpanMut, DeviceView, DeviceViewMut};
 
 /// The block-I/O engine (io_uring, or the thread-pool fallback) and its aligned buffers:
 /// for front ends that read and write tensors to files themselves, outside a store.

@@ -240,12 +240,14 @@ fn print(r: &FinetuneReport) {
         .map_or(String::new(), |s| format!("; resumed from step {s}"));
     out!(
         "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
-         {}){resumed}",
+         {}); the optimizer steps on the {} ({}){resumed}",
         r.params,
         r.params_trainable,
         r.text_tokens,
         r.compute,
         r.matmul,
+        r.optimizer,
+        r.optimizer_reason,
     );
     print_data(&r.data);
     let (Some(first), Some(last)) = (r.steps.first(), r.steps.last()) else {

@@ -49,9 +49,8 @@ pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
             ),
         ));
     }
-    let (d, o, p) = (
+    let (d, p) = (
         tidestore::config::DeviceSection::default(),
-        tidestore::config::OptimizerSection::default(),
         tidestore::config::PolicySection::default(),
     );
     let c = &cfg.device;
@@ -63,7 +62,6 @@ pub fn refuse_unread_settings(cfg: &Config) -> Result<()> {
     only_default("device.tidal_margin", c.tidal_margin, d.tidal_margin)?;
     only_default("device.sim_memory", c.sim_memory, d.sim_memory)?;
     only_default("device.pcie_gbps", c.pcie_gbps, d.pcie_gbps)?;
-    only_default("optimizer.device", cfg.optimizer.device, o.device)?;
     only_default("policy.eviction", cfg.policy.eviction, p.eviction)?;
     only_default(
         "policy.prefetch_lookahead",

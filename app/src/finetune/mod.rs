@@ -100,6 +100,11 @@ pub struct FinetuneReport {
     /// What computed their matrix products: on the CPU OpenBLAS (its build and library)
     /// or candle's gemm (see `tidestore_candle::blas`), on a GPU cuBLAS.
     pub matmul: String,
+    /// Where the optimizer step ran (`optimizer.device`): `device` (the GPU kernel, or
+    /// the CPU kernel over the simulated device's memory) or `host` (the host pool).
+    pub optimizer: String,
+    /// Why there, in one phrase.
+    pub optimizer_reason: String,
     /// Parameters.
     pub params: u64,
     /// Trained parameters.
@@ -148,6 +153,8 @@ impl FinetuneReport {
             states: cfg.optimizer.states.moments().to_string(),
             compute: "cpu".into(),
             matmul: String::new(),
+            optimizer: String::new(),
+            optimizer_reason: String::new(),
             params: loaded.params(),
             params_trainable: loaded.params_trainable(),
             text_tokens: samples.len() as u64,
@@ -265,6 +272,9 @@ pub fn run(
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
     report.compute = compute::name(&compute).into();
     report.matmul = matmul;
+    let (on_device, why) = params.trainer().step_placement();
+    report.optimizer = if on_device { "device" } else { "host" }.into();
+    report.optimizer_reason = why.into();
     progress.begin(first, t.steps);
     for step in first..=t.steps {
         let record = one_step(cfg, &loaded, &samples, &mut params, step)?;

@@ -67,6 +67,10 @@ impl Mover {
             .device
             .alloc(d as u64, self.len(c))
             .map_err(tier_err("allocating device memory", c))?;
+        if self.dead_everywhere(c) {
+            self.materialize_on_device(c, mem, cause);
+            return Ok(false);
+        }
         // Load: the host copy the device copy is made from (from NVMe, or zeros).
         let room = HostRoom {
             protect: &[c],
@@ -130,6 +134,33 @@ impl Mover {
             self.fill_host(c, room, cause)?;
         }
         Ok(false)
+    }
+
+    /// Whether `c` holds nothing to keep anywhere: discarded (its bytes unspecified
+    /// until written, see `discard`), with no copy on any tier and nothing in flight.
+    pub(super) fn dead_everywhere(&self, c: ChunkId) -> bool {
+        let s = &self.slots[c.dense()];
+        s.dead && s.host.is_none() && s.dev.is_none() && !s.nvme_valid && s.pending == Pending::None
+    }
+
+    /// Makes the dead chunk `c` current on the device in `mem` as it is, as `fill_host`
+    /// leaves a dead chunk's host buffer unfilled: no host buffer is taken and nothing
+    /// is copied (a gradient chunk the next backward writes on the device).
+    pub(super) fn materialize_on_device(
+        &mut self,
+        c: ChunkId,
+        mem: tidestore_tiers::DeviceMem,
+        cause: Cause,
+    ) {
+        let d = c.dense();
+        let slot = &mut self.slots[d];
+        slot.dead = false;
+        slot.dev = Some(mem);
+        self.dev_list.push(c);
+        self.dev_mark[d] = true;
+        self.dev_policy.on_insert(c, cause.moment);
+        self.stats.materialized_chunks += 1;
+        self.emit(cause, MoveKind::Materialize, c, 0);
     }
 
     /// A host buffer holding `c`'s current bytes, taken out of its slot (it goes back

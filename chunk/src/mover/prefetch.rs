@@ -34,6 +34,12 @@ impl Mover {
             Ok(m) => m,
             Err(_) => return Ok(false),
         };
+        if self.dead_everywhere(c) {
+            self.materialize_on_device(c, mem, cause);
+            self.slots[d].prefetched = true;
+            self.stats.prefetch_loads += 1;
+            return Ok(true);
+        }
         let room = HostRoom {
             protect: &[c],
             ahead: Some(ahead),

@@ -96,6 +96,25 @@ pub enum DeviceChoice {
     Auto,
 }
 
+/// Where the optimizer step runs ([`TrainerConfig::step_device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepDevice {
+    /// The CPU kernel in the host pool: each gradient goes to host memory, each
+    /// tensor's master, M and V chunks come to it.
+    Cpu,
+    /// Each tensor's gradient, master, M and V chunks on the device tier, stepped there:
+    /// the GPU kernel on a CUDA GPU, the CPU kernel over the simulated device's memory.
+    /// Gradients are written where the step reads them (on the device). Refused at
+    /// open when the device budget cannot hold the largest tensor's step chunks, or on
+    /// a GPU whose AdamW kernel cannot be made.
+    Gpu,
+    /// `Gpu` on a CUDA GPU whose AdamW kernel is ready and whose device budget holds
+    /// every chunk of the layout (so neither the step nor compute moves one), else
+    /// `Cpu`; always `Cpu` on the simulated device. Why is logged and kept
+    /// ([`crate::Trainer::step_placement`]).
+    Auto,
+}
+
 /// How a [`crate::Trainer`] lays out, budgets and steps its store.
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
@@ -132,13 +151,15 @@ pub struct TrainerConfig {
     pub optimizer_threads: usize,
     /// How M and V are stored: fp32, bf16 or block-wise int8.
     pub moments: MomentForm,
+    /// Where the optimizer step runs.
+    pub step_device: StepDevice,
 }
 
 impl TrainerConfig {
     /// fp32, the given hyper-parameters, no clipping, non-finite steps skipped, overlap
     /// off, a searched chunk size, 4 device chunks and the smallest host pool (5
     /// chunks), the device the build has, swap file in `swap_dir` written in 64 KiB
-    /// blocks.
+    /// blocks, the step on the CPU.
     pub fn new(hp: HyperParams, swap_dir: impl Into<PathBuf>) -> Self {
         TrainerConfig {
             precision: Precision::F32,
@@ -158,6 +179,7 @@ impl TrainerConfig {
             },
             optimizer_threads: 0,
             moments: MomentForm::F32,
+            step_device: StepDevice::Cpu,
         }
     }
 }

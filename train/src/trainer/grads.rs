@@ -6,13 +6,14 @@
 
 use std::time::Instant;
 
-use tidestore_chunk::{DType, ListKind, Place, TensorId, TensorState};
+use tidestore_chunk::{DType, ListKind, Place, TensorId, TensorState, TensorViewMut};
 use tidestore_optimizer::Grads;
+use tidestore_tiers::DeviceKind;
 
 use super::values::{f32_view_mut, Values};
 use super::{Precision, Trainer};
 use crate::error::{Result, TrainError};
-use crate::step::{Observer, StepOutcome};
+use crate::step::{Observer, StepOutcome, StepPlace};
 
 impl Trainer {
     /// Where trainable parameter `i`'s gradient is: its fp32 `Grads` place (`F32`) or
@@ -29,6 +30,17 @@ impl Trainer {
     /// `HoldAfterBwd`.
     pub fn put_grad(&mut self, i: usize, grad: Values<'_>, first: bool, last: bool) -> Result<()> {
         self.check_values(i, &grad, "gradient")?;
+        self.check_grad_part(i, first)?;
+        let sq = self.write_grad(i, grad, first)?;
+        if last {
+            self.grad_written(i, sq)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a gradient part for a frozen parameter, an added part outside `F32`, or
+    /// one after the gradient was reported final.
+    fn check_grad_part(&self, i: usize, first: bool) -> Result<()> {
         let e = self.entry(i)?;
         if !e.spec.trainable {
             return Err(TrainError::Argument {
@@ -49,11 +61,39 @@ impl Trainer {
                 e.spec.name
             )));
         }
-        let sq = self.write_grad(i, grad, first)?;
-        if last {
-            self.grad_written(i, sq)?;
-        }
         Ok(())
+    }
+
+    /// Where the step reads gradients: the device tier when the step runs there, else
+    /// the host pool.
+    fn grad_at(&self) -> Place {
+        match self.step.place() {
+            StepPlace::Device => Place::Device,
+            StepPlace::Host => Place::Host,
+        }
+    }
+
+    /// Trainable parameter `i`'s gradient place, accessed where the step reads it (on
+    /// the device tier when the step runs there — host bytes on the simulated device, a
+    /// device pointer on a GPU — else in the host pool), handed to `f` writable with its
+    /// dtype and released `HoldAfterBwd`: for a front end that writes gradients from its
+    /// own device memory, so that they never cross the host. `f` writes the `first`
+    /// part, or adds a later one (`F32` only, as [`Trainer::put_grad`]); the front end
+    /// then reports the final gradient with its squared norm ([`Trainer::grad_written`]).
+    /// A traced access of the iteration.
+    pub fn grad_view<R>(
+        &mut self,
+        i: usize,
+        first: bool,
+        f: impl FnOnce(TensorViewMut<'_>, DType) -> R,
+    ) -> Result<R> {
+        self.check_grad_part(i, first)?;
+        let (tensor, list) = self.grad_place(i);
+        let g = self.store.access(tensor, list, self.grad_at())?;
+        let dtype = g.dtype();
+        let out = self.store.view_mut(&g).map(|v| f(v, dtype));
+        self.store.release(g, TensorState::HoldAfterBwd)?;
+        Ok(out?)
     }
 
     /// Writes (`first`) or adds the gradient into its place; the squared norm of what
@@ -63,7 +103,14 @@ impl Trainer {
         let (tensor, list) = self.grad_place(i);
         let n = grad.elements()?;
         let cpu = self.step.optimizer().cpu();
-        let g = self.store.access(tensor, list, Place::Host)?;
+        // Host values go where the step reads them where that memory is host-addressable
+        // (the host pool, the simulated device); on a GPU into the host pool, from where
+        // the store takes them up for a step on the device.
+        let at = match self.store.device().kind() {
+            DeviceKind::Sim => self.grad_at(),
+            DeviceKind::Cuda => Place::Host,
+        };
+        let g = self.store.access(tensor, list, at)?;
         let written: Result<f64> = if first && g.dtype() == DType::F32 {
             // Widened straight into the fp32 place, its norm taken in the same pass.
             self.store

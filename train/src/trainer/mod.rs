@@ -25,6 +25,7 @@
 mod config;
 mod grads;
 mod open;
+mod placement;
 mod state;
 mod values;
 
@@ -37,7 +38,7 @@ use std::sync::Arc;
 use tidestore_chunk::{ChunkStore, ListKind, MoveEvent, MoveKind, Place, StoreStats, TensorId};
 use tidestore_optimizer::HyperParams;
 
-pub use config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
+pub use config::{Budget, DeviceChoice, ParamSpec, Precision, StepDevice, TrainerConfig};
 
 use crate::error::{Result, TrainError};
 use crate::step::StepLoop;
@@ -95,6 +96,8 @@ pub struct Trainer {
     /// Bytes between host and NVMe per list, counted through the store's move hook (a
     /// trainer that opened its store; see [`Trainer::with_store`]).
     traffic: Option<Arc<NvmeTraffic>>,
+    /// Why the step runs where it does (see [`Trainer::step_on_device`]).
+    step_reason: String,
     /// The store's swap file.
     swap_path: std::path::PathBuf,
     /// Gradients reported since the last step (parts of an accumulation included once
@@ -176,6 +179,17 @@ impl Trainer {
     /// tensors: see [`StepLoop::set_peers`].
     pub fn set_norm_peers(&mut self, peers: Box<dyn crate::NormPeers>) {
         self.step.set_peers(peers);
+    }
+
+    /// Whether the optimizer step runs on the device tier (`TrainerConfig::step_device`
+    /// as decided at open: the GPU kernel on a GPU, the CPU kernel over the simulated
+    /// device's memory), and why, in one phrase. Gradients are then written where the
+    /// step reads them, on the device ([`Trainer::grad_view`]).
+    pub fn step_placement(&self) -> (bool, &str) {
+        (
+            self.step.place() == crate::step::StepPlace::Device,
+            &self.step_reason,
+        )
     }
 
     /// The step loop (its counters, optimizer and settings).

@@ -10,13 +10,13 @@ use tidestore_chunk::{
     search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
     NvmeSource, SearchConfig, StoreConfig, TensorSpec,
 };
-use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
+use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW};
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
 
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
-use super::{Entry, NvmeTraffic, Trainer};
+use super::{placement, Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
-use crate::step::{StepConfig, StepLoop, StepPlace, StepTensor};
+use crate::step::{StepConfig, StepLoop, StepTensor};
 
 /// Chunks the optimizer step holds at once: gradient, master, M and V.
 const STEP_WORKING_SET_CHUNKS: u32 = 4;
@@ -29,18 +29,31 @@ impl Trainer {
     /// before the host pool or swap file is made.
     pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Trainer> {
         check_specs(specs)?;
+        let layout = layout(specs, cfg)?;
+        let (store_cfg, slot_bytes) = store_config(&layout, cfg);
+        let device = open_device(cfg, store_cfg.device_budget_bytes)?;
+        let cpu = AdamW::new(CpuConfig {
+            threads: cfg.optimizer_threads,
+            ..CpuConfig::default()
+        })?;
+        let placed = placement::place_step(
+            cfg.step_device,
+            &layout,
+            specs,
+            &device,
+            store_cfg.device_budget_bytes,
+            cpu,
+        )?;
+        tracing::info!(place = ?placed.place, reason = %placed.reason, "trainer: optimizer step placement");
         let step = StepConfig {
             hp: cfg.hp,
             max_grad_norm: cfg.max_grad_norm,
             loss_scaler: None,
-            place: StepPlace::Host,
+            place: placed.place,
             overlap: cfg.overlap,
             check_finite: cfg.check_finite,
         };
         step.validate()?;
-        let layout = layout(specs, cfg)?;
-        let (store_cfg, slot_bytes) = store_config(&layout, cfg);
-        let device = open_device(cfg, store_cfg.device_budget_bytes)?;
         // A pool that holds every chunk beside a simulated device: no chunk ever goes to
         // NVMe or a GPU, so nothing needs it pinned, and the lists this run never
         // touches then cost no memory.
@@ -58,18 +71,9 @@ impl Trainer {
         let traffic = Arc::new(NvmeTraffic::default());
         let hook = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
-        let cpu = AdamW::new(CpuConfig {
-            threads: cfg.optimizer_threads,
-            ..CpuConfig::default()
-        })?;
-        let opt = HybridAdamW::cpu_only(
-            cpu,
-            OptimError::NoGpu {
-                reason: "the trainer steps in the host pool".into(),
-            },
-        );
-        let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, opt)?;
+        let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, placed.opt)?;
         trainer.traffic = Some(traffic);
+        trainer.step_reason = placed.reason;
         Ok(trainer)
     }
 
@@ -107,6 +111,7 @@ impl Trainer {
             compute_place,
             resident: false,
             traffic: None,
+            step_reason: "chosen by the caller that opened the store".into(),
             swap_path,
             reported: 0,
         })

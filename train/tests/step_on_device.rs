@@ -1,0 +1,193 @@
+//! The optimizer step on the device tier (`TrainerConfig::step_device`), on the simulated
+//! device, where everything above the device trait runs as on a GPU:
+//! - `Gpu` trains bit for bit as `Cpu` (the same CPU kernel, over the device's memory),
+//!   in f32 and bf16 precision, with gradients given by `put_grad` or written through
+//!   `Trainer::grad_view`;
+//! - with every chunk on the device, an iteration after the first moves no byte between
+//!   host and device: compute reads the parameters there and the gradients are written
+//!   where the step reads them. Fails if a gradient (or anything else) takes a host
+//!   round trip; the host step, beside it, moves every gradient;
+//! - `Auto` on the simulated device steps in the host pool, saying why; `Gpu` with a
+//!   device budget below the largest tensor's chunks is refused at open, naming
+//!   `optimizer.device` and the bytes short.
+
+use tidestore_train::{
+    typed, Budget, DType, DeviceChoice, DeviceViewMut, HyperParams, ParamSpec, Precision,
+    StepDevice, TensorState, TensorViewMut, TrainError, Trainer, TrainerConfig, Values,
+};
+
+const SHAPES: [&[usize]; 3] = [&[300, 70], &[70], &[12000]];
+
+fn config(dir: &std::path::Path, precision: Precision, step_device: StepDevice) -> TrainerConfig {
+    let mut cfg = TrainerConfig::new(HyperParams::adamw(1e-2, (0.9, 0.999), 1e-8, 0.1), dir);
+    cfg.max_grad_norm = Some(0.5);
+    cfg.device = DeviceChoice::Sim;
+    cfg.chunk_elements = Some(32768); // two chunks a list
+    cfg.device_budget = Budget::AllChunks;
+    cfg.host_budget = Budget::Chunks(5);
+    cfg.optimizer_threads = 2;
+    cfg.precision = precision;
+    cfg.step_device = step_device;
+    cfg
+}
+
+fn open(cfg: &TrainerConfig) -> Trainer {
+    let specs: Vec<ParamSpec> = SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ParamSpec::new(format!("p{i}"), s, true))
+        .collect();
+    let mut t = Trainer::open(&specs, cfg).unwrap();
+    for (i, shape) in SHAPES.iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|k| ((k * 7 + i) % 13) as f32 * 0.1 - 0.6)
+            .collect();
+        t.set_values(i, &v).unwrap();
+    }
+    t
+}
+
+/// Step `k`'s gradient of parameter `i` (of `n` elements).
+fn grad(k: usize, i: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|j| ((j * 5 + 3 * k + i) % 11) as f32 * 0.03 - 0.15)
+        .collect()
+}
+
+/// How an iteration hands its gradients over.
+#[derive(Debug, Clone, Copy)]
+enum Hand {
+    Put,
+    View,
+}
+
+/// One iteration: every parameter read for compute (forward, then backward's
+/// recompute), its gradient handed over, then the step.
+fn iteration(t: &mut Trainer, k: usize, hand: Hand) {
+    for i in 0..SHAPES.len() {
+        t.fetch(i, TensorState::HoldAfterFwd).unwrap();
+    }
+    for i in (0..SHAPES.len()).rev() {
+        t.fetch(i, TensorState::HoldAfterBwd).unwrap();
+        let g = grad(k, i, t.spec(i).unwrap().elements());
+        match hand {
+            Hand::Put => t.put_grad(i, Values::F32(&g), true, true).unwrap(),
+            Hand::View => {
+                let sq = t
+                    .grad_view(i, true, |v, dtype| write(v, dtype, &g))
+                    .unwrap();
+                t.grad_written(i, sq).unwrap();
+            }
+        }
+    }
+    t.step(&mut |_| {}).unwrap();
+}
+
+/// Writes `g` into a host-addressable gradient view as its dtype; the squared norm.
+fn write(view: TensorViewMut<'_>, dtype: DType, g: &[f32]) -> f64 {
+    let bytes = match view {
+        TensorViewMut::Host(b) | TensorViewMut::Device(DeviceViewMut::Host(b)) => b,
+        TensorViewMut::Device(DeviceViewMut::Cuda(_)) => panic!("no GPU in this test"),
+    };
+    typed::encode_f32(g, dtype, bytes);
+    g.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+}
+
+/// Every parameter's master, M and V, bit for bit.
+fn state(t: &mut Trainer) -> Vec<Vec<u32>> {
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    (0..SHAPES.len())
+        .flat_map(|i| {
+            let (m, v) = t.moments(i).unwrap();
+            [bits(t.values(i).unwrap()), bits(m), bits(v)]
+        })
+        .collect()
+}
+
+/// Bytes copied between host and device, both ways, since the last reset.
+fn crossed(t: &Trainer) -> u64 {
+    let s = t.stats();
+    s.host_to_device_bytes + s.device_to_host_bytes
+}
+
+#[test]
+fn the_step_on_the_device_trains_bit_for_bit_as_the_host_step() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for hand in [Hand::Put, Hand::View] {
+            let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let mut host = open(&config(da.path(), precision, StepDevice::Cpu));
+            let mut dev = open(&config(db.path(), precision, StepDevice::Gpu));
+            assert_eq!(host.step_placement().0, false);
+            let (on_device, why) = dev.step_placement();
+            assert!(on_device, "{why}");
+            assert!(why.contains("simulated"), "{why}");
+            for k in 0..4 {
+                iteration(&mut host, k, Hand::Put);
+                iteration(&mut dev, k, hand);
+            }
+            assert_eq!(state(&mut host), state(&mut dev), "{precision:?}, {hand:?}");
+        }
+    }
+}
+
+#[test]
+fn with_every_chunk_on_the_device_an_iteration_moves_nothing_between_host_and_device() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for hand in [Hand::Put, Hand::View] {
+            let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+            let mut host = open(&config(da.path(), precision, StepDevice::Cpu));
+            let mut dev = open(&config(db.path(), precision, StepDevice::Gpu));
+            // The first iteration brings the chunks to the device (and traces).
+            iteration(&mut host, 0, Hand::Put);
+            iteration(&mut dev, 0, hand);
+            host.reset_stats();
+            dev.reset_stats();
+            for k in 1..4 {
+                iteration(&mut host, k, Hand::Put);
+                iteration(&mut dev, k, hand);
+            }
+            assert_eq!(
+                crossed(&dev),
+                0,
+                "{precision:?}, {hand:?}: the step on the device moved {:?}",
+                dev.stats()
+            );
+            // The host step beside it takes every gradient and master, M and V to the
+            // host pool: at least the gradients' bytes cross each iteration.
+            let grad_bytes: u64 = SHAPES
+                .iter()
+                .map(|s| s.iter().product::<usize>() as u64)
+                .sum::<u64>()
+                * if precision == Precision::F32 { 4 } else { 2 };
+            assert!(
+                crossed(&host) >= 3 * grad_bytes,
+                "{precision:?}: the host step moved only {} bytes",
+                crossed(&host)
+            );
+        }
+    }
+}
+
+#[test]
+fn auto_on_the_simulated_device_steps_in_the_host_pool_and_a_short_budget_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = open(&config(dir.path(), Precision::Bf16, StepDevice::Auto));
+    let (on_device, why) = t.step_placement();
+    assert!(!on_device);
+    assert!(why.contains("simulated"), "{why}");
+
+    let mut cfg = config(dir.path(), Precision::F32, StepDevice::Gpu);
+    cfg.device_budget = Budget::Bytes(64 * 1024);
+    let specs = [ParamSpec::new("big", &[30_000], true)];
+    match Trainer::open(&specs, &cfg) {
+        Err(TrainError::Config { key, reason }) => {
+            assert_eq!(key, "optimizer.device");
+            assert!(
+                reason.contains("`big`") && reason.contains("short"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
