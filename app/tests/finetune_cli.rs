@@ -73,6 +73,51 @@ fn a_resumed_run_repeats_the_uninterrupted_losses_and_exports_a_model() {
 }
 
 #[test]
+fn the_optimizer_step_on_the_device_trains_as_the_host_step_and_resumes() {
+    // `optimizer.device = "gpu"` on the simulated device: the same CPU kernel over the
+    // device's memory, each gradient written there; `auto` there is the host pool.
+    let on = |device: &str| {
+        let d = setup("");
+        let cfg = config("").replace(
+            "threads = 1\n",
+            &format!("threads = 1\ndevice = \"{device}\"\n"),
+        );
+        std::fs::write(d.path().join("tidestore.toml"), cfg).unwrap();
+        d
+    };
+    let (host, dev) = (on("auto"), on("gpu"));
+    let report = |json: &str| -> serde_json::Value { serde_json::from_str(json).unwrap() };
+    let h = ok(host.path(), &["finetune", "--json"]);
+    let g = ok(dev.path(), &["finetune", "--json"]);
+    assert_eq!(
+        report(&h)["optimizer"],
+        "host",
+        "{}",
+        report(&h)["optimizer_reason"]
+    );
+    assert_eq!(
+        report(&g)["optimizer"],
+        "device",
+        "{}",
+        report(&g)["optimizer_reason"]
+    );
+    assert_eq!(
+        losses(&g),
+        losses(&h),
+        "the step on the device trained otherwise"
+    );
+
+    let again = on("gpu");
+    ok(again.path(), &["finetune", "--json", "--steps", "4"]);
+    let resumed = ok(again.path(), &["finetune", "--json", "--resume"]);
+    assert_eq!(
+        losses(&resumed),
+        losses(&g)[4..],
+        "steps 5..8 after a resume"
+    );
+}
+
+#[test]
 fn lora_exports_a_peft_adapter() {
     let d = setup("mode = \"lora\"\nlora_rank = 4\nexport_dir = \"adapter\"\n");
     let out = ok(d.path(), &["finetune", "--json"]);

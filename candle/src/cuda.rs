@@ -70,23 +70,40 @@ fn copy<T: CudaDType + DeviceRepr>(span: &CudaSpan<'_>, cuda: &CudaDevice) -> Re
     Ok(CudaStorage::wrap_cuda_slice(dst, cuda.clone()))
 }
 
-/// Writes the f32 gradient `grad` (`n` elements, any shape) into `span` as `dtype` —
-/// replacing what is there (`first`) or adding to it — on the GPU, waited for: the span
-/// may be released once this returns. Returns the squared L2 norm of what the span then
-/// holds, summed on the GPU from the f32 values before they are rounded to `dtype`.
-pub(crate) fn write_grad_span(
-    mut span: CudaSpanMut<'_>,
+/// Where a gradient from the GPU goes: its place on the store's GPU (device to device),
+/// or host bytes (its place in the host pool, for a step there).
+pub(crate) enum GradDst<'a> {
+    Device(CudaSpanMut<'a>),
+    Host(&'a mut [u8]),
+}
+
+impl GradDst<'_> {
+    fn len_bytes(&self) -> usize {
+        match self {
+            GradDst::Device(span) => span.len_bytes(),
+            GradDst::Host(bytes) => bytes.len(),
+        }
+    }
+}
+
+/// Writes the f32 gradient `grad` (`n` elements, any shape) into `dst` as `dtype` —
+/// replacing what is there (`first`) or adding to it — cast on the GPU and copied from
+/// it, waited for: the place may be released once this returns. Returns the squared L2
+/// norm of what the place then holds, summed on the GPU from the f32 values before they
+/// are rounded to `dtype`.
+pub(crate) fn write_grad(
+    mut dst: GradDst<'_>,
     dtype: DType,
     grad: &Tensor,
     first: bool,
 ) -> Result<f64> {
     let n = grad.elem_count();
-    if span.len_bytes() as u64 != n as u64 * dtype.size_bytes() {
+    if dst.len_bytes() as u64 != n as u64 * dtype.size_bytes() {
         return Err(Error::BadParam {
             name: String::new(),
             reason: format!(
                 "a gradient of {n} elements for a place of {} bytes of {dtype:?}",
-                span.len_bytes()
+                dst.len_bytes()
             ),
         });
     }
@@ -94,15 +111,17 @@ pub(crate) fn write_grad_span(
     let sum = if first {
         g
     } else {
-        let earlier = tensor_from_span(&span.as_span(), dtype, &[n], grad.device())?;
+        let earlier = match &dst {
+            GradDst::Device(span) => tensor_from_span(&span.as_span(), dtype, &[n], grad.device())?,
+            GradDst::Host(bytes) => crate::tide::upload(bytes, dtype, &[n], grad.device())?,
+        };
         (earlier.to_dtype(candle_core::DType::F32)? + g)?
     };
     let sq = sum.sqr()?.sum_all()?.to_scalar::<f32>()?;
     let stored = sum.to_dtype(candle_dtype(dtype)?)?.contiguous()?;
-    copy_into(&stored, &mut span)?;
+    copy_into(&stored, &mut dst)?;
     Ok(f64::from(sq))
 }
-
 /// candle's dtype for elements stored as `dtype` (the float types compute reads).
 fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
     match dtype {
@@ -116,9 +135,9 @@ fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
     }
 }
 
-/// The contiguous CUDA tensor `t`'s bytes into `span` (as long as each other), on the
+/// The contiguous CUDA tensor `t`'s bytes into `dst` (as long as each other), on the
 /// tensor's stream, waited for.
-fn copy_into(t: &Tensor, span: &mut CudaSpanMut<'_>) -> Result<()> {
+fn copy_into(t: &Tensor, dst: &mut GradDst<'_>) -> Result<()> {
     let Device::Cuda(cuda) = t.device() else {
         return Err(Error::BadParam {
             name: String::new(),
@@ -136,12 +155,12 @@ fn copy_into(t: &Tensor, span: &mut CudaSpanMut<'_>) -> Result<()> {
         };
         let at = layout.start_offset();
         match t.dtype() {
-            candle_core::DType::F32 => copy_slice(cs.as_cuda_slice::<f32>()?, at, span, &stream)?,
+            candle_core::DType::F32 => copy_slice(cs.as_cuda_slice::<f32>()?, at, dst, &stream)?,
             candle_core::DType::BF16 => {
-                copy_slice(cs.as_cuda_slice::<half::bf16>()?, at, span, &stream)?
+                copy_slice(cs.as_cuda_slice::<half::bf16>()?, at, dst, &stream)?
             }
             candle_core::DType::F16 => {
-                copy_slice(cs.as_cuda_slice::<half::f16>()?, at, span, &stream)?
+                copy_slice(cs.as_cuda_slice::<half::f16>()?, at, dst, &stream)?
             }
             other => {
                 return Err(Error::BadParam {
@@ -155,37 +174,38 @@ fn copy_into(t: &Tensor, span: &mut CudaSpanMut<'_>) -> Result<()> {
     Ok(())
 }
 
-/// `span.len_bytes()` bytes of `src` from element `at` into `span`, queued on `stream`.
+/// `dst`'s length of `src`'s bytes from element `at` into `dst`, queued on `stream`.
 fn copy_slice<T: DeviceRepr>(
     src: &CudaSlice<T>,
     at: usize,
-    span: &mut CudaSpanMut<'_>,
+    dst: &mut GradDst<'_>,
     stream: &Arc<CudaStream>,
 ) -> Result<()> {
     let width = std::mem::size_of::<T>();
-    let bytes = span.len_bytes();
-    if (src.len().saturating_sub(at)) * width < bytes {
+    let bytes = dst.len_bytes();
+    let have = src.len().saturating_sub(at) * width;
+    if have < bytes {
         return Err(Error::BadParam {
             name: String::new(),
-            reason: format!(
-                "a gradient of {} bytes for a place of {bytes}",
-                src.len().saturating_sub(at) * width
-            ),
+            reason: format!("a gradient of {have} bytes for a place of {bytes}"),
         });
     }
     let (src_ptr, _record) = src.device_ptr(stream);
-    // SAFETY: `span` is `bytes` of writable memory of an accessed chunk on this GPU (the
-    // store keeps it resident while the caller's view lives, and the caller synchronizes
-    // the stream before the view can be released); the source is `bytes` of `src` from
-    // element `at` (checked above), in the same (primary) context, kept alive by the
-    // borrow of `src` until the stream is synchronized.
-    unsafe {
-        result::memcpy_dtod_async(
-            span.ptr(),
-            src_ptr + (at * width) as u64,
-            bytes,
-            stream.cu_stream(),
-        )
+    let from = src_ptr + (at * width) as u64;
+    match dst {
+        // SAFETY: `span` is `bytes` of writable memory of an accessed chunk on this GPU
+        // (the store keeps it resident while the caller's view lives, and the caller
+        // synchronizes the stream before the view can be released); the source is
+        // `bytes` of `src` from element `at` (checked above), in the same (primary)
+        // context, kept alive by the borrow of `src` until the stream is synchronized.
+        GradDst::Device(span) => unsafe {
+            result::memcpy_dtod_async(span.ptr(), from, bytes, stream.cu_stream())
+        },
+        // SAFETY: `host` is `bytes` of writable host memory borrowed until the stream is
+        // synchronized (by the caller, before the borrow ends); the source as above.
+        GradDst::Host(host) => unsafe {
+            result::memcpy_dtoh_async(&mut host[..], from, stream.cu_stream())
+        },
     }
     .w()?;
     Ok(())

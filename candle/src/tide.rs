@@ -23,7 +23,10 @@
 //! layer-streamed trainer on the CPU copies no weight matrix: the store lends it for the
 //! block ([`TideParams::lend`]) and the products read it where the store keeps it (the
 //! embedding's lookup reads only its rows); small tensors (norms, biases) are still
-//! fetched, and each gradient is copied once, from candle's buffer into its chunk.
+//! fetched, and each gradient is copied once, from candle's buffer into its chunk. On a
+//! GPU it copies parameters from their device chunks into candle's memory and
+//! gradients, cast there, into their places ([`TideParams::put_grad_tensor`]): nothing
+//! goes through a `Vec`.
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
@@ -152,12 +155,13 @@ impl TideParams {
         Ok(())
     }
 
-    /// Writes one micro-batch's part of `name`'s gradient from a candle tensor. With the
-    /// optimizer step on the device tier and the gradient on a CUDA device: device to
-    /// device into the gradient's place there ([`Trainer::grad_view`]), its squared norm
-    /// summed on the GPU — nothing crosses the host. Otherwise through host memory as
-    /// [`TideParams::put_grad_part`]: a contiguous f32 CPU tensor straight from candle's
-    /// buffer, anything else (a GPU tensor, a strided view) through one copy.
+    /// Writes one micro-batch's part of `name`'s gradient from a candle tensor. From a
+    /// CUDA device: cast to the place's dtype and its squared norm summed on the GPU, then
+    /// copied into the gradient's place where the step reads it ([`Trainer::grad_view`]):
+    /// device to device for a step on the device tier (nothing crosses the host), else
+    /// straight into the host pool (pinned), half of f32's bytes for a bf16 place. From
+    /// the CPU as [`TideParams::put_grad_part`]: a contiguous f32 tensor straight from
+    /// candle's buffer, a strided view through one copy.
     pub fn put_grad_tensor(
         &mut self,
         name: &str,
@@ -165,7 +169,7 @@ impl TideParams {
         first: bool,
         last: bool,
     ) -> Result<()> {
-        if grad.device().is_cuda() && self.trainer.step_placement().0 {
+        if grad.device().is_cuda() {
             let i = self.trainer.index(name)?;
             let sq = self.trainer.grad_view(i, first, |view, dtype| {
                 grad_to_view(view, dtype, grad, first)
@@ -438,19 +442,19 @@ fn to_device(
     }
 }
 
-/// A CUDA gradient into its place on the GPU's device tier (see
-/// [`TideParams::put_grad_tensor`]); its squared norm.
+/// A CUDA gradient into its place (see [`TideParams::put_grad_tensor`]); its squared
+/// norm.
 #[cfg(feature = "gpu")]
 fn grad_to_view(view: TensorViewMut<'_>, dtype: DType, grad: &Tensor, first: bool) -> Result<f64> {
-    match view {
-        TensorViewMut::Device(tidestore_train::DeviceViewMut::Cuda(span)) => {
-            crate::cuda::write_grad_span(span, dtype, grad, first)
+    use crate::cuda::GradDst;
+    let dst = match view {
+        TensorViewMut::Device(tidestore_train::DeviceViewMut::Cuda(span)) => GradDst::Device(span),
+        TensorViewMut::Host(bytes)
+        | TensorViewMut::Device(tidestore_train::DeviceViewMut::Host(bytes)) => {
+            GradDst::Host(bytes)
         }
-        _ => Err(Error::BadParam {
-            name: String::new(),
-            reason: format!("a gradient on the GPU for a place of {dtype:?} in host memory"),
-        }),
-    }
+    };
+    crate::cuda::write_grad(dst, dtype, grad, first)
 }
 
 /// Without candle's CUDA backend no gradient is on a GPU.
@@ -463,7 +467,7 @@ fn grad_to_view(_: TensorViewMut<'_>, _: DType, _: &Tensor, _: bool) -> Result<f
 }
 
 /// `bytes` (little-endian elements of `dtype`) as a tensor of `shape` on `device`.
-fn upload(
+pub(crate) fn upload(
     bytes: &[u8],
     dtype: tidestore_train::DType,
     shape: &[usize],

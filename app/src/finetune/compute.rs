@@ -2,8 +2,8 @@
 //! on (a `gpu` build, `device.kind` `cuda` or `auto`, a GPU found), else the CPU.
 //!
 //! On the GPU, parameters go from their device chunks into candle's memory device to
-//! device (`TideParams::set_compute_device`); gradients still come back through host
-//! memory, counted in the store time of each step.
+//! device (`TideParams::set_compute_device`), and gradients, cast on the GPU, into their
+//! places where the step reads them (`TideParams::put_grad_tensor`).
 
 use candle_core::Device;
 use tidestore_tiers::DeviceKind;
