@@ -19,6 +19,15 @@
 //! overlapping backward (`optimizer.overlap = "backward"`) the iteration is forward plus
 //! the slower of backward and the step, forward taking its share of the compute's
 //! FLOPs; otherwise it is their sum.
+//!
+//! Data parallel over `ranks` GPUs (`--gpus`), each a machine as given: every chunk list
+//! sharded, each rank's store holding `1/ranks` of every tensor and of its master, M and
+//! V (the layout planned is one rank's: [`Workload::shard`]), each rank computing the
+//! whole model on its own micro-batch. Per rank and iteration the 16-bit parameters are
+//! all-gathered for forward and again for backward, and the trained gradients (bf16)
+//! reduce-scattered: with ring collectives each rank sends and receives `(ranks - 1) /
+//! ranks` of those bytes, over the link between GPUs (`--link`), a fourth resource of
+//! forward and backward beside compute, PCIe and NVMe; the step updates a rank's shard.
 
 use serde::Serialize;
 use tidestore_chunk::{plan_capacity, ChunkError, Layout, ListKind};
@@ -52,6 +61,10 @@ pub struct Machine {
     pub compute_flops_per_s: f64,
     /// Whether the step overlaps backward (`optimizer.overlap = "backward"`).
     pub overlap_backward: bool,
+    /// Data-parallel ranks (GPUs, one machine as above each); 1: no data parallelism.
+    pub ranks: u32,
+    /// Bandwidth of a rank's collectives (each way), between GPUs.
+    pub link_bytes_per_s: f64,
 }
 
 /// Where one chunk list goes.
@@ -122,6 +135,12 @@ pub struct PlanReport {
     pub nvme_read_bytes: u64,
     /// Bytes written to NVMe per iteration.
     pub nvme_write_bytes: u64,
+    /// Bytes a rank sends (and receives) in collectives per iteration: the all-gathers
+    /// of the 16-bit parameters (forward and backward) and the gradients'
+    /// reduce-scatter; 0 on one rank.
+    pub collective_bytes: u64,
+    /// Projected seconds of those collectives over the link.
+    pub collective_seconds: f64,
     /// Projected compute seconds of forward + backward (0 when not counted).
     pub compute_seconds: f64,
     /// Projected forward + backward seconds: the slowest of compute, PCIe and NVMe.
@@ -134,7 +153,8 @@ pub struct PlanReport {
     pub note: String,
 }
 
-/// Plans `workload` laid out as `layout` on `machine` (see the module doc).
+/// Plans `workload` laid out as `layout` on `machine` (see the module doc); with
+/// `machine.ranks` > 1, `layout` is one rank's, of `workload.shard(machine.ranks)`.
 pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<PlanReport> {
     let act = workload.activation_bytes().peak();
     let device_budget = machine
@@ -300,13 +320,22 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     };
     let compute = ComputeModel::new(workload, machine.compute_flops_per_s / 1e12);
     let compute_seconds = compute.iteration_seconds();
+    let ranks = u64::from(machine.ranks.max(1));
+    let collective_bytes = collective_bytes(workload, ranks);
+    let collective_seconds = if ranks > 1 {
+        secs(collective_bytes, machine.link_bytes_per_s)
+    } else {
+        0.0
+    };
     let forward_backward_seconds = compute_seconds
+        .max(collective_seconds)
         .max(secs(pcie, machine.pcie_bytes_per_s))
         .max(
             secs(fb_nvme_r, machine.nvme_read_bytes_per_s)
                 + secs(fb_nvme_w, machine.nvme_write_bytes_per_s),
         );
-    let optimizer_seconds = secs(workload.params_trainable(), machine.optimizer_params_per_s).max(
+    let stepped = workload.params_trainable().div_ceil(ranks);
+    let optimizer_seconds = secs(stepped, machine.optimizer_params_per_s).max(
         secs(opt_r, machine.nvme_read_bytes_per_s) + secs(opt_w, machine.nvme_write_bytes_per_s),
     );
     let iteration_seconds = if machine.overlap_backward {
@@ -331,19 +360,41 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         pcie_bytes: pcie,
         nvme_read_bytes: nvme_r,
         nvme_write_bytes: nvme_w,
+        collective_bytes,
+        collective_seconds,
         compute_seconds,
         forward_backward_seconds,
         optimizer_seconds,
         iteration_seconds,
-        note: if compute_seconds > 0.0 {
-            "compute at the given rate (matrices, attention, backward with recompute); \
-             compute, PCIe and NVMe are assumed to overlap within a phase"
-        } else {
-            "data movement and the CPU optimizer only: the GPU's compute is not included \
-             (give --tflops); PCIe and NVMe are assumed to overlap within a phase"
-        }
-        .into(),
+        note: note(compute_seconds > 0.0, ranks > 1),
     })
+}
+
+/// What the projection leaves out, and what it assumes.
+fn note(compute: bool, ranks: bool) -> String {
+    let mut n = String::from(if compute {
+        "compute at the given rate (matrices, attention, backward with recompute); compute, "
+    } else {
+        "data movement and the CPU optimizer only: the GPU's compute is not included (give \
+         --tflops); "
+    });
+    n += if ranks {
+        "collectives, PCIe and NVMe are assumed to overlap within a phase; the gathered \
+         16-bit parameters of the block being computed take device memory beside the \
+         activations, not counted here"
+    } else {
+        "PCIe and NVMe are assumed to overlap within a phase"
+    };
+    n
+}
+
+/// Bytes one of `ranks` ranks sends (and receives) per iteration in ring collectives:
+/// two all-gathers of every 16-bit parameter (bf16), one reduce-scatter of the trained
+/// gradients (bf16), each `(ranks - 1) / ranks` of its bytes; 0 for one rank.
+fn collective_bytes(workload: &Workload, ranks: u64) -> u64 {
+    let gathered = 2 * 2 * workload.params_total();
+    let reduced = 2 * workload.params_trainable();
+    (gathered + reduced) * (ranks - 1) / ranks
 }
 
 /// Measures this machine's CPU AdamW rate (bf16 gradients, moments stored as `moments`,
@@ -444,6 +495,8 @@ mod tests {
             pcie_bytes_per_s: 25e9,
             compute_flops_per_s: 0.0,
             overlap_backward: false,
+            ranks: 1,
+            link_bytes_per_s: 25e9,
             nvme_read_bytes_per_s: 7e9,
             nvme_write_bytes_per_s: 5e9,
             optimizer_params_per_s: 1e9,
@@ -472,6 +525,43 @@ mod tests {
         );
         let layout = auto_layout(&w);
         (w, layout)
+    }
+
+    #[test]
+    fn data_parallel_ranks_each_store_a_shard_and_pay_the_collectives() {
+        let w = Workload::new(ModelName::Llama7b, models::LLAMA_7B, None, 1, 1024);
+        let m = gpu24_ram64_nvme2t();
+        let one = plan(&w, &auto_layout(&w), &m).unwrap();
+        let m4 = Machine {
+            ranks: 4,
+            link_bytes_per_s: 10e9,
+            ..m
+        };
+        let four = plan(&w, &auto_layout(&w.shard(4)), &m4).unwrap();
+        // Each rank stores a quarter of every list (shards padded to whole elements).
+        for (a, b) in one.lists.iter().zip(&four.lists) {
+            let quarter = a.payload_bytes as f64 / 4.0;
+            assert!(
+                (b.payload_bytes as f64 - quarter).abs() / quarter < 1e-3,
+                "{a:?} {b:?}"
+            );
+        }
+        // Two all-gathers of the bf16 parameters and a reduce-scatter of the bf16
+        // gradients, three quarters of each through every rank.
+        let (p, t) = (w.params_total(), w.params_trainable());
+        assert_eq!(one.collective_bytes, 0);
+        assert_eq!(four.collective_bytes, (4 * p + 2 * t) * 3 / 4);
+        let link = four.collective_bytes as f64 / 10e9;
+        assert!((four.collective_seconds - link).abs() < 1e-9);
+        assert!(four.forward_backward_seconds >= link);
+        // A rank steps a quarter of the parameters.
+        assert!(
+            four.optimizer_seconds <= one.optimizer_seconds / 4.0 * 1.01,
+            "{} vs {}",
+            four.optimizer_seconds,
+            one.optimizer_seconds
+        );
+        assert!(four.note.contains("collectives"), "{}", four.note);
     }
 
     #[test]

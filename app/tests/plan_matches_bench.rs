@@ -74,3 +74,43 @@ fn the_plan_projects_what_the_bench_measures() {
 fn the_plan_projects_what_the_bench_measures_with_overlap() {
     compare("backward", 0.0);
 }
+
+#[test]
+fn plan_gpus_projects_one_ranks_shard_and_its_collectives() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tidestore.toml"), config("off", 1.0)).unwrap();
+    let args = ["plan", "--json", "--optimizer-rate", "1e9"];
+    let one = run_json(dir.path(), &args);
+    let two = run_json(
+        dir.path(),
+        &[&args[..], &["--gpus", "2", "--link", "10"]].concat(),
+    );
+    assert_eq!(two["machine"]["ranks"], 2);
+    // Full fine-tuning: every parameter gathered twice and its gradient reduce-scattered,
+    // half of each through a rank.
+    let p = one["params_trainable"].as_u64().unwrap();
+    assert_eq!(one["collective_bytes"], 0);
+    assert_eq!(two["collective_bytes"].as_u64().unwrap(), 6 * p / 2);
+    let stored = |v: &serde_json::Value| -> u64 {
+        v["lists"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["payload_bytes"].as_u64().unwrap())
+            .sum()
+    };
+    let (a, b) = (stored(&one), stored(&two));
+    assert!(
+        b * 2 >= a && b * 2 < a + a / 100,
+        "one rank stores {b} of {a}"
+    );
+
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(dir.path().join("tidestore.toml"))
+        .args(["plan", "--gpus", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "--gpus 0 is a usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--gpus"));
+}

@@ -415,6 +415,28 @@ impl Workload {
             .sum()
     }
 
+    /// What one of `ranks` data-parallel ranks stores: every tensor cut into `ranks`
+    /// equal flat shards (the last padded), this rank's one in its place, as the
+    /// data-parallel engines keep them (`tidestore.offload(process_group=...)`: each
+    /// rank's store holds `1/ranks` of every parameter and of its master, M and V). The
+    /// shape, blocks and batch stay the model's: each rank computes the whole model on
+    /// its own micro-batch. One rank: the workload itself.
+    pub fn shard(&self, ranks: u32) -> Workload {
+        let n = u64::from(ranks.max(1));
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let per = elements(t).div_ceil(n).max(1) as usize;
+                TensorSpec::new(t.name.clone(), &[per], t.dtype, t.trainable)
+            })
+            .collect();
+        Workload {
+            tensors,
+            ..self.clone()
+        }
+    }
+
     /// A one-line description: `gpt2 (124.4M params), full fine-tuning`.
     pub fn describe(&self) -> String {
         let mode = match self.lora {

@@ -88,6 +88,16 @@ pub struct PlanArgs {
     #[arg(long, value_name = "GB/s", default_value_t = 5.0)]
     nvme_write: f64,
 
+    /// Data-parallel ranks: GPUs, each with the GPU, RAM and NVMe above, every chunk
+    /// list sharded across them (the plan is one rank's).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    gpus: u32,
+
+    /// Bandwidth of a rank's collectives between GPUs in GB/s, each way (NCCL's bus
+    /// bandwidth: about the PCIe rate without NVLink) [default: --pcie].
+    #[arg(long, value_name = "GB/s")]
+    link: Option<f64>,
+
     /// CPU AdamW rate in parameters per second [default: measured now].
     #[arg(long, value_name = "PARAMS/s")]
     optimizer_rate: Option<f64>,
@@ -138,6 +148,10 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
             reason: format!("{tflops} is not a number >= 0"),
         });
     }
+    let link = match args.link {
+        Some(l) => positive("--link", l)? * 1e9,
+        None => pcie,
+    };
     let nvme_read = positive("--nvme-read", args.nvme_read)? * 1e9;
     let nvme_write = positive("--nvme-write", args.nvme_write)? * 1e9;
     let (rate, measured) = match args.optimizer_rate {
@@ -185,9 +199,11 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
         optimizer_params_per_s: rate,
         compute_flops_per_s: tflops * 1e12,
         overlap_backward: cfg.optimizer.overlap == OverlapName::Backward,
+        ranks: args.gpus,
+        link_bytes_per_s: link,
     };
     let (layout, _, _) = layout_for(
-        &workload,
+        &workload.shard(args.gpus),
         cfg.chunk.size,
         cfg.io.block_size.bytes(),
         cfg.optimizer.states.moments(),
@@ -235,6 +251,19 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
             "--optimizer-rate"
         }
     );
+    if m.ranks > 1 {
+        out!(
+            "data parallel: {} ranks, each the machine above, every chunk list sharded \
+             (the lists below are one rank's 1/{} of each tensor); per rank and iteration \
+             {} in ring collectives (16-bit parameters all-gathered for forward and \
+             backward, gradients reduce-scattered) over a {:.1} GB/s link: {:.2} s",
+            m.ranks,
+            m.ranks,
+            human_bytes(r.collective_bytes),
+            m.link_bytes_per_s / 1e9,
+            r.collective_seconds
+        );
+    }
     out!(
         "device for chunks: {} = GPU less {} of activations (checkpointed, micro-batch and \
          sequence of the config) less {} margin",
