@@ -14,6 +14,8 @@
 //!   gradient's element becomes NaN, as in torch), the same steps otherwise; refused
 //!   with clipping.
 
+mod common;
+
 use tidestore_train::{
     Budget, DeviceChoice, HyperParams, ParamSpec, Precision, Resident, TensorState, TrainError,
     Trainer, TrainerConfig, Values,
@@ -41,22 +43,8 @@ fn open_as(dir: &std::path::Path, host_budget: Budget, precision: Precision) -> 
     open_with(&cfg)
 }
 
-/// A trainer over `SHAPES` opened with `cfg`, its values set.
 fn open_with(cfg: &TrainerConfig) -> Trainer {
-    let specs: Vec<ParamSpec> = SHAPES
-        .iter()
-        .enumerate()
-        .map(|(i, s)| ParamSpec::new(format!("p{i}"), s, true))
-        .collect();
-    let mut t = Trainer::open(&specs, cfg).unwrap();
-    for (i, shape) in SHAPES.iter().enumerate() {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|k| ((k * 7 + i) % 13) as f32 * 0.1 - 0.6)
-            .collect();
-        t.set_values(i, &v).unwrap();
-    }
-    t
+    common::pattern_trainer(cfg, &SHAPES)
 }
 
 /// The values at a resident master's address.

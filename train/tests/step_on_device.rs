@@ -11,6 +11,8 @@
 //!   device budget below the largest tensor's chunks is refused at open, naming
 //!   `optimizer.device` and the bytes short.
 
+mod common;
+
 use tidestore_train::{
     typed, Budget, DType, DeviceChoice, DeviceViewMut, HyperParams, ParamSpec, Precision,
     StepDevice, TensorState, TensorViewMut, TrainError, Trainer, TrainerConfig, Values,
@@ -32,20 +34,7 @@ fn config(dir: &std::path::Path, precision: Precision, step_device: StepDevice) 
 }
 
 fn open(cfg: &TrainerConfig) -> Trainer {
-    let specs: Vec<ParamSpec> = SHAPES
-        .iter()
-        .enumerate()
-        .map(|(i, s)| ParamSpec::new(format!("p{i}"), s, true))
-        .collect();
-    let mut t = Trainer::open(&specs, cfg).unwrap();
-    for (i, shape) in SHAPES.iter().enumerate() {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|k| ((k * 7 + i) % 13) as f32 * 0.1 - 0.6)
-            .collect();
-        t.set_values(i, &v).unwrap();
-    }
-    t
+    common::pattern_trainer(cfg, &SHAPES)
 }
 
 /// Step `k`'s gradient of parameter `i` (of `n` elements).

@@ -13,7 +13,7 @@ use tidestore_io::IoConfig;
 use tidestore_optimizer::{ControllerState, LossScalerState};
 use tidestore_tiers::{Device, DeviceConfig};
 use tidestore_train::checkpoint::CHECKPOINT_LISTS;
-use tidestore_train::CheckpointState;
+use tidestore_train::{CheckpointState, ParamSpec, Trainer, TrainerConfig};
 
 /// Slots per chunk of the test layouts.
 pub const CHUNK_ELEMENTS: u64 = 1024;
@@ -125,3 +125,22 @@ pub fn state(step: u64) -> CheckpointState {
 }
 
 pub mod hf;
+
+/// A trainer opened with `cfg` over trainable parameters `p0`, `p1`, ... of `shapes`,
+/// their values set to a fixed pattern.
+pub fn pattern_trainer(cfg: &TrainerConfig, shapes: &[&[usize]]) -> Trainer {
+    let specs: Vec<ParamSpec> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ParamSpec::new(format!("p{i}"), s, true))
+        .collect();
+    let mut t = Trainer::open(&specs, cfg).unwrap();
+    for (i, shape) in shapes.iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|k| ((k * 7 + i) % 13) as f32 * 0.1 - 0.6)
+            .collect();
+        t.set_values(i, &v).unwrap();
+    }
+    t
+}
