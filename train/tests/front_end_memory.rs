@@ -80,15 +80,8 @@ fn step_given(t: &mut Trainer, g: &[Vec<f32>]) -> Result<(), TrainError> {
     t.step_given(&given, &mut |_| {}).map(|_| ())
 }
 
-/// Every parameter's master, M and V, bit for bit.
 fn state(t: &mut Trainer) -> Vec<Vec<u32>> {
-    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-    (0..SHAPES.len())
-        .flat_map(|i| {
-            let (m, v) = t.moments(i).unwrap();
-            [bits(t.values(i).unwrap()), bits(m), bits(v)]
-        })
-        .collect()
+    common::state_bits(t)
 }
 
 #[test]

@@ -83,15 +83,8 @@ fn write(view: TensorViewMut<'_>, dtype: DType, g: &[f32]) -> f64 {
     g.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
 }
 
-/// Every parameter's master, M and V, bit for bit.
 fn state(t: &mut Trainer) -> Vec<Vec<u32>> {
-    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-    (0..SHAPES.len())
-        .flat_map(|i| {
-            let (m, v) = t.moments(i).unwrap();
-            [bits(t.values(i).unwrap()), bits(m), bits(v)]
-        })
-        .collect()
+    common::state_bits(t)
 }
 
 /// Bytes copied between host and device, both ways, since the last reset.

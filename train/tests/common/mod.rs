@@ -144,3 +144,14 @@ pub fn pattern_trainer(cfg: &TrainerConfig, shapes: &[&[usize]]) -> Trainer {
     }
     t
 }
+
+/// Every trainable parameter's master, M and V, bit for bit.
+pub fn state_bits(t: &mut Trainer) -> Vec<Vec<u32>> {
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    (0..t.len())
+        .flat_map(|i| {
+            let (m, v) = t.moments(i).unwrap();
+            [bits(t.values(i).unwrap()), bits(m), bits(v)]
+        })
+        .collect()
+}
