@@ -25,7 +25,7 @@ pub mod swapfile;
 pub mod uring;
 
 pub use backend::{Backend, BackendKind, RawCompletion, RawOp};
-pub use buffer::{align_up, AlignedBuf, BufferPool, ALIGN_BYTES};
+pub use buffer::{align_up, human_bytes, AlignedBuf, BufferPool, ALIGN_BYTES};
 pub use compress::Compression;
 pub use config::{check_writable_dir, EngineChoice, IoConfig, QUEUE_DEPTH_MAX};
 pub use engine::{Engine, IoCompletion, IoRequest};

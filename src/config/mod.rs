@@ -276,9 +276,20 @@ pub enum OptimizerDevice {
     /// the CPU kernel over the simulated device's memory on the simulated one. The
     /// device budget during the step (the device's memory less what is not chunks less
     /// `device.tidal_margin`) must hold the four chunks of the largest trainable tensor,
-    /// and on a GPU the GPU kernel must be ready; otherwise the bench refuses to start,
+    /// and on a GPU the GPU kernel must be ready; otherwise the run refuses to start,
     /// naming this key.
     Gpu,
+}
+
+impl OptimizerDevice {
+    /// The trainer's setting of the same name.
+    pub fn step_device(self) -> tidestore_train::StepDevice {
+        match self {
+            OptimizerDevice::Auto => tidestore_train::StepDevice::Auto,
+            OptimizerDevice::Cpu => tidestore_train::StepDevice::Cpu,
+            OptimizerDevice::Gpu => tidestore_train::StepDevice::Gpu,
+        }
+    }
 }
 
 /// `optimizer.overlap`: when tensors are stepped.

@@ -5,11 +5,9 @@
 use std::path::PathBuf;
 
 use tidestore_optimizer::{HyperParams, Mode};
-use tidestore_train::{Budget, DeviceChoice, Overlap, Precision, StepDevice, TrainerConfig};
+use tidestore_train::{Budget, DeviceChoice, Overlap, Precision, TrainerConfig};
 
-use super::{
-    AutoSize, Config, DecayMode, DeviceKindName, OptimizerDevice, OverlapName, PrecisionName,
-};
+use super::{AutoSize, Config, DecayMode, DeviceKindName, OverlapName, PrecisionName};
 use crate::error::Result;
 
 impl Config {
@@ -60,11 +58,7 @@ impl Config {
             DeviceKindName::Sim => DeviceChoice::Sim,
             DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
         };
-        tc.step_device = match self.optimizer.device {
-            OptimizerDevice::Cpu => StepDevice::Cpu,
-            OptimizerDevice::Gpu => StepDevice::Gpu,
-            OptimizerDevice::Auto => StepDevice::Auto,
-        };
+        tc.step_device = self.optimizer.device.step_device();
         Ok(tc)
     }
 }
@@ -90,7 +84,7 @@ mod tests {
         assert_eq!(tc.host_budget, Budget::Bytes(64 << 20));
         assert_eq!(tc.device_budget, Budget::Bytes(32 << 20));
         assert_eq!(tc.device, DeviceChoice::Sim);
-        assert_eq!(tc.step_device, StepDevice::Gpu);
+        assert_eq!(tc.step_device, tidestore_train::StepDevice::Gpu);
         assert_eq!(tc.swap_dir, PathBuf::from("/tmp/swap"));
     }
 }

@@ -45,8 +45,8 @@ pub use step::{
     StepTensor,
 };
 pub use trainer::{
-    decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec, Precision, Resident,
-    StepDevice, Trainer, TrainerConfig, Values,
+    decide_step_place, decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec,
+    Precision, Resident, StepDevice, StepNeeds, Trainer, TrainerConfig, Values,
 };
 
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,

@@ -2,11 +2,12 @@
 //! iteration: the step's device budget against the trainable tensors' chunks, and the
 //! CPU kernel the host steps use.
 
-use tidestore_chunk::{ChunkStore, Layout, ListKind, TensorId};
+use tidestore_chunk::{ChunkStore, Layout};
 use tidestore_optimizer::{AdamW, CpuConfig, OptimError};
+use tidestore_train::{decide_step_place, StepNeeds};
 
-use crate::error::{Error, Result};
-use tidestore::config::{Config, OptimizerDevice};
+use crate::error::Result;
+use tidestore::config::Config;
 use tidestore::session;
 use tidestore::workload::Workload;
 
@@ -19,14 +20,6 @@ pub(super) struct StepPlacement {
     /// Why, in one phrase.
     pub(super) reason: String,
 }
-
-/// The lists a tensor's step touches.
-const STEP_LISTS: [ListKind; 4] = [
-    ListKind::Params,
-    ListKind::Master,
-    ListKind::Momentum,
-    ListKind::Variance,
-];
 
 /// The device budget for chunks during the optimizer step, as the store sets it then:
 /// the device's memory less what is not chunks (measured on a GPU; on the simulated
@@ -95,60 +88,13 @@ impl StepBudget {
     }
 }
 
-/// Device bytes the step on the device needs: the four chunks of the trainable tensor
-/// whose four chunks take most (what is in use at once), and every chunk holding
-/// trainable state (what would let the step move nothing). Chunks count as the device
-/// budget counts them (rounded up to 4096).
-#[derive(Debug, Clone)]
-pub(super) struct StepNeeds {
-    largest_bytes: u64,
-    largest_tensor: String,
-    /// The largest tensor's chunks, per list of [`STEP_LISTS`].
-    largest_chunks: [u64; 4],
-    all_bytes: u64,
-}
-
-pub(super) fn step_needs(layout: &Layout, workload: &Workload) -> StepNeeds {
-    let dense = layout.dense_chunk_bytes();
-    let dev_bytes = |d: usize| tidestore_io::align_up(dense[d] as usize) as u64;
-    let mut needs = StepNeeds {
-        largest_bytes: 0,
-        largest_tensor: String::new(),
-        largest_chunks: [0; 4],
-        all_bytes: 0,
-    };
-    let mut seen = vec![false; dense.len()];
-    for (i, t) in workload.tensors.iter().enumerate() {
-        if !t.trainable {
-            continue;
-        }
-        let mut chunks = [0u64; 4];
-        for (c, list) in chunks.iter_mut().zip(STEP_LISTS) {
-            if let Some(loc) = layout.location(TensorId(i as u32), list) {
-                let d = loc.chunk.dense();
-                *c = dev_bytes(d);
-                if !seen[d] {
-                    seen[d] = true;
-                    needs.all_bytes += *c;
-                }
-            }
-        }
-        let sum = chunks.iter().sum();
-        if sum > needs.largest_bytes {
-            needs.largest_bytes = sum;
-            needs.largest_tensor = t.name.clone();
-            needs.largest_chunks = chunks;
-        }
-    }
-    needs
-}
-
 fn human(b: u64) -> String {
     crate::plan::human_bytes(b)
 }
 
-/// Where the optimizer step runs, from `optimizer.device` (see the module doc), or a
-/// config error naming `optimizer.device` when `gpu` cannot run.
+/// Where the optimizer step runs, from `optimizer.device` (the trainer's rule,
+/// [`decide_step_place`], with the bench's step budget), or a config error naming
+/// `optimizer.device` when `gpu` cannot run.
 pub(super) fn choose_placement(
     cfg: &Config,
     on_gpu: bool,
@@ -156,77 +102,26 @@ pub(super) fn choose_placement(
     needs: &StepNeeds,
     gpu_kernel: std::result::Result<(), OptimError>,
 ) -> Result<StepPlacement> {
-    let place = |on_device: bool, reason: String| Ok(StepPlacement { on_device, reason });
-    match cfg.optimizer.device {
-        OptimizerDevice::Cpu => place(false, "optimizer.device = \"cpu\"".into()),
-        OptimizerDevice::Gpu => {
-            if on_gpu {
-                if let Err(e) = gpu_kernel {
-                    return Err(Error::config(
-                        "optimizer.device",
-                        format!("\"gpu\": the GPU AdamW kernel is not ready: {e}"),
-                    ));
-                }
-            }
-            if needs.largest_bytes > budget.bytes {
-                let [p16, master, m, v] = needs.largest_chunks;
-                return Err(Error::config(
-                    "optimizer.device",
-                    format!(
-                        "\"gpu\" steps each trainable tensor with its four chunks on the \
-                         device at once: tensor `{}` needs {} (param16 {}, master {}, m {}, \
-                         v {}), but the device budget during the step is {} ({}), {} \
-                         short; use \"cpu\" or \"auto\", or more device memory{}",
-                        needs.largest_tensor,
-                        human(needs.largest_bytes),
-                        human(p16),
-                        human(master),
-                        human(m),
-                        human(v),
-                        human(budget.bytes),
-                        budget.describe(),
-                        human(needs.largest_bytes - budget.bytes),
-                        if on_gpu { "" } else { " (device.sim_memory)" }
-                    ),
-                ));
-            }
-            place(
-                true,
-                if on_gpu {
-                    "optimizer.device = \"gpu\"".into()
-                } else {
-                    "optimizer.device = \"gpu\" on the simulated device".into()
-                },
-            )
-        }
-        OptimizerDevice::Auto => {
-            if !on_gpu {
-                return place(false, "auto: the device is simulated".into());
-            }
-            if let Err(e) = gpu_kernel {
-                return place(false, format!("auto: no GPU AdamW kernel ({e})"));
-            }
-            if needs.all_bytes > budget.bytes {
-                return place(
-                    false,
-                    format!(
-                        "auto: the trainable state ({}) does not fit the step's device \
-                         budget ({})",
-                        human(needs.all_bytes),
-                        human(budget.bytes)
-                    ),
-                );
-            }
-            place(
-                true,
-                format!(
-                    "auto: a CUDA GPU whose step budget ({}) holds all trainable state ({})",
-                    human(budget.bytes),
-                    human(needs.all_bytes)
-                ),
-            )
-        }
-    }
+    let (on_device, reason) = decide_step_place(
+        cfg.optimizer.device.step_device(),
+        on_gpu,
+        budget.bytes,
+        &budget.describe(),
+        needs,
+        gpu_kernel,
+    )?;
+    Ok(StepPlacement { on_device, reason })
+}
+
+/// The trainable tensors' step needs in the bench's layout (tensor `i` is the
+/// workload's `i`).
+pub(super) fn step_needs(layout: &Layout, workload: &Workload) -> StepNeeds {
+    StepNeeds::of(layout, |id| {
+        workload
+            .tensors
+            .get(id.0 as usize)
+            .is_some_and(|t| t.trainable)
+    })
 }
 
 /// The CPU AdamW the config asks for (`optimizer.threads`). It steps the host pool, and
@@ -241,6 +136,8 @@ pub fn cpu_optimizer(cfg: &Config) -> Result<AdamW> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tidestore::config::OptimizerDevice;
+    use tidestore_chunk::ListKind;
 
     /// On a GPU the slab is `device.budget`: the step's budget is bounded by it, not by
     /// the card's free memory (an 80 GB card with a 128 MiB slab placed a 176 MB step on
@@ -259,7 +156,12 @@ mod tests {
         let needs = StepNeeds {
             largest_bytes: 176 << 20,
             largest_tensor: "embed_tokens".into(),
-            largest_chunks: [32 << 20, 48 << 20, 48 << 20, 48 << 20],
+            largest_chunks: vec![
+                (ListKind::Params, 32 << 20),
+                (ListKind::Master, 48 << 20),
+                (ListKind::Momentum, 48 << 20),
+                (ListKind::Variance, 48 << 20),
+            ],
             all_bytes: 2 * gib,
         };
         let auto = choose_placement(&cfg, true, b, &needs, Ok(())).unwrap();

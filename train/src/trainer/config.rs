@@ -109,8 +109,8 @@ pub enum StepDevice {
     /// a GPU whose AdamW kernel cannot be made.
     Gpu,
     /// `Gpu` on a CUDA GPU whose AdamW kernel is ready and whose device budget holds
-    /// every chunk of the layout (so neither the step nor compute moves one), else
-    /// `Cpu`; always `Cpu` on the simulated device. Why is logged and kept
+    /// every chunk of trainable state (so no step moves one), else `Cpu`; always `Cpu`
+    /// on the simulated device ([`crate::decide_step_place`]). Why is logged and kept
     /// ([`crate::Trainer::step_placement`]).
     Auto,
 }

@@ -39,6 +39,7 @@ use tidestore_chunk::{ChunkStore, ListKind, MoveEvent, MoveKind, Place, StoreSta
 use tidestore_optimizer::HyperParams;
 
 pub use config::{Budget, DeviceChoice, ParamSpec, Precision, StepDevice, TrainerConfig};
+pub use placement::{decide_step_place, StepNeeds};
 
 use crate::error::{Result, TrainError};
 use crate::step::StepLoop;

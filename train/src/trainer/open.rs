@@ -10,13 +10,18 @@ use tidestore_chunk::{
     search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
     NvmeSource, SearchConfig, StoreConfig, TensorSpec,
 };
-use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW};
+use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
 
+use super::config::StepDevice;
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
-use super::{placement, Entry, NvmeTraffic, Trainer};
+use super::placement::{decide_step_place, StepNeeds};
+use super::{Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
-use crate::step::{StepConfig, StepLoop, StepTensor};
+use crate::step::{StepConfig, StepLoop, StepPlace, StepTensor};
+
+/// The CUDA device the tier opens (`DeviceConfig`'s default ordinal).
+const GPU_ORDINAL: usize = 0;
 
 /// Chunks the optimizer step holds at once: gradient, master, M and V.
 const STEP_WORKING_SET_CHUNKS: u32 = 4;
@@ -36,20 +41,37 @@ impl Trainer {
             threads: cfg.optimizer_threads,
             ..CpuConfig::default()
         })?;
-        let placed = placement::place_step(
+        let on_gpu = device.kind() == DeviceKind::Cuda;
+        let opt = if on_gpu && cfg.step_device != StepDevice::Cpu {
+            HybridAdamW::new(cpu, GPU_ORDINAL)
+        } else {
+            let why = if on_gpu {
+                "optimizer.device = \"cpu\""
+            } else {
+                "the device is simulated"
+            };
+            HybridAdamW::cpu_only(cpu, OptimError::NoGpu { reason: why.into() })
+        };
+        let needs = StepNeeds::of(&layout, |id| layout.tensor(id).is_some_and(|t| t.trainable));
+        let (on_device, step_reason) = decide_step_place(
             cfg.step_device,
-            &layout,
-            specs,
-            &device,
+            on_gpu,
             store_cfg.device_budget_bytes,
-            cpu,
+            "device.budget",
+            &needs,
+            opt.gpu_status(),
         )?;
-        tracing::info!(place = ?placed.place, reason = %placed.reason, "trainer: optimizer step placement");
+        let place = if on_device {
+            StepPlace::Device
+        } else {
+            StepPlace::Host
+        };
+        tracing::info!(?place, reason = %step_reason, "trainer: optimizer step placement");
         let step = StepConfig {
             hp: cfg.hp,
             max_grad_norm: cfg.max_grad_norm,
             loss_scaler: None,
-            place: placed.place,
+            place,
             overlap: cfg.overlap,
             check_finite: cfg.check_finite,
         };
@@ -71,9 +93,9 @@ impl Trainer {
         let traffic = Arc::new(NvmeTraffic::default());
         let hook = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
-        let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, placed.opt)?;
+        let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, opt)?;
         trainer.traffic = Some(traffic);
-        trainer.step_reason = placed.reason;
+        trainer.step_reason = step_reason;
         Ok(trainer)
     }
 

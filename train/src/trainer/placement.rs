@@ -1,154 +1,140 @@
-//! Where the optimizer step runs ([`StepDevice`]), decided once at open from the layout,
-//! the device budget and the device tier that was opened: the step's place and the
-//! optimizer that steps there (with the GPU kernel only where it may be used).
+//! Where the optimizer step runs ([`StepDevice`]): one rule for every front end (the
+//! trainer decides it at open; the bench, which opens its own store, calls
+//! [`decide_step_place`] with its budget). The step on the device holds a trainable
+//! tensor's chunks there at once; `auto` takes the device where every chunk of trainable
+//! state fits its budget, so that no step moves one.
 
 use tidestore_chunk::{Layout, ListKind, TensorId};
-use tidestore_optimizer::{AdamW, HybridAdamW, OptimError};
-use tidestore_tiers::{Device, DeviceKind};
+use tidestore_io::human_bytes;
+use tidestore_optimizer::OptimError;
 
-use super::config::{ParamSpec, StepDevice};
+use super::config::StepDevice;
 use crate::error::{Result, TrainError};
-use crate::step::StepPlace;
 
-/// The CUDA device the tier opens (`DeviceConfig`'s default ordinal).
-const ORDINAL: usize = 0;
-
-/// The step's place, its optimizer and why, in one phrase.
-pub(super) struct Placed {
-    pub(super) place: StepPlace,
-    pub(super) opt: HybridAdamW,
-    pub(super) reason: String,
+/// Device bytes the step on the device needs, counted as the store allocates chunks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepNeeds {
+    /// The trainable tensor whose step chunks take most (in use at once).
+    pub largest_tensor: String,
+    /// Its chunks, per list it has a place in.
+    pub largest_chunks: Vec<(ListKind, u64)>,
+    /// Their sum.
+    pub largest_bytes: u64,
+    /// Every chunk holding a place of a trainable tensor, once: what lets the step move
+    /// nothing.
+    pub all_bytes: u64,
 }
 
-/// Device bytes the step on the device needs: the chunks of the trainable tensor whose
-/// step chunks take most (in use at once), and every chunk of the layout (what lets
-/// nothing move, neither for the step nor for compute).
-struct Needs {
-    largest_bytes: u64,
-    largest_tensor: String,
-    all_bytes: u64,
-}
-
-fn needs(layout: &Layout, specs: &[ParamSpec]) -> Needs {
-    let bytes = layout.dense_chunk_bytes();
-    let mut n = Needs {
-        largest_bytes: 0,
-        largest_tensor: String::new(),
-        all_bytes: bytes.iter().sum(),
-    };
-    let ids = specs
-        .iter()
-        .filter(|p| p.trainable)
-        .filter_map(|p| layout.tensor_id(&p.name).map(|id| (p, id)));
-    for (p, id) in ids {
-        let sum = step_chunk_bytes(layout, id, &bytes);
-        if sum > n.largest_bytes {
-            n.largest_bytes = sum;
-            n.largest_tensor = p.name.clone();
+impl StepNeeds {
+    /// For the tensors of `layout` that `trainable` says are trained.
+    pub fn of(layout: &Layout, trainable: impl Fn(TensorId) -> bool) -> StepNeeds {
+        let bytes = layout.dense_chunk_bytes();
+        let mut needs = StepNeeds {
+            largest_tensor: String::new(),
+            largest_chunks: Vec::new(),
+            largest_bytes: 0,
+            all_bytes: 0,
+        };
+        let mut seen = vec![false; bytes.len()];
+        for id in (0..layout.tensors().len() as u32).map(TensorId) {
+            if !trainable(id) {
+                continue;
+            }
+            let chunks: Vec<(ListKind, usize)> = ListKind::ALL
+                .iter()
+                .filter_map(|&l| layout.location(id, l).map(|loc| (l, loc.chunk.dense())))
+                .collect();
+            for &(_, d) in &chunks {
+                if !std::mem::replace(&mut seen[d], true) {
+                    needs.all_bytes += bytes[d];
+                }
+            }
+            let sum = chunks.iter().map(|&(_, d)| bytes[d]).sum();
+            if sum > needs.largest_bytes {
+                needs.largest_bytes = sum;
+                needs.largest_tensor = layout
+                    .tensor(id)
+                    .map_or_else(String::new, |t| t.name.clone());
+                needs.largest_chunks = chunks.iter().map(|&(l, d)| (l, bytes[d])).collect();
+            }
         }
+        needs
     }
-    n
 }
 
-/// Bytes of the distinct chunks holding tensor `id`'s places in every list.
-fn step_chunk_bytes(layout: &Layout, id: TensorId, bytes: &[u64]) -> u64 {
-    let mut chunks: Vec<usize> = ListKind::ALL
-        .iter()
-        .filter_map(|&l| layout.location(id, l))
-        .map(|loc| loc.chunk.dense())
-        .collect();
-    chunks.sort_unstable();
-    chunks.dedup();
-    chunks.iter().map(|&d| bytes[d]).sum()
-}
-
-/// Decides where the step runs (see [`StepDevice`]) for `specs` laid out as `layout`
-/// on `device` with `budget_bytes` of device budget; `cpu` is the CPU kernel. A `Gpu`
-/// that cannot run is a config error naming `optimizer.device`.
-pub(super) fn place_step(
+/// Where the step runs, asked `asked`, on a CUDA GPU (`on_gpu`) or the simulated
+/// device, with `budget_bytes` of device memory for chunks during the step (made as
+/// `budget_how` says, for messages) and the GPU kernel's readiness: whether on the
+/// device, and why in one phrase. `gpu` that cannot run is a config error naming
+/// `optimizer.device`, the largest tensor's chunks and the bytes short.
+pub fn decide_step_place(
     asked: StepDevice,
-    layout: &Layout,
-    specs: &[ParamSpec],
-    device: &Device,
+    on_gpu: bool,
     budget_bytes: u64,
-    cpu: AdamW,
-) -> Result<Placed> {
-    let on_gpu = device.kind() == DeviceKind::Cuda;
-    let host = |opt, reason: String| Placed {
-        place: StepPlace::Host,
-        opt,
-        reason,
-    };
-    let cpu_only =
-        |cpu, why: &str| HybridAdamW::cpu_only(cpu, OptimError::NoGpu { reason: why.into() });
-    let need = needs(layout, specs);
+    budget_how: &str,
+    needs: &StepNeeds,
+    gpu_kernel: std::result::Result<(), OptimError>,
+) -> Result<(bool, String)> {
+    let budget = human_bytes(budget_bytes);
     match asked {
-        StepDevice::Cpu => Ok(host(
-            cpu_only(cpu, "the step runs in the host pool"),
-            "optimizer.device = \"cpu\"".into(),
-        )),
-        StepDevice::Auto if !on_gpu => Ok(host(
-            cpu_only(cpu, "the device is simulated"),
-            "auto: the device is simulated".into(),
-        )),
-        StepDevice::Auto => {
-            let opt = HybridAdamW::new(cpu, ORDINAL);
-            if let Err(e) = opt.gpu_status() {
-                return Ok(host(opt, format!("auto: no GPU AdamW kernel ({e})")));
-            }
-            if need.all_bytes > budget_bytes {
-                return Ok(host(
-                    opt,
-                    format!(
-                        "auto: the chunks ({} bytes) do not fit the device budget ({} bytes)",
-                        need.all_bytes, budget_bytes
-                    ),
-                ));
-            }
-            Ok(Placed {
-                place: StepPlace::Device,
-                opt,
-                reason: format!(
-                    "auto: a CUDA GPU whose device budget ({budget_bytes} bytes) holds every \
-                     chunk ({} bytes)",
-                    need.all_bytes
+        StepDevice::Cpu => Ok((false, "optimizer.device = \"cpu\"".into())),
+        StepDevice::Auto if !on_gpu => Ok((false, "auto: the device is simulated".into())),
+        StepDevice::Auto => match gpu_kernel {
+            Err(e) => Ok((false, format!("auto: no GPU AdamW kernel ({e})"))),
+            Ok(()) if needs.all_bytes > budget_bytes => Ok((
+                false,
+                format!(
+                    "auto: the trainable state ({}) does not fit the step's device budget \
+                     ({budget})",
+                    human_bytes(needs.all_bytes)
                 ),
-            })
-        }
+            )),
+            Ok(()) => Ok((
+                true,
+                format!(
+                    "auto: a CUDA GPU whose step budget ({budget}) holds all trainable state \
+                     ({})",
+                    human_bytes(needs.all_bytes)
+                ),
+            )),
+        },
         StepDevice::Gpu => {
-            if need.largest_bytes > budget_bytes {
+            if let (true, Err(e)) = (on_gpu, gpu_kernel) {
+                return Err(TrainError::Config {
+                    key: "optimizer.device",
+                    reason: format!("\"gpu\": the GPU AdamW kernel is not ready: {e}"),
+                });
+            }
+            if needs.largest_bytes > budget_bytes {
+                let parts: Vec<String> = needs
+                    .largest_chunks
+                    .iter()
+                    .map(|&(l, b)| format!("{} {}", l.as_str(), human_bytes(b)))
+                    .collect();
                 return Err(TrainError::Config {
                     key: "optimizer.device",
                     reason: format!(
                         "\"gpu\" steps each trainable tensor with its chunks on the device at \
-                         once: `{}` needs {} bytes, the device budget is {budget_bytes}, {} \
-                         short",
-                        need.largest_tensor,
-                        need.largest_bytes,
-                        need.largest_bytes - budget_bytes
+                         once: tensor `{}` needs {} ({}), but the device budget during the \
+                         step is {budget} ({budget_how}), {} short; use \"cpu\" or \"auto\", \
+                         or more device memory",
+                        needs.largest_tensor,
+                        human_bytes(needs.largest_bytes),
+                        parts.join(", "),
+                        human_bytes(needs.largest_bytes - budget_bytes)
                     ),
                 });
             }
-            let opt = if on_gpu {
-                let opt = HybridAdamW::new(cpu, ORDINAL);
-                opt.gpu_status().map_err(|e| TrainError::Config {
-                    key: "optimizer.device",
-                    reason: format!("\"gpu\": the GPU AdamW kernel is not ready: {e}"),
-                })?;
-                opt
-            } else {
-                cpu_only(cpu, "the device is simulated")
-            };
-            let reason = if on_gpu {
-                "optimizer.device = \"gpu\""
-            } else {
-                "optimizer.device = \"gpu\" on the simulated device (the CPU kernel over its memory)"
-            };
-            Ok(Placed {
-                place: StepPlace::Device,
-                opt,
-                reason: reason.into(),
-            })
+            Ok((
+                true,
+                if on_gpu {
+                    "optimizer.device = \"gpu\"".into()
+                } else {
+                    "optimizer.device = \"gpu\" on the simulated device (the CPU kernel over \
+                     its memory)"
+                        .into()
+                },
+            ))
         }
     }
 }
