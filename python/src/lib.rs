@@ -345,6 +345,20 @@ impl PyAioHandle {
         Ok(id)
     }
 
+    /// Queues one transfer and waits for it and every earlier one; its bytes.
+    fn queue_and_wait(
+        &mut self,
+        py: Python<'_>,
+        op: Op,
+        buf: &Bound<'_, PyAny>,
+        path: PathBuf,
+        offset: i64,
+    ) -> PyResult<usize> {
+        let id = self.queue(op, buf, path, offset)?;
+        let done = self.wait_all(py)?;
+        Ok(done.iter().find(|d| d.0 == id).map_or(0, |d| d.1))
+    }
+
     /// Waits for every queued transfer; their results by id, the first error raised.
     fn wait_all(&mut self, py: Python<'_>) -> PyResult<Vec<(u64, usize)>> {
         let mut done = Vec::with_capacity(self.pending.len());
@@ -441,9 +455,7 @@ impl PyAioHandle {
         filename: PathBuf,
         offset: i64,
     ) -> PyResult<usize> {
-        let id = self.queue(Op::Read, buffer, filename, offset)?;
-        let done = self.wait_all(py)?;
-        Ok(done.iter().find(|d| d.0 == id).map_or(0, |d| d.1))
+        self.queue_and_wait(py, Op::Read, buffer, filename, offset)
     }
 
     /// Writes `buffer` and waits (for earlier queued transfers too); returns bytes.
@@ -455,9 +467,7 @@ impl PyAioHandle {
         filename: PathBuf,
         offset: i64,
     ) -> PyResult<usize> {
-        let id = self.queue(Op::Write, buffer, filename, offset)?;
-        let done = self.wait_all(py)?;
-        Ok(done.iter().find(|d| d.0 == id).map_or(0, |d| d.1))
+        self.queue_and_wait(py, Op::Write, buffer, filename, offset)
     }
 
     /// Transfers queued and not yet waited for.
