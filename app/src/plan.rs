@@ -321,12 +321,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let compute = ComputeModel::new(workload, machine.compute_flops_per_s / 1e12);
     let compute_seconds = compute.iteration_seconds();
     let ranks = u64::from(machine.ranks.max(1));
-    let collective_bytes = collective_bytes(workload, ranks);
-    let collective_seconds = if ranks > 1 {
-        secs(collective_bytes, machine.link_bytes_per_s)
-    } else {
-        0.0
-    };
+    let (collective_bytes, collective_seconds) = collectives(workload, machine);
     let forward_backward_seconds = compute_seconds
         .max(collective_seconds)
         .max(secs(pcie, machine.pcie_bytes_per_s))
@@ -388,13 +383,24 @@ fn note(compute: bool, ranks: bool) -> String {
     n
 }
 
-/// Bytes one of `ranks` ranks sends (and receives) per iteration in ring collectives:
-/// two all-gathers of every 16-bit parameter (bf16), one reduce-scatter of the trained
-/// gradients (bf16), each `(ranks - 1) / ranks` of its bytes; 0 for one rank.
-fn collective_bytes(workload: &Workload, ranks: u64) -> u64 {
+/// Bytes one of `machine.ranks` ranks sends (and receives) per iteration in ring
+/// collectives — two all-gathers of every 16-bit parameter (bf16), one reduce-scatter
+/// of the trained gradients (bf16), each `(ranks - 1) / ranks` of its bytes — and their
+/// seconds over the link; nothing for one rank.
+fn collectives(workload: &Workload, machine: &Machine) -> (u64, f64) {
+    let ranks = u64::from(machine.ranks.max(1));
+    if ranks == 1 {
+        return (0, 0.0);
+    }
     let gathered = 2 * 2 * workload.params_total();
     let reduced = 2 * workload.params_trainable();
-    (gathered + reduced) * (ranks - 1) / ranks
+    let bytes = (gathered + reduced) * (ranks - 1) / ranks;
+    let secs = if machine.link_bytes_per_s > 0.0 {
+        bytes as f64 / machine.link_bytes_per_s
+    } else {
+        f64::INFINITY
+    };
+    (bytes, secs)
 }
 
 /// Measures this machine's CPU AdamW rate (bf16 gradients, moments stored as `moments`,

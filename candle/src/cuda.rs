@@ -113,7 +113,11 @@ pub(crate) fn write_grad(
     } else {
         let earlier = match &dst {
             GradDst::Device(span) => tensor_from_span(&span.as_span(), dtype, &[n], grad.device())?,
-            GradDst::Host(bytes) => crate::tide::upload(bytes, dtype, &[n], grad.device())?,
+            GradDst::Host(bytes) => Tensor::from_vec(
+                tidestore_train::typed::decode_f32_vec(bytes, dtype),
+                n,
+                grad.device(),
+            )?,
         };
         (earlier.to_dtype(candle_core::DType::F32)? + g)?
     };

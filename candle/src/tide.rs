@@ -467,7 +467,7 @@ fn grad_to_view(_: TensorViewMut<'_>, _: DType, _: &Tensor, _: bool) -> Result<f
 }
 
 /// `bytes` (little-endian elements of `dtype`) as a tensor of `shape` on `device`.
-pub(crate) fn upload(
+fn upload(
     bytes: &[u8],
     dtype: tidestore_train::DType,
     shape: &[usize],

@@ -512,6 +512,23 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Bytes for people: `1.50 GiB`, `512.00 MiB`, `4.00 KiB`, `12 B` (powers of 1024), as
+/// every crate's messages write sizes.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [(&str, f64); 4] = [
+        ("TiB", (1u64 << 40) as f64),
+        ("GiB", (1u64 << 30) as f64),
+        ("MiB", (1u64 << 20) as f64),
+        ("KiB", 1024.0),
+    ];
+    for (name, size) in UNITS {
+        if b as f64 >= size {
+            return format!("{:.2} {name}", b as f64 / size);
+        }
+    }
+    format!("{b} B")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -685,21 +702,4 @@ mod tests {
             Err(IoError::Pool { .. })
         ));
     }
-}
-
-/// Bytes for people: `1.50 GiB`, `512.00 MiB`, `4.00 KiB`, `12 B` (powers of 1024), as
-/// every crate's messages write sizes.
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [(&str, f64); 4] = [
-        ("TiB", (1u64 << 40) as f64),
-        ("GiB", (1u64 << 30) as f64),
-        ("MiB", (1u64 << 20) as f64),
-        ("KiB", 1024.0),
-    ];
-    for (name, size) in UNITS {
-        if b as f64 >= size {
-            return format!("{:.2} {name}", b as f64 / size);
-        }
-    }
-    format!("{b} B")
 }

@@ -100,7 +100,7 @@ fn the_step_on_the_device_trains_bit_for_bit_as_the_host_step() {
             let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
             let mut host = open(&config(da.path(), precision, StepDevice::Cpu));
             let mut dev = open(&config(db.path(), precision, StepDevice::Gpu));
-            assert_eq!(host.step_placement().0, false);
+            assert!(!host.step_placement().0);
             let (on_device, why) = dev.step_placement();
             assert!(on_device, "{why}");
             assert!(why.contains("simulated"), "{why}");

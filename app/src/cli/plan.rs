@@ -118,6 +118,22 @@ fn positive(flag: &'static str, v: f64) -> Result<f64, Error> {
     }
 }
 
+/// The CPU AdamW rate: `given`, or measured now over the config's moments; whether
+/// measured.
+fn optimizer_rate(cfg: &Config, given: Option<f64>) -> Result<(f64, bool), Error> {
+    Ok(match given {
+        Some(r) => (positive("--optimizer-rate", r)?, false),
+        None => {
+            let opt = cpu_optimizer(cfg)?;
+            let moments = cfg.optimizer.states.moments();
+            (
+                plan::measure_optimizer_rate(&opt, 8 << 20, 5, moments)?,
+                true,
+            )
+        }
+    })
+}
+
 /// Runs the planner.
 pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     let mut cfg = Config::load(config)?;
@@ -154,17 +170,7 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     };
     let nvme_read = positive("--nvme-read", args.nvme_read)? * 1e9;
     let nvme_write = positive("--nvme-write", args.nvme_write)? * 1e9;
-    let (rate, measured) = match args.optimizer_rate {
-        Some(r) => (positive("--optimizer-rate", r)?, false),
-        None => {
-            let opt = cpu_optimizer(&cfg)?;
-            let moments = cfg.optimizer.states.moments();
-            (
-                plan::measure_optimizer_rate(&opt, 8 << 20, 5, moments)?,
-                true,
-            )
-        }
-    };
+    let (rate, measured) = optimizer_rate(&cfg, args.optimizer_rate)?;
     let act = workload.activation_bytes().peak();
     let margin = cfg.device.tidal_margin.bytes();
     let gpu = match (args.gpu, cfg.device.sim_memory) {
@@ -251,19 +257,7 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
             "--optimizer-rate"
         }
     );
-    if m.ranks > 1 {
-        out!(
-            "data parallel: {} ranks, each the machine above, every chunk list sharded \
-             (the lists below are one rank's 1/{} of each tensor); per rank and iteration \
-             {} in ring collectives (16-bit parameters all-gathered for forward and \
-             backward, gradients reduce-scattered) over a {:.1} GB/s link: {:.2} s",
-            m.ranks,
-            m.ranks,
-            human_bytes(r.collective_bytes),
-            m.link_bytes_per_s / 1e9,
-            r.collective_seconds
-        );
-    }
+    print_ranks(r);
     out!(
         "device for chunks: {} = GPU less {} of activations (checkpointed, micro-batch and \
          sequence of the config) less {} margin",
@@ -304,12 +298,7 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         );
     }
     if sparse {
-        out!(
-            "warning: some chunks homed in the host pool are far smaller than its buffers: \
-             every chunk's home is one whole host buffer or NVMe slot, sized for the \
-             largest chunk, so small chunks (a few LoRA adapters' master, M and V) waste \
-             most of theirs; the plan counts what the store would use"
-        );
+        warn_sparse();
     }
     out!();
     if r.fits {
@@ -348,4 +337,32 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         r.iteration_seconds
     );
     out!("note: {}", r.note);
+}
+
+/// The data-parallel line, with more than one rank.
+fn print_ranks(r: &PlanReport) {
+    let m = &r.machine;
+    if m.ranks > 1 {
+        out!(
+            "data parallel: {} ranks, each the machine above, every chunk list sharded (the \
+             lists below are one rank's 1/{} of each tensor); per rank and iteration {} in \
+             ring collectives (16-bit parameters all-gathered for forward and backward, \
+             gradients reduce-scattered) over a {:.1} GB/s link: {:.2} s",
+            m.ranks,
+            m.ranks,
+            human_bytes(r.collective_bytes),
+            m.link_bytes_per_s / 1e9,
+            r.collective_seconds
+        );
+    }
+}
+
+/// Chunks homed in host buffers far larger than they are.
+fn warn_sparse() {
+    out!(
+        "warning: some chunks homed in the host pool are far smaller than its buffers: every \
+         chunk's home is one whole host buffer or NVMe slot, sized for the largest chunk, so \
+         small chunks (a few LoRA adapters' master, M and V) waste most of theirs; the plan \
+         counts what the store would use"
+    );
 }

@@ -141,6 +141,12 @@ pub struct FinetuneReport {
 }
 
 impl FinetuneReport {
+    /// Where the optimizer step runs and why (`Trainer::step_placement`).
+    fn set_step_placement(&mut self, (on_device, why): (bool, &str)) {
+        self.optimizer = if on_device { "device" } else { "host" }.into();
+        self.optimizer_reason = why.into();
+    }
+
     fn new(
         cfg: &Config,
         loaded: &model::Loaded,
@@ -272,9 +278,7 @@ pub fn run(
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
     report.compute = compute::name(&compute).into();
     report.matmul = matmul;
-    let (on_device, why) = params.trainer().step_placement();
-    report.optimizer = if on_device { "device" } else { "host" }.into();
-    report.optimizer_reason = why.into();
+    report.set_step_placement(params.trainer().step_placement());
     progress.begin(first, t.steps);
     for step in first..=t.steps {
         let record = one_step(cfg, &loaded, &samples, &mut params, step)?;

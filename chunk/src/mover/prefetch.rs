@@ -6,6 +6,8 @@
 //! planners evict by their rule first) or with a buffer a write-back in flight owes the
 //! read queue; a prefetch that finds no room reports `false` and changes nothing.
 
+use tidestore_tiers::DeviceMem;
+
 use super::evict::{Ahead, HostRoom};
 use super::{is_no_room, Cause, Mover, Pending};
 use crate::id::ChunkId;
@@ -46,38 +48,7 @@ impl Mover {
         };
         if self.slots[d].host.is_none() {
             if self.slots[d].nvme_valid {
-                // A staging buffer now, or one a write-back in flight (perhaps the one
-                // just started to make room) gives back: the read then waits in the
-                // queue, and the copy to the reserved memory follows it.
-                let buf = match self.take_host_buffer(c, room, cause) {
-                    Ok(b) => Some(b),
-                    Err(e) if is_no_room(&e) && self.writes_owing(c) > 0 => None,
-                    Err(e) if is_no_room(&e) => return Ok(false),
-                    Err(e) => return Err(e),
-                };
-                let slot = &mut self.slots[d];
-                slot.reserved_dev = Some(mem);
-                slot.prefetched = true;
-                slot.read_started_at = Some(cause.moment);
-                slot.read_needed_at = needed_at;
-                self.dev_mark[d] = true;
-                self.stats.prefetch_loads += 1;
-                self.dev_policy.on_insert(c, cause.moment);
-                match buf {
-                    Some(buf) => {
-                        self.nvme.submit_read_ordered(d as u64, buf, needed_at);
-                        self.slots[d].pending = Pending::NvmeRead;
-                        self.pending_nvme += 1;
-                        self.note_nvme_in_flight(false);
-                    }
-                    None => {
-                        self.slots[d].pending = Pending::NvmeReadQueued;
-                        self.read_queue.push_back(c);
-                        self.stats.queued_reads += 1;
-                        self.settle_queue();
-                    }
-                }
-                return Ok(true);
+                return self.prefetch_from_nvme(c, mem, room, needed_at, cause);
             }
             match self.fill_host(c, room, cause) {
                 Ok(()) => {}
@@ -89,6 +60,53 @@ impl Mover {
         self.slots[d].prefetched = true;
         self.stats.prefetch_loads += 1;
         self.dev_policy.on_insert(c, cause.moment);
+        Ok(true)
+    }
+
+    /// The NVMe part of [`Mover::prefetch_device`]: `c`'s read into a staging buffer
+    /// (now, or queued for one a write-back in flight gives back), needed at
+    /// `needed_at`, then its copy to the reserved device memory `mem`. Returns false
+    /// when there is no buffer for it.
+    fn prefetch_from_nvme(
+        &mut self,
+        c: ChunkId,
+        mem: DeviceMem,
+        room: HostRoom<'_>,
+        needed_at: u64,
+        cause: Cause,
+    ) -> Result<bool> {
+        let d = c.dense();
+        // A staging buffer now, or one a write-back in flight (perhaps the one
+        // just started to make room) gives back: the read then waits in the
+        // queue, and the copy to the reserved memory follows it.
+        let buf = match self.take_host_buffer(c, room, cause) {
+            Ok(b) => Some(b),
+            Err(e) if is_no_room(&e) && self.writes_owing(c) > 0 => None,
+            Err(e) if is_no_room(&e) => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let slot = &mut self.slots[d];
+        slot.reserved_dev = Some(mem);
+        slot.prefetched = true;
+        slot.read_started_at = Some(cause.moment);
+        slot.read_needed_at = needed_at;
+        self.dev_mark[d] = true;
+        self.stats.prefetch_loads += 1;
+        self.dev_policy.on_insert(c, cause.moment);
+        match buf {
+            Some(buf) => {
+                self.nvme.submit_read_ordered(d as u64, buf, needed_at);
+                self.slots[d].pending = Pending::NvmeRead;
+                self.pending_nvme += 1;
+                self.note_nvme_in_flight(false);
+            }
+            None => {
+                self.slots[d].pending = Pending::NvmeReadQueued;
+                self.read_queue.push_back(c);
+                self.stats.queued_reads += 1;
+                self.settle_queue();
+            }
+        }
         Ok(true)
     }
 

@@ -106,24 +106,7 @@ pub fn decide_step_place(
                 });
             }
             if needs.largest_bytes > budget_bytes {
-                let parts: Vec<String> = needs
-                    .largest_chunks
-                    .iter()
-                    .map(|&(l, b)| format!("{} {}", l.as_str(), human_bytes(b)))
-                    .collect();
-                return Err(TrainError::Config {
-                    key: "optimizer.device",
-                    reason: format!(
-                        "\"gpu\" steps each trainable tensor with its chunks on the device at \
-                         once: tensor `{}` needs {} ({}), but the device budget during the \
-                         step is {budget} ({budget_how}), {} short; use \"cpu\" or \"auto\", \
-                         or more device memory",
-                        needs.largest_tensor,
-                        human_bytes(needs.largest_bytes),
-                        parts.join(", "),
-                        human_bytes(needs.largest_bytes - budget_bytes)
-                    ),
-                });
+                return Err(too_small(needs, budget_bytes, budget_how));
             }
             Ok((
                 true,
@@ -136,5 +119,27 @@ pub fn decide_step_place(
                 },
             ))
         }
+    }
+}
+
+/// The refusal of `gpu` whose largest tensor's chunks exceed the step's device budget.
+fn too_small(needs: &StepNeeds, budget_bytes: u64, budget_how: &str) -> TrainError {
+    let parts: Vec<String> = needs
+        .largest_chunks
+        .iter()
+        .map(|&(l, b)| format!("{} {}", l.as_str(), human_bytes(b)))
+        .collect();
+    TrainError::Config {
+        key: "optimizer.device",
+        reason: format!(
+            "\"gpu\" steps each trainable tensor with its chunks on the device at once: \
+             tensor `{}` needs {} ({}), but the device budget during the step is {} \
+             ({budget_how}), {} short; use \"cpu\" or \"auto\", or more device memory",
+            needs.largest_tensor,
+            human_bytes(needs.largest_bytes),
+            parts.join(", "),
+            human_bytes(budget_bytes),
+            human_bytes(needs.largest_bytes - budget_bytes)
+        ),
     }
 }
