@@ -126,6 +126,7 @@ pub(crate) fn write_grad(
     copy_into(&stored, &mut dst)?;
     Ok(f64::from(sq))
 }
+
 /// candle's dtype for elements stored as `dtype` (the float types compute reads).
 fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
     match dtype {
