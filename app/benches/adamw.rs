@@ -3,6 +3,9 @@
 //! - `step/{fp32,bf16}/{1,2}t`: one `AdamW::step_slice` over 10M parameters (fp32
 //!   master, M, V in place); `fp32` reads fp32 gradients, `bf16` reads bf16 gradients and
 //!   writes bf16 parameters in the same pass;
+//! - `norm/fp32/{1,2}t`: `AdamW::grad_sq_norm` over the fp32 gradients (the pass a step
+//!   that checks for non-finite gradients or clips makes before it; 4 bytes a
+//!   parameter, read only);
 //! - `probe/...`: `AdamW::probe_slice` over the same arrays: the same bytes (28 per
 //!   parameter on both paths), same blocks and threads, almost no arithmetic — the
 //!   in-place read-modify-write roofline.
@@ -65,6 +68,9 @@ pub fn bench(c: &mut Criterion) {
         })
         .expect("a CPU optimizer with 1 or 2 threads");
         let mut step = 0u64;
+        group.bench_function(format!("norm/fp32/{threads}t"), |b| {
+            b.iter(|| black_box(opt.grad_sq_norm(Grads::F32(g32))))
+        });
         for path in ["fp32", "bf16"] {
             group.bench_function(format!("step/{path}/{threads}t"), |b| {
                 b.iter(|| {
