@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
 use super::scalar;
-use super::x86::{load8, prefetch_step, RNE};
+use super::x86::{load8, prefetch, prefetch_step, RNE};
 use crate::params::Consts;
 
 /// Rounds 8 f32 to bf16 bits exactly as `half::bf16::from_f32`: NaN keeps its top
@@ -305,6 +305,10 @@ pub(crate) unsafe fn sq_norm<const GK: u8>(g: *const u8, len: usize) -> f64 {
         let n8 = len - len % 8;
         let mut i = 0;
         while i < n8 {
+            // One stream read once: fetched ahead, as the step's streams are.
+            if GK == G_F32 {
+                prefetch(g.cast(), i);
+            }
             let x = load8::<GK>(g, i);
             let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
             let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::raw::{StepPtrs, G_F16, G_F32, O_F16, O_NONE};
 use super::scalar;
-use super::x86::{load8, prefetch_step, RNE};
+use super::x86::{load8, prefetch, prefetch_step, RNE};
 use crate::params::Consts;
 
 /// Loads 16 gradient elements of the `GK` dtype at `g + i` as f32 (exact; bf16 by a
@@ -235,6 +235,11 @@ pub(crate) unsafe fn sq_norm<const GK: u8>(g: *const u8, len: usize) -> f64 {
         let n16 = len - len % 16;
         let mut i = 0;
         while i < n16 {
+            // One stream read once: fetched ahead, as the step's streams are (without it
+            // this pass read 20 GB/s from DRAM where the step moves 52).
+            if GK == G_F32 {
+                prefetch(g.cast(), i);
+            }
             let lo = _mm512_cvtps_pd(load8::<GK>(g, i));
             let hi = _mm512_cvtps_pd(load8::<GK>(g, i + 8));
             a0 = _mm512_fmadd_pd(lo, lo, a0);
