@@ -311,13 +311,6 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     }
     nvme_r += opt_r;
     nvme_w += opt_w;
-    let secs = |bytes: u64, rate: f64| {
-        if rate > 0.0 {
-            bytes as f64 / rate
-        } else {
-            f64::INFINITY
-        }
-    };
     let compute = ComputeModel::new(workload, machine.compute_flops_per_s / 1e12);
     let compute_seconds = compute.iteration_seconds();
     let ranks = u64::from(machine.ranks.max(1));
@@ -395,12 +388,16 @@ fn collectives(workload: &Workload, machine: &Machine) -> (u64, f64) {
     let gathered = 2 * 2 * workload.params_total();
     let reduced = 2 * workload.params_trainable();
     let bytes = (gathered + reduced) * (ranks - 1) / ranks;
-    let secs = if machine.link_bytes_per_s > 0.0 {
-        bytes as f64 / machine.link_bytes_per_s
+    (bytes, secs(bytes, machine.link_bytes_per_s))
+}
+
+/// Seconds to move `bytes` at `rate` bytes/s (never, at a rate of 0).
+fn secs(bytes: u64, rate: f64) -> f64 {
+    if rate > 0.0 {
+        bytes as f64 / rate
     } else {
         f64::INFINITY
-    };
-    (bytes, secs)
+    }
 }
 
 /// Measures this machine's CPU AdamW rate (bf16 gradients, moments stored as `moments`,

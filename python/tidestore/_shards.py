@@ -31,12 +31,18 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Shards", "check_world", "rank_file", "world_of"]
+__all__ = ["Shards", "check_world", "rank_file", "world_meta", "world_of"]
 
 
 def world_of(shards):
     """(world size, rank) of a sharded run's ``shards``; (1, 0) without a group."""
     return (1, 0) if shards is None else (shards.world, shards.rank)
+
+
+def world_meta(shards):
+    """The checkpoint metadata naming the world size and rank that wrote it."""
+    world, rank = world_of(shards)
+    return {"world_size": str(world), "rank": str(rank)}
 
 
 def rank_file(path, shards):

@@ -43,7 +43,7 @@ import torch
 
 from ._tidestore import EngineCore, TidestoreError
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
-from ._shards import Shards, check_world, rank_file, world_of
+from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from .optim import closure_loss
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
@@ -491,8 +491,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The training state streamed into this rank's checkpoint file; with a process
         group every rank writes its shards (call it on every rank)."""
         path = rank_file(self.checkpoint_path, self.engine._shards)
-        world, rank = world_of(self.engine._shards)
-        self.engine.core.save(path, {"world_size": str(world), "rank": str(rank)})
+        world, _ = world_of(self.engine._shards)
+        self.engine.core.save(path, world_meta(self.engine._shards))
         return {"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "tidestore": {"path": path, "base_path": self.checkpoint_path,

@@ -77,7 +77,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
-from ._shards import Shards, check_world, rank_file, world_of
+from ._shards import Shards, check_world, rank_file, world_meta
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
@@ -332,17 +332,13 @@ class AdamW(torch.optim.Optimizer):
             groups.append(meta)
         return groups
 
-    def _world(self):
-        world, rank = world_of(self._shards)
-        return {"world_size": str(world), "rank": str(rank)}
-
     def save(self, path):
         """Streams the optimizer state into a tidestore checkpoint file at ``path``
         (with a process group, every rank writes its shards into a file of its own,
         named after ``path`` with its rank and the world size; returns that name)."""
         path = rank_file(path, self._shards)
         meta = {"param_groups": json.dumps(self._groups_meta()),
-                "step": str(self._core.step_count()), **self._world()}
+                "step": str(self._core.step_count()), **world_meta(self._shards)}
         self._core.save(path, meta)
         return path
 
@@ -385,7 +381,7 @@ class AdamW(torch.optim.Optimizer):
             "param_groups": self._groups_meta(),
             "tidestore": {"format": "tidestore.checkpoint.v1", "path": path,
                           "base_path": self.checkpoint_path,
-                          "step": self._core.step_count(), **self._world()},
+                          "step": self._core.step_count(), **world_meta(self._shards)},
         }
 
     def load_state_dict(self, state_dict):

@@ -20,9 +20,6 @@ use super::{Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
 use crate::step::{StepConfig, StepLoop, StepPlace, StepTensor};
 
-/// The CUDA device the tier opens (`DeviceConfig`'s default ordinal).
-const GPU_ORDINAL: usize = 0;
-
 /// Chunks the optimizer step holds at once: gradient, master, M and V.
 const STEP_WORKING_SET_CHUNKS: u32 = 4;
 
@@ -36,14 +33,14 @@ impl Trainer {
         check_specs(specs)?;
         let layout = layout(specs, cfg)?;
         let (store_cfg, slot_bytes) = store_config(&layout, cfg);
-        let device = open_device(cfg, store_cfg.device_budget_bytes)?;
+        let (device, ordinal) = open_device(cfg, store_cfg.device_budget_bytes)?;
         let cpu = AdamW::new(CpuConfig {
             threads: cfg.optimizer_threads,
             ..CpuConfig::default()
         })?;
         let on_gpu = device.kind() == DeviceKind::Cuda;
         let opt = if on_gpu && cfg.step_device != StepDevice::Cpu {
-            HybridAdamW::new(cpu, GPU_ORDINAL)
+            HybridAdamW::new(cpu, ordinal)
         } else {
             let why = if on_gpu {
                 "optimizer.device = \"cpu\""
@@ -272,15 +269,18 @@ fn store_config(layout: &Layout, cfg: &TrainerConfig) -> (StoreConfig, u64) {
     (store_cfg, slot_bytes)
 }
 
-/// The device tier `cfg` asks for. `Auto` opens the GPU only in a build with the `cuda`
-/// feature, where `tiers` checks for the driver before any CUDA call.
-fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<Device> {
+/// The device tier `cfg` asks for, with the CUDA ordinal it opens (for the GPU AdamW
+/// on the same GPU). `Auto` opens the GPU only in a build with the `cuda` feature,
+/// where `tiers` checks for the driver before any CUDA call.
+fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<(Device, usize)> {
     let dcfg = DeviceConfig::new(budget_bytes);
     let device = match cfg.device {
         DeviceChoice::Auto if cfg!(feature = "cuda") => Device::auto(&dcfg),
         _ => Device::sim(&dcfg),
     };
-    device.map_err(|e| TrainError::Store(ChunkError::tier("opening the device tier", None, e)))
+    device
+        .map(|d| (d, dcfg.ordinal))
+        .map_err(|e| TrainError::Store(ChunkError::tier("opening the device tier", None, e)))
 }
 
 /// The step loop over the trainable entries: gradients in the fp32 `Grads` list
