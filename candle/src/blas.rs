@@ -13,6 +13,16 @@
 //! `-pthread` or `-openmp`). No build needs it: a machine without it computes with
 //! candle's gemm, and [`backend`] says which one ran.
 //!
+//! Kernels: a DYNAMIC_ARCH OpenBLAS (Debian's) picks its kernels when it is loaded, from
+//! the CPU's model number; a CPU newer than the build is taken for an old one (0.3.21
+//! on an Emerald Rapids Xeon: "Prescott", SSE3, 33 GFLOP/s on one core against 147 with
+//! its SkylakeX AVX-512 kernels). When `openblas_get_corename` names kernels narrower
+//! than the CPU's vectors ([`better_core`]) and the user has not chosen with
+//! `OPENBLAS_CORETYPE`, the library is closed and loaded again with that variable set
+//! (OpenBLAS's documented override), and a warning says so. The variable is set while
+//! the process may have other threads: Rust's own environment calls are serialised, and
+//! none of tidestore's C libraries reads the environment after start-up.
+//!
 //! Threads: OpenBLAS is told to use one (`openblas_set_num_threads(1)`), and a product
 //! is cut into as many bands as rayon has threads, each one call, on rayon's pool — the
 //! pool candle's own operations use. A threaded OpenBLAS would run a pool of its own
@@ -71,6 +81,8 @@ struct Blas {
     sgemm: Sgemm,
     /// The library's name and, for OpenBLAS, its build (`openblas_get_config`).
     name: String,
+    /// OpenBLAS's kernels (`openblas_get_corename`).
+    core: Option<String>,
 }
 
 /// `Ok(None)`: candle's matmul (`off`, or no default library found). `Err`: the named
@@ -98,37 +110,174 @@ pub fn backend() -> Result<String> {
 }
 
 fn open(name: &str) -> std::result::Result<Blas, String> {
+    let first = load(name)?;
+    let user_choice = std::env::var_os(CORETYPE_ENV).is_some();
+    let Some(core) = first.core.clone().filter(|_| !user_choice) else {
+        return Ok(first.announce());
+    };
+    let Some(better) = better_core(&core, VectorIsa::of_this_cpu()) else {
+        return Ok(first.announce());
+    };
+    // OpenBLAS's DYNAMIC_ARCH builds pick their kernels once, when the library is
+    // loaded, from the CPU's model number; a CPU newer than the build (0.3.21 on an
+    // Emerald Rapids Xeon) falls back to the SSE3 kernels, ~4.5x slower than its
+    // AVX-512 ones. `OPENBLAS_CORETYPE` (OpenBLAS's documented override) is read then,
+    // so the library is closed and loaded again with it set.
+    drop(first);
+    // Set once, before the library reads it, and left set so that a later load (a child
+    // process, another handle) picks the same kernels.
+    std::env::set_var(CORETYPE_ENV, better);
+    let second = load(name)?;
+    if second.core.as_deref() == Some(better) {
+        tracing::warn!(
+            detected = %core,
+            using = better,
+            "blas: OpenBLAS did not recognise this CPU; loaded again with \
+             {CORETYPE_ENV}={better} (set it yourself to choose the kernels)"
+        );
+    } else {
+        tracing::warn!(
+            detected = %core,
+            wanted = better,
+            got = second.core.as_deref().unwrap_or("?"),
+            "blas: OpenBLAS did not recognise this CPU and was not unloaded to try again; \
+             start the process with {CORETYPE_ENV}={better} for its vector kernels"
+        );
+    }
+    Ok(second.announce())
+}
+
+/// OpenBLAS's override of the kernels its DYNAMIC_ARCH builds choose.
+const CORETYPE_ENV: &str = "OPENBLAS_CORETYPE";
+
+/// A library loaded, before it is announced.
+struct Loaded {
+    lib: libloading::Library,
+    sgemm: Sgemm,
+    /// `openblas_get_config`'s text (the build and its kernels), if it has one.
+    config: Option<String>,
+    /// `openblas_get_corename`'s, if it has one.
+    core: Option<String>,
+    name: String,
+}
+
+impl Loaded {
+    fn announce(self) -> Blas {
+        let label = match &self.config {
+            Some(c) => format!("{c} ({})", self.name),
+            None => self.name.clone(),
+        };
+        tracing::info!(library = %label, "blas: matrix products through cblas_sgemm");
+        Blas {
+            _lib: self.lib,
+            sgemm: self.sgemm,
+            name: label,
+            core: self.core,
+        }
+    }
+}
+
+fn load(name: &str) -> std::result::Result<Loaded, String> {
     // SAFETY: loading runs the library's initialisers; a CBLAS library's (OpenBLAS:
     // CPU detection, its thread pool) may run at any time in any thread.
     let lib = unsafe { libloading::Library::new(name) }.map_err(|e| e.to_string())?;
     // SAFETY: `Sgemm` is `cblas_sgemm`'s C signature (CBLAS reference, enums as int).
     let sgemm: Sgemm = *unsafe { lib.get::<Sgemm>(b"cblas_sgemm\0") }.map_err(|e| e.to_string())?;
     type SetThreads = unsafe extern "C" fn(c_int);
-    type GetConfig = unsafe extern "C" fn() -> *const c_char;
     // SAFETY: OpenBLAS's `void openblas_set_num_threads(int)`.
     let set_threads = unsafe { lib.get::<SetThreads>(b"openblas_set_num_threads\0") };
     if let Ok(set) = set_threads {
         // SAFETY: any positive count is valid; it only sizes OpenBLAS's own pool.
         unsafe { set(1) };
     }
-    // SAFETY: OpenBLAS's `char *openblas_get_config(void)`.
-    let get_config = unsafe { lib.get::<GetConfig>(b"openblas_get_config\0") };
-    let mut label = name.to_owned();
-    if let Ok(config) = get_config {
-        // SAFETY: it returns a static NUL-terminated string (or null).
-        let ptr = unsafe { config() };
-        if !ptr.is_null() {
-            // SAFETY: non-null, NUL-terminated, static (checked above).
-            let s = unsafe { CStr::from_ptr(ptr) };
-            label = format!("{} ({name})", s.to_string_lossy().trim());
+    Ok(Loaded {
+        config: static_text(&lib, b"openblas_get_config\0"),
+        core: static_text(&lib, b"openblas_get_corename\0"),
+        sgemm,
+        lib,
+        name: name.to_owned(),
+    })
+}
+
+/// What `symbol`, a `char *f(void)` returning static text (OpenBLAS's
+/// `openblas_get_config`, `openblas_get_corename`), returns; `None` without it.
+fn static_text(lib: &libloading::Library, symbol: &[u8]) -> Option<String> {
+    type GetText = unsafe extern "C" fn() -> *const c_char;
+    // SAFETY: the symbols passed here have the signature `char *f(void)`.
+    let f = unsafe { lib.get::<GetText>(symbol) }.ok()?;
+    // SAFETY: it takes nothing and returns a static NUL-terminated string (or null).
+    let ptr = unsafe { f() };
+    // SAFETY: non-null, NUL-terminated and static (OpenBLAS's contract).
+    (!ptr.is_null()).then(|| {
+        unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .trim()
+            .to_owned()
+    })
+}
+
+/// The widest vector instructions this CPU (and its OS) runs that OpenBLAS's sgemm
+/// kernels use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum VectorIsa {
+    /// Neither of the others.
+    Older,
+    /// AVX2 and FMA (OpenBLAS's Haswell and Zen kernels).
+    Avx2,
+    /// AVX-512 F, BW, DQ, VL and CD (its SkylakeX kernels).
+    Avx512,
+}
+
+impl VectorIsa {
+    /// This CPU's (`Older` off x86-64).
+    pub fn of_this_cpu() -> VectorIsa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+                return VectorIsa::Avx512;
+            }
+            if has!("avx2") && has!("fma") {
+                return VectorIsa::Avx2;
+            }
+        }
+        VectorIsa::Older
+    }
+
+    /// Of the kernels OpenBLAS names `core` (`openblas_get_corename`, lower case),
+    /// `None` when unknown here.
+    fn of_openblas_core(core: &str) -> Option<VectorIsa> {
+        match core.to_ascii_lowercase().as_str() {
+            "skylakex" | "cooperlake" | "sapphirerapids" => Some(VectorIsa::Avx512),
+            "haswell" | "zen" | "excavator" => Some(VectorIsa::Avx2),
+            "prescott" | "core2" | "penryn" | "dunnington" | "nehalem" | "sandybridge" | "atom"
+            | "nano" | "barcelona" | "bobcat" | "bulldozer" | "piledriver" | "steamroller"
+            | "opteron" | "opteron_sse3" | "katmai" | "coppermine" | "northwood" | "banias"
+            | "athlon" => Some(VectorIsa::Older),
+            _ => None,
         }
     }
-    tracing::info!(library = %label, "blas: matrix products through cblas_sgemm");
-    Ok(Blas {
-        _lib: lib,
-        sgemm,
-        name: label,
+}
+
+/// The OpenBLAS core to load instead of `core` on a CPU with `cpu`'s instructions:
+/// `Some` only when `core` is a known one whose kernels use narrower vectors than the
+/// CPU has (a CPU newer than the library, detected as an old one).
+pub fn better_core(core: &str, cpu: VectorIsa) -> Option<&'static str> {
+    let used = VectorIsa::of_openblas_core(core)?;
+    (used < cpu).then_some(match cpu {
+        VectorIsa::Avx512 => "SkylakeX",
+        VectorIsa::Avx2 => "Haswell",
+        VectorIsa::Older => return None,
     })
+}
+
+/// The kernels the opened OpenBLAS uses (`openblas_get_corename`); `None` without
+/// OpenBLAS.
+pub fn openblas_core() -> Option<String> {
+    match blas() {
+        Ok(Some(b)) => b.core.clone(),
+        _ => None,
+    }
 }
 
 /// A 2-D f32 operand as CBLAS sees it (row-major storage).
