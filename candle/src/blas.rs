@@ -33,6 +33,7 @@
 //! hold both to an f64 product for every transposition, offsets and band cut.
 
 use std::ffi::{c_char, c_int, CStr};
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Device, Storage, Tensor};
@@ -483,9 +484,13 @@ fn run(
     if oa.end(batch, m, k) > da.len() || ob.end(batch, k, n) > db.len() {
         return None;
     }
-    let mut c = vec![0f32; batch * m * n];
+    // Not zeroed: with beta = 0 `cblas_sgemm` writes every element of its output
+    // without reading it (CBLAS: "C need not be set on input"), and the bands and
+    // matrices below cover the whole of it.
+    let mut c: Vec<MaybeUninit<f32>> = Vec::with_capacity(batch * m * n);
+    c.resize_with(batch * m * n, MaybeUninit::uninit);
     let threads = rayon::current_num_threads();
-    let each = |(i, c): (usize, &mut [f32])| {
+    let each = |(i, c): (usize, &mut [MaybeUninit<f32>])| {
         let (a, b) = ((da, oa.batch(i)), (db, ob.batch(i)));
         // SAFETY: matrix `i` of each operand lies inside its slice (the batch's last
         // element was checked against the slices above), and `c` is that matrix's
@@ -495,7 +500,11 @@ fn run(
     // The matrices across the pool; each in bands only where the batch is smaller than
     // the pool (a batch as large as the pool: one call per matrix).
     for_each_piece(&mut c, m * n, each);
-    Some(c)
+    let mut c = std::mem::ManuallyDrop::new(c);
+    // SAFETY: every element was written by `cblas_sgemm` (see above); `MaybeUninit<f32>`
+    // has `f32`'s size and alignment, and the pointer, length and capacity are the
+    // vector's own, whose ownership moves to the new one.
+    Some(unsafe { Vec::from_raw_parts(c.as_mut_ptr().cast::<f32>(), c.len(), c.capacity()) })
 }
 
 /// `c = a · b`, cut into at most `threads` bands of rows on rayon's pool (each band reads
@@ -510,7 +519,7 @@ unsafe fn gemm_banded(
     (m, n, k): (usize, usize, usize),
     (da, oa): (&[f32], Operand),
     (db, ob): (&[f32], Operand),
-    c: &mut [f32],
+    c: &mut [MaybeUninit<f32>],
     threads: usize,
 ) {
     let bands = if m * n * k < SPLIT_MIN_MACS {
@@ -519,7 +528,7 @@ unsafe fn gemm_banded(
         threads.min(m / BAND_MIN).max(1)
     };
     let rows = m.div_ceil(bands);
-    let band = |(i, c): (usize, &mut [f32])| {
+    let band = |(i, c): (usize, &mut [MaybeUninit<f32>])| {
         let r0 = i * rows;
         let mm = c.len() / n;
         // SAFETY: `a` from row `r0` addresses `mm` of the `m` rows of `da` that the
@@ -532,7 +541,7 @@ unsafe fn gemm_banded(
 
 /// `f((i, piece))` for the `i`-th `len`-element piece of `c`: on rayon's pool where
 /// there are several, on this thread where `c` is one piece.
-fn for_each_piece(c: &mut [f32], len: usize, f: impl Fn((usize, &mut [f32])) + Send + Sync) {
+fn for_each_piece<T: Send>(c: &mut [T], len: usize, f: impl Fn((usize, &mut [T])) + Send + Sync) {
     if c.len() <= len {
         f((0, c));
     } else {
@@ -540,7 +549,8 @@ fn for_each_piece(c: &mut [f32], len: usize, f: impl Fn((usize, &mut [f32])) + S
     }
 }
 
-/// One `cblas_sgemm` call: `c (mm, n), row-major = a · b`.
+/// One `cblas_sgemm` call: `c (mm, n), row-major = a · b` (every element of `c`
+/// written, none read).
 ///
 /// # Safety
 /// `a` is a valid `(mm, k)` operand over `da` and `b` a valid `(k, n)` one over `db`:
@@ -550,7 +560,7 @@ unsafe fn sgemm_band(
     (mm, n, k): (usize, usize, usize),
     (da, a): (&[f32], Operand),
     (db, b): (&[f32], Operand),
-    c: &mut [f32],
+    c: &mut [MaybeUninit<f32>],
 ) {
     debug_assert_eq!(c.len(), mm * n);
     // Every size was checked to fit a c_int.
@@ -571,7 +581,7 @@ unsafe fn sgemm_band(
             db.as_ptr().add(b.offset),
             dim(b.ld),
             0.0,
-            c.as_mut_ptr(),
+            c.as_mut_ptr().cast::<f32>(),
             dim(n),
         )
     }
