@@ -208,13 +208,12 @@ fn static_text(lib: &libloading::Library, symbol: &[u8]) -> Option<String> {
     let f = unsafe { lib.get::<GetText>(symbol) }.ok()?;
     // SAFETY: it takes nothing and returns a static NUL-terminated string (or null).
     let ptr = unsafe { f() };
-    // SAFETY: non-null, NUL-terminated and static (OpenBLAS's contract).
-    (!ptr.is_null()).then(|| {
-        unsafe { CStr::from_ptr(ptr) }
-            .to_string_lossy()
-            .trim()
-            .to_owned()
-    })
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: non-null (checked), NUL-terminated and static (OpenBLAS's contract).
+    let text = unsafe { CStr::from_ptr(ptr) };
+    Some(text.to_string_lossy().trim().to_owned())
 }
 
 /// The widest vector instructions this CPU (and its OS) runs that OpenBLAS's sgemm
