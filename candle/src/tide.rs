@@ -52,6 +52,10 @@ pub struct TideParams {
     /// Loans ended so far: a loan's id is this plus its place in `loans`, so an id of an
     /// ended block never names a later block's loan.
     loans_ended: usize,
+    /// Whole, final gradients (a reference to candle's buffer each) that
+    /// [`TideParams::step_early`] steps from where they are
+    /// ([`Trainer::step_with_grad`]) instead of copying them into the store.
+    at_once: Vec<(usize, Tensor)>,
 }
 
 impl std::fmt::Debug for TideParams {
@@ -92,6 +96,7 @@ impl TideParams {
             grads_pending: false,
             loans: Vec::new(),
             loans_ended: 0,
+            at_once: Vec::new(),
         })
     }
 
@@ -180,15 +185,17 @@ impl TideParams {
             self.grads_pending = true;
             return Ok(());
         }
-        let (storage, layout) = grad.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((from, to))) =
-            (&*storage, layout.contiguous_offsets())
-        {
-            if let Ok(all) = cpu.as_slice::<f32>() {
-                return self.put_grad_part(name, &all[from..to], first, last);
-            }
+        if first && last && self.trainer.step_loop().steps_given_now() && cpu_f32(grad).is_some() {
+            // Stepped from candle's buffer by `step_early`, after the block's other
+            // gradients: nothing is copied into the store.
+            let i = self.trainer.index(name)?;
+            self.at_once.push((i, grad.clone()));
+            self.grads_pending = true;
+            return Ok(());
         }
-        drop(storage);
+        if let Some(values) = cpu_f32(grad) {
+            return self.put_grad_part(name, &values, first, last);
+        }
         let values = grad.flatten_all()?.to_vec1::<f32>()?;
         self.put_grad_part(name, &values, first, last)
     }
@@ -315,8 +322,21 @@ impl TideParams {
                 reason: "step() while a block's parameters are lent (end_loans first)".into(),
             });
         }
+        self.step_at_once()?;
         self.grads_pending = false;
         Ok(self.trainer.step(&mut |_| {})?.decision)
+    }
+
+    /// Steps the gradients held for it from candle's buffers; one the trainer cannot
+    /// step now (a non-finite gradient came first) is put into the store as before.
+    fn step_at_once(&mut self) -> Result<()> {
+        for (i, grad) in std::mem::take(&mut self.at_once) {
+            let values = cpu_f32(&grad).expect("held only when contiguous f32 on the CPU");
+            if !self.trainer.step_with_grad(i, Values::F32(&values))? {
+                self.trainer.put_grad(i, Values::F32(&values), true, true)?;
+            }
+        }
+        Ok(())
     }
 
     /// Steps, before backward ends, every parameter group whose gradients are all
@@ -324,6 +344,7 @@ impl TideParams {
     /// same step [`TideParams::step`] would make, made while the rest of backward is
     /// still to come, so the step's chunk I/O overlaps backward's compute.
     pub fn step_early(&mut self) -> Result<()> {
+        self.step_at_once()?;
         self.trainer.step_ready(None, &mut |_| {})?;
         Ok(())
     }
@@ -500,6 +521,38 @@ fn upload_as<T: bytemuck::Pod + candle_core::WithDType>(
             Tensor::from_vec(v, shape, device)?
         }
     })
+}
+
+/// The elements of a contiguous f32 CPU tensor, in candle's buffer; `None` for any
+/// other.
+fn cpu_f32(t: &Tensor) -> Option<impl std::ops::Deref<Target = [f32]> + '_> {
+    let (storage, layout) = t.storage_and_layout();
+    let (from, to) = layout.contiguous_offsets()?;
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return None;
+    };
+    cpu.as_slice::<f32>().ok()?;
+    Some(CpuSlice { storage, from, to })
+}
+
+/// A range of a CPU tensor's f32 storage, held by its read lock.
+struct CpuSlice<'a> {
+    storage: candle_core::StorageRef<'a>,
+    from: usize,
+    to: usize,
+}
+
+impl std::ops::Deref for CpuSlice<'_> {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match &*self.storage {
+            candle_core::Storage::Cpu(cpu) => {
+                &cpu.as_slice::<f32>().expect("checked f32 when made")[self.from..self.to]
+            }
+            _ => unreachable!("checked CPU when made"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -148,10 +148,16 @@ impl AdamWCore {
         Ok(self.trainer.read_master(i, out, dtype)?)
     }
 
-    /// Parameter `i`'s gradient for this step (elements of `dtype`): into the trainer,
-    /// reported final; with overlap, ready groups are stepped now.
+    /// Parameter `i`'s gradient for this step (elements of `dtype`), final. With
+    /// overlap, stepped now from where torch holds it when the trainer can
+    /// ([`Trainer::step_with_grad`]), else put into the trainer, and ready groups are
+    /// stepped now; without, put into the trainer.
     pub fn put_grad(&mut self, i: usize, src: &[u8], dtype: DType) -> Result<()> {
-        self.trainer.put_grad(i, bytes(src, dtype), true, true)?;
+        let grad = bytes(src, dtype);
+        if self.trainer.step_with_grad(i, grad)? {
+            return Ok(());
+        }
+        self.trainer.put_grad(i, grad, true, true)?;
         if self.trainer.step_loop().overlap() == Overlap::Backward {
             self.trainer.step_ready(None, &mut |_| {})?;
         }

@@ -12,7 +12,11 @@
 //!    [`StepLoop::step_ready`] steps queued tensors while the caller's device computes
 //!    the next block (up to a deadline, so the step never holds the device's next
 //!    launch back for long). A chunk still in use by backward is never in a complete
-//!    group, so the step never fights backward for a chunk.
+//!    group, so the step never fights backward for a chunk. A front end that holds a
+//!    whole, final gradient in its own memory hands it over instead
+//!    ([`StepLoop::step_given_now`], through [`crate::Trainer::step_with_grad`]): the
+//!    tensor is stepped at once, reading the gradient where it is, and its `Grads`
+//!    place is never written — no copy, no pool room, no NVMe spill for it.
 //! 3. [`StepLoop::finish`] decides the step (global norm, clipping, overflow) with the
 //!    optimizer's [`StepController`], switches the store to its optimizer-step budget
 //!    and steps every tensor not stepped yet.
@@ -568,6 +572,10 @@ impl StepLoop {
             .get_or_insert(StepState::new(self.ctrl.step() + 1));
         let mut n = 0;
         while let Some(i) = self.ready.pop_front() {
+            if self.entries[i].stepped {
+                // Stepped when its gradient was handed over ([`StepLoop::step_given_now`]).
+                continue;
+            }
             self.step_entry(store, i, state, observe, None)?;
             self.stats.tensors_overlapped += 1;
             n += 1;
@@ -576,6 +584,61 @@ impl StepLoop {
             }
         }
         Ok(n)
+    }
+
+    /// Whether a final gradient handed over from the caller's memory can be stepped at
+    /// once ([`StepLoop::step_given_now`]): [`Overlap::Backward`], a loop that
+    /// [`StepLoop::reads_given`], and every gradient so far finite.
+    pub fn steps_given_now(&self) -> bool {
+        self.overlap == Overlap::Backward
+            && self.reads_given()
+            && (!self.check_finite || self.grad_sq.is_finite())
+            && self.poisoned.is_none()
+    }
+
+    /// `tensor`'s gradient is final, `grad` in the caller's memory with squared norm
+    /// `sq_norm` (finite): it is reported as by [`StepLoop::grad_ready`] and the tensor
+    /// is stepped now, reading `grad` where it is, so that its `Grads` place is never
+    /// written (no copy, no room in the pool, nothing spilled to NVMe) and its step
+    /// runs while the caller's next block is still to come. The same arithmetic as a
+    /// step after backward. Refused unless [`StepLoop::steps_given_now`].
+    pub fn step_given_now(
+        &mut self,
+        store: &mut ChunkStore,
+        tensor: TensorId,
+        grad: Grads<'_>,
+        sq_norm: f64,
+        observe: Observer<'_>,
+    ) -> Result<()> {
+        self.check_poisoned()?;
+        if !self.steps_given_now() || !sq_norm.is_finite() {
+            return Err(TrainError::Protocol(format!(
+                "{tensor} handed over to be stepped at once, which needs overlap = \
+                 \"backward\", the step in place in the host pool and finite gradients"
+            )));
+        }
+        let &i = self.by_tensor.get(&tensor).ok_or_else(|| {
+            TrainError::Protocol(format!(
+                "a gradient given for {tensor}, which is not stepped"
+            ))
+        })?;
+        if grad.len() != self.entries[i].len {
+            return Err(TrainError::Argument {
+                tensor: self.entries[i].name.clone(),
+                reason: format!(
+                    "the gradient handed over: {} elements for a tensor of {}",
+                    grad.len(),
+                    self.entries[i].len
+                ),
+            });
+        }
+        self.grad_ready(tensor, sq_norm)?;
+        let state = *self
+            .early
+            .get_or_insert(StepState::new(self.ctrl.step() + 1));
+        self.step_entry(store, i, state, observe, Some(grad))?;
+        self.stats.tensors_overlapped += 1;
+        Ok(())
     }
 
     /// Ends the iteration's step: decides it from every gradient's norm, and steps every

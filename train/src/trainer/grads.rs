@@ -38,6 +38,41 @@ impl Trainer {
         Ok(())
     }
 
+    /// Steps trainable parameter `i` now, its whole and final gradient `grad` read where
+    /// the caller holds it, when the step loop can ([`StepLoop::steps_given_now`]: the
+    /// step overlapped with backward, in place in the host pool, every gradient so far
+    /// finite) and `grad` is finite: its gradient place is then never written (no copy,
+    /// no room in the pool, nothing spilled to NVMe) and the gradient counts as
+    /// reported. Returns whether it did; `false` changes nothing, and the caller puts
+    /// the gradient ([`Trainer::put_grad`]) as before. The same arithmetic as the step
+    /// after backward.
+    ///
+    /// [`StepLoop::steps_given_now`]: crate::StepLoop::steps_given_now
+    pub fn step_with_grad(&mut self, i: usize, grad: Values<'_>) -> Result<bool> {
+        self.check_values(i, &grad, "gradient")?;
+        self.check_grad_part(i, true)?;
+        if !self.step.steps_given_now() {
+            return Ok(false);
+        }
+        let Some(g) = grad.as_grads() else {
+            return Ok(false);
+        };
+        let sq = if self.step.needs_norms() {
+            self.step.optimizer().cpu().grad_sq_norm(g)
+        } else {
+            0.0
+        };
+        if !sq.is_finite() {
+            return Ok(false);
+        }
+        let id = self.entries[i].id;
+        self.step
+            .step_given_now(&mut self.store, id, g, sq, &mut |_| {})?;
+        self.entries[i].reported = true;
+        self.reported += 1;
+        Ok(true)
+    }
+
     /// Refuses a gradient part for a frozen parameter, an added part outside `F32`, or
     /// one after the gradient was reported final.
     fn check_grad_part(&self, i: usize, first: bool) -> Result<()> {
