@@ -1,8 +1,9 @@
 //! Gradients into the step loop, and the step. [`Trainer::grad_written`] is the only
-//! way a gradient enters the step loop: [`Trainer::put_grad`] writes the values into
-//! the gradient's place, takes their squared norm and calls it; a front end that writes
-//! its gradients into the store itself (the bench, on the device) calls it with the
-//! norm it took.
+//! way a gradient stored in its place enters the step loop: [`Trainer::put_grad`]
+//! writes the values into the gradient's place, takes their squared norm and calls it;
+//! a front end that writes its gradients into the store itself (the bench, on the
+//! device) calls it with the norm it took. [`Trainer::step_with_grad`] is the one way a
+//! gradient enters without a place: stepped at once from the caller's memory.
 
 use std::time::Instant;
 
