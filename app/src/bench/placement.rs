@@ -7,7 +7,7 @@ use tidestore_optimizer::{AdamW, CpuConfig, OptimError};
 use tidestore_train::{decide_step_place, StepNeeds};
 
 use crate::error::Result;
-use tidestore::config::Config;
+use tidestore::config::{human_bytes, Config};
 use tidestore::session;
 use tidestore::workload::Workload;
 
@@ -73,23 +73,19 @@ impl StepBudget {
     fn describe(&self) -> String {
         let free = format!(
             "{} of device memory less {} in use by others less {} tidal_margin",
-            human(self.total_bytes),
-            human(self.non_model_bytes),
-            human(self.margin_bytes)
+            human_bytes(self.total_bytes),
+            human_bytes(self.non_model_bytes),
+            human_bytes(self.margin_bytes)
         );
         if self.slab_bytes < self.total_bytes {
             format!(
                 "the chunk slab (device.budget, {}) within {free}",
-                human(self.slab_bytes)
+                human_bytes(self.slab_bytes)
             )
         } else {
             free
         }
     }
-}
-
-fn human(b: u64) -> String {
-    crate::plan::human_bytes(b)
 }
 
 /// Where the optimizer step runs, from `optimizer.device` (the trainer's rule,

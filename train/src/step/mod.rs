@@ -567,9 +567,7 @@ impl StepLoop {
         if self.ready.is_empty() || (self.check_finite && !self.grad_sq.is_finite()) {
             return Ok(0);
         }
-        let state = *self
-            .early
-            .get_or_insert(StepState::new(self.ctrl.step() + 1));
+        let state = self.early_state();
         let mut n = 0;
         while let Some(i) = self.ready.pop_front() {
             if self.entries[i].stepped {
@@ -584,6 +582,14 @@ impl StepLoop {
             }
         }
         Ok(n)
+    }
+
+    /// The state of the steps made before the decision (during backward): step `n + 1`,
+    /// fixed at the first of them.
+    fn early_state(&mut self) -> StepState {
+        *self
+            .early
+            .get_or_insert(StepState::new(self.ctrl.step() + 1))
     }
 
     /// Whether a final gradient handed over from the caller's memory can be stepped at
@@ -633,9 +639,7 @@ impl StepLoop {
             });
         }
         self.grad_ready(tensor, sq_norm)?;
-        let state = *self
-            .early
-            .get_or_insert(StepState::new(self.ctrl.step() + 1));
+        let state = self.early_state();
         self.step_entry(store, i, state, observe, Some(grad))?;
         self.stats.tensors_overlapped += 1;
         Ok(())

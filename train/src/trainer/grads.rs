@@ -50,11 +50,12 @@ impl Trainer {
     ///
     /// [`StepLoop::steps_given_now`]: crate::StepLoop::steps_given_now
     pub fn step_with_grad(&mut self, i: usize, grad: Values<'_>) -> Result<bool> {
-        self.check_values(i, &grad, "gradient")?;
-        self.check_grad_part(i, true)?;
         if !self.step.steps_given_now() {
+            // The caller puts it, and `put_grad` checks it.
             return Ok(false);
         }
+        self.check_values(i, &grad, "gradient")?;
+        self.check_grad_part(i, true)?;
         let Some(g) = grad.as_grads() else {
             return Ok(false);
         };

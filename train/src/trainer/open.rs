@@ -13,8 +13,7 @@ use tidestore_chunk::{
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
 
-use super::config::StepDevice;
-use super::config::{Budget, DeviceChoice, ParamSpec, Precision, TrainerConfig};
+use super::config::{Budget, DeviceChoice, ParamSpec, Precision, StepDevice, TrainerConfig};
 use super::placement::{decide_step_place, StepNeeds};
 use super::{Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
