@@ -41,7 +41,13 @@ impl Mover {
             let stalled = started.elapsed();
             self.stats.stall_ns += stalled.as_nanos() as u64;
             if stalled.as_micros() >= 1000 {
-                tracing::debug!(chunk = %c, ?place, moment = cause.moment, stalled_ms = stalled.as_secs_f64() * 1e3, "chunk store: an access waited for its chunk");
+                tracing::debug!(
+                    chunk = %c,
+                    ?place,
+                    moment = cause.moment,
+                    stalled_ms = stalled.as_secs_f64() * 1e3,
+                    "chunk store: an access waited for its chunk"
+                );
             }
             if r? {
                 self.stats.hits += 1;
