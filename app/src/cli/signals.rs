@@ -1,7 +1,8 @@
 //! SIGINT and SIGTERM: the scratch paths of the run ([`crate::scratch`]: swap
 //! directories, `io-bench`'s file, checkpoint and export temporaries) are removed, what
 //! was removed is said on stderr, and the process exits with 128 + the signal (130 for
-//! Ctrl-C, 143 for SIGTERM), as a shell reports a process the signal killed.
+//! Ctrl-C, 143 for SIGTERM), as a shell reports a process the signal killed, through
+//! `_exit`: the C libraries' destructors do not run under threads still using them.
 //!
 //! The handler itself only writes the signal's number into a pipe (`write` is
 //! async-signal-safe); a thread blocked on the pipe's other end does the rest, in
@@ -118,5 +119,10 @@ fn wait_and_clean(read_fd: libc::c_int) {
             list.join(", ")
         }
     );
-    std::process::exit(128 + sig);
+    let _ = std::io::stdout().flush();
+    // `_exit`, not `exit`: other threads are still running (a matrix product on
+    // OpenBLAS's threads, the store's I/O), and `exit` would run the C libraries'
+    // destructors under them (OpenBLAS frees the buffers its threads are using).
+    // SAFETY: `_exit` ends the process at once; nothing after it runs.
+    unsafe { libc::_exit(128 + sig) }
 }
