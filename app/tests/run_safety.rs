@@ -17,7 +17,7 @@
 //! an older one).
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 mod common;
 
@@ -75,6 +75,27 @@ fn patch_bf16(model: &Path, tensor: &str, from: usize, to: usize, bits: u16) {
         bytes[start + 2 * i..start + 2 * i + 2].copy_from_slice(&bits.to_le_bytes());
     }
     std::fs::write(&path, bytes).unwrap();
+}
+
+/// Sends `child` SIGINT, as Ctrl-C does, and returns its output once it has exited; a
+/// child still running a minute later (a clean-up that hangs) is killed and fails the
+/// test.
+fn interrupt(mut child: Child) -> Output {
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!("still running 60 s after SIGINT (killed): {}", stderr(&out));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }
 
 /// The files under `dir`, recursively, relative to it.
@@ -421,12 +442,7 @@ fn item6_ctrl_c_removes_the_swap_directory_and_keeps_complete_checkpoints() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     // SIGINT, as Ctrl-C sends it.
-    let sent = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let out = child.wait_with_output().unwrap();
+    let out = interrupt(child);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");
     assert!(err.contains("interrupted by SIGINT"), "{err}");
@@ -567,12 +583,7 @@ fn item6_ctrl_c_during_io_bench_removes_its_file() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let sent = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
-    let out = child.wait_with_output().unwrap();
+    let out = interrupt(child);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");
     assert!(
