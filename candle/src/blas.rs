@@ -552,33 +552,24 @@ fn run(
     // matrices below cover the whole of it.
     let mut c: Vec<MaybeUninit<f32>> = Vec::with_capacity(batch * m * n);
     c.resize_with(batch * m * n, MaybeUninit::uninit);
+    // A library with threads of its own computes each matrix whole (one band); else
+    // each is cut into bands on rayon's pool where the batch is smaller than the pool.
+    let bands = match blas.threads {
+        1 => rayon::current_num_threads().div_ceil(batch),
+        _ => 1,
+    };
+    let each = |(i, c): (usize, &mut [MaybeUninit<f32>])| {
+        let (a, b) = ((da, oa.batch(i)), (db, ob.batch(i)));
+        // SAFETY: matrix `i` of each operand lies inside its slice (the batch's last
+        // element was checked against the slices above), and `c` is that matrix's
+        // `m × n` part of the output.
+        unsafe { gemm_banded(blas.sgemm, (m, n, k), a, b, c, bands) };
+    };
     if blas.threads > 1 {
-        // The library's threads compute each matrix; the matrices one after another.
-        for (i, c) in c.chunks_mut(m * n).enumerate() {
-            // SAFETY: matrix `i` of each operand lies inside its slice (the batch's last
-            // element was checked against the slices above), and `c` is that matrix's
-            // `m × n` part of the output.
-            unsafe {
-                sgemm_band(
-                    blas.sgemm,
-                    (m, n, k),
-                    (da, oa.batch(i)),
-                    (db, ob.batch(i)),
-                    c,
-                )
-            };
-        }
+        // The matrices one after another, each on the library's threads.
+        c.chunks_mut(m * n).enumerate().for_each(each);
     } else {
-        let threads = rayon::current_num_threads();
-        let each = |(i, c): (usize, &mut [MaybeUninit<f32>])| {
-            let (a, b) = ((da, oa.batch(i)), (db, ob.batch(i)));
-            // SAFETY: matrix `i` of each operand lies inside its slice (the batch's last
-            // element was checked against the slices above), and `c` is that matrix's
-            // `m × n` part of the output.
-            unsafe { gemm_banded(blas.sgemm, (m, n, k), a, b, c, threads.div_ceil(batch)) };
-        };
-        // The matrices across the pool; each in bands only where the batch is smaller
-        // than the pool (a batch as large as the pool: one call per matrix).
+        // The matrices across the pool (a batch as large as the pool: one call each).
         for_each_piece(&mut c, m * n, each);
     }
     let mut c = std::mem::ManuallyDrop::new(c);
