@@ -18,7 +18,8 @@
 //! rate) and the NVMe traffic of the optimizer state, streamed. With the step
 //! overlapping backward (`optimizer.overlap = "backward"`) the iteration is forward plus
 //! the slower of backward and the step, forward taking its share of the compute's
-//! FLOPs; otherwise it is their sum.
+//! FLOPs; with the step deferred into the next forward (`"forward"`) it is the slower of
+//! forward and the step, plus backward; otherwise it is their sum.
 //!
 //! Data parallel over `ranks` GPUs (`--gpus`), each a machine as given: every chunk list
 //! sharded, each rank's store holding `1/ranks` of every tensor and of its master, M and
@@ -35,6 +36,7 @@ use tidestore_chunk::{plan_capacity, ChunkError, Layout, ListKind};
 use crate::bench::compute::ComputeModel;
 use crate::error::Result;
 pub use tidestore::config::human_bytes;
+use tidestore::config::OverlapName;
 use tidestore::session::WORKING_SET_CHUNKS;
 use tidestore::workload::Workload;
 
@@ -59,8 +61,9 @@ pub struct Machine {
     pub optimizer_params_per_s: f64,
     /// The GPU's compute rate in FLOP/s (0: compute not counted).
     pub compute_flops_per_s: f64,
-    /// Whether the step overlaps backward (`optimizer.overlap = "backward"`).
-    pub overlap_backward: bool,
+    /// When the step runs (`optimizer.overlap`): after backward, during backward, or
+    /// during the next forward.
+    pub overlap: OverlapName,
     /// Data-parallel ranks (GPUs, one machine as above each); 1: no data parallelism.
     pub ranks: u32,
     /// Bandwidth of a rank's collectives (each way), between GPUs.
@@ -326,11 +329,12 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let optimizer_seconds = secs(stepped, machine.optimizer_params_per_s).max(
         secs(opt_r, machine.nvme_read_bytes_per_s) + secs(opt_w, machine.nvme_write_bytes_per_s),
     );
-    let iteration_seconds = if machine.overlap_backward {
-        let forward = forward_backward_seconds * compute.forward_fraction();
-        forward + (forward_backward_seconds - forward).max(optimizer_seconds)
-    } else {
-        forward_backward_seconds + optimizer_seconds
+    let forward = forward_backward_seconds * compute.forward_fraction();
+    let backward = forward_backward_seconds - forward;
+    let iteration_seconds = match machine.overlap {
+        OverlapName::Off => forward_backward_seconds + optimizer_seconds,
+        OverlapName::Backward => forward + backward.max(optimizer_seconds),
+        OverlapName::Forward => forward.max(optimizer_seconds) + backward,
     };
     Ok(PlanReport {
         schema: "tidestore.plan.v1".into(),
@@ -497,7 +501,7 @@ mod tests {
             nvme_bytes: 2_000_000_000_000,
             pcie_bytes_per_s: 25e9,
             compute_flops_per_s: 0.0,
-            overlap_backward: false,
+            overlap: OverlapName::Off,
             ranks: 1,
             link_bytes_per_s: 25e9,
             nvme_read_bytes_per_s: 7e9,

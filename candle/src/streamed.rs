@@ -183,6 +183,12 @@ impl BlockParams<Llama> for TideParams {
         TideParams::step_early(self)
     }
 
+    fn step_deferred(&mut self, names: &[String]) -> Result<()> {
+        names
+            .iter()
+            .try_for_each(|n| TideParams::step_deferred(self, n))
+    }
+
     fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {
         self.put_grad_tensor(name, grad, first, last)
     }

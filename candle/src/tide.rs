@@ -349,6 +349,16 @@ impl TideParams {
         Ok(())
     }
 
+    /// Makes parameter `name`'s step still due from the last [`TideParams::step`]
+    /// (a trainer opened with `Overlap::Forward`; else nothing): every fetch or loan of
+    /// the parameter does it first, and the layer-streamed driver calls it before the
+    /// block that uses it, so that the step is timed as the optimizer's.
+    pub fn step_deferred(&mut self, name: &str) -> Result<()> {
+        let i = self.trainer.index(name)?;
+        self.trainer.step_deferred(i)?;
+        Ok(())
+    }
+
     /// Sets the learning rate of the steps to come (a schedule's).
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
         Ok(self.trainer.set_lr(lr)?)

@@ -429,3 +429,72 @@ fn stepping_during_backward_trains_bit_for_bit_as_after_it() {
         "not every tensor was stepped during backward"
     );
 }
+
+/// With `Overlap::Forward` the step is decided after backward — here clipped every
+/// step, at a learning rate that changes from step to step — and each tensor is
+/// stepped in the next forward right before its block: the same losses and weights as
+/// the step after backward, bit for bit, with a tied embedding and two micro-batches.
+/// The last step's updates are made when the weights are read. The store traces the
+/// second iteration (the first has no step in its forward) and follows it after.
+#[test]
+fn stepping_in_the_next_forward_trains_bit_for_bit_as_after_backward() {
+    let model = llama(true, false);
+    let init = model.init(12);
+    let data = batches();
+    const STEPS: u64 = 5;
+    let run = |overlap: Overlap| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tide_config(dir.path(), Precision::F32);
+        cfg.overlap = overlap;
+        cfg.max_grad_norm = Some(0.05);
+        let mut p = TideParams::open(&init, &cfg, &Device::Cpu).unwrap();
+        let mut clipped = 0;
+        let losses: Vec<u32> = (0..STEPS)
+            .map(|s| {
+                p.set_lr(1e-3 / (1.0 + s as f32)).unwrap();
+                let (x, y) = data.get(s, &Device::Cpu).unwrap();
+                let half = |t: &Tensor, i: usize| t.narrow(0, 2 * i, 2).unwrap();
+                let parts = [(half(&x, 0), half(&y, 0)), (half(&x, 1), half(&y, 1))];
+                let step = train_step(&mut p, &model, &parts, Vertical).unwrap();
+                if let StepDecision::Apply { clip_coef, .. } = step.decision {
+                    clipped += usize::from(clip_coef < 1.0);
+                }
+                step.loss.to_bits()
+            })
+            .collect();
+        let in_forward = p.trainer().step_loop().stats().tensors_deferred;
+        let due = p.trainer().step_loop().deferred();
+        let st = p.stats();
+        let trace = (st.traced_iterations, st.divergences);
+        let values: Vec<Vec<f32>> = init
+            .iter()
+            .map(|(s, _)| p.values(&s.name).unwrap())
+            .collect();
+        (losses, values, clipped, in_forward, due, trace)
+    };
+    let (after, next) = (run(Overlap::Off), run(Overlap::Forward));
+    assert_eq!(after.0, next.0, "losses");
+    assert!(after.1 == next.1, "weights differ");
+    assert_eq!(
+        after.2, STEPS as usize,
+        "every step was meant to be clipped"
+    );
+    assert_eq!(next.2, after.2);
+    let trainable = init.iter().filter(|(s, _)| s.trainable).count();
+    assert_eq!((after.3, after.4), (0, 0));
+    assert_eq!(
+        next.3,
+        (STEPS - 1) * trainable as u64,
+        "steps made in a forward"
+    );
+    assert_eq!(
+        next.4, trainable,
+        "the last step was due until the weights were read"
+    );
+    assert_eq!(after.5, (1, 0), "off: one traced iteration, followed since");
+    assert_eq!(
+        next.5,
+        (2, 0),
+        "forward: the second iteration traced, followed since"
+    );
+}

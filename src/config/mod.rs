@@ -293,7 +293,7 @@ impl OptimizerDevice {
 }
 
 /// `optimizer.overlap`: when tensors are stepped.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OverlapName {
     /// After backward.
@@ -302,6 +302,21 @@ pub enum OverlapName {
     /// During backward, each chunk of gradients as soon as it is final (needs
     /// `max_grad_norm = 0`: clipping needs every gradient before the first step).
     Backward,
+    /// Decided after backward (clipping and skips as with `off`), each tensor stepped
+    /// in the next forward right before its first use, its chunk I/O under forward's
+    /// compute; bit-identical to `off`.
+    Forward,
+}
+
+impl OverlapName {
+    /// The name as the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverlapName::Off => "off",
+            OverlapName::Backward => "backward",
+            OverlapName::Forward => "forward",
+        }
+    }
 }
 
 /// `optimizer.mode`: how weight decay enters.

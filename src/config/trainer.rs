@@ -39,10 +39,7 @@ impl Config {
             PrecisionName::Bf16 => Precision::Bf16,
             PrecisionName::F32 => Precision::F32,
         };
-        tc.overlap = match self.optimizer.overlap {
-            OverlapName::Off => Overlap::Off,
-            OverlapName::Backward => Overlap::Backward,
-        };
+        tc.overlap = self.optimizer.overlap.into();
         tc.max_grad_norm =
             (self.optimizer.max_grad_norm > 0.0).then_some(self.optimizer.max_grad_norm as f32);
         tc.chunk_elements = match self.chunk.size {
@@ -60,6 +57,16 @@ impl Config {
         };
         tc.step_device = self.optimizer.device.step_device();
         Ok(tc)
+    }
+}
+
+impl From<OverlapName> for Overlap {
+    fn from(name: OverlapName) -> Overlap {
+        match name {
+            OverlapName::Off => Overlap::Off,
+            OverlapName::Backward => Overlap::Backward,
+            OverlapName::Forward => Overlap::Forward,
+        }
     }
 }
 

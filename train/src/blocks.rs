@@ -165,6 +165,15 @@ pub trait BlockParams<B: Blocks + ?Sized> {
         Ok(())
     }
 
+    /// Makes the steps of `names` still due from the last optimizer step (a store
+    /// trained with `Overlap::Forward`): the driver calls it before each block runs, with
+    /// the block's parameters, so that the step is timed as the optimizer's. The
+    /// default steps nothing.
+    fn step_deferred(&mut self, names: &[String]) -> Result<(), B::Error> {
+        let _ = names;
+        Ok(())
+    }
+
     /// The optimizer step, after the last micro-batch.
     fn step(&mut self) -> Result<StepDecision, B::Error>;
 }
@@ -187,8 +196,9 @@ pub struct StepTimes {
     pub compute: Duration,
     /// Getting parameters and putting gradients (waits for chunks included).
     pub store: Duration,
-    /// The optimizer step (its chunk I/O included), the part made during backward
-    /// ([`BlockParams::step_early`]) included.
+    /// The optimizer step (its chunk I/O included), the parts made during backward
+    /// ([`BlockParams::step_early`]) and, of the last step, during this forward
+    /// ([`BlockParams::step_deferred`]) included.
     pub optimizer: Duration,
 }
 
@@ -204,7 +214,7 @@ pub struct StreamedStep {
 }
 
 /// `params` with the time of every fetch and gradient put added to `store`, and of the
-/// optimizer's steps during backward to `early`.
+/// optimizer's steps during backward or forward to `early`.
 struct Timed<'a, P: ?Sized> {
     params: &'a mut P,
     store: Duration,
@@ -253,6 +263,13 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_
     fn step_early(&mut self) -> Result<(), B::Error> {
         let started = Instant::now();
         let r = self.params.step_early();
+        self.early += started.elapsed();
+        r
+    }
+
+    fn step_deferred(&mut self, names: &[String]) -> Result<(), B::Error> {
+        let started = Instant::now();
+        let r = self.params.step_deferred(names);
         self.early += started.elapsed();
         r
     }
@@ -468,6 +485,7 @@ where
     // Forward: per micro-batch, the input of every block (the checkpoints).
     let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
     for b in 0..head {
+        params.step_deferred(&model.block_params(b))?;
         let mut cache = BlockCache::<B, P>::new(&mut *params);
         let done = inputs.iter_mut().try_for_each(|x| {
             let y = model.forward(b, &mut cache, &x[b])?;
@@ -480,6 +498,10 @@ where
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
     let mut loss_sum = 0.0;
     for b in (0..=head).rev() {
+        if b == head {
+            // The head runs first in backward: its parameters' due steps now.
+            params.step_deferred(&model.block_params(b))?;
+        }
         let mut cache = BlockCache::<B, P>::new(&mut *params);
         let (ins, ups) = (&mut inputs, &mut upstream);
         let done = block_backward(&mut cache, model, b, batches, ins, ups, part.scale);

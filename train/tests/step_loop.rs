@@ -207,7 +207,8 @@ fn tensors(grad: Grad) -> Vec<StepTensor> {
 
 /// Runs `STEPS` iterations through the loop and the reference side by side; checks the
 /// 16-bit parameters every iteration and everything at the end. Returns how many tensor
-/// steps overlapped backward.
+/// steps overlapped backward (with [`Overlap::Forward`]: how many were made in a next
+/// forward, the last step's completed at the end excluded).
 fn train(place: StepPlace, overlap: Overlap, grad: Grad, host_buffers: u64) -> u64 {
     train_with(place, overlap, grad, host_buffers, MomentForm::F32)
 }
@@ -241,8 +242,16 @@ fn train_with(
     let cpu = cpu();
     let mut observe = |_: &ChunkStore| {};
     for step in 1..=STEPS {
-        // Forward: every 16-bit copy read on the device, equal to the reference's.
+        // Forward: every 16-bit copy read on the device, equal to the reference's (with
+        // `Overlap::Forward` once its step due from the last iteration is made).
         for (i, &n) in SIZES.iter().enumerate() {
+            let t = TensorId(i as u32);
+            let due = lp.step_deferred(&mut store, t, &mut observe).unwrap();
+            // A tensor is stepped with the first of its group (its gradient's chunk).
+            assert!(
+                !due || (overlap == Overlap::Forward && step > 1),
+                "step {step}: w{i}"
+            );
             let g = store
                 .access(TensorId(i as u32), ListKind::Params, Place::Device)
                 .unwrap();
@@ -307,6 +316,15 @@ fn train_with(
             .unwrap();
         }
     }
+    let in_forward = lp.stats().tensors_deferred;
+    let completed = lp.complete_deferred(&mut store, &mut observe).unwrap();
+    if overlap == Overlap::Forward {
+        assert_eq!(completed, SIZES.len(), "the last step's tensors were due");
+        assert_eq!(in_forward, (STEPS - 1) * SIZES.len() as u64);
+    } else {
+        assert_eq!((completed, in_forward), (0, 0));
+    }
+    assert_eq!(lp.deferred(), 0);
     for i in 0..SIZES.len() {
         let t = TensorId(i as u32);
         let mb = reference.moment_bytes[i];
@@ -340,7 +358,10 @@ fn train_with(
         assert_eq!(store.stats().discarded_chunks, STEPS * chunks);
     }
     assert_eq!(lp.stats().steps_applied, STEPS);
-    lp.stats().tensors_overlapped
+    match overlap {
+        Overlap::Forward => in_forward,
+        Overlap::Off | Overlap::Backward => lp.stats().tensors_overlapped,
+    }
 }
 
 #[test]
@@ -375,6 +396,61 @@ fn overlap_steps_during_backward_and_equals_off() {
     );
     let overlapped = train(StepPlace::Host, Overlap::Backward, Grad::GradsF32, 6);
     assert!(overlapped > 0);
+}
+
+/// Each tensor's step made in the next forward, right before its 16-bit copy is read:
+/// every host path and the device step, both gradient places, equal to in-memory
+/// AdamW as the step after backward is.
+#[test]
+fn overlap_forward_steps_in_the_next_forward_and_equals_off() {
+    let deferred = (STEPS - 1) * SIZES.len() as u64;
+    for (place, grad, buffers) in [
+        (StepPlace::Host, Grad::InParam16, 5),
+        (StepPlace::Host, Grad::InParam16, 4),
+        (StepPlace::Host, Grad::GradsF32, 6),
+        (StepPlace::Device, Grad::InParam16, 4),
+    ] {
+        let made = train(place, Overlap::Forward, grad, buffers);
+        assert_eq!(made, deferred, "{place:?}/{grad:?}/{buffers}");
+    }
+}
+
+/// With `Overlap::Forward` a due tensor takes no new gradient before its step is made,
+/// a decision with clipping defers as one without, `restore` drops what is due, and the
+/// loop's step count and decision are those of the step after backward.
+#[test]
+fn due_steps_refuse_a_new_gradient_and_restore_drops_them() {
+    let (_d, mut store, lp) = small_loop(Overlap::Forward, Some(1e-3));
+    let mut lp = lp.unwrap();
+    let mut observe = |_: &ChunkStore| {};
+    for i in (0..SIZES.len()).rev() {
+        lp.grad_ready(TensorId(i as u32), 1.0).unwrap();
+    }
+    let outcome = lp.finish(&mut store, &mut observe).unwrap();
+    match outcome.decision {
+        StepDecision::Apply { clip_coef, .. } => assert!(clip_coef < 1.0, "{clip_coef}"),
+        other => panic!("expected an applied, clipped step, got {other:?}"),
+    }
+    assert_eq!((lp.step_count(), lp.deferred()), (1, SIZES.len()));
+    assert_eq!(lp.stats().tensors_stepped, 0, "nothing stepped at finish");
+    match lp.grad_ready(TensorId(2), 1.0) {
+        Err(TrainError::Protocol(msg)) => assert!(msg.contains("w2"), "{msg}"),
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+    assert!(lp
+        .step_deferred(&mut store, TensorId(2), &mut observe)
+        .unwrap());
+    assert!(!lp
+        .step_deferred(&mut store, TensorId(2), &mut observe)
+        .unwrap());
+    // w2's group (the tensors whose gradients share its chunk) was stepped with it.
+    let group = lp.stats().tensors_deferred as usize;
+    assert!(group >= 1 && lp.deferred() == SIZES.len() - group);
+    let state = lp.controller_state();
+    lp.restore(state).unwrap();
+    assert_eq!(lp.deferred(), 0, "restore drops the due steps");
+    assert_eq!(lp.complete_deferred(&mut store, &mut observe).unwrap(), 0);
+    lp.grad_ready(TensorId(0), 1.0).unwrap();
 }
 
 fn small_loop(

@@ -48,7 +48,7 @@ use tidestore_chunk::{
 use tidestore_optimizer::placement::HybridAdamW;
 use tidestore_optimizer::{OptimError, StepDecision};
 use tidestore_tiers::{DeviceView, DeviceViewMut};
-use tidestore_train::{Overlap, ParamSpec, Precision, StepConfig, StepPlace, Trainer};
+use tidestore_train::{ParamSpec, Precision, StepConfig, StepPlace, Trainer};
 
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
@@ -59,7 +59,7 @@ use no_cuda::BenchKernels;
 use pattern::{noise, pattern_offset, INIT_SEED, PATTERN_SLACK};
 use placement::{choose_placement, step_needs, StepBudget, StepPlacement};
 use report::Counters;
-use tidestore::config::{Config, DeviceKindName, OptimizerDevice, OverlapName};
+use tidestore::config::{Config, DeviceKindName, OptimizerDevice};
 use tidestore::session::{self, Session};
 use tidestore::workload::{ActivationModel, Block};
 
@@ -149,6 +149,10 @@ impl Runner<'_> {
     }
 
     fn access(&mut self, i: usize, list: ListKind, place: Place) -> Result<Guard> {
+        if list == ListKind::Params {
+            // Its step due from the last iteration first (`optimizer.overlap = "forward"`).
+            self.trainer.step_deferred(i)?;
+        }
         let store = self.trainer.store_mut();
         let g = store.access(self.s.ids[i], list, place)?;
         self.sampler.observe(store);
@@ -396,10 +400,7 @@ fn trainer(
         } else {
             StepPlace::Host
         },
-        overlap: match cfg.optimizer.overlap {
-            OverlapName::Off => Overlap::Off,
-            OverlapName::Backward => Overlap::Backward,
-        },
+        overlap: cfg.optimizer.overlap.into(),
         check_finite: true,
     };
     Ok(Trainer::with_store(
@@ -716,6 +717,7 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
     let disk = disk.with_swap_reads(&swap_path, &cfg.io_config()?, &regions, SWAP_PROBE_BYTES)?;
     let iterations = cfg.workload.iterations;
     let mut m = iterate(&mut r, iterations)?;
+    r.trainer.complete_step()?;
     r.trainer.store_mut().sync()?;
     let st = r.trainer.store().stats();
     let opt_seconds = m.phases[2].seconds;
@@ -743,12 +745,9 @@ pub fn run(cfg: &Config, progress: &mut dyn Progress) -> Result<BenchReport> {
             0.0
         },
         grad_norm: m.grad_norm,
-        overlap: match cfg.optimizer.overlap {
-            OverlapName::Off => "off",
-            OverlapName::Backward => "backward",
-        }
-        .into(),
+        overlap: cfg.optimizer.overlap.as_str().into(),
         tensors_overlapped: step_stats.tensors_overlapped,
+        tensors_deferred: step_stats.tensors_deferred,
     };
     let bound = bound(cfg, &r, &m, disk, iterations);
     for p in &mut m.phases {

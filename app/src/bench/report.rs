@@ -216,10 +216,13 @@ pub struct OptimizerReport {
     pub kernel_params_per_s: f64,
     /// Last global gradient norm.
     pub grad_norm: f64,
-    /// `optimizer.overlap`: `off` or `backward`.
+    /// `optimizer.overlap`: `off`, `backward` or `forward`.
     pub overlap: String,
     /// Tensor steps made during backward, over the measured iterations.
     pub tensors_overlapped: u64,
+    /// Tensor steps made in the next iteration's forward (`overlap = "forward"`), the
+    /// last iteration's completed after it, over the measured iterations.
+    pub tensors_deferred: u64,
 }
 
 impl OptimizerReport {

@@ -367,11 +367,12 @@ fn print_table(r: &BenchReport) {
         "compute not modeled (workload.tflops = 0)".to_string()
     };
     out!(
-        "overlap {}: {} tensor steps during backward; bound per iteration {:.3} s = max({compute}, \
-         PCIe {:.3} s, NVMe {:.3} s, optimizer kernel {:.3} s); efficiency {:.2} (bound / \
-         measured)",
+        "overlap {}: {} tensor steps during backward, {} in the next forward; bound per \
+         iteration {:.3} s = max({compute}, PCIe {:.3} s, NVMe {:.3} s, optimizer kernel {:.3} \
+         s); efficiency {:.2} (bound / measured)",
         o.overlap,
         o.tensors_overlapped,
+        o.tensors_deferred,
         b.bound_seconds,
         b.pcie_seconds,
         b.nvme_seconds,

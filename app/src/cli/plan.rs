@@ -204,7 +204,7 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
         nvme_write_bytes_per_s: nvme_write,
         optimizer_params_per_s: rate,
         compute_flops_per_s: tflops * 1e12,
-        overlap_backward: cfg.optimizer.overlap == OverlapName::Backward,
+        overlap: cfg.optimizer.overlap,
         ranks: args.gpus,
         link_bytes_per_s: link,
     };
@@ -329,10 +329,10 @@ fn print(r: &PlanReport, measured: bool, args: &PlanArgs) {
         r.compute_seconds,
         r.forward_backward_seconds,
         r.optimizer_seconds,
-        if r.machine.overlap_backward {
-            " (overlapping backward)"
-        } else {
-            ""
+        match r.machine.overlap {
+            OverlapName::Off => "",
+            OverlapName::Backward => " (overlapping backward)",
+            OverlapName::Forward => " (overlapping the next forward)",
         },
         r.iteration_seconds
     );

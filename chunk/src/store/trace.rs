@@ -140,6 +140,27 @@ impl ChunkStore {
         result
     }
 
+    /// Ends an iteration that the next ones will not repeat — its front end changes
+    /// what an iteration does from now on (a step deferred into the next forward, which
+    /// the first iteration has none of): its trace, or the schedule it followed, is
+    /// dropped and the next iteration is traced afresh, instead of being followed until
+    /// it diverges and then traced.
+    pub fn end_iteration_retrace(&mut self) -> Result<()> {
+        self.counts.iterations += 1;
+        if self.is_tracing() {
+            self.counts.traced_iterations += 1;
+        }
+        self.position = 0;
+        self.mode = Mode::Tracing(Tracer::new());
+        self.warmup.clear();
+        self.device_moments.clear();
+        self.host_moments.clear();
+        self.diverged = false;
+        self.sync_policies();
+        tracing::debug!("chunk store: iteration ended untraced; the next one is traced");
+        Ok(())
+    }
+
     /// After a traced iteration: its schedule (and the device's and the host's, and the
     /// `lifetime` policies over them) takes over. A moment whose chunks in use exceed
     /// its tidal budget is [`ChunkError::WorkingSetTooLarge`], returned after the

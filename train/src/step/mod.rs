@@ -19,7 +19,10 @@
 //!    place is never written — no copy, no pool room, no NVMe spill for it.
 //! 3. [`StepLoop::finish`] decides the step (global norm, clipping, overflow) with the
 //!    optimizer's [`StepController`], switches the store to its optimizer-step budget
-//!    and steps every tensor not stepped yet.
+//!    and steps every tensor not stepped yet — or, with [`Overlap::Forward`], leaves
+//!    them due: each one is stepped in the next forward, right before its first use
+//!    ([`StepLoop::step_deferred`]; [`crate::Trainer`] does it in every access of a
+//!    parameter), so the step's chunk I/O runs under forward's compute.
 //!
 //! # Where a tensor is stepped
 //! [`StepPlace::Host`]: its chunks are accessed in the pinned host pool and the CPU
@@ -41,6 +44,15 @@
 //! arrives after tensors were stepped cannot be skipped any more: [`StepLoop::finish`]
 //! returns [`TrainError::Protocol`] naming it (bf16 training has no overflow to skip;
 //! such a gradient means the run diverged).
+//!
+//! [`Overlap::Forward`] decides the step when every gradient is in, as [`Overlap::Off`]
+//! does, so it clips and skips alike; only when each tensor's update is made moves.
+//! Every tensor is stepped with the decision and hyper-parameters of its own step (a
+//! learning rate set in between applies to the next one), from the gradient left in its
+//! place: a due tensor's gradient must not be written again before it is stepped
+//! ([`StepLoop::grad_ready`] refuses it), and whatever reads the optimizer state (a
+//! checkpoint, an export, the master copy) first completes the step
+//! ([`StepLoop::complete_deferred`]). The result is bit-identical to [`Overlap::Off`].
 //!
 //! Every access is released on every path, errors included (the store's scoped API);
 //! the store is handed to an observer (progress bars, plots) after each tensor's step.
@@ -84,6 +96,9 @@ pub enum Overlap {
     Off,
     /// During backward, as soon as a group's gradients are final.
     Backward,
+    /// Decided after backward, each tensor stepped in the next forward right before
+    /// its first use.
+    Forward,
 }
 
 /// Where a tensor's gradient is.
@@ -189,6 +204,8 @@ pub struct StepStats {
     pub tensors_stepped: u64,
     /// Of those, made during backward ([`Overlap::Backward`]).
     pub tensors_overlapped: u64,
+    /// Of those, made in the next forward ([`Overlap::Forward`]).
+    pub tensors_deferred: u64,
     /// Parameters stepped.
     pub params_stepped: u64,
     /// Time in the optimizer kernel (not waiting for chunks), in nanoseconds.
@@ -198,6 +215,14 @@ pub struct StepStats {
     /// The global gradient norm of the last applied step (NaN where the loop takes no
     /// norms: [`StepConfig::check_finite`] off).
     pub grad_norm: f64,
+}
+
+/// The step a tensor gets: the decision (step number, gradient scale) and the
+/// hyper-parameters of that step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Applied {
+    state: StepState,
+    hp: HyperParams,
 }
 
 /// What [`StepLoop::finish`] did.
@@ -235,6 +260,8 @@ struct Entry {
     moment_bytes: usize,
     grad_final: bool,
     stepped: bool,
+    /// Its step of the last decision is still to be made ([`Overlap::Forward`]).
+    due: bool,
 }
 
 impl Entry {
@@ -332,6 +359,8 @@ pub struct StepLoop {
     ready: VecDeque<usize>,
     /// The decision overlapped steps use (made at the first of them).
     early: Option<StepState>,
+    /// The step due tensors get ([`Overlap::Forward`]), and how many are due.
+    deferred: Option<(Applied, usize)>,
     grad_sq: f64,
     finals: usize,
     /// Whether the host pool holds a tensor's chunks at once.
@@ -402,6 +431,7 @@ impl StepLoop {
             groups,
             ready: VecDeque::new(),
             early: None,
+            deferred: None,
             non_finite: None,
             last_skip_tensor: None,
             peers: None,
@@ -471,7 +501,8 @@ impl StepLoop {
 
     /// Restores a checkpointed controller state, after the checkpoint's tensors were
     /// loaded into the store: between iterations, or to lift a poisoned loop (the
-    /// iteration in progress is abandoned).
+    /// iteration in progress is abandoned). Steps still due ([`Overlap::Forward`]) are
+    /// dropped: the checkpoint replaced the state they would have updated.
     pub fn restore(&mut self, state: ControllerState) -> Result<()> {
         if self.finals != 0 && self.poisoned.is_none() {
             return Err(TrainError::Protocol(
@@ -480,6 +511,10 @@ impl StepLoop {
         }
         self.ctrl.restore(state)?;
         self.poisoned = None;
+        if let Some((_, due)) = self.deferred.take() {
+            tracing::debug!(due, "step loop: restored; the due tensor steps are dropped");
+            self.entries.iter_mut().for_each(|e| e.due = false);
+        }
         self.new_iteration();
         Ok(())
     }
@@ -537,6 +572,13 @@ impl StepLoop {
                 e.name
             )));
         }
+        if e.due {
+            return Err(TrainError::Protocol(format!(
+                "a new gradient of `{}` before its last step was made (overlap = \"forward\" \
+                 steps it before its next use: step_deferred first)",
+                e.name
+            )));
+        }
         e.grad_final = true;
         if !sq_norm.is_finite() && self.non_finite.is_none() {
             self.non_finite = Some(e.name.clone());
@@ -567,14 +609,14 @@ impl StepLoop {
         if self.ready.is_empty() || (self.check_finite && !self.grad_sq.is_finite()) {
             return Ok(0);
         }
-        let state = self.early_state();
+        let at = self.early_step();
         let mut n = 0;
         while let Some(i) = self.ready.pop_front() {
             if self.entries[i].stepped {
                 // Stepped when its gradient was handed over ([`StepLoop::step_given_now`]).
                 continue;
             }
-            self.step_entry(store, i, state, observe, None)?;
+            self.step_entry(store, i, at, observe, None)?;
             self.stats.tensors_overlapped += 1;
             n += 1;
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -584,12 +626,13 @@ impl StepLoop {
         Ok(n)
     }
 
-    /// The state of the steps made before the decision (during backward): step `n + 1`,
+    /// The step made before the decision (during backward): step `n + 1`, its state
     /// fixed at the first of them.
-    fn early_state(&mut self) -> StepState {
-        *self
+    fn early_step(&mut self) -> Applied {
+        let state = *self
             .early
-            .get_or_insert(StepState::new(self.ctrl.step() + 1))
+            .get_or_insert(StepState::new(self.ctrl.step() + 1));
+        Applied { state, hp: self.hp }
     }
 
     /// Whether a final gradient handed over from the caller's memory can be stepped at
@@ -639,8 +682,8 @@ impl StepLoop {
             });
         }
         self.grad_ready(tensor, sq_norm)?;
-        let state = self.early_state();
-        self.step_entry(store, i, state, observe, Some(grad))?;
+        let at = self.early_step();
+        self.step_entry(store, i, at, observe, Some(grad))?;
         self.stats.tensors_overlapped += 1;
         Ok(())
     }
@@ -704,7 +747,11 @@ impl StepLoop {
                 }
                 self.stats.steps_applied += 1;
                 self.stats.grad_norm = grad_norm;
-                let r = self.step_rest(store, state, observe, &given);
+                let at = Applied { state, hp: self.hp };
+                let r = match self.overlap {
+                    Overlap::Forward => self.defer_rest(store, at, observe, &given),
+                    Overlap::Off | Overlap::Backward => self.step_rest(store, at, observe, &given),
+                };
                 if let (Err(e), None) = (&r, &self.poisoned) {
                     // The controller counted the step: whatever failed, it is half made.
                     self.poisoned = Some(format!("step {}: {e}", state.step));
@@ -814,7 +861,7 @@ impl StepLoop {
     fn step_rest(
         &mut self,
         store: &mut ChunkStore,
-        state: StepState,
+        at: Applied,
         observe: Observer<'_>,
         given: &[Option<Grads<'_>>],
     ) -> Result<()> {
@@ -822,11 +869,94 @@ impl StepLoop {
         for i in 0..self.entries.len() {
             if !self.entries[i].stepped {
                 let g = given.get(i).copied().flatten();
-                self.step_entry(store, i, state, observe, g)?;
+                self.step_entry(store, i, at, observe, g)?;
             }
         }
         store.end_optimizer_step()?;
         Ok(())
+    }
+
+    /// [`Overlap::Forward`]'s end of a step: tensors whose gradients were given are
+    /// stepped now (the caller's memory is not kept), the others become due.
+    fn defer_rest(
+        &mut self,
+        store: &mut ChunkStore,
+        at: Applied,
+        observe: Observer<'_>,
+        given: &[Option<Grads<'_>>],
+    ) -> Result<()> {
+        if given.iter().any(Option::is_some) {
+            store.begin_optimizer_step()?;
+            for (i, g) in given.iter().enumerate() {
+                if let Some(g) = g {
+                    self.step_entry(store, i, at, observe, Some(*g))?;
+                }
+            }
+            store.end_optimizer_step()?;
+        }
+        let mut due = 0;
+        for e in self.entries.iter_mut().filter(|e| !e.stepped) {
+            e.due = true;
+            due += 1;
+        }
+        self.deferred = (due > 0).then_some((at, due));
+        Ok(())
+    }
+
+    /// Tensor steps still due from the last decision ([`Overlap::Forward`]).
+    pub fn deferred(&self) -> usize {
+        self.deferred.map_or(0, |(_, due)| due)
+    }
+
+    /// Makes `tensor`'s due step ([`Overlap::Forward`]), before anything reads its
+    /// parameters or writes its gradient, with the due steps of every tensor of its group
+    /// (whose gradients share its chunk, as their parameters do): a chunk is stepped
+    /// whole before compute reads any of it, so it moves to compute once and is not
+    /// written again behind compute's copy. Returns whether `tensor`'s step was due
+    /// (nothing is for a tensor the loop does not step).
+    pub fn step_deferred(
+        &mut self,
+        store: &mut ChunkStore,
+        tensor: TensorId,
+        observe: Observer<'_>,
+    ) -> Result<bool> {
+        let Some(&i) = self.by_tensor.get(&tensor) else {
+            return Ok(false);
+        };
+        if !self.entries[i].due {
+            return Ok(false);
+        }
+        self.check_poisoned()?;
+        let members = self.groups[&self.entries[i].group].0.clone();
+        for k in members {
+            if !self.entries[k].due {
+                continue;
+            }
+            let (at, due) = self.deferred.expect("a due entry has its step");
+            self.step_tensor(store, k, at, observe, None)?;
+            self.entries[k].due = false;
+            self.deferred = (due > 1).then_some((at, due - 1));
+            self.stats.tensors_deferred += 1;
+        }
+        Ok(true)
+    }
+
+    /// Makes every due step ([`Overlap::Forward`]), in registration order: before the
+    /// optimizer state is read whole (a checkpoint, an export) or the run ends. Returns
+    /// how many were made.
+    pub fn complete_deferred(
+        &mut self,
+        store: &mut ChunkStore,
+        observe: Observer<'_>,
+    ) -> Result<usize> {
+        let before = self.stats.tensors_deferred;
+        for i in 0..self.entries.len() {
+            if self.entries[i].due {
+                let tensor = self.entries[i].spec.tensor;
+                self.step_deferred(store, tensor, observe)?;
+            }
+        }
+        Ok((self.stats.tensors_deferred - before) as usize)
     }
 
     /// A skipped step: every gradient is consumed, and where the gradient lies
@@ -872,13 +1002,12 @@ impl StepLoop {
         Ok(())
     }
 
-    /// Steps entry `i`: its places accessed, stepped, released on every path; its
-    /// gradient read from `given` where given (its `Grads` place then left alone).
+    /// Steps entry `i` in this iteration's step (see [`StepLoop::step_tensor`]).
     fn step_entry(
         &mut self,
         store: &mut ChunkStore,
         i: usize,
-        state: StepState,
+        at: Applied,
         observe: Observer<'_>,
         given: Option<Grads<'_>>,
     ) -> Result<()> {
@@ -888,10 +1017,26 @@ impl StepLoop {
                 self.entries[i].name
             )));
         }
+        self.step_tensor(store, i, at, observe, given)?;
+        self.entries[i].stepped = true;
+        Ok(())
+    }
+
+    /// Steps entry `i` with `at`: its places accessed, stepped, released on every path;
+    /// its gradient read from `given` where given (its `Grads` place then left alone).
+    /// A failure poisons the loop.
+    fn step_tensor(
+        &mut self,
+        store: &mut ChunkStore,
+        i: usize,
+        at: Applied,
+        observe: Observer<'_>,
+        given: Option<Grads<'_>>,
+    ) -> Result<()> {
         let stepped = match (self.place, self.in_place) {
-            (StepPlace::Host, true) => self.step_host_in_place(store, i, state, observe, given),
-            (StepPlace::Host, false) => self.step_host_copying(store, i, state, observe),
-            (StepPlace::Device, _) => self.step_device(store, i, state, observe),
+            (StepPlace::Host, true) => self.step_host_in_place(store, i, at, observe, given),
+            (StepPlace::Host, false) => self.step_host_copying(store, i, at, observe),
+            (StepPlace::Device, _) => self.step_device(store, i, at, observe),
         }
         .and_then(|()| match given {
             Some(_) => Ok(()),
@@ -903,10 +1048,8 @@ impl StepLoop {
             self.poisoned = Some(reason);
             return Err(e);
         }
-        let e = &mut self.entries[i];
-        e.stepped = true;
         self.stats.tensors_stepped += 1;
-        self.stats.params_stepped += e.len as u64;
+        self.stats.params_stepped += self.entries[i].len as u64;
         Ok(())
     }
 }
@@ -975,5 +1118,6 @@ fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry>
         moment_bytes,
         grad_final: false,
         stepped: false,
+        due: false,
     })
 }

@@ -8,10 +8,10 @@
 use std::time::Instant;
 
 use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
-use tidestore_optimizer::{DeviceGrads, DeviceSlices, Grads, Placement, StepState};
+use tidestore_optimizer::{DeviceGrads, DeviceSlices, Grads, Placement};
 
 use super::views::*;
-use super::{Entry, GradPlace, Observer, StepLoop};
+use super::{Applied, Entry, GradPlace, Observer, StepLoop};
 use crate::error::{Result, TrainError};
 
 impl StepLoop {
@@ -21,7 +21,7 @@ impl StepLoop {
         &mut self,
         store: &mut ChunkStore,
         i: usize,
-        state: StepState,
+        applied: Applied,
         observe: Observer<'_>,
         given: Option<Grads<'_>>,
     ) -> Result<()> {
@@ -29,7 +29,8 @@ impl StepLoop {
         let places = e.places();
         // The gradient's place comes first; a given gradient needs none.
         let places = &places[usize::from(given.is_some())..];
-        let (opt, hp, scratch) = (&self.opt, &self.hp, &mut self.scratch);
+        let (opt, scratch) = (&self.opt, &mut self.scratch);
+        let (state, hp) = (applied.state, &applied.hp);
         let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
         let ns =
             store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
@@ -99,7 +100,7 @@ impl StepLoop {
         &mut self,
         store: &mut ChunkStore,
         i: usize,
-        state: StepState,
+        applied: Applied,
         observe: Observer<'_>,
     ) -> Result<()> {
         let e = &self.entries[i];
@@ -115,7 +116,7 @@ impl StepLoop {
         copy_out(store, (t, ListKind::Momentum), m, observe)?;
         copy_out(store, (t, ListKind::Variance), v, observe)?;
         let out_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut s.out16[..len]);
-        let (opt, hp) = (&self.opt, &self.hp);
+        let (opt, hp, state) = (&self.opt, &applied.hp, applied.state);
         let ns =
             store.with_host_views(&[(t, ListKind::Master)], TensorState::Hold, |views| {
                 let master = f32s(views[0], &e.name, "master")?;
@@ -146,12 +147,12 @@ impl StepLoop {
         &mut self,
         store: &mut ChunkStore,
         i: usize,
-        state: StepState,
+        applied: Applied,
         observe: Observer<'_>,
     ) -> Result<()> {
         let e = &self.entries[i];
         let places = e.places();
-        let (opt, hp) = (&self.opt, &self.hp);
+        let (opt, hp, state) = (&self.opt, &applied.hp, applied.state);
         let at_device: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Device)).collect();
         let (ns, simulated) =
             store.with_access(&at_device, TensorState::Hold, |views, pump| {

@@ -32,6 +32,7 @@ impl Trainer {
     pub fn put_grad(&mut self, i: usize, grad: Values<'_>, first: bool, last: bool) -> Result<()> {
         self.check_values(i, &grad, "gradient")?;
         self.check_grad_part(i, first)?;
+        self.step_deferred(i)?;
         let sq = self.write_grad(i, grad, first)?;
         if last {
             self.grad_written(i, sq)?;
@@ -125,6 +126,7 @@ impl Trainer {
         f: impl FnOnce(TensorViewMut<'_>, DType) -> R,
     ) -> Result<R> {
         self.check_grad_part(i, first)?;
+        self.step_deferred(i)?;
         let (tensor, list) = self.grad_place(i);
         let g = self.store.access(tensor, list, self.grad_at())?;
         let dtype = g.dtype();
@@ -334,9 +336,43 @@ impl Trainer {
         outcome
     }
 
-    /// Ends the store's iteration (the first one is the warm-up trace).
+    /// Ends the store's iteration (the first one is the warm-up trace). An iteration
+    /// that began without steps due from the last one and leaves some for the next
+    /// (`Overlap::Forward`'s first step), or the other way round, is not what the next
+    /// iteration repeats: its trace is dropped and the next one is traced instead.
     pub fn end_iteration(&mut self) -> Result<()> {
-        Ok(self.store.end_iteration()?)
+        let leaves_due = self.step.deferred() > 0;
+        let same_shape = leaves_due == self.began_with_due;
+        self.began_with_due = leaves_due;
+        if same_shape {
+            Ok(self.store.end_iteration()?)
+        } else {
+            Ok(self.store.end_iteration_retrace()?)
+        }
+    }
+
+    /// Makes parameter `i`'s step still due from the last decision
+    /// (`Overlap::Forward`), if one is; returns whether one was. Every access of the
+    /// parameter for compute and of its gradient does it first; a front end may call it
+    /// before the block that uses `i` runs, to have the step timed apart from the
+    /// block's fetches.
+    pub fn step_deferred(&mut self, i: usize) -> Result<bool> {
+        if self.step.deferred() == 0 {
+            return Ok(false);
+        }
+        let id = self.entry(i)?.id;
+        self.step.step_deferred(&mut self.store, id, &mut |_| {})
+    }
+
+    /// Makes every step still due (`Overlap::Forward`); returns how many. Whatever reads
+    /// or writes the optimizer state outside forward and backward (values, moments,
+    /// master copies, checkpoints, exports) does it first; a front end that ends its run
+    /// without any of them calls it, or the last step's updates are not in the store.
+    pub fn complete_step(&mut self) -> Result<usize> {
+        if self.step.deferred() == 0 {
+            return Ok(0);
+        }
+        self.step.complete_deferred(&mut self.store, &mut |_| {})
     }
 
     /// [`Trainer::finish_step`] then [`Trainer::end_iteration`].

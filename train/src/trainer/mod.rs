@@ -104,6 +104,9 @@ pub struct Trainer {
     /// Gradients reported since the last step (parts of an accumulation included once
     /// the last part is in).
     reported: usize,
+    /// The iteration in progress began with steps due from the last one
+    /// (`Overlap::Forward`; see [`Trainer::end_iteration`]).
+    began_with_due: bool,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -217,7 +220,8 @@ impl Trainer {
 
     /// Counters of the store and the step loop, by name: NVMe bytes read and written,
     /// the host budget (bytes, buffers), the chunk size, whether the step runs in place,
-    /// steps applied, tensors stepped during backward, host evictions; per list of the
+    /// steps applied, tensors stepped during backward and in the next forward, host
+    /// evictions; per list of the
     /// optimizer state (master, M, V), the bytes the store keeps of it (used prefixes of
     /// its chunks, page-rounded) and (where counted) its NVMe traffic.
     pub fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
@@ -232,6 +236,7 @@ impl Trainer {
             ("step_in_place", u64::from(self.step.in_place())),
             ("steps", self.step.step_count()),
             ("tensors_overlapped", self.step.stats().tensors_overlapped),
+            ("tensors_deferred", self.step.stats().tensors_deferred),
             ("host_evictions", s.host_evictions),
         ]);
         // What each rank of a data-parallel run holds and moves of its shards.

@@ -132,6 +132,7 @@ impl Trainer {
             step_reason: "chosen by the caller that opened the store".into(),
             swap_path,
             reported: 0,
+            began_with_due: false,
         })
     }
 }

@@ -34,6 +34,7 @@ impl Trainer {
     /// `path`, one tensor at a time, atomically. Between steps only.
     pub fn save(&mut self, path: &Path, mut metadata: BTreeMap<String, String>) -> Result<()> {
         self.between_steps(&format!("checkpoint `{}` saved", path.display()))?;
+        self.complete_step()?;
         metadata.insert(KEY_PRECISION.into(), self.precision.as_str().into());
         let state = CheckpointState {
             controller: self.step.controller_state(),
@@ -125,6 +126,7 @@ impl Trainer {
         opts: &hf::ExportOptions,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
+        self.complete_step()?;
         hf::export_model(&mut self.store, cfg, lora, out_dir, opts)
     }
 
@@ -138,6 +140,7 @@ impl Trainer {
         opts: &hf::ExportOptions,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
+        self.complete_step()?;
         let tensors: Vec<(String, Vec<usize>)> = self
             .entries
             .iter()
@@ -157,6 +160,7 @@ impl Trainer {
         base_model_name_or_path: &str,
     ) -> Result<hf::ExportReport> {
         self.between_steps(&format!("export to `{}`", out_dir.display()))?;
+        self.complete_step()?;
         hf::export_adapter(
             &mut self.store,
             cfg,

@@ -140,6 +140,7 @@ impl Trainer {
     /// master copy (and the bf16 copy in `Bf16`) of a trainable parameter, the fp32
     /// tensor itself of a frozen one.
     pub fn set_values(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        self.complete_step()?;
         let e = self.entry(i)?;
         if values.len() != e.spec.elements() {
             return Err(TrainError::Tensor {
@@ -169,6 +170,7 @@ impl Trainer {
     /// (see [`Trainer::open`]) and released at once to `to` — `HoldAfterFwd` in forward,
     /// `HoldAfterBwd` in backward's recompute. A traced moment of the iteration.
     pub fn fetch(&mut self, i: usize, to: TensorState) -> Result<Vec<f32>> {
+        self.step_deferred(i)?;
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
         let g = self.store.access(id, list, self.compute_place)?;
@@ -202,6 +204,7 @@ impl Trainer {
     /// where it is, so the bytes [`Trainer::lease_view`] gives keep their address. A
     /// traced moment of the iteration, as every access.
     pub fn lease(&mut self, i: usize) -> Result<Lease> {
+        self.step_deferred(i)?;
         let e = self.entry(i)?;
         let (id, list) = (e.id, self.compute_list(e.spec.trainable));
         let guard = self.store.access(id, list, self.compute_place)?;
@@ -285,6 +288,7 @@ impl Trainer {
     /// pool (a traced access, released to `Hold`): how a front end whose tensors live
     /// elsewhere reads the new values after a step, or writes values it changed.
     pub fn with_master<R>(&mut self, i: usize, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+        self.complete_step()?;
         let id = self.trainable_id(i)?;
         self.store
             .with_host_views(&[(id, ListKind::Master)], TensorState::Hold, |v| {
@@ -339,6 +343,7 @@ impl Trainer {
     /// into `out` (little-endian elements).
     pub fn read_master(&mut self, i: usize, out: &mut [u8], dtype: DType) -> Result<()> {
         self.check_values(i, &Values::Bytes { bytes: out, dtype }, "output")?;
+        self.complete_step()?;
         let id = self.trainable_id(i)?;
         let cpu = self.step.optimizer().cpu();
         self.store
@@ -382,6 +387,7 @@ impl Trainer {
     /// Parameter `i`'s current fp32 values (the master copy of a trainable one);
     /// untraced.
     pub fn values(&mut self, i: usize) -> Result<Vec<f32>> {
+        self.complete_step()?;
         let e = self.entry(i)?;
         let list = if e.spec.trainable {
             ListKind::Master
@@ -398,6 +404,7 @@ impl Trainer {
     /// it: after the step it is refused, as the store drops dead gradients unwritten.
     /// Untraced.
     pub fn grad_values(&mut self, i: usize) -> Result<Vec<f32>> {
+        self.complete_step()?;
         let e = self.entry(i)?;
         let refuse = |reason: &str| TrainError::Tensor {
             tensor: e.spec.name.clone(),
@@ -418,6 +425,7 @@ impl Trainer {
     /// Trainable parameter `i`'s Adam moments (M, V) as f32, decoded from their stored
     /// form (bf16 widened, int8 dequantized); untraced.
     pub fn moments(&mut self, i: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.complete_step()?;
         let e = self.entry(i)?;
         let (id, n) = (e.id, e.spec.elements());
         let dtype = self
