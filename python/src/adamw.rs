@@ -49,8 +49,9 @@ pub struct CoreConfig {
     pub host_budget_bytes: Option<u64>,
     /// Clip the global gradient norm to this.
     pub max_grad_norm: Option<f32>,
-    /// Step each group during backward as its gradients become final.
-    pub overlap: bool,
+    /// When tensors are stepped: after backward, each group during backward as its
+    /// gradients become final, or in the next forward.
+    pub overlap: Overlap,
     /// CPU AdamW threads (0: one per core).
     pub threads: usize,
     /// Chunk size in elements (`None`: searched).
@@ -292,11 +293,7 @@ impl CoreConfig {
         TrainerConfig {
             precision: Precision::F32,
             max_grad_norm: self.max_grad_norm,
-            overlap: if self.overlap {
-                Overlap::Backward
-            } else {
-                Overlap::Off
-            },
+            overlap: self.overlap,
             chunk_elements: self.chunk_elements,
             check_finite: self.check_finite,
             device_budget: Budget::Chunks(4),
@@ -357,6 +354,28 @@ pub fn norm_and_clip(decision: StepDecision) -> Option<(f64, f64)> {
     }
 }
 
+/// `overlap` as the Python keywords spell it: off, backward or forward.
+pub fn parse_overlap(s: &str) -> Result<Overlap> {
+    match s {
+        "off" => Ok(Overlap::Off),
+        "backward" => Ok(Overlap::Backward),
+        "forward" => Ok(Overlap::Forward),
+        _ => Err(Error::bad(
+            "overlap",
+            format!("`{s}` is not one of off, backward, forward"),
+        )),
+    }
+}
+
+/// The name [`parse_overlap`] reads.
+pub fn overlap_name(o: Overlap) -> &'static str {
+    match o {
+        Overlap::Off => "off",
+        Overlap::Backward => "backward",
+        Overlap::Forward => "forward",
+    }
+}
+
 /// Parses `states` (`fp32`, `bf16`, `int8`; `float32`, `bfloat16`).
 pub fn parse_states(s: &str) -> Result<MomentForm> {
     MomentForm::parse(s)
@@ -376,7 +395,7 @@ mod tests {
             nvme_dir: dir.path().to_path_buf(),
             host_budget_bytes: None,
             max_grad_norm: Some(1.0),
-            overlap: true,
+            overlap: Overlap::Backward,
             threads: 1,
             chunk_elements: None,
             check_finite: true,

@@ -97,7 +97,11 @@ impl PyAdamWCore {
             nvme_dir,
             host_budget_bytes: host_budget,
             max_grad_norm,
-            overlap,
+            overlap: if overlap {
+                tidestore_train::Overlap::Backward
+            } else {
+                tidestore_train::Overlap::Off
+            },
             threads,
             chunk_elements,
             check_finite,

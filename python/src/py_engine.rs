@@ -9,9 +9,11 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tidestore_train::{Budget, DType, HyperParams, ParamSpec, Precision, TrainerConfig};
+use tidestore_train::{
+    Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig,
+};
 
-use crate::adamw::{check_clip_and_dir, parse_states, CoreConfig};
+use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
 use crate::buffer::{parse_dtype, with_input};
 use crate::engine::{EngineCore, Shard};
 use crate::error::{Error, Result};
@@ -36,7 +38,7 @@ struct Keywords {
     host_budget: Option<u64>,
     device_budget: Option<u64>,
     max_grad_norm: Option<f32>,
-    overlap: bool,
+    overlap: Overlap,
     threads: usize,
     chunk_elements: Option<u64>,
 }
@@ -92,6 +94,8 @@ pub struct PyEngineCore {
     core: Mutex<EngineCore>,
     precision: Precision,
     hp: HyperParams,
+    /// When tensors are stepped (the keyword's, or the config file's).
+    overlap: Overlap,
 }
 
 impl PyEngineCore {
@@ -112,7 +116,7 @@ impl PyEngineCore {
     #[new]
     #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
-        device_budget=None, max_grad_norm=None, overlap=false, threads=0, chunk_elements=None))]
+        device_budget=None, max_grad_norm=None, overlap="off", threads=0, chunk_elements=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -128,7 +132,7 @@ impl PyEngineCore {
         host_budget: Option<u64>,
         device_budget: Option<u64>,
         max_grad_norm: Option<f32>,
-        overlap: bool,
+        overlap: &str,
         threads: usize,
         chunk_elements: Option<u64>,
     ) -> PyResult<Self> {
@@ -144,7 +148,7 @@ impl PyEngineCore {
                 host_budget,
                 device_budget,
                 max_grad_norm,
-                overlap,
+                overlap: parse_overlap(overlap)?,
                 threads,
                 chunk_elements,
             }
@@ -154,12 +158,13 @@ impl PyEngineCore {
             .iter()
             .map(|(n, s, t)| ParamSpec::new(n.clone(), s, *t))
             .collect();
-        let (precision, hp) = (tc.precision, tc.hp);
+        let (precision, hp, overlap) = (tc.precision, tc.hp, tc.overlap);
         let core = py.allow_threads(|| EngineCore::open(&specs, &tc))?;
         Ok(PyEngineCore {
             core: Mutex::new(core),
             precision,
             hp,
+            overlap,
         })
     }
 
@@ -177,6 +182,12 @@ impl PyEngineCore {
     #[getter]
     fn precision(&self) -> &'static str {
         self.precision.as_str()
+    }
+
+    /// When tensors are stepped: "off", "backward" or "forward".
+    #[getter]
+    fn overlap(&self) -> &'static str {
+        overlap_name(self.overlap)
     }
 
     /// The store's AdamW hyper-parameters (lr, betas, eps, weight_decay).

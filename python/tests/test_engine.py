@@ -75,7 +75,7 @@ def assert_close(a, b, rel=1e-5):
 HOST = 768 * 1024
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, "forward"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_losses_equal_torch_with_the_weights_streamed_from_nvme(overlap, checkpointing, tmp_path):
     base = llama()
@@ -90,8 +90,38 @@ def test_losses_equal_torch_with_the_weights_streamed_from_nvme(overlap, checkpo
     assert_close(want, got)
     stats = mine.tidestore_engine.core.stats()
     assert stats["nvme_read_bytes"] > 0, "the weights never left RAM"
-    if overlap:
+    if overlap is True:
         assert stats["tensors_overlapped"] > 0
+    if overlap == "forward":
+        assert stats["tensors_deferred"] > 0
+        assert mine.tidestore_engine.core.overlap == "forward"
+
+
+def test_stepping_in_the_next_forward_clips_bit_for_bit_as_after_backward(tmp_path):
+    """overlap="forward" with clipping (every step clipped), a tied embedding and two
+    micro-batches per step: the same losses and weights as overlap="off", bit for bit;
+    the last step's updates are made when the weights are read."""
+    base = llama(tie=True)
+    runs = {}
+    for overlap in ("off", "forward"):
+        model, opt = tidestore.offload(
+            copy.deepcopy(base), lr=1e-3, weight_decay=0.01, chunk_elements=16384,
+            host_budget=HOST, max_grad_norm=0.05, accumulation=2, overlap=overlap,
+            nvme_dir=tmp_path)
+        got = engine_losses(model, opt, 4, accumulation=2)
+        eng = model.tidestore_engine
+        deferred = eng.core.stats()["tensors_deferred"]
+        weights = [eng.values(i).clone() for i in range(len(eng.names))]
+        runs[overlap] = (got, weights, deferred)
+    (off, w_off, d_off), (fwd, w_fwd, d_fwd) = runs["off"], runs["forward"]
+    assert off == fwd, f"off {off}, forward {fwd}"
+    assert all(torch.equal(a, b) for a, b in zip(w_off, w_fwd)), "weights differ"
+    assert d_off == 0 and d_fwd > 0, (d_off, d_fwd)
+
+
+def test_an_unknown_overlap_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="overlap"):
+        tidestore.offload(llama(), overlap="sideways", nvme_dir=tmp_path)
 
 
 def test_tied_embeddings_and_accumulation(tmp_path):

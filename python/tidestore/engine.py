@@ -22,10 +22,14 @@ How a module meets its weights:
 - **Gradients** go to the store as they become final (a post-accumulate-grad hook),
   once the parameter is released: widened into the fp32 gradient (``precision="f32"``)
   or over the bf16 copy (``"bf16"``), their norm reported to the step loop; with
-  ``overlap`` the store steps each group as soon as its gradients are final, during
-  backward. ``param.grad`` stays ``None``.
+  ``overlap="backward"`` (or ``True``) the store steps each group as soon as its
+  gradients are final, during backward. ``param.grad`` stays ``None``.
 - **The step** (``optimizer.step()``) is the store's: clipping, the rest of the groups
-  stepped where the store holds them, the iteration ended.
+  stepped where the store holds them, the iteration ended. With ``overlap="forward"``
+  the step is decided there (clipping included) and each group is stepped in the next
+  forward, when the first of its parameters is bound, so its optimizer state loads while
+  the modules before it compute; reading the weights or the state (``state_dict``,
+  ``save_pretrained``, a checkpoint) first makes every step still due.
 
 The optimizer returned is a ``torch.optim.Optimizer`` (param groups, LR schedulers,
 ``zero_grad``, ``state_dict`` / ``load_state_dict`` streaming the state into a tidestore
@@ -149,7 +153,7 @@ class Engine:
         self.names = names  # index -> name
         self.index = {id(p): i for i, p in enumerate(params)}
         self.accumulation = accumulation
-        self.overlap = overlap
+        self.overlap = overlap  # "off", "backward" or "forward": the core's
         self.micro = 0  # backward passes since the last step
         self._holds = [0] * len(params)  # Python's count of the core's holds
         self._held = 0  # parameters with a hold
@@ -358,7 +362,8 @@ class Engine:
     def _step_ready(self):
         """With overlap, steps the groups whose gradients are all final — only while no
         parameter is held: a group's chunk may hold a parameter a module still uses."""
-        if self.overlap and not self._held and self.micro == self.accumulation - 1:
+        if (self.overlap == "backward" and not self._held
+                and self.micro == self.accumulation - 1):
             self.core.step_ready()
 
     def step(self, lr):
@@ -566,6 +571,16 @@ def _shard(named, group, source_dir, config, settings):
     return shards
 
 
+def _overlap_name(overlap):
+    """``overlap`` as the core spells it: False / "off", True / "backward", "forward"."""
+    names = {False: "off", True: "backward", "off": "off", "backward": "backward",
+             "forward": "forward"}
+    if isinstance(overlap, (bool, str)) and overlap in names:
+        return names[overlap]
+    raise ValueError(f"overlap: {overlap!r} is not one of False, True, 'off', 'backward', "
+                     "'forward'")
+
+
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
@@ -578,6 +593,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     ``[optimizer]``, ``[chunk]``, ``[device]``, ``[host]``, ``[nvme]``, ``[io]``); without
     it the keywords do (``host_budget``/``device_budget`` in bytes or '4GiB'; no
     ``host_budget``: every chunk in RAM). ``accumulation``: backward passes per step.
+    ``overlap``: ``False`` / ``"off"`` (the step after backward), ``True`` /
+    ``"backward"`` (each group during backward; no clipping, ``accumulation=1``) or
+    ``"forward"`` (decided after backward, clipping included; each group stepped in the
+    next forward), all bit-identical.
     After the call the model's own parameter storage is freed: its values are the store's.
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``group.WORLD``; launch with
@@ -593,7 +612,8 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
-    if overlap and accumulation > 1:
+    overlap = _overlap_name(overlap)
+    if overlap == "backward" and accumulation > 1:
         raise ValueError("overlap steps each group when its gradient is final: "
                          "it needs accumulation=1")
     source_dir = None
@@ -645,7 +665,8 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     if shards is not None:
         core.set_norm_peers(shards.sum_sq_norm)
     params = [p for _, p in named]
-    engine = Engine(model, core, params, [n for n, _ in named], accumulation, overlap, shards)
+    engine = Engine(model, core, params, [n for n, _ in named], accumulation, core.overlap,
+                    shards)
     # The model's own storage is freed: from here its values are the store's.
     for i, p in enumerate(params):
         p.data = engine._placeholder(i)
