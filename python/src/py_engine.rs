@@ -9,9 +9,7 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tidestore_train::{
-    Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig,
-};
+use tidestore_train::{Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig};
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
 use crate::buffer::{parse_dtype, with_input};
