@@ -10,6 +10,7 @@ use tidestore_tiers::DeviceMem;
 
 use super::evict::{Ahead, HostRoom};
 use super::{is_no_room, Cause, Mover, Pending};
+use crate::accounting::MoveKind;
 use crate::id::ChunkId;
 use crate::policy::PoolRoom;
 use crate::Result;
@@ -121,7 +122,11 @@ impl Mover {
         c: ChunkId,
         needed_at: u64,
         cause: Cause,
+        materialize: bool,
     ) -> Result<bool> {
+        if materialize && self.dead_everywhere(c) {
+            return Ok(self.materialize_on_host(c, cause));
+        }
         let d = c.dense();
         let s = &self.slots[d];
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
@@ -203,9 +208,37 @@ impl Mover {
         room
     }
 
-    /// Whether the host-tier prefetcher has nothing to load for `c`.
-    pub(crate) fn host_ready(&self, c: ChunkId) -> bool {
+    /// Whether the host-tier prefetcher has nothing to load for `c`. With `materialize`
+    /// (the pass over the host's own accesses), a dead chunk with no copy anywhere is not
+    /// ready: the access that writes it needs a buffer, which the prefetch takes ahead
+    /// ([`Mover::prefetch_host`]) instead of that access evicting for it.
+    pub(crate) fn host_ready(&self, c: ChunkId, materialize: bool) -> bool {
+        if materialize && self.dead_everywhere(c) {
+            return false;
+        }
         let s = &self.slots[c.dense()];
         s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid
+    }
+
+    /// Gives the dead chunk `c` a host buffer ahead of the access that writes it (its
+    /// bytes unspecified, as `fill_host` leaves a dead chunk's); false when no buffer
+    /// is free now (or reads queued for one come first): the next plan retries.
+    fn materialize_on_host(&mut self, c: ChunkId, cause: Cause) -> bool {
+        let d = c.dense();
+        if self.queued_same_size(c) {
+            return false;
+        }
+        let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) else {
+            return false;
+        };
+        let slot = &mut self.slots[d];
+        slot.dead = false;
+        slot.host = Some(buf);
+        self.host_list.push(c);
+        self.host_policy.on_insert(c, cause.moment);
+        self.stats.materialized_chunks += 1;
+        self.stats.host_prefetch_loads += 1;
+        self.emit(cause, MoveKind::Materialize, c, 0);
+        true
     }
 }

@@ -105,9 +105,8 @@ impl ChunkStore {
         };
         let lookahead = self.settings.host_lookahead;
         let mover = &self.mover;
-        let missing = |c: ChunkId| !mover.host_ready(c);
-        let for_host = needs_any(hs, now, lookahead, missing);
-        let for_device = needs_any(ds, now, lookahead, missing);
+        let for_host = needs_any(hs, now, lookahead, |c| !mover.host_ready(c, true));
+        let for_device = needs_any(ds, now, lookahead, |c| !mover.host_ready(c, false));
         if !for_host && !for_device {
             return;
         }
@@ -136,7 +135,10 @@ impl ChunkStore {
     ) -> Result<()> {
         self.mover.harvest(self.demand())?;
         let resident: Vec<bool> = (0..self.mover.chunk_count())
-            .map(|d| self.mover.host_ready(ChunkId::from_dense(d)))
+            .map(|d| {
+                let c = ChunkId::from_dense(d);
+                self.mover.host_ready(c, shadows_only.is_none())
+            })
             .collect();
         // Chunks in use cannot go now, but may be what Belady's rule would evict when a
         // load is needed (see `plan_split`).
@@ -170,7 +172,7 @@ impl ChunkStore {
             shadows_only.map(|hs| (&shadow[..], hs)),
         )?;
         let uses = shadows_only.unwrap_or(s);
-        if self.start_host_plan(plan, uses, now)? {
+        if self.start_host_plan(plan, uses, now, shadows_only.is_none())? {
             // Submitted requests start at the engine's next poll.
             self.mover.harvest(self.demand())?;
         }
@@ -178,13 +180,15 @@ impl ChunkStore {
     }
 
     /// Starts the host pool's planned reads, each after its victims' evictions (`uses`:
-    /// the schedule their next uses are read from). Whether any read started and the
+    /// the schedule their next uses are read from; `materialize`: the host accesses'
+    /// pass, where a dead chunk gets its buffer ahead). Whether any read started and the
     /// plan ran to its end (a victim that finds no room stops it quietly).
     fn start_host_plan(
         &mut self,
         plan: Vec<PrefetchStep>,
         uses: &Schedule,
         now: u64,
+        materialize: bool,
     ) -> Result<bool> {
         let mut started = false;
         for step in plan {
@@ -199,7 +203,7 @@ impl ChunkStore {
             let cause = self.cause(prefetch_reason(&step, None));
             if !self
                 .mover
-                .prefetch_host(step.chunk, step.needed_at, cause)?
+                .prefetch_host(step.chunk, step.needed_at, cause, materialize)?
             {
                 break;
             }
