@@ -748,10 +748,8 @@ impl StepLoop {
                 self.stats.steps_applied += 1;
                 self.stats.grad_norm = grad_norm;
                 let at = Applied { state, hp: self.hp };
-                let r = match self.overlap {
-                    Overlap::Forward => self.defer_rest(store, at, observe, &given),
-                    Overlap::Off | Overlap::Backward => self.step_rest(store, at, observe, &given),
-                };
+                let defer = self.overlap == Overlap::Forward;
+                let r = self.step_rest(store, at, observe, &given, defer);
                 if let (Err(e), None) = (&r, &self.poisoned) {
                     // The controller counted the step: whatever failed, it is half made.
                     self.poisoned = Some(format!("step {}: {e}", state.step));
@@ -858,48 +856,37 @@ impl StepLoop {
         Ok(by_entry)
     }
 
+    /// Steps every tensor not stepped yet, between the store's optimizer-step calls;
+    /// deferring ([`Overlap::Forward`]), only those whose gradients were given (the
+    /// caller's memory is not kept), the others left due.
     fn step_rest(
         &mut self,
         store: &mut ChunkStore,
         at: Applied,
         observe: Observer<'_>,
         given: &[Option<Grads<'_>>],
+        defer: bool,
     ) -> Result<()> {
-        store.begin_optimizer_step()?;
-        for i in 0..self.entries.len() {
-            if !self.entries[i].stepped {
+        let now: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| !self.entries[i].stepped)
+            .filter(|&i| !defer || given.get(i).is_some_and(Option::is_some))
+            .collect();
+        if !defer || !now.is_empty() {
+            store.begin_optimizer_step()?;
+            for i in now {
                 let g = given.get(i).copied().flatten();
                 self.step_entry(store, i, at, observe, g)?;
             }
-        }
-        store.end_optimizer_step()?;
-        Ok(())
-    }
-
-    /// [`Overlap::Forward`]'s end of a step: tensors whose gradients were given are
-    /// stepped now (the caller's memory is not kept), the others become due.
-    fn defer_rest(
-        &mut self,
-        store: &mut ChunkStore,
-        at: Applied,
-        observe: Observer<'_>,
-        given: &[Option<Grads<'_>>],
-    ) -> Result<()> {
-        if given.iter().any(Option::is_some) {
-            store.begin_optimizer_step()?;
-            for (i, g) in given.iter().enumerate() {
-                if let Some(g) = g {
-                    self.step_entry(store, i, at, observe, Some(*g))?;
-                }
-            }
             store.end_optimizer_step()?;
         }
-        let mut due = 0;
-        for e in self.entries.iter_mut().filter(|e| !e.stepped) {
-            e.due = true;
-            due += 1;
+        if defer {
+            let mut due = 0;
+            for e in self.entries.iter_mut().filter(|e| !e.stepped) {
+                e.due = true;
+                due += 1;
+            }
+            self.deferred = (due > 0).then_some((at, due));
         }
-        self.deferred = (due > 0).then_some((at, due));
         Ok(())
     }
 
