@@ -318,7 +318,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let compute_seconds = compute.iteration_seconds();
     let ranks = u64::from(machine.ranks.max(1));
     let (collective_bytes, collective_seconds) = collectives(workload, machine);
-    let forward_backward_seconds = compute_seconds
+    let fb = compute_seconds
         .max(collective_seconds)
         .max(secs(pcie, machine.pcie_bytes_per_s))
         .max(
@@ -329,12 +329,11 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
     let optimizer_seconds = secs(stepped, machine.optimizer_params_per_s).max(
         secs(opt_r, machine.nvme_read_bytes_per_s) + secs(opt_w, machine.nvme_write_bytes_per_s),
     );
-    let forward = forward_backward_seconds * compute.forward_fraction();
-    let backward = forward_backward_seconds - forward;
+    let forward = fb * compute.forward_fraction();
     let iteration_seconds = match machine.overlap {
-        OverlapName::Off => forward_backward_seconds + optimizer_seconds,
-        OverlapName::Backward => forward + backward.max(optimizer_seconds),
-        OverlapName::Forward => forward.max(optimizer_seconds) + backward,
+        OverlapName::Off => fb + optimizer_seconds,
+        OverlapName::Backward => forward + (fb - forward).max(optimizer_seconds),
+        OverlapName::Forward => forward.max(optimizer_seconds) + fb - forward,
     };
     Ok(PlanReport {
         schema: "tidestore.plan.v1".into(),
@@ -355,7 +354,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         collective_bytes,
         collective_seconds,
         compute_seconds,
-        forward_backward_seconds,
+        forward_backward_seconds: fb,
         optimizer_seconds,
         iteration_seconds,
         note: note(compute_seconds > 0.0, ranks > 1),

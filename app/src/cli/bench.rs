@@ -360,6 +360,14 @@ fn print_table(r: &BenchReport) {
         s.nvme_reads_ahead,
         s.nvme_reads_on_demand
     );
+    print_overlap_and_bound(r);
+    out!("checksum of every byte read: {}", r.checksum);
+    out!("emulated: {}", r.emulated);
+}
+
+/// The overlap's counts, the iteration's bound and the disk's measured rates.
+fn print_overlap_and_bound(r: &BenchReport) {
+    let o = &r.optimizer;
     let b = &r.bound;
     let compute = if b.tflops > 0.0 {
         format!("compute {:.3} s at {} TFLOP/s", b.compute_seconds, b.tflops)
@@ -388,6 +396,4 @@ fn print_table(r: &BenchReport) {
         b.disk.write_bytes_per_s / 1e9,
         b.disk.mixed_bytes_per_s / 1e9
     );
-    out!("checksum of every byte read: {}", r.checksum);
-    out!("emulated: {}", r.emulated);
 }

@@ -29,8 +29,7 @@ impl StepLoop {
         let places = e.places();
         // The gradient's place comes first; a given gradient needs none.
         let places = &places[usize::from(given.is_some())..];
-        let (opt, scratch) = (&self.opt, &mut self.scratch);
-        let (state, hp) = (applied.state, &applied.hp);
+        let (opt, scratch, Applied { state, hp }) = (&self.opt, &mut self.scratch, applied);
         let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
         let ns =
             store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
@@ -59,7 +58,7 @@ impl StepLoop {
                         let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
                         opt.cpu().step_moments(
                             state,
-                            hp,
+                            &hp,
                             &mut master[at..end],
                             mv,
                             grads,
@@ -79,7 +78,7 @@ impl StepLoop {
                         };
                         let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
                         opt.cpu()
-                            .step_moments(state, hp, &mut master[at..end], mv, grads, out)?;
+                            .step_moments(state, &hp, &mut master[at..end], mv, grads, out)?;
                     }
                     ns += started.elapsed().as_nanos() as u64;
                     // Keep the NVMe reads of the next tensors (and write-backs) moving.
