@@ -570,6 +570,33 @@ mod tests {
         assert!(four.note.contains("collectives"), "{}", four.note);
     }
 
+    /// The step after backward adds to the iteration; overlapping backward it runs
+    /// beside backward's share of the compute, overlapping the next forward beside
+    /// forward's: with compute modeled, each overlap is the slower of the two parts.
+    #[test]
+    fn each_overlap_hides_the_step_under_its_own_pass() {
+        let w = Workload::new(ModelName::Llama7b, models::LLAMA_7B, None, 1, 1024);
+        let m = Machine {
+            compute_flops_per_s: 100e12,
+            ..gpu24_ram64_nvme2t()
+        };
+        let at = |overlap| plan(&w, &auto_layout(&w), &Machine { overlap, ..m }).unwrap();
+        let (off, bwd, fwd) = (
+            at(OverlapName::Off),
+            at(OverlapName::Backward),
+            at(OverlapName::Forward),
+        );
+        let (fb, opt) = (off.forward_backward_seconds, off.optimizer_seconds);
+        assert!(fb > 0.0 && opt > 0.0, "{fb} {opt}");
+        assert!((off.iteration_seconds - (fb + opt)).abs() < 1e-9);
+        let forward = fb * ComputeModel::new(&w, 100.0).forward_fraction();
+        let want_bwd = forward + (fb - forward).max(opt);
+        let want_fwd = forward.max(opt) + (fb - forward);
+        assert!((bwd.iteration_seconds - want_bwd).abs() < 1e-9, "{bwd:?}");
+        assert!((fwd.iteration_seconds - want_fwd).abs() < 1e-9, "{fwd:?}");
+        assert!(fwd.iteration_seconds < off.iteration_seconds);
+    }
+
     #[test]
     fn adapters_state_is_stored_as_the_bytes_it_uses() {
         let (w, layout) = llama_70b_lora();
