@@ -15,7 +15,10 @@
 //!   [`Trainer::grad_written`]. That function is the only way a gradient enters the
 //!   step loop;
 //! - **step** ([`Trainer::step`]): the step loop decides and makes the optimizer step
-//!   and the store's iteration ends;
+//!   and the store's iteration ends; with `Overlap::Forward` the updates are made in the
+//!   next forward, each chunk group's at the first access of one of its parameters
+//!   ([`Trainer::step_deferred`]), and before anything reads the optimizer state
+//!   ([`Trainer::complete_step`]);
 //! - **state** (`state.rs`): checkpoints streamed out of the store and back.
 //!
 //! Invariant: between [`Trainer::put_grad`] of an iteration's first gradient and
