@@ -24,6 +24,25 @@ fn hp(mode: Mode, wd: f32) -> HyperParams {
     }
 }
 
+/// `steps` steps of `o` with `hp` and gradient `g` every time, from `p0` and zero
+/// moments: the new (p, m, v).
+fn stepped(
+    o: &AdamW,
+    hp: &HyperParams,
+    p0: &[f32],
+    g: &[f32],
+    steps: u64,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let n = p0.len();
+    let (mut p, mut m, mut v) = (p0.to_vec(), vec![0.0; n], vec![0.0; n]);
+    for t in 1..=steps {
+        let state = StepState::new(t);
+        o.step_slice(state, hp, &mut p, &mut m, &mut v, Grads::F32(g), None)
+            .unwrap();
+    }
+    (p, m, v)
+}
+
 /// With zero gradients, AdamW only shrinks p by `1 - lr*wd` and leaves M and V at zero;
 /// Adam-L2 feeds `wd*p` into the moments, so the first step moves p by about `lr`
 /// towards zero (the normalised update of a gradient `wd*p` is ~sign(p)).
@@ -34,17 +53,7 @@ fn zero_grad_decay_differs_as_defined() {
     let g = vec![0.0f32; n];
     let o = opt();
 
-    let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
-    o.step_slice(
-        StepState::new(1),
-        &hp(Mode::AdamW, 0.1),
-        &mut p,
-        &mut m,
-        &mut v,
-        Grads::F32(&g),
-        None,
-    )
-    .unwrap();
+    let (p, m, v) = stepped(&o, &hp(Mode::AdamW, 0.1), &p0, &g, 1);
     for i in 0..n {
         let want = f64::from(p0[i]) * (1.0 - 1e-2 * 0.1);
         assert!(
@@ -58,17 +67,7 @@ fn zero_grad_decay_differs_as_defined() {
         );
     }
 
-    let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
-    o.step_slice(
-        StepState::new(1),
-        &hp(Mode::AdamL2, 0.1),
-        &mut p,
-        &mut m,
-        &mut v,
-        Grads::F32(&g),
-        None,
-    )
-    .unwrap();
+    let (p, m, v) = stepped(&o, &hp(Mode::AdamL2, 0.1), &p0, &g, 1);
     // The hyper-parameters are f32: 1 - beta is taken from the f32 betas.
     let (b1, b2) = (f64::from(0.9f32), f64::from(0.999f32));
     for i in 0..n {
@@ -99,22 +98,7 @@ fn modes_agree_without_decay() {
     let p0: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
     let g: Vec<f32> = (0..n).map(|_| rng.unit() * 1e-2).collect();
     let o = opt();
-    let run = |mode| {
-        let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
-        for t in 1..=3 {
-            o.step_slice(
-                StepState::new(t),
-                &hp(mode, 0.0),
-                &mut p,
-                &mut m,
-                &mut v,
-                Grads::F32(&g),
-                None,
-            )
-            .unwrap();
-        }
-        (p, m, v)
-    };
+    let run = |mode| stepped(&o, &hp(mode, 0.0), &p0, &g, 3);
     assert_eq!(run(Mode::AdamW), run(Mode::AdamL2));
 }
 
@@ -126,20 +110,7 @@ fn modes_differ_with_decay() {
     let p0: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
     let g: Vec<f32> = (0..n).map(|_| rng.unit() * 1e-2).collect();
     let o = opt();
-    let run = |mode, wd| {
-        let (mut p, mut m, mut v) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
-        o.step_slice(
-            StepState::new(1),
-            &hp(mode, wd),
-            &mut p,
-            &mut m,
-            &mut v,
-            Grads::F32(&g),
-            None,
-        )
-        .unwrap();
-        (p, m, v)
-    };
+    let run = |mode, wd| stepped(&o, &hp(mode, wd), &p0, &g, 1);
     let (_, m_plain, _) = run(Mode::AdamW, 0.0);
     let (pw, mw, _) = run(Mode::AdamW, 0.5);
     let (pl, ml, _) = run(Mode::AdamL2, 0.5);
