@@ -78,6 +78,33 @@ fn load(dir: &Path) -> (Llama, Vec<(ParamSpec, Vec<f32>)>) {
     (model, init)
 }
 
+/// The largest |got - want| over the reference's largest magnitude.
+fn scaled_max_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs());
+    worst.fold(0f32, f32::max) / scale
+}
+
+/// Five AdamW steps of `model` on (x, y), layer-streamed through a fresh store holding
+/// `init`: their losses, then the loss after the fifth.
+fn streamed_losses(
+    init: &[(ParamSpec, Vec<f32>)],
+    model: &Llama,
+    x: &Tensor,
+    y: &Tensor,
+) -> Vec<f32> {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tide_config(tmp.path(), Precision::F32);
+    let mut p = TideParams::open(init, &cfg, &Device::Cpu).unwrap();
+    let batch = [(x.clone(), y.clone())];
+    let mut losses: Vec<f32> = (0..5)
+        .map(|_| train_step(&mut p, model, &batch, Horizontal).unwrap().loss)
+        .collect();
+    let last = model.forward(&mut p, x).unwrap();
+    losses.push(Llama::loss(&last, y).unwrap().to_scalar::<f32>().unwrap());
+    losses
+}
+
 fn rel(a: f32, b: f32) -> f32 {
     (a - b).abs() / b.abs()
 }
@@ -94,32 +121,9 @@ fn check(family: &str) -> (f32, f32, f32) {
         .to_scalar::<f32>()
         .unwrap();
     let got: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
-    let scale = want.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let logits_err = got
-        .iter()
-        .zip(&want.logits)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max)
-        / scale;
+    let logits_err = scaled_max_err(&got, &want.logits);
     let loss_err = rel(loss, want.losses[0]);
-    let tmp = tempfile::tempdir().unwrap();
-    let mut p = TideParams::open(
-        &init,
-        &tide_config(tmp.path(), Precision::F32),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let batch = [(want.x.clone(), want.y.clone())];
-    let mut losses: Vec<f32> = (0..5)
-        .map(|_| train_step(&mut p, &model, &batch, Horizontal).unwrap().loss)
-        .collect();
-    let last = model.forward(&mut p, &want.x).unwrap();
-    losses.push(
-        Llama::loss(&last, &want.y)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap(),
-    );
+    let losses = streamed_losses(&init, &model, &want.x, &want.y);
     let steps_err = max_rel_diff(&losses, &want.losses);
     eprintln!(
         "{family}: logits {logits_err:e}, loss {loss_err:e}, 5 AdamW steps {steps_err:e} \
@@ -271,31 +275,8 @@ fn check_lora(family: &str) -> (f32, f32, f32) {
         .to_scalar::<f32>()
         .unwrap();
     let got: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
-    let scale = want.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let logits_err = got
-        .iter()
-        .zip(&want.logits)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max)
-        / scale;
-    let tmp = tempfile::tempdir().unwrap();
-    let mut p = TideParams::open(
-        &init,
-        &tide_config(tmp.path(), Precision::F32),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let batch = [(want.x.clone(), want.y.clone())];
-    let mut losses: Vec<f32> = (0..5)
-        .map(|_| train_step(&mut p, &model, &batch, Horizontal).unwrap().loss)
-        .collect();
-    let last = model.forward(&mut p, &want.x).unwrap();
-    losses.push(
-        Llama::loss(&last, &want.y)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap(),
-    );
+    let logits_err = scaled_max_err(&got, &want.logits);
+    let losses = streamed_losses(&init, &model, &want.x, &want.y);
     let errs = (
         logits_err,
         rel(loss, want.losses[0]),
