@@ -302,9 +302,9 @@ pub enum OverlapName {
     /// During backward, each chunk of gradients as soon as it is final (needs
     /// `max_grad_norm = 0`: clipping needs every gradient before the first step).
     Backward,
-    /// Decided after backward (clipping and skips as with `off`), each tensor stepped
-    /// in the next forward right before its first use, its chunk I/O under forward's
-    /// compute; bit-identical to `off`.
+    /// Decided after backward (clipping and skips as with `off`), each chunk group's
+    /// tensors stepped in the next forward right before compute reads the first of
+    /// them, their chunk I/O under forward's compute; bit-identical to `off`.
     Forward,
 }
 
@@ -611,7 +611,8 @@ impl Config {
                 format!(
                     "\"backward\" steps tensors before the last gradient exists, but \
                      global-norm clipping (optimizer.max_grad_norm = {}) needs every \
-                     gradient first; set max_grad_norm = 0 or overlap = \"off\"",
+                     gradient first; set max_grad_norm = 0, or overlap = \"forward\" (decided \
+                     after backward, stepped in the next forward) or \"off\"",
                     o.max_grad_norm
                 ),
             ));

@@ -93,5 +93,31 @@ mod tests {
         assert_eq!(tc.device, DeviceChoice::Sim);
         assert_eq!(tc.step_device, tidestore_train::StepDevice::Gpu);
         assert_eq!(tc.swap_dir, PathBuf::from("/tmp/swap"));
+        assert_eq!(tc.overlap, Overlap::Off, "the default");
+    }
+
+    /// `"forward"` reaches the trainer with clipping on (it decides the step after
+    /// backward); `"backward"` with clipping and an unknown mode are refused, naming
+    /// the key.
+    #[test]
+    fn overlap_forward_takes_clipping_and_the_others_are_checked() {
+        let with = |overlap: &str| {
+            Config::from_toml_str(&format!(
+                "[optimizer]\nmax_grad_norm = 1.0\noverlap = \"{overlap}\"\n[nvme]\ndir = \"/tmp\"\n"
+            ))
+        };
+        let tc = with("forward")
+            .unwrap()
+            .trainer_config(PathBuf::from("/tmp/swap"))
+            .unwrap();
+        assert_eq!(
+            (tc.overlap, tc.max_grad_norm),
+            (Overlap::Forward, Some(1.0))
+        );
+        for bad in ["backward", "sideways"] {
+            let e = with(bad).unwrap_err().to_string();
+            eprintln!("{bad}: {e}");
+            assert!(e.contains("optimizer.overlap"), "{bad}: {e}");
+        }
     }
 }

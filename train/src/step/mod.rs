@@ -96,8 +96,8 @@ pub enum Overlap {
     Off,
     /// During backward, as soon as a group's gradients are final.
     Backward,
-    /// Decided after backward, each tensor stepped in the next forward right before
-    /// its first use.
+    /// Decided after backward, each chunk group's tensors stepped in the next forward
+    /// right before the first use of one of them.
     Forward,
 }
 
@@ -174,8 +174,9 @@ impl StepConfig {
                     key: "optimizer.overlap",
                     reason: format!(
                         "\"backward\" steps tensors before the last gradient exists, and \
-                         {what} needs every gradient first; turn it off or set overlap = \
-                         \"off\""
+                         {what} needs every gradient first; turn it off, or set overlap = \
+                         \"forward\" (decided after backward, stepped in the next forward) \
+                         or \"off\""
                     ),
                 });
             }
