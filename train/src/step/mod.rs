@@ -62,9 +62,8 @@
 //! [`StepLoop::restore`] is called.
 
 use std::collections::{HashMap, VecDeque};
-use std::time::Instant;
 
-use tidestore_chunk::{ChunkId, ChunkStore, DType, ListKind, TensorId, TensorState};
+use tidestore_chunk::{ChunkId, ChunkStore, ListKind, TensorId, TensorState};
 use tidestore_optimizer::{
     ControllerState, Grads, HybridAdamW, HyperParams, LossScalerConfig, StepController,
     StepDecision, StepState,
@@ -73,8 +72,13 @@ use tidestore_optimizer::{
 use crate::error::{Result, TrainError};
 use crate::peers::{NormPeers, Peers};
 
+mod entry;
+mod overlap;
 mod place;
 mod views;
+
+use entry::{entry_of, Entry, STEP_PIECE};
+pub use entry::{GradPlace, StepTensor};
 
 pub(crate) use views::grads_of;
 
@@ -99,40 +103,6 @@ pub enum Overlap {
     /// Decided after backward, each chunk group's tensors stepped in the next forward
     /// right before the first use of one of them.
     Forward,
-}
-
-/// Where a tensor's gradient is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GradPlace {
-    /// Written over its 16-bit parameters (the layout's mixed precision): the step reads
-    /// the gradient there and writes the new 16-bit parameters over it.
-    InParam16,
-    /// In its own place of the `Grads` list (a layout with a gradient list: 16-bit, or
-    /// fp32 for fp32 compute); the new 16-bit parameters go to its `Params` place when
-    /// `write_param16`.
-    InGrads {
-        /// Whether to refresh the 16-bit copy of the parameters.
-        write_param16: bool,
-    },
-}
-
-impl GradPlace {
-    /// The list the gradient is in.
-    pub fn list(self) -> ListKind {
-        match self {
-            GradPlace::InParam16 => ListKind::Params,
-            GradPlace::InGrads { .. } => ListKind::Grads,
-        }
-    }
-}
-
-/// A tensor the loop steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepTensor {
-    /// The parameter tensor (with `Master`, `Momentum` and `Variance` places).
-    pub tensor: TensorId,
-    /// Where its gradient is.
-    pub grad: GradPlace,
 }
 
 /// How the loop steps.
@@ -233,81 +203,6 @@ pub struct StepOutcome {
     pub decision: StepDecision,
     /// Tensors stepped during backward.
     pub overlapped: usize,
-}
-
-/// Parameters per kernel call in the host pool: the piece's 16-bit gradient is staged in
-/// a buffer that stays in cache, and the store's NVMe transfers are polled between
-/// pieces.
-const STEP_PIECE: usize = 128 * 1024;
-
-/// Parameters per kernel call in the host pool where no gradient is staged: pieces long
-/// enough that splitting one over the optimizer's threads costs little beside it (a
-/// piece of fp32 state is 28 MB, about a millisecond of memory traffic between polls).
-const STEP_PIECE_UNSTAGED: usize = 1024 * 1024;
-
-#[derive(Debug)]
-struct Entry {
-    spec: StepTensor,
-    name: String,
-    len: usize,
-    /// The chunk holding its gradient (its group).
-    group: ChunkId,
-    grad_dtype: DType,
-    /// The 16-bit copy's dtype, when the step writes it.
-    out_dtype: Option<DType>,
-    /// How its M and V are stored (F32, BF16 or Q8; see `tidestore_chunk::moments`).
-    moments: DType,
-    /// Bytes of its M place (= of its V place).
-    moment_bytes: usize,
-    grad_final: bool,
-    stepped: bool,
-    /// Its step of the last decision is still to be made ([`Overlap::Forward`]).
-    due: bool,
-}
-
-impl Entry {
-    /// (tensor, list) of the gradient.
-    fn grad_at(&self) -> (TensorId, ListKind) {
-        (self.spec.tensor, self.spec.grad.list())
-    }
-
-    /// The gradient was used up (stepped, or the step skipped): a gradient of its own
-    /// (`Grads`) becomes FREE, and once its chunk's every gradient is, the store drops
-    /// the chunk unwritten — no write-back after the step, no read before the next
-    /// backward overwrites it. A gradient over the 16-bit copy now holds parameters.
-    fn grad_consumed(&self, store: &mut ChunkStore) -> Result<()> {
-        if let GradPlace::InGrads { .. } = self.spec.grad {
-            store.set_state(self.spec.tensor, ListKind::Grads, TensorState::Free)?;
-        }
-        Ok(())
-    }
-
-    /// Parameters per kernel call of its step in the host pool.
-    fn piece(&self) -> usize {
-        match self.spec.grad {
-            GradPlace::InParam16 => STEP_PIECE,
-            GradPlace::InGrads { .. } => STEP_PIECE_UNSTAGED,
-        }
-    }
-
-    /// The places the step uses, in access order: the gradient, the 16-bit copy when
-    /// written apart from it, master, M, V.
-    fn places(&self) -> Vec<(TensorId, ListKind)> {
-        let t = self.spec.tensor;
-        let mut p = vec![self.grad_at()];
-        if let GradPlace::InGrads {
-            write_param16: true,
-        } = self.spec.grad
-        {
-            p.push((t, ListKind::Params));
-        }
-        p.extend([
-            (t, ListKind::Master),
-            (t, ListKind::Momentum),
-            (t, ListKind::Variance),
-        ]);
-        p
-    }
 }
 
 /// Reused buffers of the host steps (sized once, at construction).
@@ -553,11 +448,6 @@ impl StepLoop {
         self.stats = StepStats::default();
     }
 
-    /// Tensors queued for an overlapped step.
-    pub fn queued(&self) -> usize {
-        self.ready.len()
-    }
-
     /// `tensor`'s gradient is final in the store, with squared L2 norm `sq_norm` (of
     /// the raw, loss-scaled values). With [`Overlap::Backward`], its group is queued
     /// when this was its last gradient.
@@ -594,98 +484,6 @@ impl StepLoop {
         if group.1 == 0 && self.overlap == Overlap::Backward {
             self.ready.extend(group.0.iter().copied());
         }
-        Ok(())
-    }
-
-    /// Steps queued tensors ([`Overlap::Backward`]) until `deadline` has passed (all of
-    /// them without one); returns how many were stepped. Nothing is stepped while the
-    /// gradients so far are not finite (see the module doc).
-    pub fn step_ready(
-        &mut self,
-        store: &mut ChunkStore,
-        deadline: Option<Instant>,
-        observe: Observer<'_>,
-    ) -> Result<usize> {
-        self.check_poisoned()?;
-        if self.ready.is_empty() || (self.check_finite && !self.grad_sq.is_finite()) {
-            return Ok(0);
-        }
-        let at = self.early_step();
-        let mut n = 0;
-        while let Some(i) = self.ready.pop_front() {
-            if self.entries[i].stepped {
-                // Stepped when its gradient was handed over ([`StepLoop::step_given_now`]).
-                continue;
-            }
-            self.step_entry(store, i, at, observe, None)?;
-            self.stats.tensors_overlapped += 1;
-            n += 1;
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                break;
-            }
-        }
-        Ok(n)
-    }
-
-    /// The step made before the decision (during backward): step `n + 1`, its state
-    /// fixed at the first of them.
-    fn early_step(&mut self) -> Applied {
-        let state = *self
-            .early
-            .get_or_insert(StepState::new(self.ctrl.step() + 1));
-        Applied { state, hp: self.hp }
-    }
-
-    /// Whether a final gradient handed over from the caller's memory can be stepped at
-    /// once ([`StepLoop::step_given_now`]): [`Overlap::Backward`], a loop that
-    /// [`StepLoop::reads_given`], and every gradient so far finite.
-    pub fn steps_given_now(&self) -> bool {
-        self.overlap == Overlap::Backward
-            && self.reads_given()
-            && (!self.check_finite || self.grad_sq.is_finite())
-            && self.poisoned.is_none()
-    }
-
-    /// `tensor`'s gradient is final, `grad` in the caller's memory with squared norm
-    /// `sq_norm` (finite): it is reported as by [`StepLoop::grad_ready`] and the tensor
-    /// is stepped now, reading `grad` where it is, so that its `Grads` place is never
-    /// written (no copy, no room in the pool, nothing spilled to NVMe) and its step
-    /// runs while the caller's next block is still to come. The same arithmetic as a
-    /// step after backward. Refused unless [`StepLoop::steps_given_now`].
-    pub fn step_given_now(
-        &mut self,
-        store: &mut ChunkStore,
-        tensor: TensorId,
-        grad: Grads<'_>,
-        sq_norm: f64,
-        observe: Observer<'_>,
-    ) -> Result<()> {
-        self.check_poisoned()?;
-        if !self.steps_given_now() || !sq_norm.is_finite() {
-            return Err(TrainError::Protocol(format!(
-                "{tensor} handed over to be stepped at once, which needs overlap = \
-                 \"backward\", the step in place in the host pool and finite gradients"
-            )));
-        }
-        let &i = self.by_tensor.get(&tensor).ok_or_else(|| {
-            TrainError::Protocol(format!(
-                "a gradient given for {tensor}, which is not stepped"
-            ))
-        })?;
-        if grad.len() != self.entries[i].len {
-            return Err(TrainError::Argument {
-                tensor: self.entries[i].name.clone(),
-                reason: format!(
-                    "the gradient handed over: {} elements for a tensor of {}",
-                    grad.len(),
-                    self.entries[i].len
-                ),
-            });
-        }
-        self.grad_ready(tensor, sq_norm)?;
-        let at = self.early_step();
-        self.step_entry(store, i, at, observe, Some(grad))?;
-        self.stats.tensors_overlapped += 1;
         Ok(())
     }
 
@@ -891,62 +689,6 @@ impl StepLoop {
         Ok(())
     }
 
-    /// Tensor steps still due from the last decision ([`Overlap::Forward`]).
-    pub fn deferred(&self) -> usize {
-        self.deferred.map_or(0, |(_, due)| due)
-    }
-
-    /// Makes `tensor`'s due step ([`Overlap::Forward`]), before anything reads its
-    /// parameters or writes its gradient, with the due steps of every tensor of its group
-    /// (whose gradients share its chunk, as their parameters do): a chunk is stepped
-    /// whole before compute reads any of it, so it moves to compute once and is not
-    /// written again behind compute's copy. Returns whether `tensor`'s step was due
-    /// (nothing is for a tensor the loop does not step).
-    pub fn step_deferred(
-        &mut self,
-        store: &mut ChunkStore,
-        tensor: TensorId,
-        observe: Observer<'_>,
-    ) -> Result<bool> {
-        let Some(&i) = self.by_tensor.get(&tensor) else {
-            return Ok(false);
-        };
-        if !self.entries[i].due {
-            return Ok(false);
-        }
-        self.check_poisoned()?;
-        let members = self.groups[&self.entries[i].group].0.clone();
-        for k in members {
-            if !self.entries[k].due {
-                continue;
-            }
-            let (at, due) = self.deferred.expect("a due entry has its step");
-            self.step_tensor(store, k, at, observe, None)?;
-            self.entries[k].due = false;
-            self.deferred = (due > 1).then_some((at, due - 1));
-            self.stats.tensors_deferred += 1;
-        }
-        Ok(true)
-    }
-
-    /// Makes every due step ([`Overlap::Forward`]), in registration order: before the
-    /// optimizer state is read whole (a checkpoint, an export) or the run ends. Returns
-    /// how many were made.
-    pub fn complete_deferred(
-        &mut self,
-        store: &mut ChunkStore,
-        observe: Observer<'_>,
-    ) -> Result<usize> {
-        let before = self.stats.tensors_deferred;
-        for i in 0..self.entries.len() {
-            if self.entries[i].due {
-                let tensor = self.entries[i].spec.tensor;
-                self.step_deferred(store, tensor, observe)?;
-            }
-        }
-        Ok((self.stats.tensors_deferred - before) as usize)
-    }
-
     /// A skipped step: every gradient is consumed, and where the gradient lies
     /// over the 16-bit copy (or the step would refresh that copy), the copy is cast anew
     /// from the unchanged master, so that the next forward reads parameters, not
@@ -1040,72 +782,4 @@ impl StepLoop {
         self.stats.params_stepped += self.entries[i].len as u64;
         Ok(())
     }
-}
-/// The entry of `spec`, checked against the layout.
-fn entry_of(layout: &tidestore_chunk::Layout, spec: StepTensor) -> Result<Entry> {
-    let name = layout
-        .tensor(spec.tensor)
-        .map_or_else(|| spec.tensor.to_string(), |s| s.name.clone());
-    let missing = |what: String| TrainError::Tensor {
-        tensor: name.clone(),
-        reason: what,
-    };
-    if layout.tensor(spec.tensor).is_none() {
-        return Err(missing("not registered in the store's layout".into()));
-    }
-    for list in [ListKind::Master, ListKind::Momentum, ListKind::Variance] {
-        if layout.location(spec.tensor, list).is_none() {
-            return Err(missing(format!(
-                "has no {list} place: only trainable tensors are stepped"
-            )));
-        }
-    }
-    let master = layout
-        .location(spec.tensor, ListKind::Master)
-        .expect("checked above");
-    let len = usize::try_from(master.elements)
-        .map_err(|_| missing("more elements than this machine addresses".into()))?;
-    let grad_list = spec.grad.list();
-    let grad_loc = layout
-        .location(spec.tensor, grad_list)
-        .ok_or_else(|| missing(format!("has no {grad_list} place for its gradient")))?;
-    let m_loc = layout
-        .location(spec.tensor, ListKind::Momentum)
-        .expect("checked above");
-    if grad_loc.dtype == DType::Q8 {
-        return Err(missing("its gradient place holds 8-bit codes".into()));
-    }
-    let p16 = layout.location(spec.tensor, ListKind::Params);
-    let out_dtype = match spec.grad {
-        GradPlace::InParam16 => {
-            if grad_loc.dtype == DType::F32 {
-                return Err(missing(
-                    "a gradient in place of the 16-bit parameters must be 16-bit".into(),
-                ));
-            }
-            Some(grad_loc.dtype)
-        }
-        GradPlace::InGrads {
-            write_param16: true,
-        } => match p16 {
-            Some(l) if l.dtype != DType::F32 => Some(l.dtype),
-            _ => return Err(missing("has no 16-bit param16 place to write".into())),
-        },
-        GradPlace::InGrads { .. } => None,
-    };
-    let moment_bytes = usize::try_from(m_loc.bytes())
-        .map_err(|_| missing("more moment bytes than this machine addresses".into()))?;
-    Ok(Entry {
-        spec,
-        name,
-        len,
-        group: grad_loc.chunk,
-        grad_dtype: grad_loc.dtype,
-        out_dtype,
-        moments: m_loc.dtype,
-        moment_bytes,
-        grad_final: false,
-        stepped: false,
-        due: false,
-    })
 }
