@@ -30,7 +30,7 @@
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
-    DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, StepDecision, StoreStats,
+    DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, Ranks, StepDecision, StoreStats,
     TensorState, TensorView, TensorViewMut, Trainer, Values,
 };
 
@@ -56,6 +56,18 @@ pub struct TideParams {
     /// [`TideParams::step_early`] steps from where they are
     /// ([`Trainer::step_with_grad`]) instead of copying them into the store.
     at_once: Vec<(usize, Tensor)>,
+    /// This rank's part of a data-parallel run ([`TideParams::open_sharded`]).
+    dp: Option<Sharded>,
+}
+
+/// A data-parallel rank's view of its parameters: the trainer registers this rank's
+/// shard of each (see [`tidestore_train::ranks`]); compute and the front end see them
+/// whole.
+#[derive(Debug)]
+struct Sharded {
+    ranks: Ranks,
+    /// Each parameter as the model declares it, by the trainer's index.
+    whole: Vec<ParamSpec>,
 }
 
 impl std::fmt::Debug for TideParams {
@@ -97,7 +109,96 @@ impl TideParams {
             loans: Vec::new(),
             loans_ended: 0,
             at_once: Vec::new(),
+            dp: None,
         })
+    }
+
+    /// As [`TideParams::open_specs`], as rank `ranks.rank()` of a data-parallel run
+    /// (Gemini's layout, [`tidestore_train::ranks`]): the trainer registers this rank's
+    /// flat, zero-padded shard of every parameter, so its store holds `1/world` of the
+    /// parameters, master copies, M and V. Everything else takes and gives parameters
+    /// whole:
+    /// - a fetch all-gathers the parameter (nothing is lent);
+    /// - a gradient is reduce-scattered, the ranks' average of it put as this rank's
+    ///   shard;
+    /// - the step's norm is summed over the ranks (the step loop's
+    ///   [`tidestore_train::NormPeers`]), so every rank clips and skips alike;
+    /// - [`TideParams::set_param`] cuts this rank's shard of the whole values it is given,
+    ///   and [`TideParams::values`], [`TideParams::moments`] and
+    ///   [`TideParams::grad_values`] gather them whole.
+    ///
+    /// Each of those is a collective: every rank calls them in the same order. The
+    /// registration is checked alike on every rank first (names, shapes, what trains).
+    pub fn open_sharded(
+        specs: &[ParamSpec],
+        config: &TideConfig,
+        device: &Device,
+        ranks: Ranks,
+    ) -> Result<Self> {
+        ranks.check_specs(specs)?;
+        let layout = ranks.layout();
+        let shards: Vec<ParamSpec> = specs
+            .iter()
+            .map(|s| ParamSpec::new(s.name.clone(), &[layout.len(s.elements())], s.trainable))
+            .collect();
+        let mut this = Self::open_specs(&shards, config, device)?;
+        this.trainer.set_norm_peers(Box::new(ranks.clone()));
+        this.dp = Some(Sharded {
+            ranks,
+            whole: specs.to_vec(),
+        });
+        Ok(this)
+    }
+
+    /// The ranks of a data-parallel run ([`TideParams::open_sharded`]); `None` for one
+    /// rank.
+    pub fn ranks(&self) -> Option<&Ranks> {
+        self.dp.as_ref().map(|d| &d.ranks)
+    }
+
+    /// Parameter `i` as the model declares it (whole under data parallelism).
+    fn whole_spec(&self, i: usize) -> Result<&ParamSpec> {
+        match &self.dp {
+            Some(dp) => dp.whole.get(i).ok_or_else(|| Error::BadParam {
+                name: format!("#{i}"),
+                reason: "no such parameter".into(),
+            }),
+            None => Ok(self.trainer.spec(i)?),
+        }
+    }
+
+    /// `shard` (parameter `i`'s, as this rank's trainer holds it) whole: gathered from
+    /// every rank under data parallelism, else as it is.
+    fn whole(&self, i: usize, shard: Vec<f32>) -> Result<Vec<f32>> {
+        match &self.dp {
+            Some(dp) => Ok(dp.ranks.gather(&shard, self.whole_spec(i)?.elements())?),
+            None => Ok(shard),
+        }
+    }
+
+    /// Puts one micro-batch's part of parameter `i`'s whole gradient: under data
+    /// parallelism, this rank's shard of the ranks' average.
+    fn put_grad_values(&mut self, i: usize, values: &[f32], first: bool, last: bool) -> Result<()> {
+        let spec = self.whole_spec(i)?;
+        if values.len() != spec.elements() {
+            return Err(Error::BadParam {
+                name: spec.name.clone(),
+                reason: format!(
+                    "a gradient of {} elements for a parameter of {}",
+                    values.len(),
+                    spec.elements()
+                ),
+            });
+        }
+        match &self.dp {
+            Some(dp) => {
+                let shard = dp.ranks.average_shard(values)?;
+                self.trainer.put_grad(i, Values::F32(&shard), first, last)?;
+            }
+            None => self.trainer.put_grad(i, Values::F32(values), first, last)?,
+        }
+        self.grads_pending = true;
+        Ok(())
     }
 
     /// Makes the candle tensors handed out from now on on `device` (where the blocks
@@ -115,9 +216,23 @@ impl TideParams {
     }
 
     /// Writes parameter `name`'s values (untraced; see [`TideParams::open_specs`]).
+    /// Under data parallelism `values` are whole and this rank keeps its shard.
     pub fn set_param(&mut self, name: &str, values: &[f32]) -> Result<()> {
         let i = self.trainer.index(name)?;
-        Ok(self.trainer.set_values(i, values)?)
+        match &self.dp {
+            Some(dp) => {
+                let n = self.whole_spec(i)?.elements();
+                if values.len() != n {
+                    return Err(Error::BadParam {
+                        name: name.into(),
+                        reason: format!("{} values for a parameter of {n}", values.len()),
+                    });
+                }
+                let shard = dp.ranks.layout().cut(values);
+                Ok(self.trainer.set_values(i, &shard)?)
+            }
+            None => Ok(self.trainer.set_values(i, values)?),
+        }
     }
 
     /// Runs candle's backward from `loss` and puts every trainable parameter's gradient
@@ -126,7 +241,7 @@ impl TideParams {
         let grads = loss.backward()?;
         for i in (0..self.live.len()).rev() {
             let live = self.live[i].take();
-            let spec = self.trainer.spec(i)?;
+            let spec = self.whole_spec(i)?;
             if !spec.trainable {
                 continue;
             }
@@ -134,8 +249,7 @@ impl TideParams {
                 Some(g) => g.flatten_all()?.to_vec1::<f32>()?,
                 None => vec![0.0; spec.elements()],
             };
-            self.trainer.put_grad(i, Values::F32(&values), true, true)?;
-            self.grads_pending = true;
+            self.put_grad_values(i, &values, true, true)?;
         }
         Ok(())
     }
@@ -155,9 +269,7 @@ impl TideParams {
         last: bool,
     ) -> Result<()> {
         let i = self.trainer.index(name)?;
-        self.trainer.put_grad(i, Values::F32(values), first, last)?;
-        self.grads_pending = true;
-        Ok(())
+        self.put_grad_values(i, values, first, last)
     }
 
     /// Writes one micro-batch's part of `name`'s gradient from a candle tensor. From a
@@ -174,6 +286,11 @@ impl TideParams {
         first: bool,
         last: bool,
     ) -> Result<()> {
+        if self.dp.is_some() {
+            // Reduce-scattered from host memory (see `TideParams::open_sharded`).
+            let values = grad.flatten_all()?.to_vec1::<f32>()?;
+            return self.put_grad_part(name, &values, first, last);
+        }
         if grad.device().is_cuda() {
             let i = self.trainer.index(name)?;
             let sq = self.trainer.grad_view(i, first, |view, dtype| {
@@ -208,8 +325,20 @@ impl TideParams {
         let i = self.trainer.index(name)?;
         let spec = self.trainer.spec(i)?;
         let var = as_var && spec.trainable;
-        let shape = spec.shape.clone();
+        let shape = self.whole_spec(i)?.shape.clone();
         let device = &self.device;
+        if self.dp.is_some() {
+            // Gathered in host memory, then made a tensor where compute runs.
+            let shard = self.trainer.fetch(i, to)?;
+            let values = self.whole(i, shard)?;
+            let t = Tensor::from_vec(values, shape.as_slice(), device)?;
+            let t = if var {
+                Var::from_tensor(&t)?.into_inner()
+            } else {
+                t
+            };
+            return Ok((t, var));
+        }
         if device.is_cpu() {
             // `from_vec` takes the vector over: no copy.
             let values = self.trainer.fetch(i, to)?;
@@ -247,7 +376,8 @@ impl TideParams {
     /// `as_var = backward` makes a variable.
     pub fn lend(&mut self, name: &str, backward: bool) -> Result<Option<Loan>> {
         let i = self.trainer.index(name)?;
-        if !self.device.is_cpu() || self.trainer.compute_dtype(i)? != DType::F32 {
+        let sharded = self.dp.is_some();
+        if sharded || !self.device.is_cpu() || self.trainer.compute_dtype(i)? != DType::F32 {
             return Ok(None);
         }
         let spec = self.trainer.spec(i)?;
@@ -402,23 +532,27 @@ impl TideParams {
     }
 
     /// A parameter's current fp32 values (the master copy of a trainable one); untraced.
+    /// Whole, gathered from every rank under data parallelism.
     pub fn values(&mut self, name: &str) -> Result<Vec<f32>> {
         let i = self.trainer.index(name)?;
-        Ok(self.trainer.values(i)?)
+        let shard = self.trainer.values(i)?;
+        self.whole(i, shard)
     }
 
     /// The last gradient of trainable parameter `name` (`Precision::F32` only);
     /// untraced.
     pub fn grad_values(&mut self, name: &str) -> Result<Vec<f32>> {
         let i = self.trainer.index(name)?;
-        Ok(self.trainer.grad_values(i)?)
+        let shard = self.trainer.grad_values(i)?;
+        self.whole(i, shard)
     }
 
     /// A trainable parameter's Adam moments (M, V) as f32, decoded from their stored
     /// form; untraced.
     pub fn moments(&mut self, name: &str) -> Result<(Vec<f32>, Vec<f32>)> {
         let i = self.trainer.index(name)?;
-        Ok(self.trainer.moments(i)?)
+        let (m, v) = self.trainer.moments(i)?;
+        Ok((self.whole(i, m)?, self.whole(i, v)?))
     }
 
     /// Forward/gradient precision.

@@ -13,8 +13,7 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor};
 use common::*;
 use tidestore_candle::{
-    train_step, InMemory, Llama, LlamaConfig, LlamaLora, ParamSource, ParamSpec, Precision,
-    TideParams,
+    train_step, InMemory, Llama, ParamSource, ParamSpec, Precision, TideParams,
 };
 use tidestore_train::MicroBatchOrder::{self, Horizontal, Vertical};
 use tidestore_train::{BlockParams, Loan, Overlap, StepDecision};
@@ -94,26 +93,6 @@ fn opened(
     cfg.overlap = overlap;
     let p = TideParams::open(init, &cfg, &Device::Cpu).unwrap();
     (dir, p)
-}
-
-fn llama(tie: bool, lora: bool) -> Llama {
-    Llama::new(LlamaConfig {
-        vocab: 256,
-        hidden: 32,
-        intermediate: 64,
-        layers: 3,
-        heads: 4,
-        kv_heads: 2,
-        rms_eps: 1e-5,
-        rope_theta: 10_000.0,
-        tie_embeddings: tie,
-        lora: lora.then(|| LlamaLora {
-            rank: 4,
-            alpha: 8.0,
-            targets: vec!["q_proj".into(), "v_proj".into()],
-        }),
-    })
-    .unwrap()
 }
 
 /// The largest difference of `got` from `want`, relative to `want`'s largest magnitude.

@@ -10,6 +10,7 @@
 //! - [`blocks`]: the layer-streamed block driver over a framework-free [`Blocks`] trait;
 //! - [`step`]: the step loop that steps each tensor's groups where the store holds them;
 //! - [`peers`]: what the step needs of the other ranks of a data-parallel run;
+//! - [`ranks`]: Gemini's shard layout and the collectives of a data-parallel run;
 //! - [`checkpoint`] and [`CheckpointDir`]: checkpoints streamed out of the store and back;
 //! - [`hf`]: the Hugging Face formats a model comes in and goes out in;
 //! - [`aio`]: the block-I/O engine, for front ends that move tensors to and from files
@@ -29,6 +30,7 @@ pub mod checkpoint_dir;
 pub mod error;
 pub mod hf;
 pub mod peers;
+pub mod ranks;
 pub mod step;
 pub mod trainer;
 
@@ -40,6 +42,7 @@ pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
 pub use peers::NormPeers;
+pub use ranks::{Collective, Ranks, SentBytes, ShardLayout};
 pub use step::{
     GradPlace, Observer, Overlap, StepConfig, StepLoop, StepOutcome, StepPlace, StepStats,
     StepTensor,

@@ -5,7 +5,8 @@
 use candle_core::Device;
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use tidestore_candle::{
-    Batches, Budget, Gpt, GptConfig, InMemory, LoraConfig, Precision, TideConfig, TideParams,
+    Batches, Budget, Gpt, GptConfig, InMemory, Llama, LlamaConfig, LlamaLora, LoraConfig,
+    Precision, TideConfig, TideParams,
 };
 use tidestore_train::IoConfig;
 use tidestore_train::MomentForm;
@@ -25,6 +26,28 @@ pub fn gpt(lora: Option<usize>) -> Gpt {
             alpha: 2.0 * rank as f32,
         }),
     })
+}
+
+/// A small LLaMA (grouped-query attention), its head tied to the embedding or not, with
+/// LoRA adapters on q and v or without.
+pub fn llama(tie: bool, lora: bool) -> Llama {
+    Llama::new(LlamaConfig {
+        vocab: 256,
+        hidden: 32,
+        intermediate: 64,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        tie_embeddings: tie,
+        lora: lora.then(|| LlamaLora {
+            rank: 4,
+            alpha: 8.0,
+            targets: vec!["q_proj".into(), "v_proj".into()],
+        }),
+    })
+    .unwrap()
 }
 
 pub fn batches() -> Batches {

@@ -1,0 +1,265 @@
+//! Data parallelism in the Rust trainer, with ranks as threads of this test over the
+//! train crate's in-process group: two ranks, each training on its half of every batch,
+//! must train as one rank on the whole batch — the same losses (the ranks' mean) and
+//! weights to 1e-5 relative, fp32 — full and LoRA, a tied head, with and without
+//! overlap, with clipping; each rank's store holds half of the optimizer state; the
+//! collectives move the bytes Gemini's layout predicts.
+
+mod common;
+
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use common::*;
+use tidestore_candle::{train_step, Llama, ParamSpec, Precision, TideParams};
+use tidestore_train::ranks::local;
+use tidestore_train::MicroBatchOrder::Vertical;
+use tidestore_train::{Blocks, Overlap, Ranks, SentBytes};
+
+const STEPS: u64 = 5;
+
+/// One way of training the model.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    tie: bool,
+    lora: bool,
+    overlap: Overlap,
+    clip: Option<f32>,
+}
+
+/// What one run gave: per step the loss (the ranks' mean), the weights at the end, and
+/// per rank its trainer's counters and what its collectives sent.
+type Counters = std::collections::BTreeMap<&'static str, u64>;
+
+struct Run {
+    losses: Vec<f32>,
+    weights: Vec<Vec<f32>>,
+    counters: Vec<Counters>,
+    sent: Vec<SentBytes>,
+}
+
+fn config(dir: &std::path::Path, case: Case) -> tidestore_candle::TideConfig {
+    let mut cfg = tide_config(dir, Precision::F32);
+    cfg.overlap = case.overlap;
+    cfg.max_grad_norm = case.clip;
+    cfg
+}
+
+/// Rank `rank` of `world` (`None`: the only one) trains `case` for [`STEPS`] steps,
+/// each on its `1/world` of the batch's rows.
+fn train_rank(
+    model: &Llama,
+    init: &[(ParamSpec, Vec<f32>)],
+    case: Case,
+    ranks: Option<Ranks>,
+) -> (Vec<f32>, Vec<Vec<f32>>, Counters, SentBytes) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), case);
+    let specs: Vec<ParamSpec> = init.iter().map(|(s, _)| s.clone()).collect();
+    let (rank, world) = ranks.as_ref().map_or((0, 1), |r| (r.rank(), r.world()));
+    let mut p = match ranks.clone() {
+        Some(r) => TideParams::open_sharded(&specs, &cfg, &Device::Cpu, r).unwrap(),
+        None => TideParams::open_specs(&specs, &cfg, &Device::Cpu).unwrap(),
+    };
+    for (s, v) in init {
+        p.set_param(&s.name, v).unwrap();
+    }
+    let data = batches();
+    let losses = (0..STEPS)
+        .map(|s| {
+            let (x, y) = data.get(s, &Device::Cpu).unwrap();
+            let rows = x.dim(0).unwrap() / world;
+            let mine = |t: &Tensor| t.narrow(0, rank * rows, rows).unwrap();
+            let step = train_step(&mut p, model, &[(mine(&x), mine(&y))], Vertical).unwrap();
+            step.loss
+        })
+        .collect();
+    // What the steps sent, before the weights are gathered to be compared.
+    let sent = ranks.map(|r| r.sent()).unwrap_or_default();
+    let weights = init
+        .iter()
+        .map(|(s, _)| p.values(&s.name).unwrap())
+        .collect();
+    (losses, weights, p.trainer().counters(), sent)
+}
+
+/// `case` on `world` ranks (1: without a group).
+fn run(case: Case, world: usize) -> Run {
+    let model = llama(case.tie, case.lora);
+    let init = model.init(21);
+    if world == 1 {
+        let (losses, weights, counters, sent) = train_rank(&model, &init, case, None);
+        return Run {
+            losses,
+            weights,
+            counters: vec![counters],
+            sent: vec![sent],
+        };
+    }
+    let group = local::group(world, Duration::from_secs(60));
+    let per_rank: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|g| {
+                let (model, init) = (&model, &init);
+                s.spawn(move || {
+                    let ranks = Ranks::new(Box::new(g)).unwrap();
+                    train_rank(model, init, case, Some(ranks))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let steps = per_rank[0].0.len();
+    let losses = (0..steps)
+        .map(|k| per_rank.iter().map(|r| r.0[k]).sum::<f32>() / world as f32)
+        .collect();
+    // Every rank gathers the same whole weights.
+    for r in &per_rank[1..] {
+        assert!(r.1 == per_rank[0].1, "the ranks' weights differ");
+    }
+    Run {
+        losses,
+        weights: per_rank[0].1.clone(),
+        counters: per_rank.iter().map(|r| r.2.clone()).collect(),
+        sent: per_rank.iter().map(|r| r.3).collect(),
+    }
+}
+
+/// Two ranks against one with the doubled batch: losses and weights within 1e-5.
+fn two_ranks_equal_one(case: Case) -> (Run, Run) {
+    let (one, two) = (run(case, 1), run(case, 2));
+    eprintln!(
+        "{case:?}\n one rank:  {:?}\n two ranks: {:?}",
+        one.losses, two.losses
+    );
+    let d = max_rel_diff(&one.losses, &two.losses);
+    assert!(d <= 1e-5, "{case:?}: max relative loss difference {d:e}");
+    for (a, b) in one.weights.iter().zip(&two.weights) {
+        let d = max_rel_diff(a, b);
+        assert!(d <= 1e-4, "{case:?}: max relative weight difference {d:e}");
+    }
+    assert!(
+        one.losses[STEPS as usize - 1] < one.losses[0],
+        "{case:?}: it learns"
+    );
+    (one, two)
+}
+
+const FULL: Case = Case {
+    tie: false,
+    lora: false,
+    overlap: Overlap::Off,
+    clip: None,
+};
+
+/// Bytes one rank sends into a ring collective of a parameter of `n` elements over two
+/// ranks: the other rank's shard.
+fn ring(n: usize) -> u64 {
+    (n.div_ceil(2) * 4) as u64
+}
+
+#[test]
+fn two_ranks_train_the_full_model_as_one_with_the_doubled_batch() {
+    let (one, two) = two_ranks_equal_one(FULL);
+    let model = llama(false, false);
+    let init = model.init(21);
+    // Each rank keeps half of master, M and V (each tensor's shard, within a page of
+    // page rounding per tensor).
+    for key in ["master_bytes", "m_bytes", "v_bytes"] {
+        let whole = one.counters[0][key];
+        for c in &two.counters {
+            let half = c[key] as f64 / whole as f64;
+            let slack = (init.len() * 4096) as f64 / whole as f64;
+            assert!(
+                (0.5..=0.5 + slack).contains(&half),
+                "{key}: a rank keeps {} of one rank's {whole}",
+                c[key]
+            );
+            eprintln!("{key}: one rank {whole}, a rank of two {}", c[key]);
+        }
+    }
+    // The collectives, as the layout predicts: each block's parameters gathered for
+    // its forward and again for backward's recompute (the head block, differentiated
+    // from its saved input, only for backward), each gradient reduce-scattered once,
+    // one norm summed.
+    let size: std::collections::HashMap<&str, usize> = init
+        .iter()
+        .map(|(s, _)| (s.name.as_str(), s.elements()))
+        .collect();
+    let blocks = Blocks::block_count(&model);
+    let block_bytes = |b: usize| -> u64 {
+        let names = Blocks::block_params(&model, b);
+        names.iter().map(|n| ring(size[n.as_str()])).sum()
+    };
+    let gathers: u64 =
+        (0..blocks - 1).map(block_bytes).sum::<u64>() + (0..blocks).map(block_bytes).sum::<u64>();
+    let gradients: u64 = size.values().map(|&n| ring(n)).sum();
+    for sent in &two.sent {
+        eprintln!("sent per rank: {sent:?}");
+        assert_eq!(sent.all_gather, STEPS * gathers);
+        assert_eq!(sent.reduce_scatter, STEPS * gradients);
+        assert_eq!(sent.all_reduce, STEPS * 8);
+    }
+}
+
+#[test]
+fn two_ranks_train_lora_and_a_tied_head_as_one() {
+    let (_, two) = two_ranks_equal_one(Case { lora: true, ..FULL });
+    let model = llama(false, true);
+    let trained: u64 = model
+        .init(21)
+        .iter()
+        .filter(|(s, _)| s.trainable)
+        .map(|(s, _)| ring(s.elements()))
+        .sum();
+    // Only the adapters' gradients cross.
+    assert_eq!(two.sent[0].reduce_scatter, STEPS * trained);
+    two_ranks_equal_one(Case { tie: true, ..FULL });
+}
+
+#[test]
+fn two_ranks_equal_one_with_overlap_and_clipping() {
+    two_ranks_equal_one(Case {
+        overlap: Overlap::Backward,
+        ..FULL
+    });
+    // Clipped every step from the norm summed over the ranks, stepped in the next
+    // forward.
+    two_ranks_equal_one(Case {
+        clip: Some(0.05),
+        overlap: Overlap::Forward,
+        ..FULL
+    });
+}
+
+#[test]
+fn ranks_that_register_different_models_are_refused_naming_the_difference() {
+    use tidestore_train::Collective;
+    let group = local::group(2, Duration::from_secs(20));
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    // Rank 1 adds LoRA adapters the other does not have.
+                    let model = llama(false, g.rank() == 1);
+                    let specs: Vec<ParamSpec> = model.init(1).into_iter().map(|(s, _)| s).collect();
+                    let dir = tempfile::tempdir().unwrap();
+                    let ranks = Ranks::new(Box::new(g)).unwrap();
+                    let cfg = config(dir.path(), FULL);
+                    TideParams::open_sharded(&specs, &cfg, &Device::Cpu, ranks)
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errs {
+        assert!(
+            e.contains("rank 1 differs from rank 0: parameters = "),
+            "{e}"
+        );
+    }
+}

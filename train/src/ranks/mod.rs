@@ -1,0 +1,380 @@
+//! Data-parallel ranks for a front end that trains through the store: Gemini's layout
+//! ([`ShardLayout`]), the collectives it needs ([`Collective`]), and the handle a run's
+//! pieces share ([`Ranks`]: it counts what went through each collective and is the step
+//! loop's [`NormPeers`]).
+//!
+//! Every parameter of `n` elements is cut into `world` shards of `ceil(n / world)`
+//! elements, rank `r` owning shard `r`, the last ones zero-padded — the layout of
+//! `python/tidestore/_shards.py`, so the Rust and the PyTorch front ends cut alike. Each
+//! rank's store registers only its shards: it holds `1/world` of the parameters, their
+//! master copies, M and V, in its own host pool and on its own NVMe. Before a parameter
+//! is computed with, one all-gather assembles it; a gradient, once final, is
+//! reduce-scattered, leaving each rank its shard of the ranks' average; the global norm
+//! is one all-reduce.
+//!
+//! The collectives themselves are the engines that exist (MPI, NCCL, torch.distributed):
+//! front ends implement [`Collective`] over them. [`local`] is an in-process group of
+//! threads for tests of the sharding logic; it is not a transport.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Result, TrainError};
+use crate::peers::NormPeers;
+use crate::trainer::ParamSpec;
+
+pub mod local;
+
+/// The collectives of a data-parallel group, over an engine that exists. Every rank
+/// calls the same collectives in the same order; a failure (a rank that died, a
+/// timeout) is [`TrainError::Collective`].
+pub trait Collective: Send {
+    /// This rank, `0..world`.
+    fn rank(&self) -> usize;
+
+    /// Ranks in the group.
+    fn world(&self) -> usize;
+
+    /// The engine's name, for messages and reports (`mpi`, `nccl`, `in-process`).
+    fn engine(&self) -> &str;
+
+    /// Every rank's `shard` (all of one length) laid end to end in rank order into
+    /// `out` (`world` times its length).
+    fn all_gather(&mut self, shard: &[f32], out: &mut [f32]) -> Result<()>;
+
+    /// `whole` (`world` times `shard`'s length) summed over the ranks; this rank's part
+    /// of the sum into `shard`. Every rank sums in the same order, so a rank's part is
+    /// what any rank would compute for it.
+    fn reduce_scatter(&mut self, whole: &[f32], shard: &mut [f32]) -> Result<()>;
+
+    /// `values` summed over the ranks, in place, the same on every rank.
+    fn all_reduce(&mut self, values: &mut [f64]) -> Result<()>;
+
+    /// Every rank's `mine` (lengths may differ), in rank order: the start-up checks.
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
+/// Where this rank's shard of a parameter is (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardLayout {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in all.
+    pub world: usize,
+}
+
+impl ShardLayout {
+    /// The layout of rank `rank` of `world`; `None` when `rank` is not below `world`.
+    pub fn new(rank: usize, world: usize) -> Option<Self> {
+        (rank < world).then_some(ShardLayout { rank, world })
+    }
+
+    /// Elements of every shard of a parameter of `n` elements: `ceil(n / world)`.
+    pub fn len(&self, n: usize) -> usize {
+        n.div_ceil(self.world)
+    }
+
+    /// Elements the shards of a parameter of `n` elements add in padding.
+    pub fn padding(&self, n: usize) -> usize {
+        self.len(n) * self.world - n
+    }
+
+    /// The elements of the whole parameter this rank's shard holds (short or empty for
+    /// the padded last ranks).
+    pub fn range(&self, n: usize) -> Range<usize> {
+        let len = self.len(n);
+        let lo = (self.rank * len).min(n);
+        lo..(lo + len).min(n)
+    }
+
+    /// This rank's shard of a whole parameter's flat values, zero-padded.
+    pub fn cut(&self, whole: &[f32]) -> Vec<f32> {
+        let mut part = whole[self.range(whole.len())].to_vec();
+        part.resize(self.len(whole.len()), 0.0);
+        part
+    }
+}
+
+/// What went through a rank's collectives since the group was made: bytes this rank
+/// sent into each (a ring's `(world − 1) / world` of the gathered or reduced bytes, as
+/// NCCL and MPI move them), and calls.
+#[derive(Debug, Default)]
+struct Sent {
+    gather_bytes: AtomicU64,
+    reduce_scatter_bytes: AtomicU64,
+    all_reduce_bytes: AtomicU64,
+    calls: AtomicU64,
+}
+
+/// Bytes this rank sent into each kind of collective, and the calls made (see
+/// [`Ranks::sent`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SentBytes {
+    /// Into all-gathers (parameters assembled before compute).
+    pub all_gather: u64,
+    /// Into reduce-scatters (gradients).
+    pub reduce_scatter: u64,
+    /// Into all-reduces (the gradient norm, losses).
+    pub all_reduce: u64,
+    /// Collectives called.
+    pub calls: u64,
+}
+
+/// One rank's handle on its group, shared by the pieces of a run (the front end's
+/// parameters, the step loop's [`NormPeers`]): clones are the same group.
+#[derive(Clone)]
+pub struct Ranks {
+    group: Arc<Mutex<Box<dyn Collective>>>,
+    layout: ShardLayout,
+    engine: String,
+    sent: Arc<Sent>,
+}
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranks")
+            .field("rank", &self.layout.rank)
+            .field("world", &self.layout.world)
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
+impl Ranks {
+    /// The handle on `group`.
+    pub fn new(group: Box<dyn Collective>) -> Result<Self> {
+        let layout = ShardLayout::new(group.rank(), group.world()).ok_or_else(|| {
+            TrainError::Collective(format!(
+                "rank {} of {} ranks: a rank is below the world size",
+                group.rank(),
+                group.world()
+            ))
+        })?;
+        Ok(Ranks {
+            engine: group.engine().to_string(),
+            group: Arc::new(Mutex::new(group)),
+            layout,
+            sent: Arc::default(),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.layout.rank
+    }
+
+    /// Ranks in the group.
+    pub fn world(&self) -> usize {
+        self.layout.world
+    }
+
+    /// The engine's name.
+    pub fn engine(&self) -> &str {
+        &self.engine
+    }
+
+    /// This rank's shard layout.
+    pub fn layout(&self) -> ShardLayout {
+        self.layout
+    }
+
+    /// Bytes sent into each kind of collective so far.
+    pub fn sent(&self) -> SentBytes {
+        let s = &self.sent;
+        SentBytes {
+            all_gather: s.gather_bytes.load(Ordering::Relaxed),
+            reduce_scatter: s.reduce_scatter_bytes.load(Ordering::Relaxed),
+            all_reduce: s.all_reduce_bytes.load(Ordering::Relaxed),
+            calls: s.calls.load(Ordering::Relaxed),
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut dyn Collective) -> Result<R>) -> Result<R> {
+        let mut group = self
+            .group
+            .lock()
+            .map_err(|_| TrainError::Collective("a collective panicked on this rank".into()))?;
+        self.sent.calls.fetch_add(1, Ordering::Relaxed);
+        f(group.as_mut())
+    }
+
+    /// The whole parameter of `n` elements from every rank's shard (`shard` is this
+    /// rank's: `layout().len(n)` elements).
+    pub fn gather(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
+        let world = self.world();
+        if shard.len() != self.layout.len(n) {
+            return Err(TrainError::Collective(format!(
+                "a shard of {} elements for a parameter of {n} over {world} ranks (want {})",
+                shard.len(),
+                self.layout.len(n)
+            )));
+        }
+        let mut whole = vec![0.0; shard.len() * world];
+        self.with(|g| g.all_gather(shard, &mut whole))?;
+        self.sent
+            .gather_bytes
+            .fetch_add(ring_bytes(shard.len(), world), Ordering::Relaxed);
+        whole.truncate(n);
+        Ok(whole)
+    }
+
+    /// This rank's shard of the ranks' *average* of `whole` (a whole gradient, each
+    /// rank's own): the sum reduce-scattered, then divided by the world size, as DDP
+    /// averages.
+    pub fn average_shard(&self, whole: &[f32]) -> Result<Vec<f32>> {
+        let world = self.world();
+        let len = self.layout.len(whole.len());
+        let mut padded;
+        let input = if len * world == whole.len() {
+            whole
+        } else {
+            padded = whole.to_vec();
+            padded.resize(len * world, 0.0);
+            &padded[..]
+        };
+        let mut shard = vec![0.0; len];
+        self.with(|g| g.reduce_scatter(input, &mut shard))?;
+        self.sent
+            .reduce_scatter_bytes
+            .fetch_add(ring_bytes(len, world), Ordering::Relaxed);
+        let inv = 1.0 / world as f32;
+        shard.iter_mut().for_each(|v| *v *= inv);
+        Ok(shard)
+    }
+
+    /// `values` summed over the ranks, in place.
+    pub fn sum(&self, values: &mut [f64]) -> Result<()> {
+        self.with(|g| g.all_reduce(values))?;
+        // A ring all-reduce: a reduce-scatter and an all-gather of the f64s.
+        let world = self.world();
+        let bytes = 2 * (world - 1) * values.len() * 8 / world;
+        self.sent
+            .all_reduce_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Checks that every rank registers the same parameters (names, whole shapes, what
+    /// trains), naming the first difference (see [`Ranks::check_alike`]).
+    pub fn check_specs(&self, specs: &[ParamSpec]) -> Result<()> {
+        let registration: Vec<String> = specs
+            .iter()
+            .map(|s| format!("{}{:?}{}", s.name, s.shape, s.trainable))
+            .collect();
+        let first_trained = specs.iter().find(|s| s.trainable).map(|s| s.name.clone());
+        self.check_alike(&[
+            ("parameters".into(), specs.len().to_string()),
+            (
+                "the first trained parameter".into(),
+                first_trained.unwrap_or_else(|| "none".into()),
+            ),
+            (
+                "the parameters' names, shapes and training".into(),
+                format!(
+                    "crc32c {:08x}",
+                    crc32c::crc32c(registration.join(",").as_bytes())
+                ),
+            ),
+        ])
+    }
+
+    /// Checks that every rank runs the same thing: `facts` (name and value pairs: the
+    /// config, the model's fingerprint, the parameter count) against rank 0's. A
+    /// difference is an error on every rank, naming the first fact that differs and the
+    /// first rank it differs on.
+    pub fn check_alike(&self, facts: &[(String, String)]) -> Result<()> {
+        let mine = serde_json::to_vec(facts)
+            .map_err(|e| TrainError::Collective(format!("the start-up facts: {e}")))?;
+        let all = self.with(|g| g.all_gather_bytes(&mine))?;
+        let decode = |r: usize, b: &[u8]| {
+            serde_json::from_slice::<Vec<(String, String)>>(b).map_err(|e| {
+                TrainError::Collective(format!("rank {r} sent unreadable start-up facts: {e}"))
+            })
+        };
+        let first = decode(0, &all[0])?;
+        for (r, bytes) in all.iter().enumerate().skip(1) {
+            let theirs = decode(r, bytes)?;
+            if let Some(why) = first_difference(&first, &theirs) {
+                return Err(TrainError::Collective(format!(
+                    "rank {r} differs from rank 0: {why}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The first fact `b` (a rank's) has otherwise than `a` (rank 0's), in words.
+fn first_difference(a: &[(String, String)], b: &[(String, String)]) -> Option<String> {
+    for (name, va) in a {
+        match b.iter().find(|(n, _)| n == name) {
+            Some((_, vb)) if vb != va => return Some(format!("{name} = {vb} against {va}")),
+            None => return Some(format!("{name} is missing (rank 0 has {va})")),
+            Some(_) => {}
+        }
+    }
+    b.iter()
+        .find(|(n, _)| !a.iter().any(|(m, _)| m == n))
+        .map(|(n, v)| format!("{n} = {v}, which rank 0 does not have"))
+}
+
+/// Bytes one rank sends in a ring collective over `world` shards of `len` f32 elements.
+fn ring_bytes(len: usize, world: usize) -> u64 {
+    ((world - 1) * len * 4) as u64
+}
+
+impl NormPeers for Ranks {
+    fn sum_sq_norm(&mut self, local: f64) -> Result<f64> {
+        let mut v = [local];
+        self.sum(&mut v)?;
+        Ok(v[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_a_parameter_once_and_pad_the_last() {
+        for (n, world) in [(10usize, 2usize), (10, 3), (7, 4), (1, 4), (4096, 4)] {
+            let whole: Vec<f32> = (0..n).map(|i| i as f32 + 1.0).collect();
+            let mut seen = Vec::new();
+            for rank in 0..world {
+                let l = ShardLayout::new(rank, world).unwrap();
+                let cut = l.cut(&whole);
+                assert_eq!(cut.len(), n.div_ceil(world));
+                let r = l.range(n);
+                assert_eq!(&cut[..r.len()], &whole[r.clone()]);
+                assert!(cut[r.len()..].iter().all(|&v| v == 0.0));
+                seen.extend_from_slice(&whole[r]);
+            }
+            assert_eq!(seen, whole, "n {n} world {world}");
+            let l = ShardLayout::new(0, world).unwrap();
+            assert_eq!(l.len(n) * world - l.padding(n), n);
+        }
+        assert!(ShardLayout::new(2, 2).is_none());
+    }
+
+    #[test]
+    fn differences_name_the_fact_and_both_values() {
+        let f = |v: &[(&str, &str)]| -> Vec<(String, String)> {
+            v.iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        let a = f(&[("model", "abc"), ("lr", "0.01")]);
+        assert_eq!(first_difference(&a, &a), None);
+        assert_eq!(
+            first_difference(&a, &f(&[("model", "abc"), ("lr", "0.02")])).unwrap(),
+            "lr = 0.02 against 0.01"
+        );
+        assert!(first_difference(&a, &f(&[("model", "abc")]))
+            .unwrap()
+            .contains("lr is missing"));
+        assert!(first_difference(&f(&[("model", "abc")]), &a)
+            .unwrap()
+            .contains("which rank 0 does not have"));
+    }
+}
