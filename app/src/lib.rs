@@ -27,6 +27,7 @@ pub mod finetune;
 pub mod gpu;
 pub mod loss_plot;
 pub mod plan;
+pub mod ranks;
 pub mod scratch;
 
 pub use error::{Error, Result};

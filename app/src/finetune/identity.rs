@@ -82,6 +82,25 @@ impl RunIdentity {
         RunIdentity { settings: s }
     }
 
+    /// This identity as one rank of `world` data-parallel ranks (the world size is part
+    /// of a checkpoint's identity: tidestore does not re-shard); one rank is the plain
+    /// run.
+    pub fn with_ranks(mut self, world: usize) -> RunIdentity {
+        if world > 1 {
+            self.settings
+                .insert("data-parallel ranks".into(), world.to_string());
+        }
+        self
+    }
+
+    /// Every setting and its value: what the ranks of one run must agree on.
+    pub fn settings(&self) -> Vec<(String, String)> {
+        self.settings
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// The fingerprint of the whole identity (16 hex digits).
     pub fn fingerprint(&self) -> String {
         let text = serde_json::to_string(&self.settings).unwrap_or_default();

@@ -29,6 +29,7 @@ mod identity;
 mod jsonl;
 pub mod model;
 mod paths;
+mod ranked;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -38,7 +39,7 @@ use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
 use tidestore_chunk::{ChunkError, ListKind, StoreStats};
 use tidestore_optimizer::StepDecision;
-use tidestore_train::{CheckpointDir, TrainError};
+use tidestore_train::{CheckpointDir, Ranks, SentBytes, TrainError};
 
 use crate::error::{Error, Result};
 use crate::scratch::{self, Scratch};
@@ -134,10 +135,29 @@ pub struct FinetuneReport {
     /// The same per chunk list (`param16`, `master`, `m`, `v`, `grads`), where the store
     /// counted them; lists that moved nothing are left out.
     pub nvme_bytes_by_list: std::collections::BTreeMap<&'static str, (u64, u64)>,
+    /// Bytes the store keeps of the optimizer's state, per list (`master_bytes`,
+    /// `m_bytes`, `v_bytes`): this rank's shards under data parallelism.
+    pub state_bytes: std::collections::BTreeMap<&'static str, u64>,
     /// Most bytes in use per tier over the run: device, host, NVMe.
     pub peak_tier_bytes: (u64, u64, u64),
     /// Peak resident memory of the process (`VmHWM`), where the OS reports it.
     pub peak_rss_bytes: Option<u64>,
+    /// A data-parallel run's ranks (`None`: one process); the tier and NVMe figures
+    /// above are then this rank's.
+    pub data_parallel: Option<DataParallel>,
+}
+
+/// A data-parallel run, as one rank saw it (see [`crate::ranks`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct DataParallel {
+    /// Ranks in the run.
+    pub ranks: usize,
+    /// The rank this report is of.
+    pub rank: usize,
+    /// The collectives' engine (`mpi`).
+    pub engine: String,
+    /// Bytes this rank sent into each kind of collective over the run.
+    pub sent: SentBytes,
 }
 
 impl FinetuneReport {
@@ -174,8 +194,10 @@ impl FinetuneReport {
             store: StoreStats::default(),
             nvme_bytes: (0, 0),
             nvme_bytes_by_list: Default::default(),
+            state_bytes: Default::default(),
             peak_tier_bytes: (0, 0, 0),
             peak_rss_bytes: None,
+            data_parallel: None,
         }
     }
 
@@ -190,10 +212,19 @@ impl FinetuneReport {
                 .filter(|&(_, rw)| rw != (0, 0))
                 .collect();
         }
+        self.state_bytes = params.trainer().counters();
+        self.state_bytes
+            .retain(|k, _| matches!(*k, "master_bytes" | "m_bytes" | "v_bytes"));
         self.peak_tier_bytes = (st.device.peak_bytes, st.host.peak_bytes, st.nvme.peak_bytes);
         self.store = st;
         self.peak_rss_bytes = peak_rss_bytes();
         self.swap_dir = swap_dir;
+        self.data_parallel = params.ranks().map(|r| DataParallel {
+            ranks: r.world(),
+            rank: r.rank(),
+            engine: r.engine().into(),
+            sent: r.sent(),
+        });
     }
 }
 
@@ -241,6 +272,17 @@ pub fn run(
     resume: bool,
     progress: &mut dyn FinetuneProgress,
 ) -> Result<FinetuneReport> {
+    run_with_ranks(cfg, resume, progress, None)
+}
+
+/// [`run`] as one of `ranks` of a data-parallel run (`None`: the only process); see
+/// `ranked` for what differs.
+pub fn run_with_ranks(
+    cfg: &Config,
+    resume: bool,
+    progress: &mut dyn FinetuneProgress,
+    ranks: Option<Ranks>,
+) -> Result<FinetuneReport> {
     let t = &cfg.train;
     checks::refuse_unread_settings(cfg)?;
     paths::check_outputs(t)?;
@@ -250,14 +292,7 @@ pub fn run(
         DataFormat::Text => model::text_samples(t, &loaded)?,
         DataFormat::Jsonl | DataFormat::Chat => jsonl::samples(t, &loaded)?,
     };
-    let mut params =
-        match TideParams::open_specs(&loaded.model.specs(), &tide_config(cfg)?, &Device::Cpu) {
-            Ok(p) => p,
-            Err(tidestore_candle::Error::Train(TrainError::Store(
-                e @ ChunkError::BudgetTooSmall { .. },
-            ))) => return Err(tidestore::session::budget_error(e, cfg).into()),
-            Err(e) => return Err(e.into()),
-        };
+    let mut params = open_params(cfg, &loaded, ranks.clone())?;
     let (swap_bytes, swap_path) = params
         .trainer()
         .store()
@@ -272,7 +307,11 @@ pub fn run(
         activation_room(cfg, &loaded, &params)?;
     }
     let model_fingerprint = model::import(t, &loaded, &mut params)?;
-    let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint());
+    let world = ranks.as_ref().map_or(1, Ranks::world);
+    let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint()).with_ranks(world);
+    if let Some(r) = &ranks {
+        r.check_alike(&id.settings())?;
+    }
     let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
@@ -305,6 +344,23 @@ pub fn run(
     }
     report.finish(&params, swap.target().to_path_buf());
     Ok(report)
+}
+
+/// The store for `loaded`'s parameters (this rank's shards of them, with `ranks`); a
+/// budget too small is explained against the config.
+fn open_params(cfg: &Config, loaded: &model::Loaded, ranks: Option<Ranks>) -> Result<TideParams> {
+    let (specs, tide) = (loaded.model.specs(), tide_config(cfg)?);
+    let opened = match ranks {
+        Some(r) => TideParams::open_sharded(&specs, &tide, &Device::Cpu, r),
+        None => TideParams::open_specs(&specs, &tide, &Device::Cpu),
+    };
+    match opened {
+        Ok(p) => Ok(p),
+        Err(tidestore_candle::Error::Train(TrainError::Store(
+            e @ ChunkError::BudgetTooSmall { .. },
+        ))) => Err(tidestore::session::budget_error(e, cfg).into()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Before step 1 on a GPU: the blocks' activations must fit beside the chunk slab
@@ -366,10 +422,14 @@ fn open_checkpoints(
         }
         return Ok((None, None));
     };
-    let dir = CheckpointDir::open(dir.clone(), 2)?;
+    let dir = CheckpointDir::open(ranked::checkpoint_dir(dir, params.ranks())?, 2)?;
     id.check_dir(&dir, resume)?;
     let mut resumed_from = None;
-    if let (true, Some((step, path))) = (resume, dir.latest()?) {
+    let latest = match params.ranks() {
+        Some(r) if resume => ranked::common_latest(&dir, r)?,
+        _ => dir.latest()?,
+    };
+    if let (true, Some((step, path))) = (resume, latest) {
         checkpoint::load(params, &path)?;
         resumed_from = Some(step);
     }
@@ -386,10 +446,10 @@ fn export_checked(
     dir: &std::path::Path,
     merged: bool,
 ) -> Result<()> {
-    let trainer = params.trainer_mut();
-    for i in 0..trainer.len() {
-        let values = trainer.values(i)?;
-        let name = trainer.spec(i)?.name.clone();
+    let names: Vec<String> = params.specs().map(|s| s.name.clone()).collect();
+    for name in names {
+        // Whole: gathered from every rank under data parallelism.
+        let values = params.values(&name)?;
         let limit = match t.export_dtype {
             ExportDtype::F16 => f32::from(half::f16::MAX),
             ExportDtype::Bf16 | ExportDtype::F32 => f32::MAX,
@@ -406,6 +466,10 @@ fn export_checked(
                 t.export_dtype
             )));
         }
+    }
+    if params.ranks().is_some_and(|r| r.rank() != 0) {
+        // Rank 0 writes the export; this rank gathers with it.
+        return model::export(t, loaded, params, dir, merged);
     }
     let parent = paths::parent_of(dir);
     if let Some(name) = dir.file_name().and_then(|n| n.to_str()) {
@@ -438,17 +502,21 @@ fn one_step(
     let mut batches = Vec::with_capacity(t.accumulation as usize);
     let device = params.compute_device().clone();
     for k in 0..u64::from(t.accumulation) {
+        let k = ranked::micro_batch(k, params.ranks());
         let (batch, n) = samples.batch(u64::from(step), k, &device)?;
         loss_tokens += n;
         batches.push(batch);
     }
-    let s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
+    let mut s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
+    (s.loss, loss_tokens) = ranked::across_ranks(s.loss, loss_tokens, params.ranks())?;
     if !s.loss.is_finite() || matches!(s.decision, StepDecision::Skip { .. }) {
         let tensor = params.trainer().step_loop().last_skip_tensor();
         let applied = matches!(s.decision, StepDecision::Apply { .. });
         return Err(checks::non_finite_step(step, s.loss, tensor, applied));
     }
-    let tokens = u64::from(t.accumulation) * u64::from(t.micro_batch) * u64::from(t.sequence);
+    let world = params.ranks().map_or(1, Ranks::world) as u64;
+    let tokens =
+        world * u64::from(t.accumulation) * u64::from(t.micro_batch) * u64::from(t.sequence);
     let after = params.stats();
     Ok(StepRecord {
         step,

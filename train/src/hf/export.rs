@@ -72,10 +72,25 @@ pub fn export_model(
     out_dir: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportReport> {
+    export_model_from(&mut |name| read_f32(store, name), cfg, lora, out_dir, opts)
+}
+
+/// A tensor's whole f32 values by its registered name: where an export reads them
+/// (a store; a data-parallel rank that gathers every rank's shard).
+pub type ReadTensor<'a> = dyn FnMut(&str) -> Result<Vec<f32>> + 'a;
+
+/// [`export_model`] with each tensor's values from `read`, one tensor at a time.
+pub fn export_model_from(
+    read: &mut ReadTensor<'_>,
+    cfg: &LlamaConfig,
+    lora: Option<&LoraSpec>,
+    out_dir: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportReport> {
     let tensors = base_tensors(cfg);
     let config = cfg.to_json(opts.dtype);
     write_export(out_dir, &tensors, Some(&config), opts, |name| {
-        merged_f32(store, cfg, lora, name)
+        merged_f32(read, cfg, lora, name)
     })
 }
 
@@ -160,17 +175,17 @@ pub(crate) fn read_f32(store: &mut ChunkStore, name: &str) -> Result<Vec<f32>> {
 
 /// Base tensor `name` with its adapters merged in when `lora` adapts it.
 fn merged_f32(
-    store: &mut ChunkStore,
+    read: &mut ReadTensor<'_>,
     cfg: &LlamaConfig,
     lora: Option<&LoraSpec>,
     name: &str,
 ) -> Result<Vec<f32>> {
-    let mut w = read_f32(store, name)?;
+    let mut w = read(name)?;
     let Some(l) = lora else { return Ok(w) };
     // One adapter at most per base weight; found by name (few per layer).
     if let Some(ad) = lora_adapters(cfg, l).into_iter().find(|a| a.base == name) {
-        let a = read_f32(store, &ad.a)?;
-        let b = read_f32(store, &ad.b)?;
+        let a = read(&ad.a)?;
+        let b = read(&ad.b)?;
         merge_into(
             &mut w,
             &a,

@@ -35,7 +35,9 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message, Rendered, TokenizerConfig};
 pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
-pub use export::{export_model, export_tensors, merge_into, ExportOptions};
+pub use export::{
+    export_model, export_model_from, export_tensors, merge_into, ExportOptions, ReadTensor,
+};
 pub use files::{ADAPTER_CONFIG_FILE, ADAPTER_FILE, COPIED_FILES, INDEX_FILE, SINGLE_FILE};
 pub use import::{import, HfWeights, ImportReport};
 pub use init::{init_model, InitOptions};
@@ -43,7 +45,7 @@ pub use names::{
     base_tensors, llama_blocks, llama_tensors, lora_adapters, Adapter, BlockKind, BlockSpec,
     LoraSpec, LoraTarget,
 };
-pub use peft::{adapter_config, export_adapter, peft_key};
+pub use peft::{adapter_config, export_adapter, export_adapter_from, peft_key};
 pub use rng::SplitMix64;
 pub use rope::{Rope, RopeScaling};
 pub use shards::{ExportReport, DEFAULT_MAX_SHARD_BYTES};

@@ -20,7 +20,7 @@ use tidestore_chunk::{ChunkStore, DType};
 use crate::checkpoint::io_err;
 use crate::error::{Result, TrainError};
 use crate::hf::config::LlamaConfig;
-use crate::hf::export::read_f32;
+use crate::hf::export::{read_f32, ReadTensor};
 use crate::hf::files::{encode, ADAPTER_CONFIG_FILE, ADAPTER_FILE};
 use crate::hf::names::{lora_adapters, LoraSpec};
 use crate::hf::shards::{write_dir_atomically, write_shards, ExportReport, OutTensor};
@@ -68,6 +68,19 @@ pub fn export_adapter(
     dtype: DType,
     base_model_name_or_path: &str,
 ) -> Result<ExportReport> {
+    let read = &mut |name: &str| read_f32(store, name);
+    export_adapter_from(read, cfg, lora, out_dir, dtype, base_model_name_or_path)
+}
+
+/// [`export_adapter`] with each adapter's values from `read`, one tensor at a time.
+pub fn export_adapter_from(
+    read: &mut ReadTensor<'_>,
+    cfg: &LlamaConfig,
+    lora: &LoraSpec,
+    out_dir: &Path,
+    dtype: DType,
+    base_model_name_or_path: &str,
+) -> Result<ExportReport> {
     let adapters = lora_adapters(cfg, lora);
     let mut tensors = Vec::with_capacity(2 * adapters.len());
     for ad in &adapters {
@@ -90,7 +103,7 @@ pub fn export_adapter(
         std::fs::write(&path, text + "\n").map_err(io_err("writing", &path))?;
         let mut report = write_shards(tmp, &tensors, dtype, u64::MAX, |key| {
             let name = key.strip_prefix(PEFT_PREFIX).unwrap_or(key);
-            let values = read_f32(store, name)?;
+            let values = read(name)?;
             crate::hf::files::check_fits(name, &values, dtype)?;
             Ok(encode(&values, dtype))
         })?;

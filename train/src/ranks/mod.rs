@@ -53,6 +53,14 @@ pub trait Collective: Send {
 
     /// Every rank's `mine` (lengths may differ), in rank order: the start-up checks.
     fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// This rank cannot go on: end every rank of the group now, with exit status
+    /// `code`, as MPI's abort does (the others would wait for this rank in their next
+    /// collective). An engine without such a call returns, and the other ranks fail
+    /// their next collective when this one is gone.
+    fn abort(&mut self, code: i32) {
+        let _ = code;
+    }
 }
 
 /// Where this rank's shard of a parameter is (see the module doc).
@@ -109,7 +117,7 @@ struct Sent {
 
 /// Bytes this rank sent into each kind of collective, and the calls made (see
 /// [`Ranks::sent`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SentBytes {
     /// Into all-gathers (parameters assembled before compute).
     pub all_gather: u64,
@@ -253,6 +261,26 @@ impl Ranks {
             .all_reduce_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Ends every rank of the group (see [`Collective::abort`]); returns where the
+    /// engine has no such call.
+    pub fn abort(&self, code: i32) {
+        if let Ok(mut g) = self.group.lock() {
+            g.abort(code);
+        }
+    }
+
+    /// Rank 0's `mine` on every rank (the others' are not sent on): what rank 0
+    /// decides, told to all.
+    pub fn from_rank0(&self, mine: &[u8]) -> Result<Vec<u8>> {
+        let mut all = self.with(|g| g.all_gather_bytes(mine))?;
+        Ok(std::mem::take(&mut all[0]))
+    }
+
+    /// Every rank's `mine`, in rank order.
+    pub fn gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.with(|g| g.all_gather_bytes(mine))
     }
 
     /// Checks that every rank registers the same parameters (names, whole shapes, what
