@@ -95,6 +95,17 @@ fn mpirun() -> Result<&'static str, String> {
     }
 }
 
+/// Whether this test cannot run here (it printed why).
+fn skipped_without_mpi() -> bool {
+    match mpirun() {
+        Ok(_) => false,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            true
+        }
+    }
+}
+
 /// `mpirun` of `ranks` ranks of the binary with `args`, in `dir`.
 fn launch(dir: &Path, ranks: usize, args: &[&str]) -> Command {
     let mut c = Command::new("mpirun");
@@ -173,8 +184,7 @@ fn one_against_two(extra: Extra) -> (serde_json::Value, serde_json::Value) {
 
 #[test]
 fn two_ranks_train_as_one_process_with_the_doubled_batch() {
-    if let Err(why) = mpirun() {
-        eprintln!("skipped: {why}");
+    if skipped_without_mpi() {
         return;
     }
     let (one, two) = one_against_two(PLAIN);
@@ -203,8 +213,7 @@ fn two_ranks_train_as_one_process_with_the_doubled_batch() {
 
 #[test]
 fn two_ranks_train_lora_and_clip_in_the_next_forward_as_one_process() {
-    if let Err(why) = mpirun() {
-        eprintln!("skipped: {why}");
+    if skipped_without_mpi() {
         return;
     }
     one_against_two(Extra {
@@ -242,8 +251,7 @@ fn wait_for(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
 
 #[test]
 fn a_rank_killed_ends_the_job_and_the_resume_is_bit_identical() {
-    if let Err(why) = mpirun() {
-        eprintln!("skipped: {why}");
+    if skipped_without_mpi() {
         return;
     }
     let whole_dir = setup(1, PLAIN);
@@ -309,8 +317,7 @@ fn a_rank_killed_ends_the_job_and_the_resume_is_bit_identical() {
 
 #[test]
 fn ranks_with_different_settings_are_refused_naming_the_setting() {
-    if let Err(why) = mpirun() {
-        eprintln!("skipped: {why}");
+    if skipped_without_mpi() {
         return;
     }
     let d = setup(1, PLAIN);

@@ -32,35 +32,22 @@ use std::path::Path;
 
 use tidestore_train::hf::HfWeights;
 use tidestore_train::{
-    DType, DeviceView, Lease, ParamSpec, TensorState, TensorView, Trainer, TrainerConfig, Values,
+    DType, DeviceView, Lease, ParamSpec, ShardLayout, TensorState, TensorView, Trainer,
+    TrainerConfig, Values,
 };
 
 use crate::adamw::{norm_and_clip, unlink_swap};
 use crate::error::{Error, Result};
 
 /// This rank's part of every parameter in a data-parallel run that shards them, laid out
-/// as `python/tidestore/_shards.py` lays it out: a parameter of `n` elements is cut
-/// into `world` shards of `ceil(n / world)`, rank `r` owning shard `r`, the last ones
-/// zero-padded.
+/// as `python/tidestore/_shards.py` lays it out ([`ShardLayout`]: a parameter of `n`
+/// elements is cut into `world` shards of `ceil(n / world)`, rank `r` owning shard `r`,
+/// the last ones zero-padded).
 pub struct Shard {
-    /// This rank.
-    pub rank: usize,
-    /// Ranks in all.
-    pub world: usize,
+    /// This rank's place.
+    pub layout: ShardLayout,
     /// Each parameter's whole shape, as the files hold it.
     pub shapes: Vec<Vec<usize>>,
-}
-
-impl Shard {
-    /// This rank's shard of the flat values of a whole parameter.
-    fn cut(&self, whole: &[f32]) -> Vec<f32> {
-        let len = whole.len().div_ceil(self.world);
-        let lo = (self.rank * len).min(whole.len());
-        let hi = (lo + len).min(whole.len());
-        let mut part = whole[lo..hi].to_vec();
-        part.resize(len, 0.0);
-        part
-    }
 }
 
 /// A parameter held for compute: its lease and how many holds it has.
@@ -270,7 +257,7 @@ impl EngineCore {
                 Error::Protocol(format!("`{name}` checked present, then missing"))
             })?;
             match shard {
-                Some(s) => self.trainer.set_values(*i, &s.cut(&values))?,
+                Some(s) => self.trainer.set_values(*i, &s.layout.cut(&values))?,
                 None => self.trainer.set_values(*i, &values)?,
             }
             weights.release(name);

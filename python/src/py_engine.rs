@@ -252,11 +252,12 @@ impl PyEngineCore {
         rank: usize,
         world: usize,
     ) -> PyResult<usize> {
-        let shard = shapes.map(|shapes| Shard {
-            rank,
-            world,
-            shapes,
-        });
+        let layout = tidestore_train::ShardLayout::new(rank, world).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "rank {rank} of {world} ranks: a rank is below the world size"
+            ))
+        })?;
+        let shard = shapes.map(|shapes| Shard { layout, shapes });
         let core = self.core();
         Ok(py.allow_threads(|| core.import_dir(&dir, &skip, shard.as_ref()))?)
     }

@@ -248,54 +248,28 @@ pub fn export(
 ) -> Result<()> {
     let dtype = export_dtype(t);
     let lora = lora_spec(loaded)?;
-    if let Some(ranks) = params.ranks().cloned() {
-        return export_gathered(t, loaded, &ranks, params, out, merged);
-    }
-    if let (Some(lora), false) = (&lora, merged) {
-        let base = base_model_name(t, loaded);
-        params
-            .trainer_mut()
-            .export_adapter(&loaded.hf, lora, out, dtype, &base)?;
-        return Ok(());
-    }
-    let opts = hf::ExportOptions {
-        dtype,
-        copy_from: Some(loaded.dir.clone()),
-        max_shard_bytes: t.export_shard_size.bytes(),
-    };
-    params
-        .trainer_mut()
-        .export_model(&loaded.hf, lora.as_ref(), out, &opts)?;
-    Ok(())
-}
-
-/// [`export`] of a data-parallel run: rank 0 writes, each tensor gathered from the
-/// ranks as it is written (see `ranked::export`).
-fn export_gathered(
-    t: &TrainSection,
-    loaded: &Loaded,
-    ranks: &tidestore_train::Ranks,
-    params: &mut TideParams,
-    out: &Path,
-    merged: bool,
-) -> Result<()> {
-    let dtype = export_dtype(t);
-    let lora = lora_spec(loaded)?;
+    let adapter = lora.as_ref().filter(|_| !merged);
     let base = base_model_name(t, loaded);
     let opts = hf::ExportOptions {
         dtype,
         copy_from: Some(loaded.dir.clone()),
         max_shard_bytes: t.export_shard_size.bytes(),
     };
-    super::ranked::export(ranks, params, |read| {
-        match (&lora, merged) {
-            (Some(lora), false) => {
-                hf::export_adapter_from(read, &loaded.hf, lora, out, dtype, &base)?;
-            }
-            _ => {
-                hf::export_model_from(read, &loaded.hf, lora.as_ref(), out, &opts)?;
-            }
-        }
+    let Some(ranks) = params.ranks().cloned() else {
+        let trainer = params.trainer_mut();
+        match adapter {
+            Some(l) => trainer.export_adapter(&loaded.hf, l, out, dtype, &base)?,
+            None => trainer.export_model(&loaded.hf, lora.as_ref(), out, &opts)?,
+        };
+        return Ok(());
+    };
+    // A data-parallel run: rank 0 writes, each tensor gathered from the ranks as it is
+    // written (see `ranked::export`).
+    super::ranked::export(&ranks, params, |read| {
+        match adapter {
+            Some(l) => hf::export_adapter_from(read, &loaded.hf, l, out, dtype, &base)?,
+            None => hf::export_model_from(read, &loaded.hf, lora.as_ref(), out, &opts)?,
+        };
         Ok(())
     })
 }
