@@ -144,6 +144,10 @@ pub struct PlanReport {
     pub collective_bytes: u64,
     /// Projected seconds of those collectives over the link.
     pub collective_seconds: f64,
+    /// Elements of zero padding in the ranks' shards, all ranks together: the shards of
+    /// a tensor the rank count does not divide are padded to equal length (0 on one
+    /// rank).
+    pub shard_padding_elements: u64,
     /// Projected compute seconds of forward + backward (0 when not counted).
     pub compute_seconds: f64,
     /// Projected forward + backward seconds: the slowest of compute, PCIe and NVMe.
@@ -353,6 +357,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         nvme_write_bytes: nvme_w,
         collective_bytes,
         collective_seconds,
+        shard_padding_elements: workload.shard_padding(machine.ranks),
         compute_seconds,
         forward_backward_seconds: fb,
         optimizer_seconds,
@@ -568,6 +573,21 @@ mod tests {
             one.optimizer_seconds
         );
         assert!(four.note.contains("collectives"), "{}", four.note);
+        // Tensors 4 does not divide (none in LLaMA-7B) pad their shards; 3 ranks pad
+        // every tensor of 4096 elements (a norm) by 2.
+        assert_eq!(four.shard_padding_elements, 0);
+        let m3 = Machine { ranks: 3, ..m4 };
+        let three = plan(&w, &auto_layout(&w.shard(3)), &m3).unwrap();
+        let pads: u64 = w
+            .tensors
+            .iter()
+            .map(|t| {
+                let n: u64 = t.shape.iter().map(|&d| d as u64).product();
+                n.div_ceil(3) * 3 - n
+            })
+            .sum();
+        assert!(pads > 0);
+        assert_eq!(three.shard_padding_elements, pads);
     }
 
     /// The step after backward adds to the iteration; overlapping backward it runs

@@ -437,6 +437,17 @@ impl Workload {
         }
     }
 
+    /// Elements of zero padding the shards of [`Workload::shard`] add over all `ranks`:
+    /// a tensor of `n` elements that `ranks` does not divide is cut into shards of
+    /// `ceil(n / ranks)`, the last ones padded.
+    pub fn shard_padding(&self, ranks: u32) -> u64 {
+        let n = u64::from(ranks.max(1));
+        self.tensors
+            .iter()
+            .map(|t| elements(t).div_ceil(n) * n - elements(t))
+            .sum()
+    }
+
     /// A one-line description: `gpt2 (124.4M params), full fine-tuning`.
     pub fn describe(&self) -> String {
         let mode = match self.lora {

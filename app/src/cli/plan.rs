@@ -354,6 +354,14 @@ fn print_ranks(r: &PlanReport) {
             m.link_bytes_per_s / 1e9,
             r.collective_seconds
         );
+        if r.shard_padding_elements > 0 {
+            out!(
+                "  tensors {} ranks do not divide are cut into equal shards, the last \
+                 zero-padded: {} elements of padding over all ranks",
+                m.ranks,
+                r.shard_padding_elements
+            );
+        }
     }
 }
 
