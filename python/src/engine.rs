@@ -347,18 +347,20 @@ impl EngineCore {
         max_shard_bytes: u64,
         config_json: Option<&str>,
     ) -> Result<Vec<String>> {
-        if let Some(&i) = self.held().first() {
-            self.refuse_held(i, "exporting")?;
-        }
-        let opts = tidestore_train::hf::ExportOptions {
-            dtype,
-            max_shard_bytes,
-            copy_from: None,
-        };
+        self.check_exportable()?;
+        let opts = export_options(dtype, max_shard_bytes);
         Ok(self.trainer.export_tensors(config_json, dir, &opts)?.shards)
     }
 
-    /// Counters of the store and the step loop, by name.
+    /// Refuses an export while a parameter is held for compute (its bytes may be
+    /// changing).
+    pub fn check_exportable(&self) -> Result<()> {
+        match self.held().first() {
+            Some(&i) => self.refuse_held(i, "exporting"),
+            None => Ok(()),
+        }
+    }
+
     /// Counters of the store and the step loop, and where the engine's time went since
     /// open (`store_ns`, `optimizer_ns`: see [`EngineCore`]'s fields), by name.
     pub fn stats(&self) -> BTreeMap<&'static str, u64> {
@@ -366,6 +368,15 @@ impl EngineCore {
         c.insert("store_ns", self.times.store_ns);
         c.insert("optimizer_ns", self.times.optimizer_ns);
         c
+    }
+}
+
+/// The options of an export of tensors alone (no files copied along) in `dtype`.
+pub fn export_options(dtype: DType, max_shard_bytes: u64) -> tidestore_train::hf::ExportOptions {
+    tidestore_train::hf::ExportOptions {
+        dtype,
+        max_shard_bytes,
+        copy_from: None,
     }
 }
 

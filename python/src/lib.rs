@@ -494,6 +494,7 @@ fn _tidestore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAdamWCore>()?;
     m.add_class::<PyAioHandle>()?;
     m.add_class::<py_engine::PyEngineCore>()?;
+    m.add_function(wrap_pyfunction!(py_engine::export_tensors_from, m)?)?;
     m.add("TidestoreError", py.get_type::<TidestoreError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("IoError", py.get_type::<TidestoreIoError>())?;

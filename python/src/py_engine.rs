@@ -347,6 +347,12 @@ impl PyEngineCore {
         })?)
     }
 
+    /// Refuses an export while a parameter is held for compute (see
+    /// `export_tensors_from`, which writes without the core).
+    fn check_exportable(&mut self) -> PyResult<()> {
+        Ok(self.core().check_exportable()?)
+    }
+
     fn stats(&mut self) -> BTreeMap<&'static str, u64> {
         self.core().stats()
     }
@@ -359,5 +365,61 @@ fn torch_name(d: DType) -> &'static str {
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",
         DType::Q8 => "uint8",
+    }
+}
+
+/// Writes `tensors` (name and whole shape, in this order) as safetensors shards of
+/// `dtype` in `dir` (atomically, as `EngineCore.export_dir`), each read from
+/// `read(name)`, which returns its f32 values as bytes: rank 0 of a data-parallel run
+/// writes the export while each tensor is gathered from the ranks' shards (`read` calls
+/// the engine, so no engine is held here). An exception `read` raises stops the export and
+/// is raised again here.
+#[pyfunction]
+#[pyo3(signature = (dir, tensors, read, dtype="bfloat16", max_shard_bytes=5_000_000_000,
+    config_json=None))]
+pub fn export_tensors_from(
+    py: Python<'_>,
+    dir: PathBuf,
+    tensors: Vec<(String, Vec<usize>)>,
+    read: PyObject,
+    dtype: &str,
+    max_shard_bytes: u64,
+    config_json: Option<String>,
+) -> PyResult<Vec<String>> {
+    let opts = crate::engine::export_options(parse_dtype("dtype", dtype)?, max_shard_bytes);
+    let mut raised: Option<PyErr> = None;
+    let mut from_python = |name: &str| -> tidestore_train::Result<Vec<f32>> {
+        let got = read
+            .call1(py, (name,))
+            .and_then(|b| b.extract::<Vec<u8>>(py));
+        let bad = |reason: String| tidestore_train::TrainError::Tensor {
+            tensor: name.into(),
+            reason,
+        };
+        match got {
+            Ok(bytes) if bytes.len() % 4 == 0 => Ok(bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()),
+            Ok(bytes) => Err(bad(format!(
+                "read gave {} bytes, not whole f32s",
+                bytes.len()
+            ))),
+            Err(e) => {
+                raised = Some(e);
+                Err(bad("read raised".into()))
+            }
+        }
+    };
+    let written = tidestore_train::hf::export_tensors_from(
+        &mut from_python,
+        &tensors,
+        config_json.as_deref(),
+        &dir,
+        &opts,
+    );
+    match (written, raised) {
+        (_, Some(e)) => Err(e),
+        (w, None) => Ok(w.map_err(Error::from)?.shards),
     }
 }

@@ -84,6 +84,14 @@ def optimizer(a, model, rank, world, group):
     if a.engine == "offload":
         if a.checkpointing:
             model.gradient_checkpointing_enable()
+        if a.config_file:  # the same settings from a tidestore.toml (the keywords unread)
+            config = os.path.join(a.out, f"tidestore{rank}.toml")
+            with open(config, "w") as f:
+                f.write(f"[optimizer]\nlr = 1e-3\nweight_decay = {wd}\nthreads = 1\n"
+                        f"[device]\nbudget = \"16MiB\"\n[host]\nbudget = \"64MiB\"\n"
+                        f"[nvme]\ndir = \"{swap}\"\n[train]\nprecision = \"f32\"\n")
+            return tidestore.offload(a.model_dir or model, config, process_group=group,
+                                     checkpoint_path=common["checkpoint_path"])
         return tidestore.offload(a.model_dir or model, **common, device_budget=a.device_budget,
                                  precision=a.precision)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -128,6 +136,8 @@ def train(a, rank, world, group):
     if a.engine == "offload":
         stats = model.tidestore_engine.stats()
         digest = params_hash(model) if error is None else None
+        if a.export and error is None:  # a collective: rank 0 writes
+            model.save_pretrained(os.path.join(a.out, a.export), dtype=torch.float32)
     else:
         stats = opt.stats()
         opt.close()
@@ -172,6 +182,10 @@ def args(argv=None):
     p.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing (transformers'), offload only")
     p.add_argument("--save-at", type=int, default=0)
+    p.add_argument("--config-file", action="store_true",
+                   help="offload only: the settings from a tidestore.toml")
+    p.add_argument("--export", nargs="?", const="export", default=None,
+                   help="offload only: save_pretrained into OUT/EXPORT at the end (f32)")
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--resume", default=None)
     p.add_argument("--weight-decay", type=float, default=0.01, help="the last rank's")

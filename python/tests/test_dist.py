@@ -16,6 +16,7 @@ that drift from one GPU. Skipped, with the reason printed, where torch, transfor
 peft is not installed (see .ci/python-tests.sh).
 """
 
+import hashlib
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 torch = pytest.importorskip("torch", reason="torch is not installed: the torch-level tests need it")
 pytest.importorskip("transformers", reason="transformers is not installed: the LLaMA tests need it")
@@ -91,6 +93,7 @@ CASES = {
                                    "--device-budget", "512KiB"],
     "offload-lora": ["--engine", "offload", "--lora"],
     "offload-bf16": ["--engine", "offload", "--precision", "bf16"],
+    "offload-config-file": ["--engine", "offload", "--config-file"],
 }
 
 
@@ -164,6 +167,47 @@ def test_ranks_import_their_shards_of_a_model_directory(tmp_path):
     assert_close(one_rank(tmp_path / "mem", "--engine", "offload")["losses"], ref["losses"])
 
 
+def test_save_pretrained_of_a_sharded_model_writes_it_whole_from_rank_0(tmp_path):
+    # Two ranks of the offloaded model save it; rank 0 writes every tensor gathered from
+    # both ranks' shards: the very values the ranks hold (the hash both computed), in a
+    # directory transformers loads; one rank's export is the same model within rounding.
+    from safetensors.torch import load_file
+    flags = ["--engine", "offload", "--export"]
+    ref = one_rank(tmp_path / "one", *flags)
+    ranks = torchrun(tmp_path / "two", *flags)
+    for r, got in enumerate(ranks):
+        assert got["error"] is None, f"rank {r}: {got['error']}"
+    files = sorted(os.listdir(tmp_path / "two" / "export"))
+    assert "config.json" in files and "model.safetensors" in files, files
+    two = load_file(str(tmp_path / "two" / "export" / "model.safetensors"))
+    one = load_file(str(tmp_path / "one" / "export" / "model.safetensors"))
+    model = dist_worker.model_of("llama", False)
+    names = [n for n, _ in model.named_parameters()]
+    h = hashlib.sha256()
+    for n in names:
+        h.update(two[n].to(torch.float32).contiguous().numpy().tobytes())
+    assert h.hexdigest() == ranks[0]["hash"] == ranks[1]["hash"]
+    # (Adam's update divides by the gradients' root mean square, so elements with tiny
+    # gradients move the ranks' rounding differences up to ~1e-4 of a tensor's largest
+    # value in 5 steps; the losses stay within 1e-5.)
+    for n in names:
+        d = (two[n] - one[n]).abs().max().item()
+        assert d <= 1e-3 * one[n].abs().max().item(), (n, d)
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "export")
+    for n, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), two[n]), n
+
+
+def test_a_sharded_save_pretrained_that_rank_0_cannot_write_fails_on_every_rank(tmp_path):
+    out = tmp_path / "two"
+    out.mkdir()
+    (out / "blocked").write_text("a file where the export's parent should be")
+    ranks = torchrun(out, "--engine", "offload", "--export", "blocked/export", check=False)
+    assert ranks[0]["error"] is not None and "blocked" in ranks[0]["error"], ranks[0]
+    assert "rank 0 could not write it" in ranks[1]["error"], ranks[1]
+
+
 @pytest.mark.parametrize("engine", ["adamw", "offload"])
 def test_a_resume_after_one_rank_was_killed_is_bit_identical(engine, tmp_path):
     whole = torchrun(tmp_path / "whole", "--engine", engine, "--save-at", "2")
@@ -211,6 +255,8 @@ def test_a_dead_rank_stops_the_other_with_an_error(tmp_path):
 @pytest.mark.parametrize("flag,why", [
     (["--weight-decay", "0.02"], "rank 1 differs from rank 0: weight_decay = 0.02 against 0.01"),
     (["--drop-last"], "rank 1 differs from rank 0: 4 parameters against 5"),
+    (["--engine", "offload", "--config-file", "--weight-decay", "0.02"],
+     "rank 1 differs from rank 0: config file = "),
 ])
 def test_ranks_that_differ_are_refused_naming_what_differs(flag, why, tmp_path):
     ranks = torchrun(tmp_path, "--model", "mlp", *flag, check=False)

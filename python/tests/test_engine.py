@@ -124,6 +124,17 @@ def test_an_unknown_overlap_is_refused(tmp_path):
         tidestore.offload(llama(), overlap="sideways", nvme_dir=tmp_path)
 
 
+def test_a_config_files_overlap_during_backward_is_refused_with_accumulation(tmp_path):
+    # The file's overlap decides, not the keyword's (which is not read with a config).
+    cfg = tmp_path / "overlap.toml"
+    cfg.write_text('[optimizer]\noverlap = "backward"\nmax_grad_norm = 0\n'
+                   f'[nvme]\ndir = "{tmp_path}"\n'
+                   '[device]\nbudget = "16MiB"\n[host]\nbudget = "64MiB"\n')
+    with pytest.raises(ValueError, match="accumulation=1"):
+        tidestore.offload(llama(), config=cfg, accumulation=2)
+    tidestore.offload(llama(), config=cfg, accumulation=1)
+
+
 def test_tied_embeddings_and_accumulation(tmp_path):
     base = llama(tie=True)
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)

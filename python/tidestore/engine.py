@@ -44,8 +44,9 @@ import tempfile
 import weakref
 
 import torch
+import torch.distributed as dist
 
-from ._tidestore import EngineCore, TidestoreError
+from ._tidestore import EngineCore, TidestoreError, export_tensors_from
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from .optim import closure_loss
@@ -432,10 +433,6 @@ class Engine:
         when it has a config; atomically (an existing export is replaced whole). Stands
         in for the model's own ``save_pretrained``, which would write the unbound
         parameters' placeholders."""
-        if self._shards is not None:
-            raise TidestoreError(
-                "save_pretrained of a model sharded over a process group is not built yet "
-                "(the export reads whole tensors from one store)")
         name = str(dtype).replace("torch.", "")
         config = getattr(self.model, "config", None)
         config_json = None
@@ -445,8 +442,50 @@ class Engine:
                 if hasattr(config, key):
                     setattr(config, key, name)
             config_json = config.to_json_string()
+        if self._shards is not None:
+            return self._save_gathered(os.fspath(save_directory), name, int(max_shard_size),
+                                       config_json)
         return self.core.export_dir(os.fspath(save_directory), name, int(max_shard_size),
                                     config_json)
+
+    def _save_gathered(self, path, dtype, max_shard_size, config_json):
+        """``save_pretrained`` of a model sharded over a process group: rank 0 writes the
+        directory while each tensor it asks for is gathered from every rank's shard; the
+        other ranks join each gather, told which by rank 0, and learn at the end whether
+        the directory was written. Returns the weight files (rank 0) or ``[]``."""
+        shards = self._shards
+        src = dist.get_global_rank(shards.group, 0) if shards.group is not None else 0
+        index = {n: i for i, n in enumerate(self.names)}
+
+        def tell(what):
+            box = [what]
+            dist.broadcast_object_list(box, src=src, group=shards.group)
+            return box[0]
+
+        if shards.rank != 0:
+            while (i := tell(None)) is not None:
+                self.values(i)
+            if not tell(None):
+                raise TidestoreError(
+                    f"save_pretrained to {path}: rank 0 could not write it (its error says why)")
+            return []
+
+        def read(tensor):
+            i = index[tensor]
+            tell(i)
+            return self.values(i).to(torch.float32).contiguous().numpy().tobytes()
+
+        tensors = [(n, list(self._shapes[i])) for i, n in enumerate(self.names)]
+        try:
+            self.core.check_exportable()
+            files = export_tensors_from(path, tensors, read, dtype, max_shard_size, config_json)
+        except BaseException:
+            tell(None)  # the gathers end
+            tell(False)  # nothing was written
+            raise
+        tell(None)
+        tell(True)
+        return files
 
     def stats(self):
         """The store's and the step loop's counters; with a process group, also the
@@ -560,15 +599,38 @@ def _shard(named, group, source_dir, config, settings):
     that every rank hands over the same model with the same settings and taking rank
     0's values."""
     if config is not None:
-        raise ValueError(
-            "process_group: a config file is not built for data parallelism yet; pass the "
-            "settings as keywords")
+        # The file decides the store (the keywords are not read): the ranks' files must
+        # say the same, but for where each rank's swap file goes.
+        settings = {"config file": _settings_of(config)}
     params = [p for _, p in named]
     shards = Shards(params, group)
     shards.check_alike(params, {**settings, "names": [n for n, _ in named]})
     if source_dir is None:
         shards.broadcast(params)  # (every rank reads a directory's same files)
     return shards
+
+
+def _settings_of(config):
+    """The settings lines of the config file ``config`` that every rank must share: blank
+    and comment lines dropped, and ``nvme.dir`` (each rank's own disk)."""
+    lines, section = [], ""
+    with open(config, encoding="utf-8") as f:
+        for raw in f:
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("["):
+                section = line
+            elif section == "[nvme]" and line.split("=", 1)[0].strip() == "dir":
+                continue
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _check_accumulation(overlap, accumulation):
+    if overlap == "backward" and accumulation > 1:
+        raise ValueError("overlap steps each group when its gradient is final: "
+                         "it needs accumulation=1")
 
 
 def _overlap_name(overlap):
@@ -607,15 +669,15 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
     rank (rank 0's values are taken), or each rank imports its shards of a model
-    directory (the importer reads one tensor at a time); ``save_pretrained`` and a config file
-    are not built for it yet.
+    directory (the importer reads one tensor at a time). With ``config``, the ranks' files
+    must say the same (checked at start); each rank's swap file is its own under
+    ``nvme.dir``. ``save_pretrained`` is a collective: rank 0 writes the directory, each
+    tensor gathered from the ranks' shards as it is written.
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
     overlap = _overlap_name(overlap)
-    if overlap == "backward" and accumulation > 1:
-        raise ValueError("overlap steps each group when its gradient is final: "
-                         "it needs accumulation=1")
+    _check_accumulation(overlap, accumulation)
     source_dir = None
     if isinstance(model, (str, os.PathLike)):
         source_dir = os.fspath(model)
@@ -652,6 +714,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                   max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
                   chunk_elements=chunk_elements)
     core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
+    _check_accumulation(core.overlap, accumulation)  # (a config file's overlap)
     if source_dir is not None and shards is not None:
         # The Rust importer reads each tensor whole and keeps this rank's shard of it.
         core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],

@@ -106,9 +106,25 @@ pub fn export_tensors(
     out_dir: &Path,
     opts: &ExportOptions,
 ) -> Result<ExportReport> {
-    write_export(out_dir, tensors, config_json, opts, |name| {
-        read_f32(store, name)
-    })
+    export_tensors_from(
+        &mut |name| read_f32(store, name),
+        tensors,
+        config_json,
+        out_dir,
+        opts,
+    )
+}
+
+/// [`export_tensors`] with each tensor's whole values from `read` (a data-parallel
+/// rank's gather), one tensor at a time.
+pub fn export_tensors_from(
+    read: &mut ReadTensor<'_>,
+    tensors: &[(String, Vec<usize>)],
+    config_json: Option<&str>,
+    out_dir: &Path,
+    opts: &ExportOptions,
+) -> Result<ExportReport> {
+    write_export(out_dir, tensors, config_json, opts, read)
 }
 
 /// The export both kinds share: `config_json` and the files `opts.copy_from` names, then

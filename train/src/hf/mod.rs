@@ -36,7 +36,8 @@ pub mod tokenizer;
 pub use chat::{ChatTemplate, Message, Rendered, TokenizerConfig};
 pub use config::{Family, LlamaConfig, LlamaShape, CONFIG_FILE, NEUTRAL_KEYS, USED_KEYS};
 pub use export::{
-    export_model, export_model_from, export_tensors, merge_into, ExportOptions, ReadTensor,
+    export_model, export_model_from, export_tensors, export_tensors_from, merge_into,
+    ExportOptions, ReadTensor,
 };
 pub use files::{ADAPTER_CONFIG_FILE, ADAPTER_FILE, COPIED_FILES, INDEX_FILE, SINGLE_FILE};
 pub use import::{import, HfWeights, ImportReport};
