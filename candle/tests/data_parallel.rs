@@ -220,17 +220,25 @@ fn two_ranks_train_lora_and_a_tied_head_as_one() {
 
 #[test]
 fn two_ranks_equal_one_with_overlap_and_clipping() {
-    two_ranks_equal_one(Case {
+    let (_, two) = two_ranks_equal_one(Case {
         overlap: Overlap::Backward,
         ..FULL
     });
+    // Each rank stepped its shards during backward, as each gradient's reduce-scatter
+    // made it final.
+    for c in &two.counters {
+        assert!(c["tensors_overlapped"] > 0, "{c:?}");
+    }
     // Clipped every step from the norm summed over the ranks, stepped in the next
     // forward.
-    two_ranks_equal_one(Case {
+    let (_, two) = two_ranks_equal_one(Case {
         clip: Some(0.05),
         overlap: Overlap::Forward,
         ..FULL
     });
+    for c in &two.counters {
+        assert!(c["tensors_deferred"] > 0, "{c:?}");
+    }
 }
 
 #[test]
