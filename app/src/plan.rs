@@ -160,6 +160,17 @@ pub struct PlanReport {
     pub note: String,
 }
 
+/// An iteration of forward + backward taking `fb` (of which forward `forward`) and a
+/// step taking `optimizer`: the step after backward, beside backward's share, or beside
+/// the next forward's.
+fn iteration(overlap: OverlapName, forward: f64, fb: f64, optimizer: f64) -> f64 {
+    match overlap {
+        OverlapName::Off => fb + optimizer,
+        OverlapName::Backward => forward + (fb - forward).max(optimizer),
+        OverlapName::Forward => forward.max(optimizer) + fb - forward,
+    }
+}
+
 /// Plans `workload` laid out as `layout` on `machine` (see the module doc); with
 /// `machine.ranks` > 1, `layout` is one rank's, of `workload.shard(machine.ranks)`.
 pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<PlanReport> {
@@ -334,11 +345,7 @@ pub fn plan(workload: &Workload, layout: &Layout, machine: &Machine) -> Result<P
         secs(opt_r, machine.nvme_read_bytes_per_s) + secs(opt_w, machine.nvme_write_bytes_per_s),
     );
     let forward = fb * compute.forward_fraction();
-    let iteration_seconds = match machine.overlap {
-        OverlapName::Off => fb + optimizer_seconds,
-        OverlapName::Backward => forward + (fb - forward).max(optimizer_seconds),
-        OverlapName::Forward => forward.max(optimizer_seconds) + fb - forward,
-    };
+    let iteration_seconds = iteration(machine.overlap, forward, fb, optimizer_seconds);
     Ok(PlanReport {
         schema: "tidestore.plan.v1".into(),
         workload: workload.describe(),
