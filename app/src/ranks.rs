@@ -160,6 +160,16 @@ mod mpi_engine {
             Ok(())
         }
 
+        fn all_gather_u16(
+            &mut self,
+            shard: &[u16],
+            out: &mut [u16],
+        ) -> tidestore_train::Result<()> {
+            counts(out.len())?;
+            self.world.all_gather_into(shard, out);
+            Ok(())
+        }
+
         fn reduce_scatter(
             &mut self,
             whole: &[f32],

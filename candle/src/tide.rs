@@ -325,12 +325,17 @@ impl TideParams {
         let i = self.trainer.index(name)?;
         let spec = self.trainer.spec(i)?;
         let var = as_var && spec.trainable;
-        let shape = self.whole_spec(i)?.shape.clone();
+        let whole = self.whole_spec(i)?;
+        let (shape, spec_n) = (whole.shape.clone(), whole.elements());
         let device = &self.device;
         if self.dp.is_some() {
-            // Gathered in host memory, then made a tensor where compute runs.
+            // Gathered in host memory (a bf16 copy as its 16 bits), then made a tensor
+            // where compute runs.
             let shard = self.trainer.fetch(i, to)?;
-            let values = self.whole(i, shard)?;
+            let values = match (&self.dp, self.trainer.compute_dtype(i)?) {
+                (Some(dp), DType::BF16) => dp.ranks.gather_bf16(&shard, spec_n)?,
+                _ => self.whole(i, shard)?,
+            };
             let t = Tensor::from_vec(values, shape.as_slice(), device)?;
             let t = if var {
                 Var::from_tensor(&t)?.into_inner()

@@ -172,6 +172,18 @@ impl Collective for LocalRank {
         Ok(())
     }
 
+    fn all_gather_u16(&mut self, shard: &[u16], out: &mut [u16]) -> Result<()> {
+        check_len("all-gather", out.len(), shard.len() * self.shared.world)?;
+        let all = self.exchange(bytemuck::cast_slice(shard).to_vec())?;
+        for (dst, src) in out.chunks_exact_mut(shard.len().max(1)).zip(all.iter()) {
+            check_len("all-gather", src.len() / 2, dst.len())?;
+            for (d, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = u16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        Ok(())
+    }
+
     fn reduce_scatter(&mut self, whole: &[f32], shard: &mut [f32]) -> Result<()> {
         check_len(
             "reduce-scatter",

@@ -43,6 +43,9 @@ pub trait Collective: Send {
     /// `out` (`world` times its length).
     fn all_gather(&mut self, shard: &[f32], out: &mut [f32]) -> Result<()>;
 
+    /// [`Collective::all_gather`] of 16-bit elements (bf16 parameters, as their bits).
+    fn all_gather_u16(&mut self, shard: &[u16], out: &mut [u16]) -> Result<()>;
+
     /// `whole` (`world` times `shard`'s length) summed over the ranks; this rank's part
     /// of the sum into `shard`. Every rank sums in the same order, so a rank's part is
     /// what any rank would compute for it.
@@ -225,6 +228,27 @@ impl Ranks {
             .fetch_add(ring_bytes(shard.len(), world), Ordering::Relaxed);
         whole.truncate(n);
         Ok(whole)
+    }
+
+    /// [`Ranks::gather`] of a parameter stored in bf16 (a trainable one in bf16
+    /// precision): its shard's values, exact in bf16, cross as 16 bits — half of f32's
+    /// bytes, as Gemini gathers 16-bit parameters.
+    pub fn gather_bf16(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
+        let world = self.world();
+        let bits: Vec<u16> = shard
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let mut whole = vec![0u16; bits.len() * world];
+        self.with(|g| g.all_gather_u16(&bits, &mut whole))?;
+        self.sent
+            .gather_bytes
+            .fetch_add(ring_bytes(shard.len(), world) / 2, Ordering::Relaxed);
+        whole.truncate(n);
+        Ok(whole
+            .into_iter()
+            .map(|b| half::bf16::from_bits(b).to_f32())
+            .collect())
     }
 
     /// This rank's shard of the ranks' *average* of `whole` (a whole gradient, each
