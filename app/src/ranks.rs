@@ -131,6 +131,19 @@ mod mpi_engine {
         }
     }
 
+    impl MpiRank {
+        /// Every rank's `shard` into `out`, in rank order.
+        fn gather<T: mpi::datatype::Equivalence>(
+            &self,
+            shard: &[T],
+            out: &mut [T],
+        ) -> tidestore_train::Result<()> {
+            counts(out.len())?;
+            self.world.all_gather_into(shard, out);
+            Ok(())
+        }
+    }
+
     fn counts(n: usize) -> std::result::Result<i32, TrainError> {
         i32::try_from(n).map_err(|_| {
             TrainError::Collective(format!("{n} elements exceed MPI's count (i32) in one call"))
@@ -155,9 +168,7 @@ mod mpi_engine {
         }
 
         fn all_gather(&mut self, shard: &[f32], out: &mut [f32]) -> tidestore_train::Result<()> {
-            counts(out.len())?;
-            self.world.all_gather_into(shard, out);
-            Ok(())
+            self.gather(shard, out)
         }
 
         fn all_gather_u16(
@@ -165,9 +176,7 @@ mod mpi_engine {
             shard: &[u16],
             out: &mut [u16],
         ) -> tidestore_train::Result<()> {
-            counts(out.len())?;
-            self.world.all_gather_into(shard, out);
-            Ok(())
+            self.gather(shard, out)
         }
 
         fn reduce_scatter(
