@@ -190,14 +190,25 @@ fn two_ranks_train_as_one_process_with_the_doubled_batch() {
     let (one, two) = one_against_two(PLAIN);
     // Half of master, M and V on each rank (each tensor's shard, page-rounded per
     // chunk).
-    for key in ["master_bytes", "m_bytes", "v_bytes"] {
-        let (a, b) = (
-            one["state_bytes"][key].as_f64().unwrap(),
-            two["state_bytes"][key].as_f64().unwrap(),
-        );
-        eprintln!("{key}: one process {a}, rank 0 of two {b}");
-        assert!((0.5..0.55).contains(&(b / a)), "{key}: {b} of {a}");
+    let per_rank = two["data_parallel"]["per_rank"].as_array().unwrap();
+    assert_eq!(
+        per_rank.len(),
+        2,
+        "rank 0's report holds every rank's figures"
+    );
+    for (r, figures) in per_rank.iter().enumerate() {
+        assert_eq!(figures["rank"], r);
+        for key in ["master_bytes", "m_bytes", "v_bytes"] {
+            let a = one["state_bytes"][key].as_f64().unwrap();
+            let b = figures["state_bytes"][key].as_f64().unwrap();
+            eprintln!("{key}: one process {a}, rank {r} of two {b}");
+            assert!(
+                (0.5..0.55).contains(&(b / a)),
+                "{key}: rank {r} keeps {b} of {a}"
+            );
+        }
     }
+    assert_eq!(per_rank[0]["state_bytes"], two["state_bytes"]);
     // Each trained tensor's gradient reduce-scattered once a step (the other rank's
     // shard sent: ceil(n/2) f32s); the norm, loss and token count summed in f64s.
     let sent = &two["data_parallel"]["sent"];

@@ -206,6 +206,35 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// A data-parallel run: each rank's optimizer state, NVMe traffic and collectives.
+fn print_ranks(r: &FinetuneReport) {
+    let Some(dp) = &r.data_parallel else {
+        return;
+    };
+    out!(
+        "data parallel: {} ranks over {} (the figures above are rank 0's)",
+        dp.ranks,
+        dp.engine
+    );
+    for f in &dp.per_rank {
+        let state: u64 = f.state_bytes.values().sum();
+        let (read, written) = f
+            .nvme_bytes_by_list
+            .values()
+            .fold((0, 0), |(a, b), (r, w)| (a + r, b + w));
+        out!(
+            "  rank {}: master, M and V {}; NVMe read {}, written {}; sent {} into \
+             all-gathers, {} into reduce-scatters",
+            f.rank,
+            human_bytes(state),
+            human_bytes(read),
+            human_bytes(written),
+            human_bytes(f.sent.all_gather),
+            human_bytes(f.sent.reduce_scatter)
+        );
+    }
+}
+
 /// Each earlier run's final loss against this run's.
 fn compare(curves: &[LossCurve]) {
     let [this, others @ ..] = curves else {
@@ -296,6 +325,7 @@ fn print(r: &FinetuneReport) {
         human_bytes(nvme),
         r.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
+    print_ranks(r);
     for c in &r.checkpoints {
         out!("checkpoint (kept): {}", c.display());
     }

@@ -158,6 +158,40 @@ pub struct DataParallel {
     pub engine: String,
     /// Bytes this rank sent into each kind of collective over the run.
     pub sent: SentBytes,
+    /// Every rank's own figures, in rank order (rank 0's report gathers them).
+    pub per_rank: Vec<RankFigures>,
+}
+
+/// What one rank of a data-parallel run kept and moved.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct RankFigures {
+    /// The rank.
+    pub rank: usize,
+    /// Bytes its store keeps of master, M and V (`master_bytes`, `m_bytes`, `v_bytes`).
+    pub state_bytes: std::collections::BTreeMap<String, u64>,
+    /// Bytes it moved NVMe -> host and host -> NVMe, per chunk list.
+    pub nvme_bytes_by_list: std::collections::BTreeMap<String, (u64, u64)>,
+    /// Most bytes in use per tier: device, host, NVMe.
+    pub peak_tier_bytes: (u64, u64, u64),
+    /// Bytes it sent into each kind of collective.
+    pub sent: SentBytes,
+}
+
+impl RankFigures {
+    fn of(report: &FinetuneReport, rank: usize, sent: SentBytes) -> RankFigures {
+        fn owned<V: Copy>(
+            m: &std::collections::BTreeMap<&'static str, V>,
+        ) -> std::collections::BTreeMap<String, V> {
+            m.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+        }
+        RankFigures {
+            rank,
+            state_bytes: owned(&report.state_bytes),
+            nvme_bytes_by_list: owned(&report.nvme_bytes_by_list),
+            peak_tier_bytes: report.peak_tier_bytes,
+            sent,
+        }
+    }
 }
 
 impl FinetuneReport {
@@ -224,6 +258,7 @@ impl FinetuneReport {
             rank: r.rank(),
             engine: r.engine().into(),
             sent: r.sent(),
+            per_rank: Vec::new(),
         });
     }
 }
@@ -343,6 +378,12 @@ pub fn run_with_ranks(
         report.export_merged = Some(dir.clone());
     }
     report.finish(&params, swap.target().to_path_buf());
+    if let Some(r) = params.ranks() {
+        let all = ranked::every_rank(RankFigures::of(&report, r.rank(), r.sent()), r)?;
+        if let Some(dp) = &mut report.data_parallel {
+            dp.per_rank = all;
+        }
+    }
     Ok(report)
 }
 

@@ -91,6 +91,23 @@ pub(super) fn across_ranks(loss: f32, tokens: u64, ranks: Option<&Ranks>) -> Res
     Ok(((v[0] / r.world() as f64) as f32, v[1] as u64))
 }
 
+/// Every rank's `mine`, in rank order, for rank 0's report.
+pub(super) fn every_rank(
+    mine: super::RankFigures,
+    ranks: &Ranks,
+) -> Result<Vec<super::RankFigures>> {
+    let bytes = serde_json::to_vec(&mine)
+        .map_err(|e| Error::Finetune(format!("this rank's figures: {e}")))?;
+    let all = ranks.gather_bytes(&bytes)?;
+    all.iter()
+        .enumerate()
+        .map(|(r, b)| {
+            serde_json::from_slice(b)
+                .map_err(|e| Error::Finetune(format!("rank {r} sent unreadable figures: {e}")))
+        })
+        .collect()
+}
+
 /// Runs `write` (the export) on rank 0, reading each tensor whole as it is written;
 /// every other rank joins each tensor's gather until rank 0 says it is done.
 pub(super) fn export<F>(ranks: &Ranks, params: &mut TideParams, write: F) -> Result<()>

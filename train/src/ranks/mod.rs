@@ -120,7 +120,7 @@ struct Sent {
 
 /// Bytes this rank sent into each kind of collective, and the calls made (see
 /// [`Ranks::sent`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SentBytes {
     /// Into all-gathers (parameters assembled before compute).
     pub all_gather: u64,
