@@ -328,19 +328,7 @@ pub fn run_with_ranks(
         DataFormat::Jsonl | DataFormat::Chat => jsonl::samples(t, &loaded)?,
     };
     let mut params = open_params(cfg, &loaded, ranks.clone())?;
-    let (swap_bytes, swap_path) = params
-        .trainer()
-        .store()
-        .nvme()
-        .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
-    checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
-    checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
-    let compute = compute::compute_device(params.trainer().store().device().kind())?;
-    params.set_compute_device(&compute);
-    let matmul = compute::matmul(&compute)?;
-    if compute.is_cuda() {
-        activation_room(cfg, &loaded, &params)?;
-    }
+    let (compute, matmul) = set_up_compute(cfg, &loaded, &mut params)?;
     let model_fingerprint = model::import(t, &loaded, &mut params)?;
     let world = ranks.as_ref().map_or(1, Ranks::world);
     let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint()).with_ranks(world);
@@ -385,6 +373,30 @@ pub fn run_with_ranks(
         }
     }
     Ok(report)
+}
+
+/// Checks the store against the machine (the swap file's size, the device asked for)
+/// and sets where the blocks compute; returns that device and what computes the
+/// matrix products.
+fn set_up_compute(
+    cfg: &Config,
+    loaded: &model::Loaded,
+    params: &mut TideParams,
+) -> Result<(Device, String)> {
+    let (swap_bytes, swap_path) = params
+        .trainer()
+        .store()
+        .nvme()
+        .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
+    checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
+    checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
+    let compute = compute::compute_device(params.trainer().store().device().kind())?;
+    params.set_compute_device(&compute);
+    let matmul = compute::matmul(&compute)?;
+    if compute.is_cuda() {
+        activation_room(cfg, loaded, params)?;
+    }
+    Ok((compute, matmul))
 }
 
 /// The store for `loaded`'s parameters (this rank's shards of them, with `ranks`); a
