@@ -132,6 +132,14 @@ impl Error {
         matches!(self, Error::Tidestore(e) if e.is_config())
     }
 
+    /// The message on one line (its lines trimmed and joined with `; `), as the binary
+    /// prints it after `error: `.
+    pub fn one_line(&self) -> String {
+        let message = self.to_string();
+        let lines: Vec<&str> = message.lines().map(str::trim).collect();
+        lines.join("; ")
+    }
+
     /// 2 for the user's configuration or flags, 1 for everything else.
     pub fn exit_code(&self) -> u8 {
         match self {

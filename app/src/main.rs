@@ -30,10 +30,8 @@ fn main() -> ExitCode {
     match args.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            let message = e.to_string();
-            let line: Vec<&str> = message.lines().map(str::trim).collect();
             // Not `eprintln!`: a closed stderr must not turn an error into a panic.
-            let _ = writeln!(std::io::stderr(), "error: {}", line.join("; "));
+            let _ = writeln!(std::io::stderr(), "error: {}", e.one_line());
             ExitCode::from(e.exit_code())
         }
     }

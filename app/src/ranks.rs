@@ -44,15 +44,13 @@ pub fn from_env() -> Result<Option<Ranks>> {
 /// for this one in their next collective. Does not return.
 pub fn fail(ranks: &Ranks, error: &Error) -> ! {
     use std::io::Write;
-    let message = error.to_string();
-    let line: Vec<&str> = message.lines().map(str::trim).collect();
     // Not `eprintln!`: a closed stderr must not turn an error into a panic.
     let _ = writeln!(
         std::io::stderr(),
         "error (rank {} of {}): {}",
         ranks.rank(),
         ranks.world(),
-        line.join("; ")
+        error.one_line()
     );
     ranks.abort(i32::from(error.exit_code()));
     std::process::exit(i32::from(error.exit_code()))

@@ -328,25 +328,17 @@ impl TideParams {
         let whole = self.whole_spec(i)?;
         let (shape, spec_n) = (whole.shape.clone(), whole.elements());
         let device = &self.device;
-        if self.dp.is_some() {
-            // Gathered in host memory (a bf16 copy as its 16 bits), then made a tensor
-            // where compute runs.
-            let shard = self.trainer.fetch(i, to)?;
-            let values = match (&self.dp, self.trainer.compute_dtype(i)?) {
-                (Some(dp), DType::BF16) => dp.ranks.gather_bf16(&shard, spec_n)?,
-                _ => self.whole(i, shard)?,
+        if self.dp.is_some() || device.is_cpu() {
+            let fetched = self.trainer.fetch(i, to)?;
+            // Under data parallelism gathered whole in host memory (a bf16 copy as its
+            // 16 bits), then made a tensor where compute runs.
+            let values = match &self.dp {
+                Some(dp) if self.trainer.compute_dtype(i)? == DType::BF16 => {
+                    dp.ranks.gather_bf16(&fetched, spec_n)?
+                }
+                _ => self.whole(i, fetched)?,
             };
-            let t = Tensor::from_vec(values, shape.as_slice(), device)?;
-            let t = if var {
-                Var::from_tensor(&t)?.into_inner()
-            } else {
-                t
-            };
-            return Ok((t, var));
-        }
-        if device.is_cpu() {
-            // `from_vec` takes the vector over: no copy.
-            let values = self.trainer.fetch(i, to)?;
+            // `from_vec` takes the vector over: no copy on the CPU.
             let t = if var {
                 Var::from_vec(values, shape.as_slice(), device)?.into_inner()
             } else {

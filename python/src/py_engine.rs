@@ -397,10 +397,11 @@ pub fn export_tensors_from(
             reason,
         };
         match got {
-            Ok(bytes) if bytes.len() % 4 == 0 => Ok(bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()),
+            Ok(bytes) if bytes.len() % 4 == 0 => {
+                let mut out = vec![0f32; bytes.len() / 4];
+                tidestore_train::typed::decode_f32(&bytes, DType::F32, &mut out);
+                Ok(out)
+            }
             Ok(bytes) => Err(bad(format!(
                 "read gave {} bytes, not whole f32s",
                 bytes.len()

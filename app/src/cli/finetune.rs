@@ -177,19 +177,21 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
     }
     // Launched as one of several ranks (`mpirun -np N`): rank 0 reports for the run.
     let ranks = crate::ranks::from_env()?;
-    let report = match (&ranks, ranks.as_ref().map(|r| r.rank())) {
-        (Some(r), Some(rank)) => {
+    let report = match &ranks {
+        Some(r) => {
             let mut quiet = finetune::NoProgress;
-            let progress: &mut dyn finetune::FinetuneProgress =
-                if rank == 0 { &mut Bar(bar) } else { &mut quiet };
-            let run = finetune::run_with_ranks(&cfg, args.resume, progress, ranks.clone());
-            match run {
-                Ok(_) if rank != 0 => return Ok(()),
+            let progress: &mut dyn finetune::FinetuneProgress = if r.rank() == 0 {
+                &mut Bar(bar)
+            } else {
+                &mut quiet
+            };
+            match finetune::run_with_ranks(&cfg, args.resume, progress, ranks.clone()) {
+                Ok(_) if r.rank() != 0 => return Ok(()),
                 Ok(report) => report,
                 Err(e) => crate::ranks::fail(r, &e),
             }
         }
-        _ => finetune::run(&cfg, args.resume, &mut Bar(bar))?,
+        None => finetune::run(&cfg, args.resume, &mut Bar(bar))?,
     };
     let mut curves = vec![LossCurve::of(&report)];
     curves.extend(others);
