@@ -10,8 +10,10 @@
 //! The library is opened once, at first use, from `TIDESTORE_BLAS` when it is set (a
 //! file name or path of a CBLAS library; `off` keeps candle's matmul), else from
 //! `libopenblas.so.0` / `libopenblas.so` (Debian's `libopenblas0-serial`,
-//! `-pthread` or `-openmp`). No build needs it: a machine without it computes with
-//! candle's gemm, and [`backend`] says which one ran.
+//! `-pthread` or `-openmp`), then oneMKL's `libmkl_rt` (`pip install mkl` puts it in
+//! the environment's `lib/`, off the loader's path: name it in `TIDESTORE_BLAS`). No
+//! build needs either: a machine without them computes with candle's gemm, and
+//! [`backend`] says which one ran (oneMKL with its version).
 //!
 //! Kernels: a DYNAMIC_ARCH OpenBLAS (Debian's) picks its kernels when it is loaded, from
 //! the CPU's model number; a CPU newer than the build is taken for an old one (0.3.21
@@ -23,10 +25,11 @@
 //! the process may have other threads: Rust's own environment calls are serialised, and
 //! none of tidestore's C libraries reads the environment after start-up.
 //!
-//! Threads: a threaded OpenBLAS (Debian's `-pthread` or `-openmp`) is given as many
-//! threads as rayon's global pool has (`openblas_set_num_threads`; a user's
-//! `OPENBLAS_NUM_THREADS` is kept), and then computes each product in one call with its
-//! own threads, the matrices of a batch one after another. Its threads share one packed
+//! Threads: a threaded OpenBLAS (Debian's `-pthread` or `-openmp`) or oneMKL is given
+//! as many threads as rayon's global pool has (`openblas_set_num_threads`,
+//! `MKL_Set_Num_Threads`; a user's `OPENBLAS_NUM_THREADS` or `MKL_NUM_THREADS` is
+//! kept), and then computes each product in one call with its own threads, the
+//! matrices of a batch one after another. Its threads share one packed
 //! copy of the weight: on a 2-core Emerald Rapids Xeon, 295-327 GFLOP/s on the 0.51B
 //! LLaMA's projections against 207-290 for two bands of rows on rayon's pool, each band
 //! packing all of it, and that model's fine-tuning step in RAM 8.04-8.23 s against
@@ -37,6 +40,12 @@
 //! into as many bands of rows as rayon has threads, each one call, on rayon's pool.
 //! Either way the work is cut by the thread count alone, so a run repeats its results
 //! bit for bit.
+//!
+//! oneMKL is what PyTorch's x86 wheels compute with. On that Xeon it ran the 0.51B
+//! step in RAM as fast as OpenBLAS's SkylakeX kernels (medians 9.57 against 9.94 s
+//! over five alternated pairs, within the machine's noise), so OpenBLAS stays the
+//! first choice. Its Intel OpenMP threads keep their default wait before they sleep:
+//! `KMP_BLOCKTIME=0` made that step 15.2 s.
 //!
 //! Results differ from candle's by f32 rounding (another summation order): the tests
 //! hold both to an f64 product for every transposition, offsets and band cut.
@@ -53,8 +62,14 @@ use crate::error::{Error, Result};
 /// The environment variable that names the CBLAS library (or `off`).
 pub const BLAS_ENV: &str = "TIDESTORE_BLAS";
 
-/// Library names tried when [`BLAS_ENV`] is unset.
-const DEFAULT_NAMES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+/// Library names tried when [`BLAS_ENV`] is unset, in this order.
+const DEFAULT_NAMES: [&str; 5] = [
+    "libopenblas.so.0",
+    "libopenblas.so",
+    "libmkl_rt.so.3",
+    "libmkl_rt.so.2",
+    "libmkl_rt.so",
+];
 
 /// Below this many multiply-adds a product is one call (a band would cost more in
 /// scheduling than it saves).
@@ -214,7 +229,7 @@ fn load(name: &str) -> std::result::Result<Loaded, String> {
     let sgemm: Sgemm = *unsafe { lib.get::<Sgemm>(b"cblas_sgemm\0") }.map_err(|e| e.to_string())?;
     let threads = library_threads(&lib);
     Ok(Loaded {
-        config: static_text(&lib, b"openblas_get_config\0"),
+        config: static_text(&lib, b"openblas_get_config\0").or_else(|| mkl_version(&lib)),
         core: static_text(&lib, b"openblas_get_corename\0"),
         sgemm,
         lib,
@@ -223,31 +238,55 @@ fn load(name: &str) -> std::result::Result<Loaded, String> {
     })
 }
 
-/// Sizes OpenBLAS's own pool to rayon's (unless the user set [`THREADS_ENV`]) and
-/// returns the threads it then has: 1 for a library without a pool (not OpenBLAS, or a
-/// serial build).
+/// A library's own thread pool: its setter and getter (C `void set(int)`,
+/// `int get(void)`) and the environment variable that, set by the user, keeps the
+/// library's own choice.
+struct PoolControl {
+    set: &'static [u8],
+    get: &'static [u8],
+    env: &'static str,
+}
+
+/// OpenBLAS's pool, then oneMKL's (`libmkl_rt`, whatever threading layer it loaded).
+const POOL_CONTROLS: [PoolControl; 2] = [
+    PoolControl {
+        set: b"openblas_set_num_threads\0",
+        get: b"openblas_get_num_threads\0",
+        env: THREADS_ENV,
+    },
+    PoolControl {
+        set: b"MKL_Set_Num_Threads\0",
+        get: b"MKL_Get_Max_Threads\0",
+        env: MKL_THREADS_ENV,
+    },
+];
+
+/// oneMKL's own thread count, which a user who sets it keeps.
+const MKL_THREADS_ENV: &str = "MKL_NUM_THREADS";
+
+/// Sizes the library's own pool (OpenBLAS's or oneMKL's) to rayon's, unless the user
+/// set its variable, and returns the threads it then has: 1 for a library without a
+/// pool (neither of those, or a serial build).
 fn library_threads(lib: &libloading::Library) -> usize {
     type SetThreads = unsafe extern "C" fn(c_int);
     type GetThreads = unsafe extern "C" fn() -> c_int;
-    // SAFETY: OpenBLAS's `void openblas_set_num_threads(int)` and
-    // `int openblas_get_num_threads(void)`.
-    let (set, get) = unsafe {
-        (
-            lib.get::<SetThreads>(b"openblas_set_num_threads\0"),
-            lib.get::<GetThreads>(b"openblas_get_num_threads\0"),
-        )
-    };
-    let (Ok(set), Ok(get)) = (set, get) else {
+    let found = POOL_CONTROLS.iter().find_map(|c| {
+        // SAFETY: the symbols of `POOL_CONTROLS` have these C signatures:
+        // `void f(int)` and `int f(void)`.
+        let (set, get) = unsafe { (lib.get::<SetThreads>(c.set), lib.get::<GetThreads>(c.get)) };
+        Some((set.ok()?, get.ok()?, c.env))
+    });
+    let Some((set, get, env)) = found else {
         return 1;
     };
-    if std::env::var_os(THREADS_ENV).is_none() {
+    if std::env::var_os(env).is_none() {
         // The global pool's size, asked from a thread in no pool (the library may be
         // opened inside a smaller one).
         let pool = std::thread::spawn(rayon::current_num_threads)
             .join()
             .unwrap_or(1);
         let want = c_int::try_from(pool).unwrap_or(c_int::MAX);
-        // SAFETY: any positive count is valid; it only sizes OpenBLAS's own pool.
+        // SAFETY: any positive count is valid; it only sizes the library's own pool.
         unsafe { set(want) };
     }
     // SAFETY: takes nothing, returns the pool's size.
@@ -277,6 +316,20 @@ fn static_text(lib: &libloading::Library, symbol: &[u8]) -> Option<String> {
     }
     // SAFETY: non-null (checked), NUL-terminated and static (OpenBLAS's contract).
     let text = unsafe { CStr::from_ptr(ptr) };
+    Some(text.to_string_lossy().trim().to_owned())
+}
+
+/// oneMKL's `MKL_Get_Version_String` (e.g. "Intel(R) oneAPI Math Kernel Library
+/// Version 2026.2-Product Build …"); `None` without it.
+fn mkl_version(lib: &libloading::Library) -> Option<String> {
+    type GetVersion = unsafe extern "C" fn(*mut c_char, c_int);
+    // SAFETY: oneMKL's `void MKL_Get_Version_String(char *buf, int len)`.
+    let f = unsafe { lib.get::<GetVersion>(b"MKL_Get_Version_String\0") }.ok()?;
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: `buf` holds more than the `len` bytes oneMKL may write.
+    unsafe { f(buf.as_mut_ptr(), (buf.len() - 1) as c_int) };
+    // SAFETY: its last byte is never written and stays 0: NUL-terminated.
+    let text = unsafe { CStr::from_ptr(buf.as_ptr()) };
     Some(text.to_string_lossy().trim().to_owned())
 }
 

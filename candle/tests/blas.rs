@@ -31,16 +31,18 @@ fn a_lent_matrix_multiplies_as_its_tensor_does() {
     blas_checks::a_lent_matrix_multiplies_as_its_tensor_does();
 }
 
-/// A threaded OpenBLAS is given rayon's threads (a serial one keeps its one), unless
-/// the user chose with `OPENBLAS_NUM_THREADS`.
+/// A threaded OpenBLAS or oneMKL is given rayon's threads (a serial one keeps its one),
+/// unless the user chose with `OPENBLAS_NUM_THREADS` or `MKL_NUM_THREADS`.
 #[test]
-fn a_threaded_openblas_gets_rayons_threads() {
+fn a_threaded_library_gets_rayons_threads() {
     if !blas_checks::blas_present() {
         return;
     }
-    if let Some(v) = std::env::var_os("OPENBLAS_NUM_THREADS") {
-        println!("SKIPPED: OPENBLAS_NUM_THREADS={v:?} was set before the test: the user's choice");
-        return;
+    for var in ["OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"] {
+        if let Some(v) = std::env::var_os(var) {
+            println!("SKIPPED: {var}={v:?} was set before the test: the user's choice");
+            return;
+        }
     }
     let threads = blas::library_threads_in_use().expect("a library is open");
     let pool = std::thread::spawn(rayon::current_num_threads)
@@ -49,6 +51,38 @@ fn a_threaded_openblas_gets_rayons_threads() {
     println!("the library computes with {threads} thread(s); rayon's pool has {pool}");
     assert!(
         threads == pool || threads == 1,
-        "OpenBLAS runs {threads} threads beside rayon's {pool}"
+        "the library runs {threads} threads beside rayon's {pool}"
     );
+}
+
+/// The library `TIDESTORE_BLAS` names is the one that computes, and the report names
+/// it (`.ci/run` runs this file once more with oneMKL from PyPI named there).
+#[test]
+fn the_library_tidestore_blas_names_computes() {
+    let Some(named) = std::env::var_os(blas::BLAS_ENV).filter(|v| v != "off") else {
+        println!(
+            "SKIPPED: {} is not set: the default search is tested above",
+            blas::BLAS_ENV
+        );
+        return;
+    };
+    let named = named.to_string_lossy().into_owned();
+    let backend = blas::backend().expect("the named library opens");
+    println!("{named}: {backend}");
+    assert!(backend.contains(&named), "{backend} does not name {named}");
+    if named.contains("mkl") {
+        assert!(
+            backend.contains("Math Kernel Library"),
+            "no oneMKL version in {backend}"
+        );
+        assert_eq!(blas::openblas_core(), None, "oneMKL has no OpenBLAS core");
+        if std::env::var_os("MKL_NUM_THREADS").is_none() {
+            // Its own pool, sized to rayon's: not bands on rayon's pool, each calling
+            // into oneMKL's own threads as well.
+            let pool = std::thread::spawn(rayon::current_num_threads)
+                .join()
+                .unwrap();
+            assert_eq!(blas::library_threads_in_use(), Some(pool));
+        }
+    }
 }
