@@ -355,25 +355,6 @@ fn of_type(
     })
 }
 
-/// A finite number ≥ 0 at `at.key`, 0 when absent.
-fn non_negative(
-    obj: &Map<String, Value>,
-    at: &str,
-    key: &str,
-    err: &impl Fn(&str, String) -> TrainError,
-) -> Result<f64> {
-    match obj.get(key).filter(|v| !v.is_null()) {
-        None => Ok(0.0),
-        Some(v) => match v.as_f64() {
-            Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
-            _ => Err(err(
-                &format!("{at}.{key}"),
-                format!("{v} is not a number ≥ 0"),
-            )),
-        },
-    }
-}
-
 /// A positive finite number at `at.key`, or `default` when absent.
 fn number(
     obj: &Map<String, Value>,
@@ -382,14 +363,42 @@ fn number(
     default: Option<f64>,
     err: &impl Fn(&str, String) -> TrainError,
 ) -> Result<f64> {
+    finite(obj, at, key, default, POSITIVE, err)
+}
+
+/// What a number must be: the test of a finite value, and its words for the error.
+type Want = (fn(f64) -> bool, &'static str);
+const POSITIVE: Want = (|x| x > 0.0, "a positive number");
+const NON_NEGATIVE: Want = (|x| x >= 0.0, "a number ≥ 0");
+
+/// A finite number at `at.key` that passes `want`, or `default` when absent.
+fn finite(
+    obj: &Map<String, Value>,
+    at: &str,
+    key: &str,
+    default: Option<f64>,
+    (ok, words): Want,
+    err: &impl Fn(&str, String) -> TrainError,
+) -> Result<f64> {
     let full = format!("{at}.{key}");
     match obj.get(key).filter(|v| !v.is_null()) {
         None => default.ok_or_else(|| err(&full, "missing".into())),
         Some(v) => match v.as_f64() {
-            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
-            _ => Err(err(&full, format!("{v} is not a positive number"))),
+            Some(x) if x.is_finite() && ok(x) => Ok(x),
+            _ => Err(err(&full, format!("{v} is not {words}"))),
         },
     }
+}
+
+/// `original_max_position_embeddings` at `at`, the model's `max_position` when absent.
+fn original_max(
+    obj: &Map<String, Value>,
+    at: &str,
+    max_position: usize,
+    err: &impl Fn(&str, String) -> TrainError,
+) -> Result<f64> {
+    let key = "original_max_position_embeddings";
+    number(obj, at, key, Some(max_position as f64), err)
 }
 
 fn llama3(
@@ -410,13 +419,7 @@ fn llama3(
         factor: number(obj, at, "factor", None, err)?,
         low_freq_factor,
         high_freq_factor,
-        original_max_position_embeddings: number(
-            obj,
-            at,
-            "original_max_position_embeddings",
-            Some(max_position as f64),
-            err,
-        )?,
+        original_max_position_embeddings: original_max(obj, at, max_position, err)?,
     })
 }
 
@@ -431,8 +434,8 @@ fn yarn(
         Some(_) => number(obj, at, "attention_factor", None, err)?,
         None => {
             // transformers uses mscale / mscale_all_dim only when both are non-zero.
-            let mscale = non_negative(obj, at, "mscale", err)?;
-            let all = non_negative(obj, at, "mscale_all_dim", err)?;
+            let mscale = finite(obj, at, "mscale", Some(0.0), NON_NEGATIVE, err)?;
+            let all = finite(obj, at, "mscale_all_dim", Some(0.0), NON_NEGATIVE, err)?;
             if mscale != 0.0 && all != 0.0 {
                 yarn_mscale(factor, mscale) / yarn_mscale(factor, all)
             } else {
@@ -447,13 +450,7 @@ fn yarn(
     };
     Ok(RopeScaling::Yarn {
         factor,
-        original_max_position_embeddings: number(
-            obj,
-            at,
-            "original_max_position_embeddings",
-            Some(max_position as f64),
-            err,
-        )?,
+        original_max_position_embeddings: original_max(obj, at, max_position, err)?,
         beta_fast: number(obj, at, "beta_fast", Some(32.0), err)?,
         beta_slow: number(obj, at, "beta_slow", Some(1.0), err)?,
         attention_factor,
