@@ -32,6 +32,43 @@ pub struct CudaSpanMut<'a> {
     _mem: PhantomData<&'a mut [u8]>,
 }
 
+/// The methods both spans have: narrowing by a range, and the parts for FFI.
+macro_rules! span_methods {
+    ($span:ident) => {
+        impl<'a> $span<'a> {
+            /// The span of `len_bytes` at `ptr`, only for memory lent for `'a`: a range
+            /// of a span being narrowed, or what `from_raw`'s caller promised.
+            fn from_parts(ptr: u64, len_bytes: usize) -> Self {
+                $span {
+                    ptr,
+                    len_bytes,
+                    _mem: PhantomData,
+                }
+            }
+
+            /// The device address of its first byte (for FFI: a kernel argument).
+            pub fn ptr(&self) -> u64 {
+                self.ptr
+            }
+
+            /// Its length in bytes.
+            pub fn len_bytes(&self) -> usize {
+                self.len_bytes
+            }
+
+            /// The bytes `range` of this span, or `None` when the range is out of bounds.
+            pub fn get(self, range: Range<usize>) -> Option<Self> {
+                (range.start <= range.end && range.end <= self.len_bytes).then(|| {
+                    Self::from_parts(self.ptr + range.start as u64, range.end - range.start)
+                })
+            }
+        }
+    };
+}
+
+span_methods!(CudaSpan);
+span_methods!(CudaSpanMut);
+
 impl<'a> CudaSpan<'a> {
     /// A span over `len_bytes` at device address `ptr`.
     ///
@@ -41,30 +78,7 @@ impl<'a> CudaSpan<'a> {
     /// allocated for `'a`.
     #[allow(unsafe_code)]
     pub unsafe fn from_raw(ptr: u64, len_bytes: usize) -> Self {
-        CudaSpan {
-            ptr,
-            len_bytes,
-            _mem: PhantomData,
-        }
-    }
-
-    /// The device address of its first byte (for FFI: a kernel argument).
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Its length in bytes.
-    pub fn len_bytes(&self) -> usize {
-        self.len_bytes
-    }
-
-    /// The bytes `range` of this span, or `None` when the range is out of bounds.
-    pub fn get(self, range: Range<usize>) -> Option<CudaSpan<'a>> {
-        (range.start <= range.end && range.end <= self.len_bytes).then(|| CudaSpan {
-            ptr: self.ptr + range.start as u64,
-            len_bytes: range.end - range.start,
-            _mem: PhantomData,
-        })
+        Self::from_parts(ptr, len_bytes)
     }
 }
 
@@ -77,73 +91,30 @@ impl<'a> CudaSpanMut<'a> {
     /// stays allocated for `'a`.
     #[allow(unsafe_code)]
     pub unsafe fn from_raw(ptr: u64, len_bytes: usize) -> Self {
-        CudaSpanMut {
-            ptr,
-            len_bytes,
-            _mem: PhantomData,
-        }
-    }
-
-    /// The device address of its first byte (for FFI: a kernel argument).
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Its length in bytes.
-    pub fn len_bytes(&self) -> usize {
-        self.len_bytes
+        Self::from_parts(ptr, len_bytes)
     }
 
     /// A read-only span of the same bytes, for as long as this one is borrowed.
     pub fn as_span(&self) -> CudaSpan<'_> {
-        CudaSpan {
-            ptr: self.ptr,
-            len_bytes: self.len_bytes,
-            _mem: PhantomData,
-        }
+        CudaSpan::from_parts(self.ptr, self.len_bytes)
     }
 
     /// The same bytes, read-only, for the rest of `'a` (as `&mut` becomes `&`).
     pub fn into_span(self) -> CudaSpan<'a> {
-        CudaSpan {
-            ptr: self.ptr,
-            len_bytes: self.len_bytes,
-            _mem: PhantomData,
-        }
+        CudaSpan::from_parts(self.ptr, self.len_bytes)
     }
 
     /// The same bytes, borrowed from this span for a shorter time.
     pub fn reborrow(&mut self) -> CudaSpanMut<'_> {
-        CudaSpanMut {
-            ptr: self.ptr,
-            len_bytes: self.len_bytes,
-            _mem: PhantomData,
-        }
-    }
-
-    /// The bytes `range` of this span, or `None` when the range is out of bounds.
-    pub fn get(self, range: Range<usize>) -> Option<CudaSpanMut<'a>> {
-        (range.start <= range.end && range.end <= self.len_bytes).then(|| CudaSpanMut {
-            ptr: self.ptr + range.start as u64,
-            len_bytes: range.end - range.start,
-            _mem: PhantomData,
-        })
+        CudaSpanMut::from_parts(self.ptr, self.len_bytes)
     }
 
     /// Two disjoint spans, `[0, mid)` and `[mid, len)`, or `None` when `mid > len`.
     pub fn split_at(self, mid: usize) -> Option<(CudaSpanMut<'a>, CudaSpanMut<'a>)> {
         (mid <= self.len_bytes).then(|| {
             (
-                CudaSpanMut {
-                    ptr: self.ptr,
-                    len_bytes: mid,
-                    _mem: PhantomData,
-                },
-                CudaSpanMut {
-                    ptr: self.ptr + mid as u64,
-                    len_bytes: self.len_bytes - mid,
-                    _mem: PhantomData,
-                },
+                Self::from_parts(self.ptr, mid),
+                Self::from_parts(self.ptr + mid as u64, self.len_bytes - mid),
             )
         })
     }
