@@ -32,9 +32,13 @@ use crate::workload::Workload;
 /// Chunks in use at once (see the module doc).
 pub const WORKING_SET_CHUNKS: u32 = 1;
 
-/// The CUDA device the device tier opens; GPU kernels that work on its chunks open the
-/// same device's primary context.
-pub const DEVICE_ORDINAL: usize = 0;
+/// The CUDA device the device tier opens (`device.ordinal`; `"auto"`: 0, as a
+/// data-parallel front end resolves the key to the rank's local rank first); GPU
+/// kernels that work on its chunks, and candle's compute, open the same device's
+/// primary context.
+pub fn device_ordinal(cfg: &Config) -> usize {
+    cfg.device.ordinal.resolve(None)
+}
 
 /// The workload laid out in chunks and checked against the budgets; nothing allocated.
 #[derive(Debug)]
@@ -270,7 +274,7 @@ pub fn budget_error(e: ChunkError, cfg: &Config) -> Error {
 /// memory: on a GPU the card's.
 fn open_device(cfg: &Config, sim_memory_bytes: u64) -> Result<(Device, u64)> {
     let mut dcfg = DeviceConfig::new(cfg.device.budget.bytes());
-    dcfg.ordinal = DEVICE_ORDINAL;
+    dcfg.ordinal = device_ordinal(cfg);
     dcfg.sim_total_bytes = Some(sim_memory_bytes.max(cfg.device.budget.bytes()));
     dcfg.sim_link_bytes_per_s = Some((cfg.device.pcie_gbps * 1e9) as u64);
     let device = match cfg.device.kind {

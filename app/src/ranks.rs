@@ -31,6 +31,30 @@ fn launched_world() -> Result<Option<(&'static str, usize)>> {
     Ok(None)
 }
 
+/// The launcher's variables that give a rank's place among the ranks on its machine.
+const LOCAL_RANK_VARS: [&str; 2] = ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"];
+
+/// This rank's place among the ranks on its machine, as the launcher set it (`None`:
+/// no launcher said): the GPU it takes unless `device.ordinal` names one, so that the
+/// ranks on one machine do not all open GPU 0.
+pub fn local_rank() -> Result<Option<usize>> {
+    local_rank_in(|var| std::env::var(var).ok())
+}
+
+/// [`local_rank`] from the variables `get` gives.
+fn local_rank_in(get: impl Fn(&str) -> Option<String>) -> Result<Option<usize>> {
+    for var in LOCAL_RANK_VARS {
+        if let Some(v) = get(var) {
+            return v
+                .trim()
+                .parse::<usize>()
+                .map(Some)
+                .map_err(|_| Error::Finetune(format!("{var} = {v:?} is not a local rank")));
+        }
+    }
+    Ok(None)
+}
+
 /// This process's ranks when a launcher started it as one of several, else `None`.
 pub fn from_env() -> Result<Option<Ranks>> {
     match launched_world()? {
@@ -222,5 +246,38 @@ mod mpi_engine {
                 .map(|(&l, &d)| all[d as usize..(d + l - 1) as usize].to_vec())
                 .collect())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_local_rank_is_open_mpis_or_mpichs() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(local_rank_in(env(&[])).unwrap(), None);
+        let ompi = env(&[
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("MPI_LOCALRANKID", "5"),
+        ]);
+        assert_eq!(local_rank_in(ompi).unwrap(), Some(1));
+        assert_eq!(
+            local_rank_in(env(&[("MPI_LOCALRANKID", " 3 ")])).unwrap(),
+            Some(3)
+        );
+        let e = local_rank_in(env(&[("MPI_LOCALRANKID", "x")])).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("MPI_LOCALRANKID = \"x\" is not a local rank"),
+            "{e}"
+        );
     }
 }

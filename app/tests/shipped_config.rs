@@ -58,7 +58,14 @@ fn shipped_config_sets_and_documents_every_key() {
         ("chunk", &["size"]),
         (
             "device",
-            &["kind", "budget", "tidal_margin", "sim_memory", "pcie_gbps"],
+            &[
+                "kind",
+                "budget",
+                "tidal_margin",
+                "sim_memory",
+                "pcie_gbps",
+                "ordinal",
+            ],
         ),
         ("host", &["budget"]),
         ("nvme", &["dir", "size", "compression"]),

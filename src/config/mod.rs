@@ -21,11 +21,13 @@ use tidestore_io::{EngineChoice, IoConfig, ALIGN_BYTES};
 use crate::error::{from_io_validation, Error, Result};
 pub use crate::workload::WorkloadSection;
 
+mod gpu;
 mod parse;
 mod size;
 mod train;
 mod trainer;
 
+pub use gpu::GpuOrdinal;
 use parse::parse;
 #[cfg(test)]
 use parse::{key_and_reason, locate};
@@ -182,6 +184,9 @@ pub struct DeviceSection {
     /// copies take at least this long, and the bench's bound and `plan` count PCIe time
     /// at this rate.
     pub pcie_gbps: f64,
+    /// Which CUDA GPU: a number, or `"auto"` (GPU 0, or under data parallel the rank's
+    /// local rank).
+    pub ordinal: GpuOrdinal,
 }
 
 impl Default for DeviceSection {
@@ -192,6 +197,7 @@ impl Default for DeviceSection {
             tidal_margin: Size::from_mib(0),
             sim_memory: AutoSize::Auto,
             pcie_gbps: 25.0,
+            ordinal: GpuOrdinal::Auto,
         }
     }
 }
@@ -752,6 +758,33 @@ mod tests {
         let cfg = Config::from_toml_str("[nvme]\ndir = \"/tmp\"\n").unwrap();
         assert_eq!(cfg.io, IoSection::default());
         assert_eq!(cfg.io_config().unwrap(), IoConfig::default());
+    }
+
+    #[test]
+    fn the_gpu_is_a_number_or_auto_and_auto_follows_the_local_rank() {
+        let read = |v: &str| {
+            Config::from_toml_str(&format!(
+                "[nvme]\ndir = \"/tmp\"\n[device]\nordinal = {v}\n"
+            ))
+        };
+        let one = read("1").unwrap().device.ordinal;
+        assert_eq!(one, GpuOrdinal::Index(1));
+        assert_eq!(
+            one.resolve(Some(3)),
+            1,
+            "a named GPU wins over the local rank"
+        );
+        let auto = read("\"auto\"").unwrap().device.ordinal;
+        assert_eq!(auto, GpuOrdinal::Auto);
+        assert_eq!(Config::default().device.ordinal, GpuOrdinal::Auto);
+        assert_eq!(auto.resolve(None), 0);
+        assert_eq!(auto.resolve(Some(3)), 3);
+        for bad in ["-1", "\"first\"", "1.5"] {
+            let e = read(bad).expect_err(bad).to_string();
+            assert!(e.contains("device.ordinal"), "{bad}: {e}");
+        }
+        let e = read("-1").unwrap_err().to_string();
+        assert!(e.contains("-1 is not a GPU number"), "{e}");
     }
 
     proptest::proptest! {

@@ -456,12 +456,12 @@ fn open<'p>(cfg: &Config, progress: &'p mut dyn Progress) -> Result<Runner<'p>> 
     // On a GPU, forward and backward run the bench's kernels; the GPU AdamW is made only
     // where the step may run on it.
     let kernels = if on_gpu {
-        Some(BenchKernels::new(session::DEVICE_ORDINAL)?)
+        Some(BenchKernels::new(session::device_ordinal(cfg))?)
     } else {
         None
     };
     let opt = if on_gpu && cfg.optimizer.device != OptimizerDevice::Cpu {
-        HybridAdamW::new(cpu, session::DEVICE_ORDINAL)
+        HybridAdamW::new(cpu, session::device_ordinal(cfg))
     } else {
         let reason = if on_gpu {
             "optimizer.device = \"cpu\""

@@ -177,6 +177,11 @@ pub fn run(config: &Path, args: &FinetuneArgs) -> Result<(), Error> {
     }
     // Launched as one of several ranks (`mpirun -np N`): rank 0 reports for the run.
     let ranks = crate::ranks::from_env()?;
+    if ranks.is_some() {
+        // Each rank on a machine its own GPU, unless the config names one.
+        let gpu = cfg.device.ordinal.resolve(crate::ranks::local_rank()?);
+        cfg.device.ordinal = tidestore::config::GpuOrdinal::Index(gpu);
+    }
     let report = match &ranks {
         Some(r) => {
             let mut quiet = finetune::NoProgress;

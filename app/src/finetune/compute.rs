@@ -10,22 +10,23 @@ use tidestore_tiers::DeviceKind;
 
 use crate::error::Result;
 
-/// The compute device for a store whose device tier is `store_device`.
-pub(super) fn compute_device(store_device: DeviceKind) -> Result<Device> {
+/// The compute device for a store whose device tier is `store_device`, on GPU
+/// `ordinal` (the tier's).
+pub(super) fn compute_device(store_device: DeviceKind, ordinal: usize) -> Result<Device> {
     match store_device {
         DeviceKind::Sim => Ok(Device::Cpu),
-        DeviceKind::Cuda => cuda(),
+        DeviceKind::Cuda => cuda(ordinal),
     }
 }
 
 #[cfg(feature = "gpu")]
-fn cuda() -> Result<Device> {
+fn cuda(ordinal: usize) -> Result<Device> {
     // The store's device tier opened the GPU, so libcuda is there (cudarc panics
     // without it; the tier checked `is_culib_present` first).
-    match Device::new_cuda(tidestore::session::DEVICE_ORDINAL) {
+    match Device::new_cuda(ordinal) {
         Ok(d) => {
             tracing::info!(
-                ordinal = tidestore::session::DEVICE_ORDINAL,
+                ordinal,
                 "finetune: blocks compute on the GPU (candle's CUDA backend)"
             );
             Ok(d)
@@ -35,14 +36,14 @@ fn cuda() -> Result<Device> {
             format!(
                 "the store's device tier is on GPU {}, but candle's CUDA backend cannot \
                  open it: {e}",
-                tidestore::session::DEVICE_ORDINAL
+                ordinal
             ),
         )),
     }
 }
 
 #[cfg(not(feature = "gpu"))]
-fn cuda() -> Result<Device> {
+fn cuda(_ordinal: usize) -> Result<Device> {
     tracing::warn!(
         "finetune: the store's device tier is a GPU, but this build has no candle CUDA \
          backend (build with --features gpu): blocks compute on the CPU"

@@ -390,7 +390,8 @@ fn set_up_compute(
         .with_swap_file(|f| (f.file_bytes(), f.path().to_path_buf()));
     checks::check_nvme_size(cfg.nvme.size, swap_bytes, &swap_path)?;
     checks::check_device(cfg.device.kind, params.trainer().store().device().kind())?;
-    let compute = compute::compute_device(params.trainer().store().device().kind())?;
+    let ordinal = tidestore::session::device_ordinal(cfg);
+    let compute = compute::compute_device(params.trainer().store().device().kind(), ordinal)?;
     params.set_compute_device(&compute);
     let matmul = compute::matmul(&compute)?;
     if compute.is_cuda() {
