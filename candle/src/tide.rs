@@ -536,6 +536,43 @@ impl TideParams {
         self.whole(i, shard)
     }
 
+    /// The first value of parameter `name` (its master copy, as [`TideParams::values`])
+    /// that `bad` holds for, with its index in the whole tensor; `None` when there is
+    /// none. Under data parallelism each rank reads only its own shard and the ranks
+    /// exchange one finding each (every rank gets the same answer), so checking a
+    /// model costs no gather of its weights.
+    pub fn first_value_where(
+        &mut self,
+        name: &str,
+        bad: impl Fn(f32) -> bool,
+    ) -> Result<Option<(usize, f32)>> {
+        let i = self.trainer.index(name)?;
+        let shard = self.trainer.values(i)?;
+        let mine = shard.iter().position(|&v| bad(v)).map(|at| (at, shard[at]));
+        let Some(dp) = &self.dp else {
+            return Ok(mine);
+        };
+        // Padding is 0.0: a finding is always inside the tensor's own elements.
+        let start = dp
+            .ranks
+            .layout()
+            .range(self.whole_spec(i)?.elements())
+            .start;
+        let record = match mine {
+            Some((at, v)) => [&((start + at) as u64).to_le_bytes()[..], &v.to_le_bytes()].concat(),
+            None => Vec::new(),
+        };
+        let found = dp.ranks.gather_bytes(&record)?;
+        Ok(found
+            .iter()
+            .filter_map(|r| {
+                let at = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
+                let v = f32::from_le_bytes(r.get(8..12)?.try_into().ok()?);
+                Some((at as usize, v))
+            })
+            .min_by_key(|&(at, _)| at))
+    }
+
     /// The last gradient of trainable parameter `name` (`Precision::F32` only);
     /// untraced.
     pub fn grad_values(&mut self, name: &str) -> Result<Vec<f32>> {

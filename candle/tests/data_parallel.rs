@@ -311,3 +311,59 @@ fn ranks_that_register_different_models_are_refused_naming_the_difference() {
         );
     }
 }
+
+/// A value that must not be exported is found by each rank in its own shard: every rank
+/// names the same first one (its index in the whole tensor), and nothing is gathered.
+#[test]
+fn ranks_find_the_first_bad_value_in_their_shards_without_a_gather() {
+    let model = llama(false, false);
+    let init = model.init(3);
+    // The largest parameter, with bad values in both halves: the first must win.
+    let (spec, values) = init.iter().max_by_key(|(s, _)| s.elements()).unwrap();
+    let n = spec.elements();
+    let mut poisoned = values.clone();
+    let (early, late) = (n / 2 - 3, n - 1);
+    poisoned[late] = f32::NAN;
+    poisoned[early] = f32::INFINITY;
+    let bad = |v: f32| !v.is_finite();
+    let group = local::group(2, Duration::from_secs(20));
+    let found: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = group
+            .into_iter()
+            .map(|g| {
+                let (init, spec, poisoned) = (&init, spec, &poisoned);
+                s.spawn(move || {
+                    let dir = tempfile::tempdir().unwrap();
+                    let ranks = Ranks::new(Box::new(g)).unwrap();
+                    let specs: Vec<ParamSpec> = init.iter().map(|(s, _)| s.clone()).collect();
+                    let cfg = config(dir.path(), FULL);
+                    let mut p = TideParams::open_sharded(&specs, &cfg, &Device::Cpu, ranks.clone())
+                        .unwrap();
+                    for (s, v) in init {
+                        p.set_param(&s.name, v).unwrap();
+                    }
+                    let before = ranks.sent().all_gather;
+                    let clean = p.first_value_where(&spec.name, bad).unwrap();
+                    p.set_param(&spec.name, poisoned).unwrap();
+                    let found = p.first_value_where(&spec.name, bad).unwrap();
+                    (clean, found, ranks.sent().all_gather - before)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (clean, found, gathered) in found {
+        assert_eq!(clean, None);
+        assert_eq!(found, Some((early, f32::INFINITY)));
+        assert_eq!(gathered, 0, "the check gathered weights");
+    }
+    // One rank: the same answer from the whole tensor.
+    let dir = tempfile::tempdir().unwrap();
+    let specs: Vec<ParamSpec> = init.iter().map(|(s, _)| s.clone()).collect();
+    let mut p = TideParams::open_specs(&specs, &config(dir.path(), FULL), &Device::Cpu).unwrap();
+    p.set_param(&spec.name, &poisoned).unwrap();
+    assert_eq!(
+        p.first_value_where(&spec.name, bad).unwrap(),
+        Some((early, f32::INFINITY))
+    );
+}

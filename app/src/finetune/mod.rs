@@ -501,22 +501,19 @@ fn export_checked(
     merged: bool,
 ) -> Result<()> {
     let names: Vec<String> = params.specs().map(|s| s.name.clone()).collect();
+    let limit = match t.export_dtype {
+        ExportDtype::F16 => f32::from(half::f16::MAX),
+        ExportDtype::Bf16 | ExportDtype::F32 => f32::MAX,
+    };
     for name in names {
-        // Whole: gathered from every rank under data parallelism.
-        let values = params.values(&name)?;
-        let limit = match t.export_dtype {
-            ExportDtype::F16 => f32::from(half::f16::MAX),
-            ExportDtype::Bf16 | ExportDtype::F32 => f32::MAX,
-        };
-        if let Some(at) = values
-            .iter()
-            .position(|v| !v.is_finite() || v.abs() > limit)
+        // Each rank checks its own shard under data parallelism: nothing is gathered.
+        if let Some((at, value)) =
+            params.first_value_where(&name, |v| !v.is_finite() || v.abs() > limit)?
         {
             return Err(Error::Finetune(format!(
-                "not exported to {}: `{name}` holds {} at index {at}, which train.export_dtype \
-                 = {:?} cannot hold; the checkpoints are untouched",
+                "not exported to {}: `{name}` holds {value} at index {at}, which \
+                 train.export_dtype = {:?} cannot hold; the checkpoints are untouched",
                 dir.display(),
-                values[at],
                 t.export_dtype
             )));
         }
