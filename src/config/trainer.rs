@@ -55,6 +55,7 @@ impl Config {
             DeviceKindName::Sim => DeviceChoice::Sim,
             DeviceKindName::Auto | DeviceKindName::Cuda => DeviceChoice::Auto,
         };
+        tc.gpu_ordinal = self.device.ordinal.resolve(None);
         tc.step_device = self.optimizer.device.step_device();
         Ok(tc)
     }
@@ -91,6 +92,11 @@ mod tests {
         assert_eq!(tc.host_budget, Budget::Bytes(64 << 20));
         assert_eq!(tc.device_budget, Budget::Bytes(32 << 20));
         assert_eq!(tc.device, DeviceChoice::Sim);
+        assert_eq!(tc.gpu_ordinal, 0, "\"auto\" outside data parallel: GPU 0");
+        let mut on_two = cfg.clone();
+        on_two.device.ordinal = crate::config::GpuOrdinal::Index(2);
+        let tc2 = on_two.trainer_config(PathBuf::from("/tmp/swap")).unwrap();
+        assert_eq!(tc2.gpu_ordinal, 2);
         assert_eq!(tc.step_device, tidestore_train::StepDevice::Gpu);
         assert_eq!(tc.swap_dir, PathBuf::from("/tmp/swap"));
         assert_eq!(tc.overlap, Overlap::Off, "the default");

@@ -141,6 +141,8 @@ pub struct TrainerConfig {
     pub host_budget: Budget,
     /// Which device tier.
     pub device: DeviceChoice,
+    /// The CUDA GPU the device tier (and a GPU step) opens, when it is a GPU.
+    pub gpu_ordinal: usize,
     /// Directory of the swap file. Every open starts fresh: chunks an earlier run left
     /// there are dropped (resume from checkpoints).
     pub swap_dir: PathBuf,
@@ -171,6 +173,7 @@ impl TrainerConfig {
             device_budget: Budget::Chunks(4),
             host_budget: Budget::Chunks(5),
             device: DeviceChoice::Auto,
+            gpu_ordinal: 0,
             swap_dir: swap_dir.into(),
             io: IoConfig {
                 block_bytes: 64 * 1024,

@@ -269,11 +269,12 @@ fn store_config(layout: &Layout, cfg: &TrainerConfig) -> (StoreConfig, u64) {
     (store_cfg, slot_bytes)
 }
 
-/// The device tier `cfg` asks for, with the CUDA ordinal it opens (for the GPU AdamW
-/// on the same GPU). `Auto` opens the GPU only in a build with the `cuda` feature,
+/// The device tier `cfg` asks for, on GPU `cfg.gpu_ordinal`, with that ordinal (for
+/// the GPU AdamW on the same GPU). `Auto` opens the GPU only in a build with the `cuda` feature,
 /// where `tiers` checks for the driver before any CUDA call.
 fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<(Device, usize)> {
-    let dcfg = DeviceConfig::new(budget_bytes);
+    let mut dcfg = DeviceConfig::new(budget_bytes);
+    dcfg.ordinal = cfg.gpu_ordinal;
     let device = match cfg.device {
         DeviceChoice::Auto if cfg!(feature = "cuda") => Device::auto(&dcfg),
         _ => Device::sim(&dcfg),
