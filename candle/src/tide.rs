@@ -562,15 +562,30 @@ impl TideParams {
             Some((at, v)) => [&((start + at) as u64).to_le_bytes()[..], &v.to_le_bytes()].concat(),
             None => Vec::new(),
         };
-        let found = dp.ranks.gather_bytes(&record)?;
-        Ok(found
-            .iter()
-            .filter_map(|r| {
-                let at = u64::from_le_bytes(r.get(..8)?.try_into().ok()?);
-                let v = f32::from_le_bytes(r.get(8..12)?.try_into().ok()?);
-                Some((at as usize, v))
-            })
-            .min_by_key(|&(at, _)| at))
+        let mut first: Option<(usize, f32)> = None;
+        for (r, bytes) in dp.ranks.gather_bytes(&record)?.iter().enumerate() {
+            let found = match bytes.len() {
+                0 => continue,
+                12 => {
+                    let (at, v) = bytes.split_at(8);
+                    let at = u64::from_le_bytes(at.try_into().unwrap_or_default());
+                    (
+                        at as usize,
+                        f32::from_le_bytes(v.try_into().unwrap_or_default()),
+                    )
+                }
+                n => {
+                    return Err(tidestore_train::TrainError::Collective(format!(
+                        "rank {r} sent a {n}-byte finding for `{name}` (want 0 or 12)"
+                    ))
+                    .into())
+                }
+            };
+            if first.is_none_or(|(at, _)| found.0 < at) {
+                first = Some(found);
+            }
+        }
+        Ok(first)
     }
 
     /// The last gradient of trainable parameter `name` (`Precision::F32` only);
