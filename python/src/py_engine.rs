@@ -77,9 +77,13 @@ fn parse_precision(s: &str) -> Result<Precision> {
 }
 
 /// The store's settings from a `tidestore.toml` (validated, its errors naming the key,
-/// line and column); the swap directory under its `nvme.dir`.
-fn config_file(path: &std::path::Path) -> Result<TrainerConfig> {
-    let cfg = tidestore::config::Config::load(path)?;
+/// line and column); the swap directory under its `nvme.dir`. `local_gpu`: the CUDA
+/// device of this process's rank (torch's current one under a process group), which
+/// `device.ordinal = "auto"` resolves to.
+fn config_file(path: &std::path::Path, local_gpu: Option<usize>) -> Result<TrainerConfig> {
+    let mut cfg = tidestore::config::Config::load(path)?;
+    let gpu = cfg.device.ordinal.resolve(local_gpu);
+    cfg.device.ordinal = tidestore::config::GpuOrdinal::Index(gpu);
     let swap = own_swap_dir(cfg.nvme_dir()?);
     Ok(cfg.trainer_config(swap)?)
 }
@@ -94,6 +98,8 @@ pub struct PyEngineCore {
     hp: HyperParams,
     /// When tensors are stepped (the keyword's, or the config file's).
     overlap: Overlap,
+    /// The CUDA GPU a GPU device tier opens.
+    gpu_ordinal: usize,
 }
 
 impl PyEngineCore {
@@ -114,7 +120,8 @@ impl PyEngineCore {
     #[new]
     #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
-        device_budget=None, max_grad_norm=None, overlap="off", threads=0, chunk_elements=None))]
+        device_budget=None, max_grad_norm=None, overlap="off", threads=0, chunk_elements=None,
+        local_gpu=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -133,9 +140,10 @@ impl PyEngineCore {
         overlap: &str,
         threads: usize,
         chunk_elements: Option<u64>,
+        local_gpu: Option<usize>,
     ) -> PyResult<Self> {
         let tc = match config {
-            Some(path) => config_file(&path)?,
+            Some(path) => config_file(&path, local_gpu)?,
             None => Keywords {
                 precision: parse_precision(precision)?,
                 hp: HyperParams::adamw(lr, betas, eps, weight_decay),
@@ -163,7 +171,15 @@ impl PyEngineCore {
             precision,
             hp,
             overlap,
+            gpu_ordinal: tc.gpu_ordinal,
         })
+    }
+
+    /// The CUDA GPU a GPU device tier opens: the config file's `device.ordinal`, or with
+    /// `"auto"` the `local_gpu` given (0 without).
+    #[getter]
+    fn gpu_ordinal(&self) -> usize {
+        self.gpu_ordinal
     }
 
     fn __len__(&mut self) -> usize {

@@ -135,6 +135,26 @@ def test_a_config_files_overlap_during_backward_is_refused_with_accumulation(tmp
     tidestore.offload(llama(), config=cfg, accumulation=1)
 
 
+def test_a_config_files_gpu_is_its_ordinal_or_the_ranks_local_one(tmp_path):
+    # device.ordinal = "auto" follows the rank's GPU (torch's current device under a
+    # process group); a number in the file wins. The simulated device opens no GPU, so
+    # this holds on a machine without one.
+    from tidestore._tidestore import EngineCore
+    specs = [("w", [4, 4], True)]
+
+    def core(ordinal, **kw):
+        cfg = tmp_path / f"gpu-{ordinal}.toml"
+        cfg.write_text(f'[nvme]\ndir = "{tmp_path}"\n[device]\nkind = "sim"\n'
+                       f'budget = "16MiB"\nordinal = {ordinal}\n[host]\nbudget = "64MiB"\n')
+        return EngineCore(specs, config=str(cfg), **kw)
+
+    assert core('"auto"').gpu_ordinal == 0
+    assert core('"auto"', local_gpu=3).gpu_ordinal == 3
+    assert core("1", local_gpu=3).gpu_ordinal == 1
+    with pytest.raises(ValueError, match="device.ordinal"):
+        core("-1")
+
+
 def test_tied_embeddings_and_accumulation(tmp_path):
     base = llama(tie=True)
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)

@@ -669,7 +669,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
     rank (rank 0's values are taken), or each rank imports its shards of a model
-    directory (the importer reads one tensor at a time). With ``config``, the ranks' files
+    directory (the importer reads one tensor at a time). A config file's GPU device tier
+    opens torch's current CUDA device on each rank (``device.ordinal = "auto"``) unless
+    the file names one. With ``config``, the ranks' files
     must say the same (checked at start); each rank's swap file is its own under
     ``nvme.dir``. ``save_pretrained`` is a collective: rank 0 writes the directory, each
     tensor gathered from the ranks' shards as it is written.
@@ -713,6 +715,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                   device_budget=parse_bytes(device_budget, "device_budget"),
                   max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
                   chunk_elements=chunk_elements)
+    if config is not None and process_group is not None and torch.cuda.is_available():
+        # Each rank's store on its own GPU (the one torch computes on), unless the file
+        # names one in device.ordinal.
+        kw["local_gpu"] = torch.cuda.current_device()
     core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
     _check_accumulation(core.overlap, accumulation)  # (a config file's overlap)
     if source_dir is not None and shards is not None:
