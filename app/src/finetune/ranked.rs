@@ -48,13 +48,10 @@ fn rank_dir(rank: usize) -> String {
 pub(super) fn common_latest(dir: &CheckpointDir, ranks: &Ranks) -> Result<Option<(u64, PathBuf)>> {
     let mine = dir.list()?;
     let steps: Vec<u64> = mine.iter().map(|(s, _)| *s).collect();
-    let all = ranks.gather_bytes(&serde_json::to_vec(&steps).unwrap_or_default())?;
+    let all: Vec<Vec<u64>> = ranks.gather_json(&steps, "checkpoint steps")?;
     let mut common: Option<Vec<u64>> = None;
     let mut any = false;
-    for (r, bytes) in all.iter().enumerate() {
-        let theirs: Vec<u64> = serde_json::from_slice(bytes).map_err(|e| {
-            Error::Finetune(format!("rank {r} sent an unreadable checkpoint list: {e}"))
-        })?;
+    for theirs in all {
         any |= !theirs.is_empty();
         common = Some(match common {
             None => theirs,
@@ -96,16 +93,7 @@ pub(super) fn every_rank(
     mine: super::RankFigures,
     ranks: &Ranks,
 ) -> Result<Vec<super::RankFigures>> {
-    let bytes = serde_json::to_vec(&mine)
-        .map_err(|e| Error::Finetune(format!("this rank's figures: {e}")))?;
-    let all = ranks.gather_bytes(&bytes)?;
-    all.iter()
-        .enumerate()
-        .map(|(r, b)| {
-            serde_json::from_slice(b)
-                .map_err(|e| Error::Finetune(format!("rank {r} sent unreadable figures: {e}")))
-        })
-        .collect()
+    Ok(ranks.gather_json(&mine, "report figures")?)
 }
 
 /// Runs `write` (the export) on rank 0, reading each tensor whole as it is written;

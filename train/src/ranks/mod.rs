@@ -214,13 +214,7 @@ impl Ranks {
     /// rank's: `layout().len(n)` elements).
     pub fn gather(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
         let world = self.world();
-        if shard.len() != self.layout.len(n) {
-            return Err(TrainError::Collective(format!(
-                "a shard of {} elements for a parameter of {n} over {world} ranks (want {})",
-                shard.len(),
-                self.layout.len(n)
-            )));
-        }
+        self.check_shard(shard.len(), n)?;
         let mut whole = vec![0.0; shard.len() * world];
         self.with(|g| g.all_gather(shard, &mut whole))?;
         self.sent
@@ -230,11 +224,25 @@ impl Ranks {
         Ok(whole)
     }
 
+    /// Refuses a shard of `len` elements for a parameter of `n`: this rank's holds
+    /// `layout().len(n)`.
+    fn check_shard(&self, len: usize, n: usize) -> Result<()> {
+        let want = self.layout.len(n);
+        if len == want {
+            return Ok(());
+        }
+        Err(TrainError::Collective(format!(
+            "a shard of {len} elements for a parameter of {n} over {} ranks (want {want})",
+            self.world()
+        )))
+    }
+
     /// [`Ranks::gather`] of a parameter stored in bf16 (a trainable one in bf16
     /// precision): its shard's values, exact in bf16, cross as 16 bits — half of f32's
     /// bytes, as Gemini gathers 16-bit parameters.
     pub fn gather_bf16(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
         let world = self.world();
+        self.check_shard(shard.len(), n)?;
         let bits: Vec<u16> = shard
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_bits())
@@ -331,23 +339,35 @@ impl Ranks {
         ])
     }
 
+    /// Every rank's `mine` (`what` it is, for errors), in rank order, as JSON: for the
+    /// small facts ranks exchange (settings, checkpoint steps, report figures).
+    pub fn gather_json<T: serde::de::DeserializeOwned>(
+        &self,
+        mine: &impl serde::Serialize,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let bytes = serde_json::to_vec(mine)
+            .map_err(|e| TrainError::Collective(format!("this rank's {what}: {e}")))?;
+        let all = self.with(|g| g.all_gather_bytes(&bytes))?;
+        all.iter()
+            .enumerate()
+            .map(|(r, b)| {
+                serde_json::from_slice(b).map_err(|e| {
+                    TrainError::Collective(format!("rank {r} sent unreadable {what}: {e}"))
+                })
+            })
+            .collect()
+    }
+
     /// Checks that every rank runs the same thing: `facts` (name and value pairs: the
     /// config, the model's fingerprint, the parameter count) against rank 0's. A
     /// difference is an error on every rank, naming the first fact that differs and the
     /// first rank it differs on.
     pub fn check_alike(&self, facts: &[(String, String)]) -> Result<()> {
-        let mine = serde_json::to_vec(facts)
-            .map_err(|e| TrainError::Collective(format!("the start-up facts: {e}")))?;
-        let all = self.with(|g| g.all_gather_bytes(&mine))?;
-        let decode = |r: usize, b: &[u8]| {
-            serde_json::from_slice::<Vec<(String, String)>>(b).map_err(|e| {
-                TrainError::Collective(format!("rank {r} sent unreadable start-up facts: {e}"))
-            })
-        };
-        let first = decode(0, &all[0])?;
-        for (r, bytes) in all.iter().enumerate().skip(1) {
-            let theirs = decode(r, bytes)?;
-            if let Some(why) = first_difference(&first, &theirs) {
+        let all: Vec<Vec<(String, String)>> = self.gather_json(&facts, "start-up facts")?;
+        let first = &all[0];
+        for (r, theirs) in all.iter().enumerate().skip(1) {
+            if let Some(why) = first_difference(first, theirs) {
                 return Err(TrainError::Collective(format!(
                     "rank {r} differs from rank 0: {why}"
                 )));
