@@ -1,10 +1,12 @@
-//! Copies between the host pool and the device: starting a host->device copy and
-//! routing each copy completion's buffers back into its chunk's slot, whoever waits.
+//! Copies between the host pool and the device: starting a host->device copy (and the
+//! host prefetcher's device->host copy) and routing each copy completion's buffers back
+//! into its chunk's slot, whoever waits.
 //!
 //! Invariants: device completions come in submission order; every completion goes back
 //! into its slot exactly once (the host buffer still current, the device memory current
 //! after a good copy); a completion nobody counted in flight is a broken invariant.
 
+use tidestore_io::AlignedBuf;
 use tidestore_tiers::{CopyCompletion, CopyDir, CopyId, DeviceMem, TierError};
 
 use super::{count_down, remove_from, Cause, Mover, Pending};
@@ -30,17 +32,37 @@ impl Mover {
         let id = self.device.copy_to_device(d as u64, buf, mem, len);
         self.slots[d].pending = Pending::HostToDevice(id);
         self.dev_mark[d] = true;
-        self.pending_h2d += 1;
+        self.pending_copies += 1;
         Ok(())
     }
 
-    /// Puts a finished host->device copy's buffers back into its chunk's slot.
+    /// Starts copying `c`'s device copy into the host buffer `buf` (the host
+    /// prefetcher's load of a chunk that a host access needs and only the device holds).
+    pub(super) fn start_d2h(&mut self, c: ChunkId, buf: AlignedBuf) -> Result<()> {
+        let d = c.dense();
+        let Some(mem) = self.slots[d].dev.take() else {
+            return Err(ChunkError::Invariant {
+                chunk: Some(c),
+                what: "a device->host copy started without a device copy".into(),
+            });
+        };
+        remove_from(&mut self.dev_list, c);
+        let len = self.len(c);
+        let id = self.device.copy_to_host(d as u64, mem, buf, len);
+        let slot = &mut self.slots[d];
+        slot.pending = Pending::DeviceToHost(id);
+        slot.host_prefetched = true;
+        self.pending_copies += 1;
+        Ok(())
+    }
+
+    /// Puts a finished copy's buffers back into its chunk's slot.
     pub(super) fn route_copy(&mut self, c: CopyCompletion, cause: Cause) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
         let d = chunk.dense();
         match c.dir {
             CopyDir::HostToDevice => {
-                let counted = count_down(&mut self.pending_h2d, "host->device copy", chunk);
+                let counted = count_down(&mut self.pending_copies, "host->device copy", chunk);
                 let slot = &mut self.slots[d];
                 slot.pending = Pending::None;
                 // The host buffer still holds the chunk's current bytes, copy or not.
@@ -63,6 +85,27 @@ impl Mover {
                         Err(ChunkError::tier("copy host->device", Some(chunk), e))
                     }
                 }
+            }
+            CopyDir::DeviceToHost if self.slots[d].pending == Pending::DeviceToHost(c.id) => {
+                let counted = count_down(&mut self.pending_copies, "device->host copy", chunk);
+                let slot = &mut self.slots[d];
+                slot.pending = Pending::None;
+                // The device memory is still current, copy or not.
+                slot.dev = Some(c.mem);
+                self.dev_list.push(chunk);
+                if let Err(e) = c.result {
+                    slot.host_prefetched = false;
+                    drop(c.host);
+                    counted?;
+                    return Err(ChunkError::tier("copy device->host", Some(chunk), e));
+                }
+                slot.host = Some(c.host);
+                self.host_list.push(chunk);
+                self.host_policy.on_insert(chunk, cause.moment);
+                self.stats.device_to_host_bytes += c.len_bytes as u64;
+                self.stats.device_to_host_copies += 1;
+                self.emit(cause, MoveKind::DeviceToHost, chunk, c.len_bytes as u64);
+                counted
             }
             CopyDir::DeviceToHost => {
                 // Write-backs are waited for by their issuer; one arriving here was

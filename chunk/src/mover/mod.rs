@@ -84,6 +84,9 @@ enum Pending {
     None,
     /// A host->device copy: the host buffer and device memory are inside it.
     HostToDevice(CopyId),
+    /// The host prefetcher's device->host copy: the device memory (current) and the
+    /// host buffer are inside it; both copies are current when it lands.
+    DeviceToHost(CopyId),
     /// An NVMe read into a host buffer; then a copy to the reserved device memory.
     NvmeRead,
     /// A prefetch's NVMe read (into the host pool, or to stage a device prefetch whose
@@ -169,7 +172,9 @@ pub(crate) struct Mover {
     dev_mark: Vec<bool>,
     /// The device budget's capacity now (the tidal budget).
     dev_cap: u64,
-    pending_h2d: usize,
+    /// Device copies in flight (host->device, and the host prefetcher's
+    /// device->host).
+    pending_copies: usize,
     /// NVMe requests in flight (reads and writes).
     pending_nvme: usize,
     /// NVMe writes in flight by the host bytes their buffers hold (`host_bytes`).
@@ -284,7 +289,7 @@ impl Mover {
             host_list: Vec::new(),
             dev_mark: vec![false; n],
             dev_cap,
-            pending_h2d: 0,
+            pending_copies: 0,
             pending_nvme: 0,
             writing_held: BTreeMap::new(),
             read_queue: VecDeque::new(),

@@ -111,12 +111,14 @@ impl Mover {
         Ok(true)
     }
 
-    /// Starts reading `c` from NVMe into the host pool ahead of need, into a buffer
-    /// that is free now, or queues the read for a buffer that a write-back in flight
-    /// gives back (the host prefetcher makes room by its plan first, evicting with
-    /// asynchronous write-backs; it never evicts here). Returns false when no buffer is
-    /// free or owed. Chunks with nothing to read (a host or device copy, a transfer in
-    /// flight or queued, never written) are done.
+    /// Starts loading `c` into the host pool ahead of need: reading it from NVMe into a
+    /// buffer that is free now, or queueing the read for a buffer that a write-back in
+    /// flight gives back (the host prefetcher makes room by its plan first, evicting
+    /// with asynchronous write-backs; it never evicts here). With `materialize` (the
+    /// host accesses' pass), a chunk only the device holds is copied from there into a
+    /// free buffer. Returns false when no buffer is free or owed. Chunks with nothing
+    /// to load (a host copy, a device copy outside that pass or in use there, a
+    /// transfer in flight or queued, never written) are done.
     pub(crate) fn prefetch_host(
         &mut self,
         c: ChunkId,
@@ -128,6 +130,21 @@ impl Mover {
             return Ok(self.materialize_on_host(c, cause));
         }
         let d = c.dense();
+        if materialize && self.device_only(c) {
+            // Only into a buffer free now, not one queued reads are owed: the copy
+            // cannot wait in the read queue, and the reads after it in the plan go on
+            // (a later plan, or the access, copies it).
+            if self.queued_same_size(c) {
+                return Ok(true);
+            }
+            let Ok(buf) = self.host.try_take(d as u64, self.len_bytes[d]) else {
+                return Ok(true);
+            };
+            self.start_d2h(c, buf)?;
+            self.stats.prefetch_loads += 1;
+            self.stats.host_prefetch_loads += 1;
+            return Ok(true);
+        }
         let s = &self.slots[d];
         if s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid {
             return Ok(true);
@@ -211,13 +228,22 @@ impl Mover {
     /// Whether the host-tier prefetcher has nothing to load for `c`. With `materialize`
     /// (the pass over the host's own accesses), a dead chunk with no copy anywhere is not
     /// ready: the access that writes it needs a buffer, which the prefetch takes ahead
-    /// ([`Mover::prefetch_host`]) instead of that access evicting for it.
+    /// ([`Mover::prefetch_host`]) instead of that access evicting for it; nor is a chunk
+    /// only the device holds (and does not use now), which the prefetch copies from
+    /// there instead of that access waiting for the copy.
     pub(crate) fn host_ready(&self, c: ChunkId, materialize: bool) -> bool {
-        if materialize && self.dead_everywhere(c) {
+        if materialize && (self.dead_everywhere(c) || self.device_only(c)) {
             return false;
         }
         let s = &self.slots[c.dense()];
         s.host.is_some() || s.dev.is_some() || s.pending != Pending::None || !s.nvme_valid
+    }
+
+    /// Whether `c`'s only copy is on the device, not in use there and with nothing in
+    /// flight: the host prefetcher may copy it into the pool.
+    fn device_only(&self, c: ChunkId) -> bool {
+        let s = &self.slots[c.dense()];
+        s.dev.is_some() && s.host.is_none() && s.dev_pins == 0 && s.pending == Pending::None
     }
 
     /// Gives the dead chunk `c` a host buffer ahead of the access that writes it (its

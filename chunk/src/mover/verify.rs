@@ -69,10 +69,10 @@ impl Mover {
         if self.hold_queue {
             return bad("the read queue is held outside a demand load".into());
         }
-        if (self.pending_h2d, self.pending_nvme) != (t.h2d, t.nvme) {
+        if (self.pending_copies, self.pending_nvme) != (t.h2d, t.nvme) {
             return bad(format!(
                 "in flight counted (h2d {}, nvme {}) but slots say (h2d {}, nvme {})",
-                self.pending_h2d, self.pending_nvme, t.h2d, t.nvme
+                self.pending_copies, self.pending_nvme, t.h2d, t.nvme
             ));
         }
         if self.writing_held != t.writing_held {
@@ -237,7 +237,7 @@ impl Mover {
         let bad = |what: String| broken(c, what);
         Ok(match s.pending {
             Pending::None => false,
-            Pending::HostToDevice(_) => {
+            Pending::HostToDevice(_) | Pending::DeviceToHost(_) => {
                 t.h2d += 1;
                 t.host_bytes += self.host_bytes[d];
                 t.dev_bytes += self.dev_bytes[d];
@@ -292,7 +292,10 @@ impl Mover {
         if s.nvme_stored
             && !s.nvme_valid
             && !copies
-            && !matches!(s.pending, Pending::HostToDevice(_) | Pending::NvmeWrite)
+            && !matches!(
+                s.pending,
+                Pending::HostToDevice(_) | Pending::DeviceToHost(_) | Pending::NvmeWrite
+            )
         {
             return bad("its only copy is a stale NVMe copy".into());
         }
@@ -333,7 +336,10 @@ impl Mover {
         }
         let marked = s.dev.is_some()
             || s.reserved_dev.is_some()
-            || matches!(s.pending, Pending::HostToDevice(_));
+            || matches!(
+                s.pending,
+                Pending::HostToDevice(_) | Pending::DeviceToHost(_)
+            );
         if self.dev_mark[d] != marked {
             return bad(format!(
                 "device mark {} but on or bound for the device {marked}",

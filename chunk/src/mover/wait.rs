@@ -14,7 +14,7 @@ impl Mover {
     /// Collects finished transfers without waiting.
     pub(crate) fn harvest(&mut self, cause: Cause) -> Result<()> {
         let mut first_err = None;
-        if self.pending_h2d > 0 {
+        if self.pending_copies > 0 {
             while let Some(c) = self.device.poll_copy() {
                 if let Err(e) = self.route_copy(c, cause) {
                     first_err.get_or_insert(e);
@@ -47,7 +47,7 @@ impl Mover {
                 ),
             });
         }
-        if self.pending_h2d > 0 {
+        if self.pending_copies > 0 {
             if let Some(c) = self.device.wait_copy() {
                 self.route_copy(c, cause)?;
                 return Ok(true);
@@ -56,7 +56,7 @@ impl Mover {
                 chunk: None,
                 what: format!(
                     "{} host->device copies counted in flight, none outstanding",
-                    self.pending_h2d
+                    self.pending_copies
                 ),
             });
         }
@@ -68,7 +68,7 @@ impl Mover {
         loop {
             match self.slots[c.dense()].pending {
                 Pending::None => return Ok(()),
-                Pending::HostToDevice(id) => {
+                Pending::HostToDevice(id) | Pending::DeviceToHost(id) => {
                     let done = self.wait_copy_id(id, c, cause)?;
                     self.route_copy(done, cause)?;
                 }
