@@ -113,42 +113,40 @@ impl ChunkStore {
         let (hs, ds, s) = (hs.clone(), ds.clone(), s.clone());
         let mut result = Ok(());
         if for_host {
-            result = self.prefetch_host_planned(&hs, &s, now, None);
+            result = self.prefetch_host_planned(&hs, &s, &hs, now, false);
         }
         if for_device && result.is_ok() {
-            result = self.prefetch_host_planned(&ds, &s, now, Some(&hs));
+            result = self.prefetch_host_planned(&ds, &s, &hs, now, true);
         }
         if let Err(e) = result {
             tracing::warn!(error = %e, "chunk store: host prefetch stopped; demand loads will retry");
         }
     }
 
-    /// Plans and starts the host pool's reads of the chunks `needs` asks for. With
-    /// `shadows_only` (the host accesses' schedule), the device read-ahead: only shadow
-    /// copies may go, each next needed at its next host access.
+    /// Plans and starts the host pool's reads of the chunks `needs` asks for; `s` is
+    /// every access's schedule, `hs` the host accesses'. Host copies of chunks current
+    /// on the device (shadows) are next needed at their next host access, and cheap to
+    /// drop (see `plan_split`). With `read_ahead` (the device read-ahead) only shadows may go.
     fn prefetch_host_planned(
         &mut self,
         needs: &Schedule,
         s: &Schedule,
+        hs: &Schedule,
         now: u64,
-        shadows_only: Option<&Schedule>,
+        read_ahead: bool,
     ) -> Result<()> {
         self.mover.harvest(self.demand())?;
         let resident: Vec<bool> = (0..self.mover.chunk_count())
             .map(|d| {
                 let c = ChunkId::from_dense(d);
-                self.mover.host_ready(c, shadows_only.is_none())
+                self.mover.host_ready(c, !read_ahead)
             })
             .collect();
         // Chunks in use cannot go now, but may be what Belady's rule would evict when a
         // load is needed (see `plan_split`).
         let (mut held, mut evictable) = self.mover.host_copies_by_pin();
-        // Host copies of chunks current on the device (only the device pass reads them).
-        let shadow: Vec<bool> = match shadows_only {
-            Some(_) => self.mover.device_copies(),
-            None => Vec::new(),
-        };
-        if shadows_only.is_some() {
+        let shadow = self.mover.device_copies();
+        if read_ahead {
             evictable.retain(|c| shadow[c.dense()]);
             held.clear();
         }
@@ -169,10 +167,10 @@ impl ChunkStore {
                 pool: Some(&room),
             },
             &held,
-            shadows_only.map(|hs| (&shadow[..], hs)),
+            Some((&shadow[..], hs)),
         )?;
-        let uses = shadows_only.unwrap_or(s);
-        if self.start_host_plan(plan, uses, now, shadows_only.is_none())? {
+        let uses = (s, hs, &shadow[..]);
+        if self.start_host_plan(plan, uses, now, !read_ahead)? {
             // Submitted requests start at the engine's next poll.
             self.mover.harvest(self.demand())?;
         }
@@ -180,19 +178,22 @@ impl ChunkStore {
     }
 
     /// Starts the host pool's planned reads, each after its victims' evictions (`uses`:
-    /// the schedule their next uses are read from; `materialize`: the host accesses'
-    /// pass, where a dead chunk gets its buffer ahead). Whether any read started and the
-    /// plan ran to its end (a victim that finds no room stops it quietly).
+    /// every access's schedule, the host accesses', and the shadow marks, which say
+    /// from which of the two a victim's next use is read, as the planner read it;
+    /// `materialize`: the host accesses' pass, where a dead chunk gets its buffer
+    /// ahead). Whether any read started and the plan ran to its end (a victim that
+    /// finds no room stops it quietly).
     fn start_host_plan(
         &mut self,
         plan: Vec<PrefetchStep>,
-        uses: &Schedule,
+        (s, hs, shadow): (&Schedule, &Schedule, &[bool]),
         now: u64,
         materialize: bool,
     ) -> Result<bool> {
         let mut started = false;
         for step in plan {
             for &v in &step.evict {
+                let uses = if shadow[v.dense()] { hs } else { s };
                 let cause = self.cause(prefetch_reason(&step, Some((uses, v, now))));
                 match self.mover.evict_host(v, false, cause) {
                     Ok(()) => {}
