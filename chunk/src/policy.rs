@@ -572,40 +572,10 @@ impl PrefetchPlanner {
             uses.next_use_from(c, from, self.horizon)
                 .unwrap_or(u64::MAX)
         };
-        let mut victims: Vec<(u64, ChunkId)> = tier
-            .evictable
-            .iter()
-            .map(|&c| (next_use(c, now + 1), c))
-            .collect();
-        // Only chunks not needed within the window; farthest next use first, ties to
-        // the smaller dense id (as `Lifetime`).
-        let mut blockers: Vec<ChunkId> = Vec::new();
-        if held.is_some() {
-            // Evictable chunks the window needs cannot go now, but may be the farthest
-            // at a load's moment.
-            blockers.extend(
-                victims
-                    .iter()
-                    .filter(|&&(next, _)| next <= window_end)
-                    .map(|&(_, c)| c),
-            );
-        }
-        blockers.extend(held.unwrap_or(&[]).iter().copied());
-        // Belady's order, with a shadow's next use counted SHADOW_REFILL_COST times as
-        // far (see `plan_split`).
         let shadow =
             |c: ChunkId| shadows.is_some_and(|(marks, _)| marks.get(c.dense()) == Some(&true));
-        blockers.retain(|&b| !shadow(b));
-        victims.retain(|&(next, _)| next > window_end);
-        let weighed = |next: u64, c: ChunkId| {
-            let far = next.saturating_sub(now);
-            if shadow(c) {
-                far.saturating_mul(SHADOW_REFILL_COST)
-            } else {
-                far
-            }
-        };
-        victims.sort_by_key(|&(next, c)| (std::cmp::Reverse(weighed(next, c)), c.dense()));
+        let (victims, blockers) =
+            victims_and_blockers(&tier, held, (now, window_end), &next_use, &shadow);
         let mut room = match tier.pool {
             Some(p) => Room::Pool(p.clone()),
             None => Room::Bytes(tier.free_bytes),
@@ -683,6 +653,49 @@ impl PrefetchPlanner {
         }
         Ok(plan)
     }
+}
+
+/// The chunks a plan may evict, in the order it takes them, each with its next use after
+/// `now` — those not needed within the window ending at `window_end`, in Belady's order
+/// with a shadow's next use counted [`SHADOW_REFILL_COST`] times as far (see
+/// `plan_split`), ties to the smaller dense id (as `Lifetime`) — and, with `held`, the
+/// chunks a load's victim must go at least as far as: the held ones and the evictable
+/// ones the window needs (they cannot go now, but may be the farthest at a load's
+/// moment), shadows left out.
+fn victims_and_blockers(
+    tier: &Residency<'_>,
+    held: Option<&[ChunkId]>,
+    (now, window_end): (u64, u64),
+    next_use: &dyn Fn(ChunkId, u64) -> u64,
+    shadow: &dyn Fn(ChunkId) -> bool,
+) -> (Vec<(u64, ChunkId)>, Vec<ChunkId>) {
+    let mut victims: Vec<(u64, ChunkId)> = tier
+        .evictable
+        .iter()
+        .map(|&c| (next_use(c, now + 1), c))
+        .collect();
+    let mut blockers: Vec<ChunkId> = Vec::new();
+    if let Some(held) = held {
+        blockers.extend(
+            victims
+                .iter()
+                .filter(|&&(next, _)| next <= window_end)
+                .map(|&(_, c)| c),
+        );
+        blockers.extend(held.iter().copied());
+    }
+    blockers.retain(|&b| !shadow(b));
+    victims.retain(|&(next, _)| next > window_end);
+    let weighed = |next: u64, c: ChunkId| {
+        let far = next.saturating_sub(now);
+        if shadow(c) {
+            far.saturating_mul(SHADOW_REFILL_COST)
+        } else {
+            far
+        }
+    };
+    victims.sort_by_key(|&(next, c)| (std::cmp::Reverse(weighed(next, c)), c.dense()));
+    (victims, blockers)
 }
 
 #[cfg(test)]
