@@ -56,6 +56,18 @@ impl Mover {
         Ok(())
     }
 
+    /// Puts the host buffer a good device->host copy of `c` filled into its slot (the
+    /// device copy stays: both are current), counted and reported; on demand or ahead.
+    pub(super) fn copied_to_host(&mut self, c: ChunkId, buf: AlignedBuf, cause: Cause) {
+        let len = self.len(c) as u64;
+        self.slots[c.dense()].host = Some(buf);
+        self.host_list.push(c);
+        self.host_policy.on_insert(c, cause.moment);
+        self.stats.device_to_host_bytes += len;
+        self.stats.device_to_host_copies += 1;
+        self.emit(cause, MoveKind::DeviceToHost, c, len);
+    }
+
     /// Puts a finished copy's buffers back into its chunk's slot.
     pub(super) fn route_copy(&mut self, c: CopyCompletion, cause: Cause) -> Result<()> {
         let chunk = ChunkId::from_dense(c.chunk as usize);
@@ -99,12 +111,7 @@ impl Mover {
                     counted?;
                     return Err(ChunkError::tier("copy device->host", Some(chunk), e));
                 }
-                slot.host = Some(c.host);
-                self.host_list.push(chunk);
-                self.host_policy.on_insert(chunk, cause.moment);
-                self.stats.device_to_host_bytes += c.len_bytes as u64;
-                self.stats.device_to_host_copies += 1;
-                self.emit(cause, MoveKind::DeviceToHost, chunk, c.len_bytes as u64);
+                self.copied_to_host(chunk, c.host, cause);
                 counted
             }
             CopyDir::DeviceToHost => {

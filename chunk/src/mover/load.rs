@@ -134,12 +134,7 @@ impl Mover {
                 drop(done.host);
                 return Err(ChunkError::tier("copy device->host", Some(c), e));
             }
-            self.slots[d].host = Some(done.host);
-            self.host_list.push(c);
-            self.host_policy.on_insert(c, cause.moment);
-            self.stats.device_to_host_bytes += len as u64;
-            self.stats.device_to_host_copies += 1;
-            self.emit(cause, MoveKind::DeviceToHost, c, len as u64);
+            self.copied_to_host(c, done.host, cause);
         } else {
             self.fill_host(c, room, cause)?;
         }

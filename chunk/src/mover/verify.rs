@@ -17,7 +17,7 @@ struct Tally {
     host_bytes: u64,
     /// Write-backs in flight by the host bytes their buffers hold.
     writing_held: BTreeMap<u64, usize>,
-    h2d: usize,
+    copies: usize,
     nvme: usize,
     queued: usize,
 }
@@ -69,10 +69,10 @@ impl Mover {
         if self.hold_queue {
             return bad("the read queue is held outside a demand load".into());
         }
-        if (self.pending_copies, self.pending_nvme) != (t.h2d, t.nvme) {
+        if (self.pending_copies, self.pending_nvme) != (t.copies, t.nvme) {
             return bad(format!(
-                "in flight counted (h2d {}, nvme {}) but slots say (h2d {}, nvme {})",
-                self.pending_copies, self.pending_nvme, t.h2d, t.nvme
+                "in flight counted (device copies {}, nvme {}) but slots say (device copies {}, nvme {})",
+                self.pending_copies, self.pending_nvme, t.copies, t.nvme
             ));
         }
         if self.writing_held != t.writing_held {
@@ -238,7 +238,7 @@ impl Mover {
         Ok(match s.pending {
             Pending::None => false,
             Pending::HostToDevice(_) | Pending::DeviceToHost(_) => {
-                t.h2d += 1;
+                t.copies += 1;
                 t.host_bytes += self.host_bytes[d];
                 t.dev_bytes += self.dev_bytes[d];
                 true

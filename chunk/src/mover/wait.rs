@@ -55,7 +55,7 @@ impl Mover {
             return Err(ChunkError::Invariant {
                 chunk: None,
                 what: format!(
-                    "{} host->device copies counted in flight, none outstanding",
+                    "{} device copies counted in flight, none outstanding",
                     self.pending_copies
                 ),
             });
