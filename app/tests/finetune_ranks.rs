@@ -10,7 +10,9 @@
 //!
 //! These need the `mpi` feature and Open MPI's `mpirun` (`.ci/run` installs both and runs
 //! them); without them they print why and pass nothing. Without the feature, a binary
-//! launched as a rank refuses to run alone (that test always runs).
+//! launched as a rank refuses to run alone (that test always runs). Launched by torchrun's
+//! variables, a binary joins over NCCL: without the `nccl` feature, or without a GPU, it
+//! says why and trains nothing (the NCCL ranks themselves run in `.ci/gpu-check`).
 
 use std::path::Path;
 use std::process::Command;
@@ -84,6 +86,35 @@ fn launched_as_a_rank_without_mpi_it_refuses_to_run_alone() {
     assert!(!d.path().join("ckpt").exists(), "nothing was trained");
 }
 
+#[test]
+fn launched_by_torchrun_it_joins_over_nccl_or_says_why_not() {
+    let cuda = [
+        "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "/usr/lib64/libcuda.so.1",
+    ];
+    if cfg!(feature = "nccl") && cuda.iter().any(|p| Path::new(p).exists()) {
+        eprintln!("skipped: this machine has libcuda (.ci/gpu-check runs NCCL ranks on GPUs)");
+        return;
+    }
+    let d = setup(1, PLAIN);
+    let out = Command::new(bin())
+        .current_dir(d.path())
+        .args(["finetune"])
+        .envs([("WORLD_SIZE", "2"), ("RANK", "1"), ("LOCAL_RANK", "1")])
+        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29512")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let why = if cfg!(feature = "nccl") {
+        "libcuda cannot be loaded"
+    } else {
+        "built without NCCL"
+    };
+    assert!(err.contains(why), "{err}");
+    assert!(!d.path().join("ckpt").exists(), "nothing was trained");
+}
+
 /// Where `mpirun` is, when this build can use it; else why not.
 fn mpirun() -> Result<&'static str, String> {
     if !cfg!(feature = "mpi") {
@@ -95,7 +126,56 @@ fn mpirun() -> Result<&'static str, String> {
     }
 }
 
-/// Whether this test cannot run here (it printed why).
+/// How these tests launch ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    /// `mpirun`, where this build has the `mpi` feature and Open MPI is installed.
+    Mpi,
+    /// One process per rank with torchrun's variables, where this build has the `nccl`
+    /// feature and the machine two GPUs (`.ci/gpu-check`).
+    Nccl,
+}
+
+impl Engine {
+    /// The engine's name in the report.
+    fn name(self) -> &'static str {
+        match self {
+            Engine::Mpi => "mpi",
+            Engine::Nccl => "nccl",
+        }
+    }
+}
+
+/// The engine ranks run with here; else why none can.
+fn engine() -> Result<Engine, String> {
+    let mpi_why = match mpirun() {
+        Ok(_) => return Ok(Engine::Mpi),
+        Err(why) => why,
+    };
+    if !cfg!(feature = "nccl") {
+        return Err(mpi_why);
+    }
+    let gpus = Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .map(|o| {
+            let list = String::from_utf8_lossy(&o.stdout).into_owned();
+            list.lines().filter(|l| l.starts_with("GPU ")).count()
+        })
+        .unwrap_or(0);
+    match gpus {
+        2.. => Ok(Engine::Nccl),
+        n => Err(format!("{mpi_why}; NCCL ranks need two GPUs, {n} here")),
+    }
+}
+
+/// The engine, or `None` after printing why this test cannot run here.
+fn ranks_engine() -> Option<Engine> {
+    engine().map_err(|why| eprintln!("skipped: {why}")).ok()
+}
+
+/// Whether this test, which launches through `mpirun` itself, cannot run here (it
+/// printed why).
 fn skipped_without_mpi() -> bool {
     match mpirun() {
         Ok(_) => false,
@@ -120,8 +200,55 @@ fn launch(dir: &Path, ranks: usize, args: &[&str]) -> Command {
     c
 }
 
-fn ranks_ok(dir: &Path, ranks: usize, args: &[&str]) -> serde_json::Value {
-    let out = launch(dir, ranks, args).output().unwrap();
+/// `ranks` processes of the binary with `args` in `dir`, each with torchrun's variables
+/// (a port of its own per launch, the NCCL id file in `dir`); rank 0's output, after
+/// every rank ended (all are killed past 10 minutes).
+fn launch_nccl(dir: &Path, ranks: usize, args: &[&str]) -> std::process::Output {
+    static LAUNCHES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let port = (20000 + (std::process::id() * 7 + n) % 20000).to_string();
+    let mut procs: Vec<std::process::Child> = (0..ranks)
+        .map(|r| {
+            let r = r.to_string();
+            Command::new(bin())
+                .current_dir(dir)
+                .args(args)
+                .envs([("RANK", r.as_str()), ("LOCAL_RANK", r.as_str())])
+                .envs([
+                    ("WORLD_SIZE", ranks.to_string()),
+                    ("MASTER_PORT", port.clone()),
+                ])
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("TIDESTORE_NCCL_ID_DIR", dir)
+                .env("RUST_LOG", "warn")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    while procs.iter_mut().any(|p| p.try_wait().unwrap().is_none()) {
+        if std::time::Instant::now() > deadline {
+            procs.iter_mut().for_each(|p| drop(p.kill()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut outs: Vec<_> = procs
+        .into_iter()
+        .map(|p| p.wait_with_output().unwrap())
+        .collect();
+    if let Some(bad) = outs.iter().find(|o| !o.status.success()) {
+        return bad.clone();
+    }
+    outs.swap_remove(0)
+}
+
+fn ranks_ok(engine: Engine, dir: &Path, ranks: usize, args: &[&str]) -> serde_json::Value {
+    let out = match engine {
+        Engine::Nccl => launch_nccl(dir, ranks, args),
+        Engine::Mpi => launch(dir, ranks, args).output().unwrap(),
+    };
     assert!(
         out.status.success(),
         "{args:?} on {ranks} ranks: {}",
@@ -158,12 +285,13 @@ fn exported(dir: &Path) -> Vec<(String, Vec<u8>)> {
     files
 }
 
-/// One process with `accumulation = 2` against two ranks with 1: the reports of both.
-fn one_against_two(extra: Extra) -> (serde_json::Value, serde_json::Value) {
+/// One process with `accumulation = 2` against two ranks with 1 over `engine`: the
+/// reports of both.
+fn one_against_two(engine: Engine, extra: Extra) -> (serde_json::Value, serde_json::Value) {
     let (one_dir, two_dir) = (setup(2, extra), setup(1, extra));
     let one: serde_json::Value =
         serde_json::from_str(&ok(one_dir.path(), &["finetune", "--json"])).unwrap();
-    let two = ranks_ok(two_dir.path(), 2, &["finetune", "--json"]);
+    let two = ranks_ok(engine, two_dir.path(), 2, &["finetune", "--json"]);
     let (a, b) = (losses(&one), losses(&two));
     eprintln!("{extra:?}\n one process: {a:?}\n two ranks:   {b:?}");
     let d = max_rel(&a, &b);
@@ -178,16 +306,16 @@ fn one_against_two(extra: Extra) -> (serde_json::Value, serde_json::Value) {
          here each rank's average is exact)"
     );
     assert_eq!(two["data_parallel"]["ranks"], 2);
-    assert_eq!(two["data_parallel"]["engine"], "mpi");
+    assert_eq!(two["data_parallel"]["engine"], engine.name());
     (one, two)
 }
 
 #[test]
 fn two_ranks_train_as_one_process_with_the_doubled_batch() {
-    if skipped_without_mpi() {
+    let Some(engine) = ranks_engine() else {
         return;
-    }
-    let (one, two) = one_against_two(PLAIN);
+    };
+    let (one, two) = one_against_two(engine, PLAIN);
     // Half of master, M and V on each rank (each tensor's shard, page-rounded per
     // chunk).
     let per_rank = two["data_parallel"]["per_rank"].as_array().unwrap();
@@ -224,17 +352,23 @@ fn two_ranks_train_as_one_process_with_the_doubled_batch() {
 
 #[test]
 fn two_ranks_train_lora_and_clip_in_the_next_forward_as_one_process() {
-    if skipped_without_mpi() {
+    let Some(engine) = ranks_engine() else {
         return;
-    }
-    one_against_two(Extra {
-        optimizer: "",
-        train: "mode = \"lora\"\nlora_rank = 4\n",
-    });
-    one_against_two(Extra {
-        optimizer: "max_grad_norm = 0.5\noverlap = \"forward\"\n",
-        train: "",
-    });
+    };
+    one_against_two(
+        engine,
+        Extra {
+            optimizer: "",
+            train: "mode = \"lora\"\nlora_rank = 4\n",
+        },
+    );
+    one_against_two(
+        engine,
+        Extra {
+            optimizer: "max_grad_norm = 0.5\noverlap = \"forward\"\n",
+            train: "",
+        },
+    );
 }
 
 /// The pid of a rank: each rank's swap directory is `swap/finetune.PID`.
@@ -266,7 +400,7 @@ fn a_rank_killed_ends_the_job_and_the_resume_is_bit_identical() {
         return;
     }
     let whole_dir = setup(1, PLAIN);
-    let whole = ranks_ok(whole_dir.path(), 2, &["finetune", "--json"]);
+    let whole = ranks_ok(Engine::Mpi, whole_dir.path(), 2, &["finetune", "--json"]);
 
     // The same run, one rank killed with -9 once both have written step 2's
     // checkpoint (mid-step 3 or later, possibly while writing step 4's).
@@ -301,7 +435,12 @@ fn a_rank_killed_ends_the_job_and_the_resume_is_bit_identical() {
     assert!(!status.success());
 
     // Resumed on two ranks: the run never stopped, step for step, and its export.
-    let resumed = ranks_ok(d.path(), 2, &["finetune", "--json", "--resume"]);
+    let resumed = ranks_ok(
+        Engine::Mpi,
+        d.path(),
+        2,
+        &["finetune", "--json", "--resume"],
+    );
     let from = resumed["resumed_from"].as_u64().unwrap() as usize;
     eprintln!("resumed from step {from}");
     assert!(from >= 2);

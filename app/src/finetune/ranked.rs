@@ -29,7 +29,7 @@ pub(super) fn checkpoint_dir(dir: &Path, ranks: Option<&Ranks>) -> Result<PathBu
                 "train.checkpoint_dir",
                 format!(
                     "{} holds the checkpoints of a data-parallel run ({}); resume it with \
-                     its ranks (mpirun), or give this run another directory",
+                     its ranks (mpirun or torchrun), or give this run another directory",
                     dir.display(),
                     of_ranks.display()
                 ),
