@@ -70,6 +70,9 @@ impl NcclRank {
             .new_stream()
             .map_err(|e| Error::Finetune(format!("rank {rank}: a CUDA stream for NCCL: {e}")))?;
         let id = agree_on_id(rank, exchange)?;
+        // NCCL makes the communicator on the GPU current on this thread.
+        ctx.bind_to_thread()
+            .map_err(|e| Error::Finetune(format!("rank {rank}: binding GPU {ordinal}: {e}")))?;
         let comm = Comm::from_rank(stream.clone(), rank, world, id).map_err(|e| {
             Error::Finetune(format!(
                 "rank {rank} of {world}: NCCL could not make the communicator: {e:?}"
@@ -95,6 +98,10 @@ impl NcclRank {
         T: NcclType + DeviceRepr + ValidAsZeroBits,
         F: FnOnce(&Comm, &CudaSlice<T>, &mut CudaSlice<T>) -> std::result::Result<(), String>,
     {
+        if input.is_empty() && out.is_empty() {
+            // Nothing to move (a zero-length device buffer is not a valid allocation).
+            return Ok(());
+        }
         let fail = |e: String| TrainError::Collective(format!("NCCL {what}: {e}"));
         self.ctx.bind_to_thread().map_err(|e| fail(e.to_string()))?;
         let src = self
