@@ -116,16 +116,8 @@ pub fn await_id(path: &Path, since: SystemTime, wait: Duration) -> Result<Vec<u8
 
 #[cfg(test)]
 mod tests {
+    use super::super::env_of as vars;
     use super::*;
-
-    fn vars(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
-        move |k: &str| {
-            pairs
-                .iter()
-                .find(|(n, _)| *n == k)
-                .map(|(_, v)| v.to_string())
-        }
-    }
 
     #[test]
     fn the_id_goes_through_nccls_address_or_a_file_named_after_torchruns() {

@@ -189,20 +189,24 @@ fn join_nccl(rank: usize, world: usize) -> Result<Ranks> {
     )))
 }
 
+/// A launcher's environment of `pairs`, as the `*_in` functions read it.
+#[cfg(test)]
+fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+    move |k: &str| {
+        pairs
+            .iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::env_of as env;
     use super::*;
 
     #[test]
     fn mpis_launchers_and_torchruns_are_told_apart() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         assert_eq!(launch_in(env(&[])).unwrap(), None);
         assert_eq!(
             launch_in(env(&[("WORLD_SIZE", "4"), ("RANK", "3")])).unwrap(),
@@ -245,14 +249,6 @@ mod tests {
 
     #[test]
     fn the_local_rank_is_open_mpis_or_mpichs() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| {
-                pairs
-                    .iter()
-                    .find(|(n, _)| *n == k)
-                    .map(|(_, v)| v.to_string())
-            }
-        };
         assert_eq!(local_rank_in(env(&[])).unwrap(), None);
         let ompi = env(&[
             ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
