@@ -564,16 +564,16 @@ impl PrefetchPlanner {
                 }
             }
         }
+        let shadow =
+            |c: ChunkId| shadows.is_some_and(|(marks, _)| marks.get(c.dense()) == Some(&true));
         let next_use = |c: ChunkId, from: u64| {
             let uses = match shadows {
-                Some((marks, own)) if marks.get(c.dense()).copied().unwrap_or(false) => own,
+                Some((_, own)) if shadow(c) => own,
                 _ => uses,
             };
             uses.next_use_from(c, from, self.horizon)
                 .unwrap_or(u64::MAX)
         };
-        let shadow =
-            |c: ChunkId| shadows.is_some_and(|(marks, _)| marks.get(c.dense()) == Some(&true));
         let (victims, blockers) =
             victims_and_blockers(&tier, held, (now, window_end), &next_use, &shadow);
         let mut room = match tier.pool {

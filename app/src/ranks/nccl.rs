@@ -118,9 +118,7 @@ impl NcclRank {
             .map_err(|e| fail(e.to_string()))?;
         self.stream.synchronize().map_err(|e| fail(e.to_string()))
     }
-}
 
-impl NcclRank {
     /// NCCL reads and writes `world` times the shard's length on the whole's side, with
     /// no bound of its own: a whole of another length would be read or written past its
     /// end on the GPU, so it is refused here.
@@ -132,6 +130,17 @@ impl NcclRank {
             "NCCL {what}: {whole} elements for {} ranks of {shard}",
             self.world
         )))
+    }
+
+    /// Every rank's `shard` into `out`, in rank order.
+    fn gather<T>(&mut self, shard: &[T], out: &mut [T]) -> TrainResult<()>
+    where
+        T: NcclType + DeviceRepr + ValidAsZeroBits,
+    {
+        self.check_lengths("all_gather", shard.len(), out.len())?;
+        self.run("all_gather", shard, out, |c, s, d| {
+            c.all_gather(s, d).map(drop).map_err(nccl_err)
+        })
     }
 }
 
@@ -190,21 +199,12 @@ impl Collective for NcclRank {
     }
 
     fn all_gather(&mut self, shard: &[f32], out: &mut [f32]) -> TrainResult<()> {
-        self.check_lengths("all_gather", shard.len(), out.len())?;
-        self.run("all_gather", shard, out, |c, s, d| {
-            c.all_gather(s, d).map(drop).map_err(nccl_err)
-        })
+        self.gather(shard, out)
     }
 
     fn all_gather_u16(&mut self, shard: &[u16], out: &mut [u16]) -> TrainResult<()> {
-        self.check_lengths("all_gather", shard.len(), out.len())?;
         // Gathered as bytes: NCCL moves them without arithmetic.
-        self.run(
-            "all_gather",
-            bytemuck::cast_slice(shard),
-            bytemuck::cast_slice_mut(out),
-            |c, s: &CudaSlice<u8>, d| c.all_gather(s, d).map(drop).map_err(nccl_err),
-        )
+        self.gather::<u8>(bytemuck::cast_slice(shard), bytemuck::cast_slice_mut(out))
     }
 
     fn reduce_scatter(&mut self, whole: &[f32], shard: &mut [f32]) -> TrainResult<()> {
@@ -228,16 +228,12 @@ impl Collective for NcclRank {
     fn all_gather_bytes(&mut self, mine: &[u8]) -> TrainResult<Vec<Vec<u8>>> {
         // Lengths first, then every rank's bytes padded to the longest.
         let mut lens = vec![0u64; self.world];
-        self.run("all_gather", &[mine.len() as u64], &mut lens, |c, s, d| {
-            c.all_gather(s, d).map(drop).map_err(nccl_err)
-        })?;
+        self.gather(&[mine.len() as u64], &mut lens)?;
         let longest = lens.iter().copied().max().unwrap_or(0).max(1) as usize;
         let mut padded = mine.to_vec();
         padded.resize(longest, 0);
         let mut all = vec![0u8; longest * self.world];
-        self.run("all_gather", &padded, &mut all, |c, s, d| {
-            c.all_gather(s, d).map(drop).map_err(nccl_err)
-        })?;
+        self.gather(&padded, &mut all)?;
         Ok(all
             .chunks(longest)
             .zip(&lens)
