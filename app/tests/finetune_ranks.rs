@@ -348,6 +348,20 @@ fn two_ranks_train_as_one_process_with_the_doubled_batch() {
         "{rs}"
     );
     assert_eq!(sent["all_reduce"], 6 * (8 + 16));
+    // The collectives ran beside compute (`train.collectives_ahead`, 8 by default):
+    // after step 1, which learns the order, every fetch but a step's first found its
+    // all-gather started ahead.
+    let overlapped = &two["data_parallel"]["overlapped"];
+    eprintln!("rank 0's collectives overlapped: {overlapped}");
+    let (ahead, at_call) = (
+        overlapped["gathers_ahead"].as_u64().unwrap(),
+        overlapped["gathers_at_call"].as_u64().unwrap(),
+    );
+    let per_step = (ahead + at_call) / 6;
+    assert_eq!(per_step * 6, ahead + at_call, "{overlapped}");
+    assert_eq!(ahead, 5 * (per_step - 1), "{overlapped}");
+    assert_eq!(overlapped["gathers_discarded"], 0);
+    assert!(overlapped["scatters_behind"].as_u64().unwrap() > 0);
 }
 
 #[test]
@@ -369,6 +383,15 @@ fn two_ranks_train_lora_and_clip_in_the_next_forward_as_one_process() {
             train: "",
         },
     );
+    // Every collective waiting where it is asked for: the same losses and export.
+    let (_, two) = one_against_two(
+        engine,
+        Extra {
+            optimizer: "",
+            train: "collectives_ahead = 0\n",
+        },
+    );
+    assert_eq!(two["data_parallel"]["overlapped"]["gathers_ahead"], 0);
 }
 
 /// The pid of a rank: each rank's swap directory is `swap/finetune.PID`.
@@ -471,18 +494,27 @@ fn ranks_with_different_settings_are_refused_naming_the_setting() {
         return;
     }
     let d = setup(1, PLAIN);
-    let other = config(1, PLAIN).replace("lr = 1e-3", "lr = 2e-3");
-    std::fs::write(d.path().join("other.toml"), other).unwrap();
-    // Open MPI's MPMD form: rank 0 with one config, rank 1 with the other.
-    let mut c = launch(d.path(), 1, &["finetune"]);
-    c.args([":", "-np", "1"])
-        .arg(bin())
-        .args(["-c", "other.toml", "finetune"]);
-    let out = c.output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        err.contains("rank 1 differs from rank 0: optimizer.lr = 0.002 against 0.001"),
-        "{err}"
-    );
+    let differences = [
+        (
+            config(1, PLAIN).replace("lr = 1e-3", "lr = 2e-3"),
+            "rank 1 differs from rank 0: optimizer.lr = 0.002 against 0.001",
+        ),
+        // Not part of a checkpoint's identity, but the ranks' collectives must match.
+        (
+            config(1, PLAIN) + "collectives_ahead = 0\n",
+            "rank 1 differs from rank 0: train.collectives_ahead = 0 against 8",
+        ),
+    ];
+    for (other, want) in differences {
+        std::fs::write(d.path().join("other.toml"), other).unwrap();
+        // Open MPI's MPMD form: rank 0 with one config, rank 1 with the other.
+        let mut c = launch(d.path(), 1, &["finetune"]);
+        c.args([":", "-np", "1"])
+            .arg(bin())
+            .args(["-c", "other.toml", "finetune"]);
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains(want), "{err}");
+    }
 }

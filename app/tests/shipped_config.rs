@@ -130,6 +130,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "export_shard_size",
                 "export_dtype",
                 "seed",
+                "collectives_ahead",
             ],
         ),
     ];

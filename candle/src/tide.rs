@@ -30,8 +30,8 @@
 
 use candle_core::{Device, Tensor, Var};
 use tidestore_train::{
-    DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, Ranks, StepDecision, StoreStats,
-    TensorState, TensorView, TensorViewMut, Trainer, Values,
+    DType, DeviceView, HyperParams, Lease, Loan, NvmeTraffic, OverlapStats, Overlapped, Ranks,
+    Shard, StepDecision, StoreStats, TensorState, TensorView, TensorViewMut, Trainer, Values,
 };
 
 use crate::error::{Error, Result};
@@ -65,9 +65,17 @@ pub struct TideParams {
 /// whole.
 #[derive(Debug)]
 struct Sharded {
-    ranks: Ranks,
+    /// The ranks' collectives, the fetches' gathers started ahead and the gradients'
+    /// reduce-scatters left behind ([`Ranks::ahead`]).
+    collectives: Overlapped<(usize, TensorState)>,
     /// Each parameter as the model declares it, by the trainer's index.
     whole: Vec<ParamSpec>,
+}
+
+impl Sharded {
+    fn ranks(&self) -> &Ranks {
+        self.collectives.ranks()
+    }
 }
 
 impl std::fmt::Debug for TideParams {
@@ -118,9 +126,11 @@ impl TideParams {
     /// flat, zero-padded shard of every parameter, so its store holds `1/world` of the
     /// parameters, master copies, M and V. Everything else takes and gives parameters
     /// whole:
-    /// - a fetch all-gathers the parameter (nothing is lent);
+    /// - a fetch all-gathers the parameter (nothing is lent), with the gathers of the
+    ///   next fetches started ahead as the last step's order foresees
+    ///   ([`Overlapped`], [`Ranks::with_ahead`]);
     /// - a gradient is reduce-scattered, the ranks' average of it put as this rank's
-    ///   shard;
+    ///   shard (some gradients later, and all before the step reads them);
     /// - the step's norm is summed over the ranks (the step loop's
     ///   [`tidestore_train::NormPeers`]), so every rank clips and skips alike;
     /// - [`TideParams::set_param`] cuts this rank's shard of the whole values it is given,
@@ -143,17 +153,24 @@ impl TideParams {
             .collect();
         let mut this = Self::open_specs(&shards, config, device)?;
         this.trainer.set_norm_peers(Box::new(ranks.clone()));
+        let depth = ranks.ahead();
         this.dp = Some(Sharded {
-            ranks,
+            collectives: Overlapped::new(ranks, depth),
             whole: specs.to_vec(),
         });
         Ok(this)
     }
 
+    /// What a data-parallel run's collectives overlapped so far ([`Overlapped`]);
+    /// `None` for one rank.
+    pub fn overlap_stats(&self) -> Option<OverlapStats> {
+        self.dp.as_ref().map(|d| d.collectives.stats())
+    }
+
     /// The ranks of a data-parallel run ([`TideParams::open_sharded`]); `None` for one
     /// rank.
     pub fn ranks(&self) -> Option<&Ranks> {
-        self.dp.as_ref().map(|d| &d.ranks)
+        self.dp.as_ref().map(Sharded::ranks)
     }
 
     /// Parameter `i` as the model declares it (whole under data parallelism).
@@ -171,7 +188,7 @@ impl TideParams {
     /// every rank under data parallelism, else as it is.
     fn whole(&self, i: usize, shard: Vec<f32>) -> Result<Vec<f32>> {
         match &self.dp {
-            Some(dp) => Ok(dp.ranks.gather(&shard, self.whole_spec(i)?.elements())?),
+            Some(dp) => Ok(dp.ranks().gather(&shard, self.whole_spec(i)?.elements())?),
             None => Ok(shard),
         }
     }
@@ -190,15 +207,52 @@ impl TideParams {
                 ),
             });
         }
-        match &self.dp {
+        match &mut self.dp {
             Some(dp) => {
-                let shard = dp.ranks.average_shard(values)?;
-                self.trainer.put_grad(i, Values::F32(&shard), first, last)?;
+                let trainer = &mut self.trainer;
+                dp.collectives.scatter(
+                    i,
+                    values.to_vec(),
+                    (first, last),
+                    &mut |j, shard, first, last| {
+                        trainer.put_grad(j, Values::F32(shard), first, last)
+                    },
+                )?;
             }
             None => self.trainer.put_grad(i, Values::F32(values), first, last)?,
         }
         self.grads_pending = true;
         Ok(())
+    }
+
+    /// Puts every gradient still being reduce-scattered into the trainer, in the order
+    /// they were given (before the step, or anything else, reads them).
+    fn flush_grads(&mut self) -> Result<()> {
+        if let Some(dp) = &mut self.dp {
+            let trainer = &mut self.trainer;
+            dp.collectives.flush(&mut |j, shard, first, last| {
+                trainer.put_grad(j, Values::F32(shard), first, last)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Parameter `i`, released to `to`, whole: under data parallelism gathered (ahead
+    /// when the last iteration's order foresaw this fetch: [`Overlapped`]); a bf16
+    /// copy crosses as its 16 bits.
+    fn fetch_whole(&mut self, i: usize, to: TensorState) -> Result<Vec<f32>> {
+        let Some(dp) = &mut self.dp else {
+            return Ok(self.trainer.fetch(i, to)?);
+        };
+        let (trainer, whole) = (&mut self.trainer, &dp.whole);
+        let mut read = |(j, to): (usize, TensorState)| {
+            Ok(Shard {
+                values: trainer.fetch(j, to)?,
+                n: whole[j].elements(),
+                bf16: trainer.compute_dtype(j)? == DType::BF16,
+            })
+        };
+        Ok(dp.collectives.whole((i, to), &mut read)?)
     }
 
     /// Makes the candle tensors handed out from now on on `device` (where the blocks
@@ -228,7 +282,7 @@ impl TideParams {
                         reason: format!("{} values for a parameter of {n}", values.len()),
                     });
                 }
-                let shard = dp.ranks.layout().cut(values);
+                let shard = dp.ranks().layout().cut(values);
                 Ok(self.trainer.set_values(i, &shard)?)
             }
             None => Ok(self.trainer.set_values(i, values)?),
@@ -327,18 +381,13 @@ impl TideParams {
         let var = as_var && spec.trainable;
         let whole = self.whole_spec(i)?;
         let (shape, spec_n) = (whole.shape.clone(), whole.elements());
-        let device = &self.device;
-        if self.dp.is_some() || device.is_cpu() {
-            let fetched = self.trainer.fetch(i, to)?;
-            // Under data parallelism gathered whole in host memory (a bf16 copy as its
-            // 16 bits), then made a tensor where compute runs.
-            let values = match &self.dp {
-                Some(dp) if self.trainer.compute_dtype(i)? == DType::BF16 => {
-                    dp.ranks.gather_bf16(&fetched, spec_n)?
-                }
-                _ => self.whole(i, fetched)?,
-            };
+        if self.dp.is_some() || self.device.is_cpu() {
+            // Under data parallelism gathered whole in host memory, then made a tensor
+            // where compute runs.
+            let values = self.fetch_whole(i, to)?;
+            debug_assert_eq!(values.len(), spec_n);
             // `from_vec` takes the vector over: no copy on the CPU.
+            let device = &self.device;
             let t = if var {
                 Var::from_vec(values, shape.as_slice(), device)?.into_inner()
             } else {
@@ -346,6 +395,7 @@ impl TideParams {
             };
             return Ok((t, var));
         }
+        let device = &self.device;
         // The stored elements reach the device as they are (bf16: half of f32's bytes)
         // — copied there from the device tier when the parameter is on the GPU, else
         // uploaded from the host pool — and become f32 there.
@@ -450,8 +500,13 @@ impl TideParams {
             });
         }
         self.step_at_once()?;
+        self.flush_grads()?;
         self.grads_pending = false;
-        Ok(self.trainer.step(&mut |_| {})?.decision)
+        let decision = self.trainer.step(&mut |_| {})?.decision;
+        if let Some(dp) = &mut self.dp {
+            dp.collectives.end_iteration()?;
+        }
+        Ok(decision)
     }
 
     /// Steps the gradients held for it from candle's buffers; one the trainer cannot
@@ -472,6 +527,7 @@ impl TideParams {
     /// still to come, so the step's chunk I/O overlaps backward's compute.
     pub fn step_early(&mut self) -> Result<()> {
         self.step_at_once()?;
+        self.flush_grads()?;
         self.trainer.step_ready(None, &mut |_| {})?;
         Ok(())
     }
@@ -554,7 +610,7 @@ impl TideParams {
         };
         // Padding is 0.0: a finding is always inside the tensor's own elements.
         let start = dp
-            .ranks
+            .ranks()
             .layout()
             .range(self.whole_spec(i)?.elements())
             .start;
@@ -563,7 +619,7 @@ impl TideParams {
             None => Vec::new(),
         };
         let mut first: Option<(usize, f32)> = None;
-        for (r, bytes) in dp.ranks.gather_bytes(&record)?.iter().enumerate() {
+        for (r, bytes) in dp.ranks().gather_bytes(&record)?.iter().enumerate() {
             let found = match bytes.len() {
                 0 => continue,
                 12 => {
@@ -591,6 +647,7 @@ impl TideParams {
     /// The last gradient of trainable parameter `name` (`Precision::F32` only);
     /// untraced.
     pub fn grad_values(&mut self, name: &str) -> Result<Vec<f32>> {
+        self.flush_grads()?;
         let i = self.trainer.index(name)?;
         let shard = self.trainer.grad_values(i)?;
         self.whole(i, shard)

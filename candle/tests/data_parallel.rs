@@ -14,7 +14,7 @@ use common::*;
 use tidestore_candle::{train_step, Llama, ParamSpec, Precision, TideParams};
 use tidestore_train::ranks::local;
 use tidestore_train::MicroBatchOrder::Vertical;
-use tidestore_train::{Blocks, Overlap, Ranks, SentBytes};
+use tidestore_train::{Blocks, Overlap, OverlapStats, Ranks, SentBytes};
 
 const STEPS: u64 = 5;
 
@@ -27,6 +27,8 @@ struct Case {
     clip: Option<f32>,
     /// bf16 compute (`Precision::Bf16`), else fp32.
     bf16: bool,
+    /// Collectives in flight beside compute ([`Ranks::with_ahead`]).
+    ahead: usize,
 }
 
 /// What one run gave: per step the loss (the ranks' mean), the weights at the end, and
@@ -38,6 +40,7 @@ struct Run {
     weights: Vec<Vec<f32>>,
     counters: Vec<Counters>,
     sent: Vec<SentBytes>,
+    overlapped: Vec<OverlapStats>,
 }
 
 fn config(dir: &std::path::Path, case: Case) -> tidestore_candle::TideConfig {
@@ -59,7 +62,7 @@ fn train_rank(
     init: &[(ParamSpec, Vec<f32>)],
     case: Case,
     ranks: Option<Ranks>,
-) -> (Vec<f32>, Vec<Vec<f32>>, Counters, SentBytes) {
+) -> (Vec<f32>, Vec<Vec<f32>>, Counters, SentBytes, OverlapStats) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), case);
     let specs: Vec<ParamSpec> = init.iter().map(|(s, _)| s.clone()).collect();
@@ -83,11 +86,12 @@ fn train_rank(
         .collect();
     // What the steps sent, before the weights are gathered to be compared.
     let sent = ranks.map(|r| r.sent()).unwrap_or_default();
+    let overlapped = p.overlap_stats().unwrap_or_default();
     let weights = init
         .iter()
         .map(|(s, _)| p.values(&s.name).unwrap())
         .collect();
-    (losses, weights, p.trainer().counters(), sent)
+    (losses, weights, p.trainer().counters(), sent, overlapped)
 }
 
 /// `case` on `world` ranks (1: without a group).
@@ -95,12 +99,13 @@ fn run(case: Case, world: usize) -> Run {
     let model = llama(case.tie, case.lora);
     let init = model.init(21);
     if world == 1 {
-        let (losses, weights, counters, sent) = train_rank(&model, &init, case, None);
+        let (losses, weights, counters, sent, overlapped) = train_rank(&model, &init, case, None);
         return Run {
             losses,
             weights,
             counters: vec![counters],
             sent: vec![sent],
+            overlapped: vec![overlapped],
         };
     }
     let group = local::group(world, Duration::from_secs(60));
@@ -110,7 +115,7 @@ fn run(case: Case, world: usize) -> Run {
             .map(|g| {
                 let (model, init) = (&model, &init);
                 s.spawn(move || {
-                    let ranks = Ranks::new(Box::new(g)).unwrap();
+                    let ranks = Ranks::new(Box::new(g)).unwrap().with_ahead(case.ahead);
                     train_rank(model, init, case, Some(ranks))
                 })
             })
@@ -130,6 +135,7 @@ fn run(case: Case, world: usize) -> Run {
         weights: per_rank[0].1.clone(),
         counters: per_rank.iter().map(|r| r.2.clone()).collect(),
         sent: per_rank.iter().map(|r| r.3).collect(),
+        overlapped: per_rank.iter().map(|r| r.4).collect(),
     }
 }
 
@@ -172,6 +178,7 @@ const FULL: Case = Case {
     overlap: Overlap::Off,
     clip: None,
     bf16: false,
+    ahead: 8,
 };
 
 /// Bytes one rank sends into a ring collective of a parameter of `n` elements over two
@@ -278,6 +285,33 @@ fn two_ranks_equal_one_with_overlap_and_clipping() {
     });
     for c in &two.counters {
         assert!(c["tensors_deferred"] > 0, "{c:?}");
+    }
+}
+
+/// The collectives run beside compute — every fetch after an iteration's first served
+/// by an all-gather started ahead, gradients reduce-scattered behind — and train
+/// exactly as when each waits at its call: the same losses and weights, to the bit, and
+/// the same bytes. Full and LoRA (frozen parameters are gathered too, no gradient).
+#[test]
+fn collectives_overlapped_with_compute_train_as_waiting_at_each() {
+    for case in [FULL, Case { lora: true, ..FULL }] {
+        let waiting = run(Case { ahead: 0, ..case }, 2);
+        let ahead = run(case, 2);
+        assert_eq!(ahead.losses, waiting.losses, "{case:?}");
+        assert_eq!(ahead.weights, waiting.weights, "{case:?}");
+        assert_eq!(ahead.sent, waiting.sent, "{case:?}");
+        for (w, a) in waiting.overlapped.iter().zip(&ahead.overlapped) {
+            eprintln!("{case:?}\n waiting: {w:?}\n ahead:   {a:?}");
+            assert_eq!((w.gathers_ahead, w.scatters_behind), (0, 0));
+            let fetches = w.gathers_at_call;
+            assert_eq!(a.gathers_ahead + a.gathers_at_call, fetches);
+            // Step 1 learns the order; each later step gathers its first fetch at the
+            // call and the rest ahead.
+            let per_step = fetches / STEPS;
+            assert_eq!(a.gathers_ahead, (STEPS - 1) * (per_step - 1));
+            assert_eq!(a.gathers_discarded, 0);
+            assert!(a.scatters_behind > 0);
+        }
     }
 }
 

@@ -163,6 +163,11 @@ pub struct TrainSection {
     pub export_dtype: ExportDtype,
     /// Seed of the batches (and of fresh LoRA adapters).
     pub seed: u64,
+    /// Under data parallelism, collectives in flight beside compute, 0..=1024:
+    /// parameters' all-gathers started this many fetches ahead (in the order the last
+    /// step fetched them), gradients' reduce-scatters waited for this many gradients
+    /// later; 0: each waits where it is asked for. The results are the same.
+    pub collectives_ahead: u32,
 }
 
 impl Default for TrainSection {
@@ -194,6 +199,7 @@ impl Default for TrainSection {
             base_model_name: None,
             export_dtype: ExportDtype::Bf16,
             seed: 0,
+            collectives_ahead: tidestore_train::ranks::DEFAULT_AHEAD as u32,
         }
     }
 }
@@ -206,6 +212,13 @@ impl TrainSection {
     /// Checks ranges and combinations; the error names the key. Paths are checked when
     /// a run starts.
     pub fn validate(&self) -> Result<()> {
+        if self.collectives_ahead > 1024 {
+            return Err(outside(
+                "train.collectives_ahead",
+                self.collectives_ahead,
+                "0..=1024",
+            ));
+        }
         if !(1..=10_000_000).contains(&self.steps) {
             return Err(outside("train.steps", self.steps, "1..=10000000"));
         }
@@ -388,6 +401,13 @@ mod tests {
                     ..TrainSection::default()
                 },
                 "train.checkpoint_dir",
+            ),
+            (
+                TrainSection {
+                    collectives_ahead: 1025,
+                    ..TrainSection::default()
+                },
+                "train.collectives_ahead",
             ),
         ];
         for (t, key) in bad {

@@ -42,7 +42,9 @@ pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;
 pub use error::{Result, TrainError};
 pub use peers::NormPeers;
-pub use ranks::{Collective, Ranks, SentBytes, ShardLayout};
+pub use ranks::{
+    Collective, OverlapStats, Overlapped, Pending, Ranks, SentBytes, Shard, ShardLayout,
+};
 pub use step::{
     GradPlace, Observer, Overlap, StepConfig, StepLoop, StepOutcome, StepPlace, StepStats,
     StepTensor,

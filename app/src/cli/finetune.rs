@@ -231,15 +231,25 @@ fn print_ranks(r: &FinetuneReport) {
             .fold((0, 0), |(a, b), (r, w)| (a + r, b + w));
         out!(
             "  rank {}: master, M and V {}; NVMe read {}, written {}; sent {} into \
-             all-gathers, {} into reduce-scatters",
+             all-gathers, {} into reduce-scatters; waited {:.2} s for collectives",
             f.rank,
             human_bytes(state),
             human_bytes(read),
             human_bytes(written),
             human_bytes(f.sent.all_gather),
-            human_bytes(f.sent.reduce_scatter)
+            human_bytes(f.sent.reduce_scatter),
+            f.collective_wait_s
         );
     }
+    let o = &dp.overlapped;
+    out!(
+        "  rank 0's fetches: {} gathered ahead, {} at the call ({} gathers ahead dropped); \
+         {} gradients reduce-scattered behind",
+        o.gathers_ahead,
+        o.gathers_at_call,
+        o.gathers_discarded,
+        o.scatters_behind
+    );
 }
 
 /// Each earlier run's final loss against this run's.

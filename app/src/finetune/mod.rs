@@ -39,7 +39,7 @@ use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
 use tidestore_chunk::{ChunkError, ListKind, StoreStats};
 use tidestore_optimizer::StepDecision;
-use tidestore_train::{CheckpointDir, Ranks, SentBytes, TrainError};
+use tidestore_train::{CheckpointDir, OverlapStats, Ranks, SentBytes, TrainError};
 
 use crate::error::{Error, Result};
 use crate::scratch::{self, Scratch};
@@ -158,6 +158,11 @@ pub struct DataParallel {
     pub engine: String,
     /// Bytes this rank sent into each kind of collective over the run.
     pub sent: SentBytes,
+    /// Seconds this rank waited for collectives' results over the run: what compute
+    /// did not hide (`train.collectives_ahead`).
+    pub collective_wait_s: f64,
+    /// What its collectives overlapped with compute.
+    pub overlapped: OverlapStats,
     /// Every rank's own figures, in rank order (rank 0's report gathers them).
     pub per_rank: Vec<RankFigures>,
 }
@@ -175,21 +180,24 @@ pub struct RankFigures {
     pub peak_tier_bytes: (u64, u64, u64),
     /// Bytes it sent into each kind of collective.
     pub sent: SentBytes,
+    /// Seconds it waited for collectives' results.
+    pub collective_wait_s: f64,
 }
 
 impl RankFigures {
-    fn of(report: &FinetuneReport, rank: usize, sent: SentBytes) -> RankFigures {
+    fn of(report: &FinetuneReport, ranks: &Ranks) -> RankFigures {
         fn owned<V: Copy>(
             m: &std::collections::BTreeMap<&'static str, V>,
         ) -> std::collections::BTreeMap<String, V> {
             m.iter().map(|(k, v)| (k.to_string(), *v)).collect()
         }
         RankFigures {
-            rank,
+            rank: ranks.rank(),
             state_bytes: owned(&report.state_bytes),
             nvme_bytes_by_list: owned(&report.nvme_bytes_by_list),
             peak_tier_bytes: report.peak_tier_bytes,
-            sent,
+            sent: ranks.sent(),
+            collective_wait_s: ranks.waited().as_secs_f64(),
         }
     }
 }
@@ -258,6 +266,8 @@ impl FinetuneReport {
             rank: r.rank(),
             engine: r.engine().into(),
             sent: r.sent(),
+            collective_wait_s: r.waited().as_secs_f64(),
+            overlapped: params.overlap_stats().unwrap_or_default(),
             per_rank: Vec::new(),
         });
     }
@@ -333,7 +343,14 @@ pub fn run_with_ranks(
     let world = ranks.as_ref().map_or(1, Ranks::world);
     let id = RunIdentity::new(cfg, &model_fingerprint, samples.fingerprint()).with_ranks(world);
     if let Some(r) = &ranks {
-        r.check_alike(&id.settings())?;
+        // Not part of the identity (a checkpoint resumes under any depth), but the
+        // ranks must start their gathers ahead alike for their collectives to match.
+        let mut facts = id.settings();
+        facts.push((
+            "train.collectives_ahead".into(),
+            t.collectives_ahead.to_string(),
+        ));
+        r.check_alike(&facts)?;
     }
     let (ckpt_dir, resumed_from) = open_checkpoints(t, &id, resume, &mut params)?;
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
@@ -367,7 +384,7 @@ pub fn run_with_ranks(
     }
     report.finish(&params, swap.target().to_path_buf());
     if let Some(r) = params.ranks() {
-        let all = ranked::every_rank(RankFigures::of(&report, r.rank(), r.sent()), r)?;
+        let all = ranked::every_rank(RankFigures::of(&report, r), r)?;
         if let Some(dp) = &mut report.data_parallel {
             dp.per_rank = all;
         }
@@ -405,7 +422,10 @@ fn set_up_compute(
 fn open_params(cfg: &Config, loaded: &model::Loaded, ranks: Option<Ranks>) -> Result<TideParams> {
     let (specs, tide) = (loaded.model.specs(), tide_config(cfg)?);
     let opened = match ranks {
-        Some(r) => TideParams::open_sharded(&specs, &tide, &Device::Cpu, r),
+        Some(r) => {
+            let r = r.with_ahead(cfg.train.collectives_ahead as usize);
+            TideParams::open_sharded(&specs, &tide, &Device::Cpu, r)
+        }
         None => TideParams::open_specs(&specs, &tide, &Device::Cpu),
     };
     match opened {

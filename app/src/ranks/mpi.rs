@@ -20,8 +20,10 @@ pub struct MpiRank {
 }
 
 // SAFETY: MPI is initialized with `MPI_THREAD_SERIALIZED` (checked in `init`): any
-// thread may call it as long as no two call at once, and every call on this rank goes
-// through `tidestore_train::Ranks`, which holds it behind one mutex.
+// thread may call it as long as no two call at once. Every call on this rank goes
+// through `tidestore_train::Ranks`, which makes them all from its one collectives
+// thread, one after another, and gives the engine back to be dropped (MPI finalized)
+// on the thread that drops the last handle, after joining that thread.
 unsafe impl Send for MpiRank {}
 
 impl MpiRank {

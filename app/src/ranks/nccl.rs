@@ -41,8 +41,9 @@ pub struct NcclRank {
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as no two threads use
-// it at once; every call on this rank goes through `tidestore_train::Ranks`, which holds
-// the engine behind one mutex, and each call binds the CUDA context to its thread first.
+// it at once; every call on this rank goes through `tidestore_train::Ranks`, which makes
+// them all from its one collectives thread, one after another, and each call binds the
+// CUDA context to its thread first.
 unsafe impl Send for NcclRank {}
 
 impl NcclRank {

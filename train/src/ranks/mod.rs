@@ -15,16 +15,37 @@
 //! The collectives themselves are the engines that exist (MPI, NCCL, torch.distributed):
 //! front ends implement [`Collective`] over them. [`local`] is an in-process group of
 //! threads for tests of the sharding logic; it is not a transport.
+//!
+//! A rank's collectives run on a thread of their own, in the order they are asked for
+//! ([`worker`]), so that they can run beside compute: [`Overlapped`] starts the
+//! all-gathers of the parameters the next fetches need (in the order the last step
+//! fetched them) and waits for gradients' reduce-scatters only some gradients later;
+//! [`Ranks::waited`] is the time that was not hidden.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::error::{Result, TrainError};
 use crate::peers::NormPeers;
 use crate::trainer::ParamSpec;
 
+mod ahead;
 pub mod local;
+mod worker;
+
+pub use ahead::{OverlapStats, Overlapped, Put, Shard};
+
+pub use worker::Pending;
+use worker::Worker;
+
+/// Collectives a front end keeps in flight unless told otherwise ([`Ranks::with_ahead`]):
+/// about one LLaMA block's parameters (seven matrices and two norms) ahead.
+pub const DEFAULT_AHEAD: usize = 8;
+
+/// How long [`Ranks::abort`] waits for the collectives queued before it.
+const ABORT_WAIT: Duration = Duration::from_secs(30);
 
 /// The collectives of a data-parallel group, over an engine that exists. Every rank
 /// calls the same collectives in the same order; a failure (a rank that died, a
@@ -133,13 +154,16 @@ pub struct SentBytes {
 }
 
 /// One rank's handle on its group, shared by the pieces of a run (the front end's
-/// parameters, the step loop's [`NormPeers`]): clones are the same group.
+/// parameters, the step loop's [`NormPeers`]): clones are the same group. Its
+/// collectives run on one thread of their own, in the order they are asked for
+/// ([`worker`]): the `*_later` calls start one and return at once, the others wait.
 #[derive(Clone)]
 pub struct Ranks {
-    group: Arc<Mutex<Box<dyn Collective>>>,
+    worker: Arc<Worker>,
     layout: ShardLayout,
     engine: String,
     sent: Arc<Sent>,
+    ahead: usize,
 }
 
 impl std::fmt::Debug for Ranks {
@@ -153,7 +177,7 @@ impl std::fmt::Debug for Ranks {
 }
 
 impl Ranks {
-    /// The handle on `group`.
+    /// The handle on `group`, whose collectives run on a thread started here.
     pub fn new(group: Box<dyn Collective>) -> Result<Self> {
         let layout = ShardLayout::new(group.rank(), group.world()).ok_or_else(|| {
             TrainError::Collective(format!(
@@ -164,10 +188,25 @@ impl Ranks {
         })?;
         Ok(Ranks {
             engine: group.engine().to_string(),
-            group: Arc::new(Mutex::new(group)),
+            worker: Arc::new(Worker::start(group)?),
             layout,
             sent: Arc::default(),
+            ahead: DEFAULT_AHEAD,
         })
+    }
+
+    /// These ranks with front ends keeping up to `depth` collectives in flight beside
+    /// their compute: parameters' all-gathers started that many fetches ahead,
+    /// gradients' reduce-scatters waited for that many gradients later
+    /// ([`Overlapped`]); 0: each collective waits where it is asked for.
+    pub fn with_ahead(mut self, depth: usize) -> Self {
+        self.ahead = depth;
+        self
+    }
+
+    /// The depth front ends overlap collectives to ([`Ranks::with_ahead`]).
+    pub fn ahead(&self) -> usize {
+        self.ahead
     }
 
     /// This rank.
@@ -201,27 +240,58 @@ impl Ranks {
         }
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut dyn Collective) -> Result<R>) -> Result<R> {
-        let mut group = self
-            .group
-            .lock()
-            .map_err(|_| TrainError::Collective("a collective panicked on this rank".into()))?;
+    /// How long this rank's callers blocked on collectives' results so far: the time
+    /// collectives were not hidden behind compute.
+    pub fn waited(&self) -> Duration {
+        self.worker.waited()
+    }
+
+    /// Queues `f` behind every collective asked for before it.
+    fn later<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Collective) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
         self.sent.calls.fetch_add(1, Ordering::Relaxed);
-        f(group.as_mut())
+        self.worker.submit(f)
     }
 
     /// The whole parameter of `n` elements from every rank's shard (`shard` is this
     /// rank's: `layout().len(n)` elements).
     pub fn gather(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.gather_later(shard.to_vec(), n, false)?.wait()
+    }
+
+    /// Starts [`Ranks::gather`] (`bf16`: [`Ranks::gather_bf16`]) of `shard`, taken over;
+    /// the whole comes through the returned [`Pending`].
+    pub fn gather_later(&self, shard: Vec<f32>, n: usize, bf16: bool) -> Result<Pending<Vec<f32>>> {
         let world = self.world();
         self.check_shard(shard.len(), n)?;
-        let mut whole = vec![0.0; shard.len() * world];
-        self.with(|g| g.all_gather(shard, &mut whole))?;
-        self.sent
-            .gather_bytes
-            .fetch_add(ring_bytes(shard.len(), world), Ordering::Relaxed);
-        whole.truncate(n);
-        Ok(whole)
+        let ring = ring_bytes(shard.len(), world);
+        if bf16 {
+            self.sent
+                .gather_bytes
+                .fetch_add(ring / 2, Ordering::Relaxed);
+            let bits: Vec<u16> = shard
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            return Ok(self.later(move |g| {
+                let mut whole = vec![0u16; bits.len() * world];
+                g.all_gather_u16(&bits, &mut whole)?;
+                whole.truncate(n);
+                Ok(whole
+                    .into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect())
+            }));
+        }
+        self.sent.gather_bytes.fetch_add(ring, Ordering::Relaxed);
+        Ok(self.later(move |g| {
+            let mut whole = vec![0.0; shard.len() * world];
+            g.all_gather(&shard, &mut whole)?;
+            whole.truncate(n);
+            Ok(whole)
+        }))
     }
 
     /// Refuses a shard of `len` elements for a parameter of `n`: this rank's holds
@@ -241,51 +311,44 @@ impl Ranks {
     /// precision): its shard's values, exact in bf16, cross as 16 bits — half of f32's
     /// bytes, as Gemini gathers 16-bit parameters.
     pub fn gather_bf16(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
-        let world = self.world();
-        self.check_shard(shard.len(), n)?;
-        let bits: Vec<u16> = shard
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_bits())
-            .collect();
-        let mut whole = vec![0u16; bits.len() * world];
-        self.with(|g| g.all_gather_u16(&bits, &mut whole))?;
-        self.sent
-            .gather_bytes
-            .fetch_add(ring_bytes(shard.len(), world) / 2, Ordering::Relaxed);
-        whole.truncate(n);
-        Ok(whole
-            .into_iter()
-            .map(|b| half::bf16::from_bits(b).to_f32())
-            .collect())
+        self.gather_later(shard.to_vec(), n, true)?.wait()
     }
 
     /// This rank's shard of the ranks' *average* of `whole` (a whole gradient, each
     /// rank's own): the sum reduce-scattered, then divided by the world size, as DDP
     /// averages.
     pub fn average_shard(&self, whole: &[f32]) -> Result<Vec<f32>> {
+        self.average_shard_later(whole.to_vec()).wait()
+    }
+
+    /// Starts [`Ranks::average_shard`] of `whole`, taken over; the shard comes through
+    /// the returned [`Pending`].
+    pub fn average_shard_later(&self, mut whole: Vec<f32>) -> Pending<Vec<f32>> {
         let world = self.world();
         let len = self.layout.len(whole.len());
-        let mut padded;
-        let input = if len * world == whole.len() {
-            whole
-        } else {
-            padded = whole.to_vec();
-            padded.resize(len * world, 0.0);
-            &padded[..]
-        };
-        let mut shard = vec![0.0; len];
-        self.with(|g| g.reduce_scatter(input, &mut shard))?;
+        whole.resize(len * world, 0.0);
         self.sent
             .reduce_scatter_bytes
             .fetch_add(ring_bytes(len, world), Ordering::Relaxed);
-        let inv = 1.0 / world as f32;
-        shard.iter_mut().for_each(|v| *v *= inv);
-        Ok(shard)
+        self.later(move |g| {
+            let mut shard = vec![0.0; len];
+            g.reduce_scatter(&whole, &mut shard)?;
+            let inv = 1.0 / world as f32;
+            shard.iter_mut().for_each(|v| *v *= inv);
+            Ok(shard)
+        })
     }
 
     /// `values` summed over the ranks, in place.
     pub fn sum(&self, values: &mut [f64]) -> Result<()> {
-        self.with(|g| g.all_reduce(values))?;
+        let mut mine = values.to_vec();
+        let summed = self
+            .later(move |g| {
+                g.all_reduce(&mut mine)?;
+                Ok(mine)
+            })
+            .wait()?;
+        values.copy_from_slice(&summed);
         // A ring all-reduce: a reduce-scatter and an all-gather of the f64s.
         let world = self.world();
         let bytes = 2 * (world - 1) * values.len() * 8 / world;
@@ -296,23 +359,34 @@ impl Ranks {
     }
 
     /// Ends every rank of the group (see [`Collective::abort`]); returns where the
-    /// engine has no such call.
+    /// engine has no such call. Behind collectives already asked for (every rank asks
+    /// for those too, so they finish), for at most [`ABORT_WAIT`].
     pub fn abort(&self, code: i32) {
-        if let Ok(mut g) = self.group.lock() {
+        let done = self.later(move |g| {
             g.abort(code);
+            Ok(())
+        });
+        if let Err(e) = done.wait_at_most(ABORT_WAIT) {
+            tracing::error!(error = %e, "aborting the ranks");
         }
+    }
+
+    /// Every rank's `mine` (lengths may differ), in rank order.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mine = mine.to_vec();
+        self.later(move |g| g.all_gather_bytes(&mine)).wait()
     }
 
     /// Rank 0's `mine` on every rank (the others' are not sent on): what rank 0
     /// decides, told to all.
     pub fn from_rank0(&self, mine: &[u8]) -> Result<Vec<u8>> {
-        let mut all = self.with(|g| g.all_gather_bytes(mine))?;
+        let mut all = self.all_gather_bytes(mine)?;
         Ok(std::mem::take(&mut all[0]))
     }
 
     /// Every rank's `mine`, in rank order.
     pub fn gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.with(|g| g.all_gather_bytes(mine))
+        self.all_gather_bytes(mine)
     }
 
     /// Checks that every rank registers the same parameters (names, whole shapes, what
@@ -348,7 +422,7 @@ impl Ranks {
     ) -> Result<Vec<T>> {
         let bytes = serde_json::to_vec(mine)
             .map_err(|e| TrainError::Collective(format!("this rank's {what}: {e}")))?;
-        let all = self.with(|g| g.all_gather_bytes(&bytes))?;
+        let all = self.all_gather_bytes(&bytes)?;
         all.iter()
             .enumerate()
             .map(|(r, b)| {
