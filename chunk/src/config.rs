@@ -50,7 +50,7 @@ pub enum NvmeSource {
     Tier(Box<NvmeTier>),
 }
 
-/// Moments the device prefetcher looks ahead by default (the benchmarked value).
+/// Device accesses the device prefetcher looks ahead by default (the benchmarked value).
 pub const DEFAULT_PREFETCH_LOOKAHEAD: u32 = 8;
 /// Moments the host-tier prefetcher looks ahead by default (the benchmarked value).
 pub const DEFAULT_HOST_PREFETCH_LOOKAHEAD: u32 = 512;
@@ -71,7 +71,9 @@ pub struct StoreConfig {
     pub nvme: NvmeSource,
     /// The eviction policy of the device and host tiers.
     pub policy: PolicyKind,
-    /// Moments the prefetcher looks ahead (0: no prefetch).
+    /// Device accesses the device prefetcher looks ahead (0: no prefetch): the next
+    /// this many moments at which the device's schedule uses a chunk (the host's
+    /// accesses between them do not count).
     pub prefetch_lookahead: u32,
     /// Most bytes of chunks the prefetch window may cover (`u64::MAX`: no bound).
     pub prefetch_lookahead_bytes_max: u64,

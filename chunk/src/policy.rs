@@ -451,6 +451,10 @@ pub struct PrefetchPlanner {
     pub lookahead_bytes_max: u64,
     /// How the schedule is read past its end.
     pub horizon: Horizon,
+    /// Whether `lookahead` counts only the moments that use a chunk of the schedule
+    /// planned on (a tier's own schedule is empty where the other tier's accesses
+    /// are); else every moment.
+    pub busy_only: bool,
 }
 
 impl PrefetchPlanner {
@@ -460,7 +464,15 @@ impl PrefetchPlanner {
             lookahead,
             lookahead_bytes_max: u64::MAX,
             horizon,
+            busy_only: false,
         }
+    }
+
+    /// With `lookahead` counting only the moments that use a chunk
+    /// ([`PrefetchPlanner::busy_only`]).
+    pub fn counting_busy_moments(mut self) -> Self {
+        self.busy_only = true;
+        self
     }
 
     /// With the window also bounded by the bytes its chunks take.
@@ -543,13 +555,16 @@ impl PrefetchPlanner {
         if len > 0 {
             let mut seen: HashSet<ChunkId> = HashSet::new();
             let mut window_bytes = 0u64;
-            'window: for at in now + 1..=window_end {
-                let m = match self.horizon {
-                    Horizon::Once if at >= len => break,
-                    Horizon::Once => at,
-                    Horizon::Cyclic => at % len,
-                };
-                for &c in schedule.chunks_at(m as u32) {
+            let window = schedule.window(now, self.lookahead, self.horizon, self.busy_only);
+            if self.busy_only {
+                // Ends at its last busy moment (or ends sooner, below).
+                window_end = now;
+            }
+            'window: for (at, chunks) in window {
+                if self.busy_only {
+                    window_end = at;
+                }
+                for &c in chunks {
                     if !seen.insert(c) {
                         continue;
                     }

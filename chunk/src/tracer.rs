@@ -257,6 +257,42 @@ impl Schedule {
         &self.moment_chunks[self.moment_start[m] as usize..self.moment_start[m + 1] as usize]
     }
 
+    /// The moments of a prefetch window after the absolute moment `now`, each with
+    /// its chunks, read with `horizon`: the next `count` moments, or with `busy_only`
+    /// the next `count` moments that use a chunk (a tier's schedule has empty moments
+    /// where the other tier's accesses are, and these do not bring a need closer). At
+    /// most one iteration is read.
+    pub fn window(
+        &self,
+        now: u64,
+        count: u32,
+        horizon: Horizon,
+        busy_only: bool,
+    ) -> impl Iterator<Item = (u64, &[ChunkId])> + '_ {
+        let len = u64::from(self.len);
+        let reach = match (horizon, busy_only) {
+            _ if len == 0 => now,
+            (Horizon::Once, _) => len - 1,
+            (Horizon::Cyclic, true) => now.saturating_add(len),
+            (Horizon::Cyclic, false) => now.saturating_add(u64::from(count)),
+        };
+        let reach = if busy_only {
+            reach
+        } else {
+            reach.min(now.saturating_add(u64::from(count)))
+        };
+        (now + 1..=reach)
+            .map(move |at| {
+                let m = match horizon {
+                    Horizon::Once => at,
+                    Horizon::Cyclic => at % len.max(1),
+                };
+                (at, self.chunks_at(m as u32))
+            })
+            .filter(move |(_, chunks)| !busy_only || !chunks.is_empty())
+            .take(count as usize)
+    }
+
     /// The first use of `chunk` strictly after `after` in this iteration, O(log uses).
     pub fn next_use(&self, chunk: ChunkId, after: u32) -> Option<u32> {
         let u = self.uses(chunk);
@@ -489,6 +525,34 @@ mod tests {
 
     fn c(i: u32) -> ChunkId {
         ChunkId::new(ListKind::Params, i)
+    }
+
+    #[test]
+    fn a_window_of_busy_moments_skips_the_empty_ones_and_wraps() {
+        let mut t = Tracer::new();
+        // a(c0) r a(c1) r a(c2) r: busy moments 0, 2, 4.
+        for i in 0..3u32 {
+            t.access(TensorId(i), c(i), 0);
+            t.release(TensorId(i), c(i), TensorState::Hold, 0);
+        }
+        let s = t.finish();
+        let at = |now, count, horizon, busy| -> Vec<u64> {
+            s.window(now, count, horizon, busy)
+                .map(|(m, _)| m)
+                .collect()
+        };
+        assert_eq!(at(0, 2, Horizon::Cyclic, false), vec![1, 2]);
+        assert_eq!(at(0, 2, Horizon::Cyclic, true), vec![2, 4]);
+        // Past the end: the next iteration's moments, at most one iteration read.
+        assert_eq!(at(4, 2, Horizon::Cyclic, true), vec![6, 8]);
+        assert_eq!(at(4, 9, Horizon::Cyclic, true), vec![6, 8, 10]);
+        assert_eq!(at(2, 9, Horizon::Once, true), vec![4]);
+        assert_eq!(at(3, 9, Horizon::Once, false), vec![4, 5]);
+        let chunks: Vec<&[ChunkId]> = s
+            .window(4, 1, Horizon::Cyclic, true)
+            .map(|(_, c)| c)
+            .collect();
+        assert_eq!(chunks, vec![&[c(0)][..]]);
     }
 
     #[test]

@@ -25,7 +25,8 @@ const QUEUE_DEPTH: usize = 8;
 const BLOCK_BYTES: usize = 16 * 1024;
 
 /// `TENSORS` frozen one-chunk tensors; a device of 3 chunks, a host pool of 6; the
-/// device prefetcher looks one tensor ahead (two moments), the host's `host_lookahead`.
+/// device prefetcher looks one tensor ahead (its window counts the device's accesses),
+/// the host's `host_lookahead`.
 fn store(host_lookahead: u32) -> ChunkStore {
     let layout = layout(
         CHUNK_ELEMENTS,
@@ -46,7 +47,7 @@ fn store(host_lookahead: u32) -> ChunkStore {
         6 * CHUNK_BYTES,
         NvmeSource::Tier(Box::new(tier)),
     )
-    .with_prefetch(2)
+    .with_prefetch(1)
     .with_host_prefetch(host_lookahead)
     .with_working_set_chunks(1);
     ChunkStore::open(layout, cfg, sim_device(3 * CHUNK_BYTES)).expect("store")

@@ -249,7 +249,8 @@ impl From<EvictionName> for tidestore_chunk::PolicyKind {
 pub struct PolicySection {
     /// Which chunk leaves a full tier.
     pub eviction: EvictionName,
-    /// Moments the prefetcher looks ahead (0: no prefetch), at most 4096.
+    /// Device accesses the device prefetcher looks ahead (0: no prefetch), at most
+    /// 4096: the next this many moments at which the device uses a chunk.
     pub prefetch_lookahead: u32,
     /// Moments the host-tier prefetcher (NVMe -> host reads for host accesses, e.g.
     /// the CPU optimizer's) looks ahead (0: off), at most 4096.

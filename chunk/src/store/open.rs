@@ -112,8 +112,13 @@ impl ChunkStore {
             mover,
             lists,
             settings,
+            // The device's window counts device accesses: the host's between them
+            // (gradients and optimizer state in the pool) do not bring a device
+            // need closer, and counted, they hid the next block's first chunk until
+            // its block began.
             planner: PrefetchPlanner::new(settings.lookahead, Horizon::Cyclic)
-                .with_lookahead_bytes_max(lookahead_bytes_max),
+                .with_lookahead_bytes_max(lookahead_bytes_max)
+                .counting_busy_moments(),
             host_planner: PrefetchPlanner::new(settings.host_lookahead, Horizon::Cyclic),
             plan,
             mode: Mode::Tracing(Tracer::new()),

@@ -27,9 +27,13 @@ impl ChunkStore {
             return;
         };
         let dev_mark = self.mover.device_marks();
-        if !needs_any(&s.device, now, self.settings.lookahead, |c| {
-            !dev_mark[c.dense()]
-        }) {
+        let window = s
+            .device
+            .window(now, self.settings.lookahead, Horizon::Cyclic, true);
+        if !window
+            .flat_map(|(_, chunks)| chunks)
+            .any(|c| !dev_mark[c.dense()])
+        {
             return;
         }
         let s = s.clone();
