@@ -209,7 +209,7 @@ fn print_table(r: &BenchReport) {
         human_bytes(r.chunks.waste_bytes)
     );
     out!(
-        "policy {}, prefetch {} moments; init {:.2} s, warm-up {:.2} s, then {} iterations \
+        "policy {}, prefetch {} device accesses; init {:.2} s, warm-up {:.2} s, then {} iterations \
          of {:.2} s",
         r.policy,
         r.prefetch_lookahead,
