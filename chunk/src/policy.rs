@@ -433,6 +433,14 @@ impl Room {
     }
 }
 
+/// The bytes `c` takes on `tier`; a chunk the tier does not know is an error.
+fn chunk_size(tier: &Residency<'_>, c: ChunkId) -> Result<u64> {
+    tier.chunk_bytes
+        .get(c.dense())
+        .copied()
+        .ok_or(ChunkError::UnknownChunk { chunk: c })
+}
+
 /// How many times a disk chunk's refill costs a shadow's: a chunk read back from the
 /// disk (about 2.5 GB/s on the NVMe disks this is measured on, after a write when it
 /// changed) against a copy over the device link (PCIe, or `memcpy` for the simulated
@@ -532,6 +540,49 @@ impl PrefetchPlanner {
         self.plan_inner(needs, uses, now, tier, Some(held), shadows)
     }
 
+    /// The chunks the window after `now` needs that `tier` does not hold, each with
+    /// the first moment it is needed at, in order, and the window's last moment: the
+    /// next `lookahead` moments (busy ones only, with [`PrefetchPlanner::busy_only`]),
+    /// ending sooner where the distinct chunks it uses pass `lookahead_bytes_max`.
+    fn window(
+        &self,
+        schedule: &Schedule,
+        now: u64,
+        tier: &Residency<'_>,
+    ) -> Result<(Vec<(ChunkId, u64)>, u64)> {
+        let resident = |c: ChunkId| tier.resident.get(c.dense()).copied().unwrap_or(false);
+        let mut needed = Vec::new();
+        if schedule.is_empty() {
+            return Ok((needed, now.saturating_add(u64::from(self.lookahead))));
+        }
+        // Without `busy_only` the window ends `lookahead` moments on, used or not.
+        let mut window_end = if self.busy_only {
+            now
+        } else {
+            now.saturating_add(u64::from(self.lookahead))
+        };
+        let mut seen: HashSet<ChunkId> = HashSet::new();
+        let mut window_bytes = 0u64;
+        for (at, chunks) in schedule.window(now, self.lookahead, self.horizon, self.busy_only) {
+            if self.busy_only {
+                window_end = at;
+            }
+            for &c in chunks {
+                if !seen.insert(c) {
+                    continue;
+                }
+                window_bytes = window_bytes.saturating_add(chunk_size(tier, c)?);
+                if window_bytes > self.lookahead_bytes_max {
+                    return Ok((needed, at));
+                }
+                if !resident(c) {
+                    needed.push((c, at));
+                }
+            }
+        }
+        Ok((needed, window_end))
+    }
+
     fn plan_inner(
         &self,
         needs: &Schedule,
@@ -541,44 +592,8 @@ impl PrefetchPlanner {
         held: Option<&[ChunkId]>,
         shadows: Option<(&[bool], &Schedule)>,
     ) -> Result<Vec<PrefetchStep>> {
-        let schedule = needs;
-        let size = |c: ChunkId| {
-            tier.chunk_bytes
-                .get(c.dense())
-                .copied()
-                .ok_or(ChunkError::UnknownChunk { chunk: c })
-        };
-        let resident = |c: ChunkId| tier.resident.get(c.dense()).copied().unwrap_or(false);
-        let len = u64::from(schedule.len());
-        let mut needed: Vec<(ChunkId, u64)> = Vec::new();
-        let mut window_end = now.saturating_add(u64::from(self.lookahead));
-        if len > 0 {
-            let mut seen: HashSet<ChunkId> = HashSet::new();
-            let mut window_bytes = 0u64;
-            let window = schedule.window(now, self.lookahead, self.horizon, self.busy_only);
-            if self.busy_only {
-                // Ends at its last busy moment (or ends sooner, below).
-                window_end = now;
-            }
-            'window: for (at, chunks) in window {
-                if self.busy_only {
-                    window_end = at;
-                }
-                for &c in chunks {
-                    if !seen.insert(c) {
-                        continue;
-                    }
-                    window_bytes = window_bytes.saturating_add(size(c)?);
-                    if window_bytes > self.lookahead_bytes_max {
-                        window_end = at;
-                        break 'window;
-                    }
-                    if !resident(c) {
-                        needed.push((c, at));
-                    }
-                }
-            }
-        }
+        let size = |c: ChunkId| chunk_size(&tier, c);
+        let (needed, window_end) = self.window(needs, now, &tier)?;
         let shadow =
             |c: ChunkId| shadows.is_some_and(|(marks, _)| marks.get(c.dense()) == Some(&true));
         let next_use = |c: ChunkId, from: u64| {

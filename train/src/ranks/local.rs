@@ -10,7 +10,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::Collective;
+use super::collective::Collective;
 use crate::error::{Result, TrainError};
 
 /// The exchange every collective is made of.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
-use super::Collective;
+use super::collective::Collective;
 use crate::error::{Result, TrainError};
 
 /// One request: runs on the worker with the engine.
