@@ -188,7 +188,7 @@ impl TideParams {
     /// every rank under data parallelism, else as it is.
     fn whole(&self, i: usize, shard: Vec<f32>) -> Result<Vec<f32>> {
         match &self.dp {
-            Some(dp) => Ok(dp.ranks().gather(&shard, self.whole_spec(i)?.elements())?),
+            Some(dp) => Ok(dp.ranks().gather(shard, self.whole_spec(i)?.elements())?),
             None => Ok(shard),
         }
     }
@@ -209,15 +209,9 @@ impl TideParams {
         }
         match &mut self.dp {
             Some(dp) => {
-                let trainer = &mut self.trainer;
-                dp.collectives.scatter(
-                    i,
-                    values.to_vec(),
-                    (first, last),
-                    &mut |j, shard, first, last| {
-                        trainer.put_grad(j, Values::F32(shard), first, last)
-                    },
-                )?;
+                let mut put = put_shard(&mut self.trainer);
+                dp.collectives
+                    .scatter(i, values.to_vec(), (first, last), &mut put)?;
             }
             None => self.trainer.put_grad(i, Values::F32(values), first, last)?,
         }
@@ -229,10 +223,7 @@ impl TideParams {
     /// they were given (before the step, or anything else, reads them).
     fn flush_grads(&mut self) -> Result<()> {
         if let Some(dp) = &mut self.dp {
-            let trainer = &mut self.trainer;
-            dp.collectives.flush(&mut |j, shard, first, last| {
-                trainer.put_grad(j, Values::F32(shard), first, last)
-            })?;
+            dp.collectives.flush(&mut put_shard(&mut self.trainer))?;
         }
         Ok(())
     }
@@ -687,6 +678,14 @@ impl ParamSource for TideParams {
         self.live[i] = Some(t.clone());
         Ok(t)
     }
+}
+
+/// Where a data-parallel rank's reduce-scattered gradient shards go: into `trainer`,
+/// as [`Trainer::put_grad`] takes them.
+fn put_shard(
+    trainer: &mut Trainer,
+) -> impl FnMut(usize, &[f32], bool, bool) -> tidestore_train::Result<()> + '_ {
+    |j, shard, first, last| trainer.put_grad(j, Values::F32(shard), first, last)
 }
 
 /// A parameter's stored elements, wherever the trainer read them, as a tensor of

@@ -12,7 +12,8 @@
 //! - [`search`]: the chunk-size search that minimises wasted bytes.
 //! - [`state`]: tensor states, the legal transitions, chunk states kept incrementally.
 //! - [`tracer`]: the warm-up trace, the [`Schedule`] it yields and divergence checks.
-//! - [`policy`]: eviction policies (`lifetime`, `lru`, `fifo`) and the prefetch planner.
+//! - [`policy`]: eviction policies (`lifetime`, `lru`, `fifo`).
+//! - [`planner`]: the prefetch planner (what to load ahead of need, what to evict first).
 //! - [`sim`]: a one-tier simulator, an offline Belady reference and a GPT trace generator.
 //!
 //! And the part that moves bytes, over the `tiers` crate:
@@ -38,6 +39,7 @@ pub mod layout;
 pub mod moments;
 mod mover;
 mod place;
+pub mod planner;
 pub mod policy;
 pub mod search;
 pub mod sim;
@@ -57,10 +59,8 @@ pub use layout::{
 };
 pub use moments::MomentForm;
 pub use mover::IoPump;
-pub use policy::{
-    EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind, PoolRoom, PrefetchPlanner, PrefetchStep,
-    Residency,
-};
+pub use planner::{PoolRoom, PrefetchPlanner, PrefetchStep, Residency};
+pub use policy::{EvictionPolicy, Fifo, Lifetime, Lru, PolicyKind};
 pub use search::{
     search_chunk_size, search_chunk_size_exhaustive, Candidate, SearchConfig, SearchReport,
 };

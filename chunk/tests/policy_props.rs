@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use tidestore_chunk::policy::Residency;
+use tidestore_chunk::planner::Residency;
 use tidestore_chunk::{
     offline_belady, simulate, AccessTrace, ChunkId, EvictionPolicy, Fifo, Horizon, Lifetime,
     ListKind, Lru, PoolRoom, Prefetch, PrefetchPlanner, Schedule, SimReport,

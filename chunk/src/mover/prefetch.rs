@@ -12,7 +12,7 @@ use super::evict::{Ahead, HostRoom};
 use super::{is_no_room, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::id::ChunkId;
-use crate::policy::PoolRoom;
+use crate::planner::PoolRoom;
 use crate::Result;
 
 impl Mover {

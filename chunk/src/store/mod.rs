@@ -76,7 +76,8 @@ use crate::id::ChunkId;
 use crate::layout::Layout;
 pub use crate::mover::ChunkResidency;
 use crate::mover::{Cause, Mover};
-use crate::policy::{PolicyKind, PrefetchPlanner};
+use crate::planner::PrefetchPlanner;
+use crate::policy::PolicyKind;
 use crate::tracer::Follower;
 
 pub use crate::place::Place;

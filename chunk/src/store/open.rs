@@ -16,7 +16,8 @@ use crate::config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 use crate::error::ChunkError;
 use crate::layout::Layout;
 use crate::mover::{Mover, Policies};
-use crate::policy::{PolicyKind, PrefetchPlanner};
+use crate::planner::PrefetchPlanner;
+use crate::policy::PolicyKind;
 use crate::tracer::{Follower, Horizon, Schedule, Tracer};
 use crate::Result;
 

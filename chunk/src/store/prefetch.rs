@@ -11,7 +11,7 @@
 use crate::accounting::MoveReason;
 use crate::id::ChunkId;
 use crate::mover::{is_no_room, Ahead};
-use crate::policy::{PrefetchStep, Residency};
+use crate::planner::{PrefetchStep, Residency};
 use crate::tracer::{Horizon, Schedule};
 use crate::Result;
 

@@ -35,7 +35,7 @@ pub struct Shard {
     pub values: Vec<f32>,
     /// Elements of the whole parameter.
     pub n: usize,
-    /// Whether the parameter is gathered in 16 bits ([`Ranks::gather_bf16`]).
+    /// Whether the parameter is gathered in 16 bits (see [`Ranks::gather_later`]).
     pub bf16: bool,
 }
 

@@ -217,14 +217,16 @@ impl Ranks {
         self.worker.submit(f)
     }
 
-    /// The whole parameter of `n` elements from every rank's shard (`shard` is this
-    /// rank's: `layout().len(n)` elements).
-    pub fn gather(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
-        self.gather_later(shard.to_vec(), n, false)?.wait()
+    /// The whole parameter of `n` elements from every rank's `shard` (this rank's:
+    /// `layout().len(n)` elements), in fp32.
+    pub fn gather(&self, shard: Vec<f32>, n: usize) -> Result<Vec<f32>> {
+        self.gather_later(shard, n, false)?.wait()
     }
 
-    /// Starts [`Ranks::gather`] (`bf16`: [`Ranks::gather_bf16`]) of `shard`, taken over;
-    /// the whole comes through the returned [`Pending`].
+    /// Starts [`Ranks::gather`] of `shard`, taken over; the whole comes through the
+    /// returned [`Pending`]. With `bf16` (a parameter stored in bf16: a trainable one in
+    /// bf16 precision) the shard's values, exact in bf16, cross as 16 bits — half of
+    /// f32's bytes, as Gemini gathers 16-bit parameters.
     pub fn gather_later(&self, shard: Vec<f32>, n: usize, bf16: bool) -> Result<Pending<Vec<f32>>> {
         let world = self.world();
         self.check_shard(shard.len(), n)?;
@@ -269,22 +271,10 @@ impl Ranks {
         )))
     }
 
-    /// [`Ranks::gather`] of a parameter stored in bf16 (a trainable one in bf16
-    /// precision): its shard's values, exact in bf16, cross as 16 bits — half of f32's
-    /// bytes, as Gemini gathers 16-bit parameters.
-    pub fn gather_bf16(&self, shard: &[f32], n: usize) -> Result<Vec<f32>> {
-        self.gather_later(shard.to_vec(), n, true)?.wait()
-    }
-
-    /// This rank's shard of the ranks' *average* of `whole` (a whole gradient, each
-    /// rank's own): the sum reduce-scattered, then divided by the world size, as DDP
-    /// averages.
-    pub fn average_shard(&self, whole: &[f32]) -> Result<Vec<f32>> {
-        self.average_shard_later(whole.to_vec()).wait()
-    }
-
-    /// Starts [`Ranks::average_shard`] of `whole`, taken over; the shard comes through
-    /// the returned [`Pending`].
+    /// Starts taking this rank's shard of the ranks' *average* of `whole` (a whole
+    /// gradient, each rank's own, taken over): the sum reduce-scattered, then divided
+    /// by the world size, as DDP averages. The shard comes through the returned
+    /// [`Pending`].
     pub fn average_shard_later(&self, mut whole: Vec<f32>) -> Pending<Vec<f32>> {
         let world = self.world();
         let len = self.layout.len(whole.len());
