@@ -39,4 +39,4 @@ fi
 # The README's install command, with the build tools already in the environment.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-build-isolation ./python
 # From the repository root, so `import tidestore` is the installed package, not python/tidestore.
-"$venv/bin/python" -m pytest -rs python/tests
+"$venv/bin/python" -m pytest -rs python/tests "$@"

@@ -9,6 +9,7 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
+use tidestore_train::ranks::{DEFAULT_AHEAD, MAX_AHEAD};
 use tidestore_train::{Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig};
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
@@ -80,12 +81,25 @@ fn parse_precision(s: &str) -> Result<Precision> {
 /// line and column); the swap directory under its `nvme.dir`. `local_gpu`: the CUDA
 /// device of this process's rank (torch's current one under a process group), which
 /// `device.ordinal = "auto"` resolves to.
-fn config_file(path: &std::path::Path, local_gpu: Option<usize>) -> Result<TrainerConfig> {
+/// Also returns its `train.collectives_ahead`.
+fn config_file(path: &std::path::Path, local_gpu: Option<usize>) -> Result<(TrainerConfig, usize)> {
     let mut cfg = tidestore::config::Config::load(path)?;
     let gpu = cfg.device.ordinal.resolve(local_gpu);
     cfg.device.ordinal = tidestore::config::GpuOrdinal::Index(gpu);
     let swap = own_swap_dir(cfg.nvme_dir()?);
-    Ok(cfg.trainer_config(swap)?)
+    let ahead = cfg.train.collectives_ahead as usize;
+    Ok((cfg.trainer_config(swap)?, ahead))
+}
+
+/// `collectives_ahead` checked against [`MAX_AHEAD`].
+fn check_ahead(ahead: usize) -> Result<usize> {
+    if ahead > MAX_AHEAD {
+        return Err(Error::bad(
+            "collectives_ahead",
+            format!("{ahead} is outside 0..={MAX_AHEAD}"),
+        ));
+    }
+    Ok(ahead)
 }
 
 /// `tidestore._tidestore.EngineCore`: see [`crate::engine`].
@@ -100,6 +114,9 @@ pub struct PyEngineCore {
     overlap: Overlap,
     /// The CUDA GPU a GPU device tier opens.
     gpu_ordinal: usize,
+    /// Under a process group, the collectives kept in flight beside compute (the
+    /// keyword's, or the config file's `train.collectives_ahead`).
+    collectives_ahead: usize,
 }
 
 impl PyEngineCore {
@@ -121,7 +138,7 @@ impl PyEngineCore {
     #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
         device_budget=None, max_grad_norm=None, overlap="off", threads=0, chunk_elements=None,
-        local_gpu=None))]
+        local_gpu=None, collectives_ahead=DEFAULT_AHEAD))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -141,24 +158,28 @@ impl PyEngineCore {
         threads: usize,
         chunk_elements: Option<u64>,
         local_gpu: Option<usize>,
+        collectives_ahead: usize,
     ) -> PyResult<Self> {
-        let tc = match config {
+        let (tc, collectives_ahead) = match config {
             Some(path) => config_file(&path, local_gpu)?,
-            None => Keywords {
-                precision: parse_precision(precision)?,
-                hp: HyperParams::adamw(lr, betas, eps, weight_decay),
-                states: states.to_string(),
-                nvme_dir: nvme_dir.ok_or_else(|| {
-                    Error::bad("nvme_dir", "missing: the folder of the swap file")
-                })?,
-                host_budget,
-                device_budget,
-                max_grad_norm,
-                overlap: parse_overlap(overlap)?,
-                threads,
-                chunk_elements,
-            }
-            .trainer_config()?,
+            None => (
+                Keywords {
+                    precision: parse_precision(precision)?,
+                    hp: HyperParams::adamw(lr, betas, eps, weight_decay),
+                    states: states.to_string(),
+                    nvme_dir: nvme_dir.ok_or_else(|| {
+                        Error::bad("nvme_dir", "missing: the folder of the swap file")
+                    })?,
+                    host_budget,
+                    device_budget,
+                    max_grad_norm,
+                    overlap: parse_overlap(overlap)?,
+                    threads,
+                    chunk_elements,
+                }
+                .trainer_config()?,
+                check_ahead(collectives_ahead)?,
+            ),
         };
         let specs: Vec<ParamSpec> = params
             .iter()
@@ -172,7 +193,15 @@ impl PyEngineCore {
             hp,
             overlap,
             gpu_ordinal: tc.gpu_ordinal,
+            collectives_ahead,
         })
+    }
+
+    /// Under a process group, the collectives kept in flight beside compute: parameters
+    /// gathered this many binds ahead, gradients reduce-scattered this many behind.
+    #[getter]
+    fn collectives_ahead(&self) -> usize {
+        self.collectives_ahead
     }
 
     /// The CUDA GPU a GPU device tier opens: the config file's `device.ordinal`, or with

@@ -78,6 +78,9 @@ def optimizer(a, model, rank, world, group):
     swap = os.path.join(a.out, f"swap{rank}")
     os.makedirs(swap, exist_ok=True)
     wd = a.weight_decay if rank == world - 1 else 0.01
+    ahead = a.collectives_ahead
+    if a.last_rank_ahead is not None and rank == world - 1:
+        ahead = a.last_rank_ahead
     common = dict(lr=1e-3, weight_decay=wd, overlap=a.overlap, threads=1, max_grad_norm=a.clip,
                   nvme_dir=swap, host_budget=a.host_budget, chunk_elements=a.chunk_elements,
                   checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group)
@@ -89,11 +92,12 @@ def optimizer(a, model, rank, world, group):
             with open(config, "w") as f:
                 f.write(f"[optimizer]\nlr = 1e-3\nweight_decay = {wd}\nthreads = 1\n"
                         f"[device]\nbudget = \"16MiB\"\n[host]\nbudget = \"64MiB\"\n"
-                        f"[nvme]\ndir = \"{swap}\"\n[train]\nprecision = \"f32\"\n")
+                        f"[nvme]\ndir = \"{swap}\"\n[train]\nprecision = \"f32\"\n"
+                        f"collectives_ahead = {ahead}\n")
             return tidestore.offload(a.model_dir or model, config, process_group=group,
                                      checkpoint_path=common["checkpoint_path"])
         return tidestore.offload(a.model_dir or model, **common, device_budget=a.device_budget,
-                                 precision=a.precision)
+                                 precision=a.precision, collectives_ahead=ahead)
     params = [p for p in model.parameters() if p.requires_grad]
     if a.drop_last and rank == world - 1:
         params = params[:-1]
@@ -113,7 +117,7 @@ def train(a, rank, world, group):
         opt.load_state_dict(state)
         start = state["tidestore"]["step"]
     per = BATCH // world
-    losses, error = [], None
+    losses, evals, error = [], [], None
     try:
         for step, batch in enumerate(data(a.steps)):
             if step < start:
@@ -129,6 +133,9 @@ def train(a, rank, world, group):
             if group is not None:
                 dist.all_reduce(mean, group=group)
             losses.append(float(mean) / world)
+            if a.eval_every and (step + 1) % a.eval_every == 0:
+                with torch.no_grad():  # an evaluation: forward binds only
+                    evals.append(float(loss_of(a.model, model, ids)))
             if step + 1 == a.save_at:
                 save(a.out, rank, model, opt)
     except Exception as e:  # the rank that lost its peer reports why
@@ -142,7 +149,7 @@ def train(a, rank, world, group):
         stats = opt.stats()
         opt.close()
         digest = params_hash(model)
-    return {"losses": losses, "hash": digest, "stats": stats, "error": error}
+    return {"losses": losses, "evals": evals, "hash": digest, "stats": stats, "error": error}
 
 
 def save(out, rank, model, opt):
@@ -186,6 +193,12 @@ def args(argv=None):
                    help="offload only: the settings from a tidestore.toml")
     p.add_argument("--export", nargs="?", const="export", default=None,
                    help="offload only: save_pretrained into OUT/EXPORT at the end (f32)")
+    p.add_argument("--collectives-ahead", type=int, default=8,
+                   help="offload only: collectives in flight beside compute")
+    p.add_argument("--last-rank-ahead", type=int, default=None,
+                   help="offload only: the last rank's --collectives-ahead")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="a forward under no_grad after every this many steps")
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--resume", default=None)
     p.add_argument("--weight-decay", type=float, default=0.01, help="the last rank's")

@@ -152,6 +152,53 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(case, tmp_path):
                 assert 0 < got["stats"][key] <= 0.6 * whole, (key, r, got["stats"][key], whole)
 
 
+@pytest.mark.parametrize("flags", [[], ["--checkpointing"], ["--overlap"], ["--config-file"]])
+def test_collectives_beside_compute_give_what_waiting_at_each_gives(flags, tmp_path):
+    # The offloaded model's all-gathers started ahead of its binds and its
+    # reduce-scatters left behind (collectives_ahead = 8, the default) against each
+    # collective waited for where it is asked (0): the same losses and parameters to the
+    # bit, the same bytes sent.
+    flags = ["--engine", "offload", *flags]
+    at_each = torchrun(tmp_path / "at-each", *flags, "--collectives-ahead", "0")
+    ahead = torchrun(tmp_path / "ahead", *flags)
+    trained = sum(p.requires_grad for p in dist_worker.model_of("llama", False).parameters())
+    for r in range(2):
+        assert ahead[r]["error"] is None and at_each[r]["error"] is None, (ahead[r], at_each[r])
+        assert ahead[r]["losses"] == at_each[r]["losses"], r
+        assert ahead[r]["hash"] == at_each[r]["hash"], r
+        s0, s8 = at_each[r]["stats"], ahead[r]["stats"]
+        for key in ("sent_all_gather_bytes", "sent_reduce_scatter_bytes", "sent_all_reduce_bytes"):
+            assert s8[key] == s0[key], key
+        assert (s0["collectives_ahead"], s8["collectives_ahead"]) == (0, 8)
+        assert s0["gathers_ahead"] == s0["scatters_behind"] == s0["gathers_discarded"] == 0
+        # The first step binds at each call (no order learnt yet); each later one gathers
+        # its first bind at the call and every other ahead, none dropped.
+        steps = len(ahead[r]["losses"])
+        binds = s0["gathers_at_call"] // steps
+        assert binds * steps == s0["gathers_at_call"] and binds > 1
+        assert s8["gathers_at_call"] == binds + steps - 1, s8
+        assert s8["gathers_ahead"] == (steps - 1) * (binds - 1), s8
+        assert s8["gathers_discarded"] == 0, s8
+        # Every gradient was reduce-scattered while later ones were given.
+        assert s8["scatters_behind"] == steps * trained, s8
+
+
+def test_an_iteration_that_binds_otherwise_drops_the_gathers_ahead(tmp_path):
+    # An evaluation forward between the steps binds the modules without their
+    # backward: the gathers started ahead for the backward are dropped, the rest of the
+    # iteration gathers at each bind, and the losses are those of waiting at each.
+    flags = ["--engine", "offload", "--eval-every", "2"]
+    at_each = torchrun(tmp_path / "at-each", *flags, "--collectives-ahead", "0")
+    ahead = torchrun(tmp_path / "ahead", *flags)
+    for r in range(2):
+        assert ahead[r]["error"] is None, ahead[r]
+        assert ahead[r]["losses"] == at_each[r]["losses"], r
+        assert ahead[r]["evals"] == at_each[r]["evals"] and ahead[r]["evals"], r
+        assert ahead[r]["hash"] == at_each[r]["hash"], r
+        s8 = ahead[r]["stats"]
+        assert s8["gathers_discarded"] > 0 and s8["gathers_ahead"] > 0, s8
+
+
 def test_ranks_import_their_shards_of_a_model_directory(tmp_path):
     # The tiny LLaMA written by transformers; one rank imports it with the Rust importer,
     # two ranks read their shards of each tensor from the files.
@@ -257,6 +304,8 @@ def test_a_dead_rank_stops_the_other_with_an_error(tmp_path):
     (["--drop-last"], "rank 1 differs from rank 0: 4 parameters against 5"),
     (["--engine", "offload", "--config-file", "--weight-decay", "0.02"],
      "rank 1 differs from rank 0: config file = "),
+    (["--engine", "offload", "--last-rank-ahead", "0"],
+     "rank 1 differs from rank 0: collectives_ahead = 0 against 8"),
 ])
 def test_ranks_that_differ_are_refused_naming_what_differs(flag, why, tmp_path):
     ranks = torchrun(tmp_path, "--model", "mlp", *flag, check=False)

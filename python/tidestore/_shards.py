@@ -21,6 +21,11 @@ Per step, over the group's backend (gloo on CPUs, NCCL on GPUs; no transport of 
 - the new values are **all-gathered** into every rank's parameters (``tidestore.AdamW``,
   after the step; ``tidestore.offload``, into a module's buffer each time it is bound).
 
+``tidestore.offload`` keeps these collectives in flight beside its modules' compute
+(``_ahead.Overlapped``: gathers started ahead of the binds, reduce-scatters waited for
+behind), through the ``*_later`` methods, which start a collective and return a
+``Pending``.
+
 Per step and parameter of ``n`` elements of ``b`` bytes, each rank sends and receives
 ``(world - 1) * ceil(n / world) * b`` bytes in each of the two collectives.
 """
@@ -31,7 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["Shards", "check_world", "rank_file", "world_meta", "world_of"]
+__all__ = ["Pending", "Shards", "check_world", "rank_file", "world_meta", "world_of"]
 
 
 def world_of(shards):
@@ -136,26 +141,34 @@ class Shards:
     def grad(self, i, g):
         """This rank's shard of the ranks' average gradient of parameter ``i`` (the
         gradient ``g`` of this rank's batch reduce-scattered), on the CPU."""
+        return self.grad_later(i, g).wait()
+
+    def grad_later(self, i, g):
+        """``grad`` started: a ``Pending`` whose ``wait`` gives the shard."""
         s, n = self.lens[i], self.numels[i]
         flat = g.detach().reshape(-1).to(self.device)
         if s * self.world != n:
             padded = torch.zeros(s * self.world, dtype=g.dtype, device=self.device)
             padded[:n] = flat
             flat = padded
+        flat = flat.contiguous()
         out = torch.empty(s, dtype=g.dtype, device=self.device)
-        with _collective(f"the reduce-scatter of parameter {i}'s gradient"):
-            dist.reduce_scatter_tensor(out, flat.contiguous(), op=dist.ReduceOp.SUM,
-                                       group=self.group)
-        out.div_(self.world)
+        what = f"the reduce-scatter of parameter {i}'s gradient"
+        with _collective(what):
+            work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM,
+                                              group=self.group, async_op=True)
         self.sent["reduce_scatter"] += (self.world - 1) * out.numel() * out.element_size()
-        return out.to("cpu")
+
+        def average():
+            return out.div_(self.world).to("cpu")
+        return Pending(work, average, what, flat)
 
     def gather(self, i, p, shard):
         """Every rank's new shard of parameter ``i`` (this rank's is ``shard``) into
         ``p``."""
         s, n = self.lens[i], self.numels[i]
         if s * self.world == n and p.device == self.device and p.is_contiguous():
-            self._all_gather(i, p.detach().view(-1), shard)
+            self._start_gather(i, p.detach().view(-1), shard, lambda: None).wait()
         else:
             with torch.no_grad():
                 p.view(-1).copy_(self.gathered(i, shard).to(p.device))
@@ -163,15 +176,20 @@ class Shards:
     def gathered(self, i, shard):
         """Parameter ``i``'s whole values, flat, in a new tensor: every rank's shard
         (this rank's is ``shard``) gathered."""
-        full = torch.empty(self.lens[i] * self.world, dtype=shard.dtype, device=self.device)
-        self._all_gather(i, full, shard)
-        return full[: self.numels[i]]
+        return self.gather_later(i, shard).wait()
 
-    def _all_gather(self, i, full, shard):
+    def gather_later(self, i, shard):
+        """``gathered`` started: a ``Pending`` whose ``wait`` gives the values."""
+        full = torch.empty(self.lens[i] * self.world, dtype=shard.dtype, device=self.device)
+        return self._start_gather(i, full, shard, lambda: full[: self.numels[i]])
+
+    def _start_gather(self, i, full, shard, result):
         shard = shard.to(self.device)
-        with _collective(f"the all-gather of parameter {i}"):
-            dist.all_gather_into_tensor(full, shard, group=self.group)
+        what = f"the all-gather of parameter {i}"
+        with _collective(what):
+            work = dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True)
         self.sent["all_gather"] += (self.world - 1) * shard.numel() * shard.element_size()
+        return Pending(work, result, what, shard)
 
     def sum_sq_norm(self, local):
         """The ranks' squared gradient norms summed (the step loop's ``NormPeers``)."""
@@ -184,6 +202,25 @@ class Shards:
     def _bounds(self, i):
         s, n = self.lens[i], self.numels[i]
         return min(self.rank * s, n), min((self.rank + 1) * s, n)
+
+
+class Pending:
+    """A collective in flight: ``wait`` blocks until it is done and gives its result.
+    It keeps the tensor the collective reads alive until then."""
+
+    __slots__ = ("_work", "_result", "_what", "_input")
+
+    def __init__(self, work, result, what, input_tensor):
+        self._work = work
+        self._result = result
+        self._what = what
+        self._input = input_tensor
+
+    def wait(self):
+        with _collective(self._what):
+            self._work.wait()
+        self._input = None
+        return self._result()
 
 
 @contextlib.contextmanager

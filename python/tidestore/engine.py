@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ._tidestore import EngineCore, TidestoreError, export_tensors_from
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
+from ._ahead import Overlapped
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from .optim import closure_loss
 
@@ -174,23 +175,39 @@ class Engine:
         self._modules = {}  # key -> (module name, indices of its own parameters)
         self._owner = {}  # index -> key of the first module that owns it
         self._saved_hooks = None
+        # With a process group: the collectives, up to `collectives_ahead` in flight.
+        self._collectives = (Overlapped(shards, core.collectives_ahead)
+                             if shards is not None else None)
         self._install()
 
     # -- binding ---------------------------------------------------------------------
 
     def _bind(self, i):
-        addr, nbytes, dtype = self.core.acquire(i)
         self._holds[i] += 1
+        if self._shards is None:
+            addr, nbytes, dtype = self.core.acquire(i)
         if self._holds[i] == 1:
             self._held += 1
-            mem = store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype])
-            if self._shards is not None:
-                # Every rank binds in the same order (the same model, the same hooks).
-                mem = self._shards.gathered(i, mem)
+            if self._shards is None:
+                mem = store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype])
+            else:
+                # Every rank binds in the same order (the same model, the same hooks);
+                # the parameter is bound to its gathered copy, the store's lease ended.
+                mem = self._collectives.whole((i, _in_backward()), self._read_shard)
             self.params[i].data = mem.view(self._shapes[i])
             del mem  # counted below, it would hide a module's reference
             self._users[i] = _storage_users(self.params[i])
             self._by_storage[self.params[i].data.data_ptr()] = i
+
+    def _read_shard(self, key):
+        """A copy of this rank's shard of parameter ``key[0]``: one access of the store
+        (its lease ended as the bind's would end, in backward when ``key[1]``)."""
+        i, backward = key
+        addr, nbytes, dtype = self.core.acquire(i)
+        try:
+            return store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype]).clone()
+        finally:
+            self.core.release(i, backward)
 
     def _placeholder(self, i):
         """What a parameter is while not bound: its shape and dtype over one NaN (stride
@@ -203,10 +220,11 @@ class Engine:
         if self._holds[i] == 1:
             self._by_storage.pop(p.data.data_ptr(), None)
             p.data = self._placeholder(i)
-        left = self.core.release(i, backward)
         self._holds[i] -= 1
-        assert left == self._holds[i], "the core's holds and the engine's disagree"
-        if left == 0:
+        if self._shards is None:
+            left = self.core.release(i, backward)
+            assert left == self._holds[i], "the core's holds and the engine's disagree"
+        if self._holds[i] == 0:
             self._held -= 1
             if self._pending:
                 self._flush_grads()
@@ -326,6 +344,7 @@ class Engine:
         for key in list(self._bwd_holds):
             self._module_backward_done(key)
         self._flush_grads()
+        self._flush_scatters()
         self.micro += 1
 
     # -- gradients and the step ------------------------------------------------------
@@ -352,13 +371,24 @@ class Engine:
         if g.device.type != "cpu":
             raise TidestoreError(
                 f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
-        if self._shards is not None:
-            g = self._shards.grad(i, g)
-        g = g.contiguous()
         first = self.micro == 0
         last = self.micro == self.accumulation - 1
+        if self._collectives is not None:
+            self._collectives.scatter(i, g, first, last, self._put_shard)
+        else:
+            self._put_shard(i, g, first, last)
+
+    def _put_shard(self, i, g, first, last):
+        """Hands the store the gradient ``g`` (this rank's shard of it under a process
+        group)."""
+        g = g.contiguous()
         self.core.put_grad(i, byte_view(g, self.names[i] + ".grad"), dtype_name(g), first, last)
         self._step_ready()
+
+    def _flush_scatters(self):
+        """Every gradient reduce-scattered so far into the store."""
+        if self._collectives is not None:
+            self._collectives.flush(self._put_shard)
 
     def _step_ready(self):
         """With overlap, steps the groups whose gradients are all final — only while no
@@ -375,6 +405,9 @@ class Engine:
         if self._pending or any(self._holds):
             held = [self.names[i] for i, h in enumerate(self._holds) if h]
             raise TidestoreError(f"step while parameters are held by a module: {held}")
+        self._flush_scatters()
+        if self._collectives is not None:
+            self._collectives.end_iteration()
         self.core.set_lr(float(lr))
         out = self.core.step()
         self.micro = 0
@@ -415,6 +448,7 @@ class Engine:
 
     def values(self, i):
         """Parameter ``i``'s current values (fp32; the master copy of a trainable one)."""
+        self._flush_scatters()
         t = torch.frombuffer(bytearray(self.core.values(i)), dtype=torch.float32)
         if self._shards is not None:
             t = self._shards.gathered(i, t)  # a collective: every rank calls it
@@ -495,6 +529,8 @@ class Engine:
         if self._shards is not None:
             stats["world_size"] = self._shards.world
             stats.update({f"sent_{k}_bytes": v for k, v in self._shards.sent.items()})
+            stats["collectives_ahead"] = self._collectives.depth
+            stats.update(self._collectives.stats)
         return stats
 
     def remove(self):
@@ -548,6 +584,9 @@ class EngineOptimizer(torch.optim.Optimizer):
             raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry)")
         shards = self.engine._shards
         check_world(ts["path"], ts.get("world_size", 1), None, shards, "engine")
+        if self.engine._collectives is not None:
+            # Gathers started ahead read the values the load replaces.
+            self.engine._collectives.discard_gathers()
         self.engine.core.load(rank_file(ts["base_path"], shards) if "base_path" in ts
                               else ts["path"])
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -646,7 +685,8 @@ def _overlap_name(overlap):
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
-            chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None):
+            chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None,
+            collectives_ahead=8):
     """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
     built with its parameters on the meta device and imported straight into the store)
     to a tidestore store; returns ``(model, optimizer)``.
@@ -674,7 +714,11 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     the file names one. With ``config``, the ranks' files
     must say the same (checked at start); each rank's swap file is its own under
     ``nvme.dir``. ``save_pretrained`` is a collective: rank 0 writes the directory, each
-    tensor gathered from the ranks' shards as it is written.
+    tensor gathered from the ranks' shards as it is written. ``collectives_ahead`` (a
+    config file's ``train.collectives_ahead``): the collectives kept in flight beside
+    compute, 0 to 1024 — parameters all-gathered that many binds ahead (in the order the
+    last step bound them), gradients reduce-scattered that many behind; 0: each waits
+    where it is asked for. The results are the same.
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
@@ -701,7 +745,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         shards = _shard(named, process_group, source_dir, config, dict(
             precision=precision, lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
             states=states, max_grad_norm=max_grad_norm, overlap=overlap,
-            accumulation=accumulation))
+            accumulation=accumulation, collectives_ahead=collectives_ahead))
         specs = [(n, [s], t) for (n, _, t), s in zip(specs, shards.lens)]
     tmpdir = None
     if config is None and nvme_dir is None:
@@ -714,7 +758,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                   host_budget=parse_bytes(host_budget, "host_budget"),
                   device_budget=parse_bytes(device_budget, "device_budget"),
                   max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
-                  chunk_elements=chunk_elements)
+                  chunk_elements=chunk_elements, collectives_ahead=collectives_ahead)
     if config is not None and process_group is not None and torch.cuda.is_available():
         # Each rank's store on its own GPU (the one torch computes on), unless the file
         # names one in device.ordinal.

@@ -212,11 +212,11 @@ impl TrainSection {
     /// Checks ranges and combinations; the error names the key. Paths are checked when
     /// a run starts.
     pub fn validate(&self) -> Result<()> {
-        if self.collectives_ahead > 1024 {
+        if self.collectives_ahead as usize > tidestore_train::ranks::MAX_AHEAD {
             return Err(outside(
                 "train.collectives_ahead",
                 self.collectives_ahead,
-                "0..=1024",
+                &format!("0..={}", tidestore_train::ranks::MAX_AHEAD),
             ));
         }
         if !(1..=10_000_000).contains(&self.steps) {

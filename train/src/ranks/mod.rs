@@ -46,6 +46,9 @@ use worker::Worker;
 /// about one LLaMA block's parameters (seven matrices and two norms) ahead.
 pub const DEFAULT_AHEAD: usize = 8;
 
+/// The most collectives a front end may keep in flight (`train.collectives_ahead`).
+pub const MAX_AHEAD: usize = 1024;
+
 /// How long [`Ranks::abort`] waits for the collectives queued before it.
 const ABORT_WAIT: Duration = Duration::from_secs(30);
 

@@ -1,0 +1,80 @@
+"""Time per step of a transformers LLaMA offloaded with ``tidestore.offload`` over the
+ranks of a ``torch.distributed`` process group (gloo on CPUs, NCCL on GPUs), and the
+time each rank waited for its collectives; medians of the steps after the first two
+(the first learns the order the gathers ahead follow) as JSON, from rank 0.
+
+    python -m torch.distributed.run --nproc-per-node 2 python/bench/engine_ranks.py \\
+        --hidden 512 --layers 4 --collectives-ahead 8
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import tidestore
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1, help="per rank")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--collectives-ahead", type=int, default=8)
+    args = ap.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    nvme = tempfile.mkdtemp(prefix=f"tidestore-ranks-bench-{rank}-")
+    model, opt = tidestore.offload(model, lr=1e-4, weight_decay=0.01, nvme_dir=nvme,
+                                   threads=args.threads, process_group=dist.group.WORLD,
+                                   collectives_ahead=args.collectives_ahead)
+    engine = model.tidestore_engine
+    g = torch.Generator().manual_seed(1 + rank)
+    times, waits, losses = [], [], []
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        waited = engine.stats()["collective_wait_ns"]
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        waits.append((engine.stats()["collective_wait_ns"] - waited) / 1e9)
+        losses.append(loss.item())
+    stats = engine.stats()
+    timed = slice(2, None)
+    out = {"rank": rank, "world": world, "collectives_ahead": args.collectives_ahead,
+           "threads": args.threads, "median_step_s": statistics.median(times[timed]),
+           "median_collective_wait_s": statistics.median(waits[timed]),
+           "steps_s": times, "waits_s": waits, "losses": losses,
+           "gathers_ahead": stats["gathers_ahead"], "gathers_at_call": stats["gathers_at_call"],
+           "sent_all_gather_bytes": stats["sent_all_gather_bytes"]}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        print(json.dumps(everyone))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
