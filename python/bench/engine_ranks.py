@@ -16,18 +16,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import transformers
 
 import tidestore
+from engine_step import llama_args, llama_of  # (this folder is the script's path)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1, help="per rank")
+    llama_args(ap, batch=1)  # (--batch: per rank)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--collectives-ahead", type=int, default=8)
@@ -36,11 +32,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = llama_of(args)
     model.gradient_checkpointing_enable()
     nvme = tempfile.mkdtemp(prefix=f"tidestore-ranks-bench-{rank}-")
     model, opt = tidestore.offload(model, lr=1e-4, weight_decay=0.01, nvme_dir=nvme,

@@ -19,13 +19,28 @@ import transformers
 import tidestore
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def llama_args(ap, batch):
+    """The model's and the batch's options (shared with ``engine_ranks.py``)."""
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8000)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=batch)
+
+
+def llama_of(args):
+    """A randomly initialised transformers LLaMA of ``args``' shape (GQA: a kv head per
+    two query heads)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    llama_args(ap, batch=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps after one warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--host-budget", default=None, help="tidestore host pool (default: all in RAM)")
@@ -35,11 +50,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=args.seq)
-    base = transformers.LlamaForCausalLM(cfg)
+    base = llama_of(args)
     params = sum(p.numel() for p in base.parameters())
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     del base
