@@ -83,7 +83,8 @@ def optimizer(a, model, rank, world, group):
         ahead = a.last_rank_ahead
     common = dict(lr=1e-3, weight_decay=wd, overlap=a.overlap, threads=1, max_grad_norm=a.clip,
                   nvme_dir=swap, host_budget=a.host_budget, chunk_elements=a.chunk_elements,
-                  checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group)
+                  checkpoint_path=os.path.join(a.out, "optim.safetensors"), process_group=group,
+                  collectives_ahead=ahead)
     if a.engine == "offload":
         if a.checkpointing:
             model.gradient_checkpointing_enable()
@@ -97,7 +98,7 @@ def optimizer(a, model, rank, world, group):
             return tidestore.offload(a.model_dir or model, config, process_group=group,
                                      checkpoint_path=common["checkpoint_path"])
         return tidestore.offload(a.model_dir or model, **common, device_budget=a.device_budget,
-                                 precision=a.precision, collectives_ahead=ahead)
+                                 precision=a.precision)
     params = [p for p in model.parameters() if p.requires_grad]
     if a.drop_last and rank == world - 1:
         params = params[:-1]
@@ -194,9 +195,9 @@ def args(argv=None):
     p.add_argument("--export", nargs="?", const="export", default=None,
                    help="offload only: save_pretrained into OUT/EXPORT at the end (f32)")
     p.add_argument("--collectives-ahead", type=int, default=8,
-                   help="offload only: collectives in flight beside compute")
+                   help="collectives in flight beside compute")
     p.add_argument("--last-rank-ahead", type=int, default=None,
-                   help="offload only: the last rank's --collectives-ahead")
+                   help="the last rank's --collectives-ahead")
     p.add_argument("--eval-every", type=int, default=0,
                    help="a forward under no_grad after every this many steps")
     p.add_argument("--die-at", type=int, default=-1)

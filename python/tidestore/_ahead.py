@@ -20,14 +20,25 @@ into the next forward is made by the read of the shard, ahead or not).
 
 Gradients are reduce-scattered in the order they come and put into the store in that
 order, at the latest ``depth`` gradients later, and all before anything reads them
-(``flush``): the same sums, in the same order, as waiting at each. With ``depth`` 0 every
-collective waits where it is asked for.
+(``flush``): the same sums, in the same order, as waiting at each. ``tidestore.AdamW``
+leaves its reduce-scatters and its write-back's all-gathers behind alike. With ``depth``
+0 every collective waits where it is asked for.
 """
 
 import collections
 import time
 
-__all__ = ["Overlapped"]
+__all__ = ["MAX_AHEAD", "Overlapped", "check_ahead"]
+
+MAX_AHEAD = 1024  # as the Rust trainer's `ranks::MAX_AHEAD`
+
+
+def check_ahead(depth):
+    """``collectives_ahead`` checked: a whole number from 0 to ``MAX_AHEAD``."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_AHEAD:
+        raise ValueError(f"collectives_ahead: {depth!r} is not a whole number from 0 to "
+                         f"{MAX_AHEAD}")
+    return depth
 
 
 class Overlapped:
@@ -42,7 +53,7 @@ class Overlapped:
         self._following = False  # whether this iteration binds as _order says so far
         self._gathers = collections.deque()  # (place in _order, Pending), oldest first
         self._next = 0  # the place in _order of the next gather to start
-        self._scatters = collections.deque()  # (parameter, first, last, Pending)
+        self._behind = collections.deque()  # (Pending, what to do with its result)
         # What it did so far; collective_wait_ns: time this rank spent waiting for its
         # collectives to finish (what overlap hides shrinks it).
         self.stats = {"gathers_ahead": 0, "gathers_at_call": 0, "gathers_discarded": 0,
@@ -84,24 +95,30 @@ class Overlapped:
 
     def scatter(self, i, grad, first, last, put):
         """Starts reduce-scattering ``grad`` (a part of parameter ``i``'s gradient,
-        ``first`` and ``last`` as the store's ``put_grad`` takes them); those more than
-        ``depth`` behind are handed to ``put(i, shard, first, last)`` first, oldest
-        first."""
-        self._scatters.append((i, first, last, self.shards.grad_later(i, grad)))
-        while len(self._scatters) > self.depth:
-            self._put_oldest(put)
-        if self._scatters:
+        ``first`` and ``last`` as the store's ``put_grad`` takes them), to be handed to
+        ``put(i, shard, first, last)`` at most ``depth`` collectives later (``behind``)."""
+        self.behind(self.shards.grad_later(i, grad), lambda shard: put(i, shard, first, last))
+        if self._behind:
             self.stats["scatters_behind"] += 1
 
-    def flush(self, put):
-        """Hands every gradient reduce-scattered so far to ``put``, in order: before
-        anything reads gradients (the step, the end of a backward, the values)."""
-        while self._scatters:
-            self._put_oldest(put)
+    def behind(self, pending, then):
+        """Leaves the collective ``pending`` running; ``then(its result)`` is called once
+        it is waited for: in the order given, when more than ``depth`` are left behind
+        or at the ``flush``."""
+        self._behind.append((pending, then))
+        while len(self._behind) > self.depth:
+            self._finish_oldest()
 
-    def _put_oldest(self, put):
-        i, first, last, pending = self._scatters.popleft()
-        put(i, self._wait(pending), first, last)
+    def flush(self):
+        """Waits for every collective left behind and hands each its result, in order:
+        before anything reads what they make (the step reads the gradients; the end of
+        a backward, the values)."""
+        while self._behind:
+            self._finish_oldest()
+
+    def _finish_oldest(self):
+        pending, then = self._behind.popleft()
+        then(self._wait(pending))
 
     def _wait(self, pending):
         start = time.perf_counter_ns()

@@ -166,12 +166,20 @@ class Shards:
     def gather(self, i, p, shard):
         """Every rank's new shard of parameter ``i`` (this rank's is ``shard``) into
         ``p``."""
+        self.gather_into_later(i, p, shard).wait()
+
+    def gather_into_later(self, i, p, shard):
+        """``gather`` started: a ``Pending`` whose ``wait`` finishes it (``p`` is not to
+        be read before)."""
         s, n = self.lens[i], self.numels[i]
         if s * self.world == n and p.device == self.device and p.is_contiguous():
-            self._start_gather(i, p.detach().view(-1), shard, lambda: None).wait()
-        else:
+            return self._start_gather(i, p.detach().view(-1), shard, lambda: None)
+        full = torch.empty(s * self.world, dtype=shard.dtype, device=self.device)
+
+        def copy():
             with torch.no_grad():
-                p.view(-1).copy_(self.gathered(i, shard).to(p.device))
+                p.view(-1).copy_(full[:n].to(p.device))
+        return self._start_gather(i, full, shard, copy)
 
     def gathered(self, i, shard):
         """Parameter ``i``'s whole values, flat, in a new tensor: every rank's shard
@@ -205,8 +213,9 @@ class Shards:
 
 
 class Pending:
-    """A collective in flight: ``wait`` blocks until it is done and gives its result.
-    It keeps the tensor the collective reads alive until then."""
+    """A collective in flight: ``wait`` blocks until it is done and gives what
+    ``result()`` makes of it then. It keeps the tensor the collective reads alive
+    until then."""
 
     __slots__ = ("_work", "_result", "_what", "_input")
 

@@ -388,7 +388,7 @@ class Engine:
     def _flush_scatters(self):
         """Every gradient reduce-scattered so far into the store."""
         if self._collectives is not None:
-            self._collectives.flush(self._put_shard)
+            self._collectives.flush()
 
     def _step_ready(self):
         """With overlap, steps the groups whose gradients are all final — only while no

@@ -43,7 +43,11 @@ the ranks' gradient norms (clipping and skipping decided alike everywhere), step
 shards and all-gathers the new values into every rank's parameters. Checkpoints are
 per rank (the file name carries the rank and world size) and resume only on the same
 world size. A rank that dies makes the others' next collective fail with an error
-naming it.
+naming it. ``collectives_ahead`` (8 by default, 0 to 1024): the reduce-scatters (in
+``step()``, or during backward with ``overlap``) and the write-back's all-gathers kept
+in flight while the next are started and the next shards read from the store, each
+waited for at most that many collectives later (0: each where it is asked for); the
+same results, to the bit.
 
 Checkpoints are streamed: ``state_dict()`` writes the state into a tidestore checkpoint
 (one safetensors file: ``optimizer.master.param.I``, ``optimizer.exp_avg.param.I``,
@@ -77,6 +81,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
+from ._ahead import Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
@@ -109,7 +114,7 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
                  overlap=False, threads=0, checkpoint_path=None, chunk_elements=None,
-                 process_group=None, check_finite=True):
+                 process_group=None, check_finite=True, collectives_ahead=8):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self._check_groups()
@@ -130,15 +135,17 @@ class AdamW(torch.optim.Optimizer):
         g0 = self.param_groups[0]
         core_shapes = [list(s) for s in self._shapes]
         self._shards = None
+        self._collectives = None
         if process_group is not None:
             self._shards = Shards(self._params, process_group)
             self._shards.check_alike(self._params, {
                 **{k: (list(v) if isinstance(v, tuple) else v) for k, v in g0.items()
                    if k != "params"},
                 "states": states, "max_grad_norm": max_grad_norm, "overlap": self.overlap,
-                "check_finite": bool(check_finite)})
+                "check_finite": bool(check_finite), "collectives_ahead": collectives_ahead})
             self._shards.broadcast(self._params)
             core_shapes = [[s] for s in self._shards.lens]
+            self._collectives = Overlapped(self._shards, check_ahead(collectives_ahead))
         self._core = AdamWCore(
             core_shapes, lr=float(g0["lr"]), betas=tuple(g0["betas"]),
             eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
@@ -252,13 +259,6 @@ class AdamW(torch.optim.Optimizer):
             return t
         return self._shards.values(i, t)
 
-    def _grad(self, i, g):
-        """Parameter ``i``'s gradient ``g`` as the core takes it: as it is, or this
-        rank's shard of the ranks' average."""
-        if self._shards is None:
-            return g.detach()
-        return self._shards.grad(i, g)
-
     def _bound(self, i):
         """Parameter i's .data is still the store's memory it was bound to."""
         return self._adopted[i] is not None and self._params[i].data_ptr() == self._adopted[i]
@@ -273,8 +273,33 @@ class AdamW(torch.optim.Optimizer):
         return byte_view(t, "tensor")
 
     def _put_grad(self, i, p):
-        g = self._grad(i, p.grad)
+        """Hands the core parameter ``i``'s gradient as it is, or (with a process group)
+        starts reduce-scattering it, to be handed over at most ``collectives_ahead``
+        gradients later."""
+        if self._collectives is None:
+            self._put_shard(i, p.grad.detach())
+        else:
+            self._collectives.scatter(i, p.grad, True, True,
+                                      lambda i, g, _first, _last: self._put_shard(i, g))
+
+    def _put_shard(self, i, g):
         self._core.put_grad(i, self._cpu_view(g), dtype_name(g))
+
+    def _given_grads(self):
+        """Every gradient as the core's ``step_given`` takes it, in order: where torch
+        left it, or this rank's shard of the ranks' average (up to
+        ``collectives_ahead`` reduce-scatters in flight)."""
+        if self._collectives is None:
+            # Read where torch left them (copied in only where the store cannot).
+            return [(self._cpu_view(p.grad), dtype_name(p.grad)) for p in self._params]
+        grads = []
+
+        def take(_i, g, _first, _last):
+            grads.append((self._cpu_view(g), dtype_name(g)))
+        for i, p in enumerate(self._params):
+            self._collectives.scatter(i, p.grad, True, True, take)
+        self._collectives.flush()
+        return grads
 
     def _write_back(self):
         for i, p in enumerate(self._params):
@@ -282,17 +307,27 @@ class AdamW(torch.optim.Optimizer):
                 continue
             dt = dtype_name(p)
             if self._shards is not None:
+                # The all-gathers left behind, up to collectives_ahead in flight while
+                # the next shards are read from the store.
                 shard = torch.empty(self._shards.lens[i], dtype=p.dtype)
                 self._core.read_param(i, byte_view(shard, f"parameter {i}", writable=True), dt)
-                self._shards.gather(i, p, shard)
-            elif p.device.type == "cpu":
+                self._collectives.behind(self._shards.gather_into_later(i, p, shard),
+                                         lambda _, i=i, p=p: self._written(i, p))
+                continue
+            if p.device.type == "cpu":
                 self._core.read_param(i, byte_view(p.detach(), f"parameter {i}", writable=True), dt)
             else:
                 tmp = torch.empty(p.shape, dtype=p.dtype, device="cpu")
                 self._core.read_param(i, byte_view(tmp, f"parameter {i}", writable=True), dt)
                 with torch.no_grad():
                     p.copy_(tmp)
-            self._versions[i] = p._version
+            self._written(i, p)
+        if self._collectives is not None:
+            self._collectives.flush()
+
+    def _written(self, i, p):
+        """Parameter ``i`` holds its master's values now: a later change is the user's."""
+        self._versions[i] = p._version
 
     def _hook(self, i):
         def hook(p):
@@ -312,11 +347,10 @@ class AdamW(torch.optim.Optimizer):
             self._check_all()
             for i, p in enumerate(self._params):
                 self._check_grad(i, p)
-            # Read where torch left them (copied in only where the store cannot).
-            grads = [(self._cpu_view(self._grad(i, p.grad)), dtype_name(p.grad))
-                     for i, p in enumerate(self._params)]
-            self.last_step = self._core.step_given(grads)
+            self.last_step = self._core.step_given(self._given_grads())
         else:
+            if self._collectives is not None:
+                self._collectives.flush()  # the gradients the hooks left behind
             self.last_step = self._core.step()
         self._checked = False
         self._write_back()
@@ -420,4 +454,6 @@ class AdamW(torch.optim.Optimizer):
         if self._shards is not None:
             stats["world_size"] = self._shards.world
             stats.update({f"sent_{k}_bytes": v for k, v in self._shards.sent.items()})
+            stats["collectives_ahead"] = self._collectives.depth
+            stats.update(self._collectives.stats)
         return stats
