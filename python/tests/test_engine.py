@@ -124,6 +124,14 @@ def test_an_unknown_overlap_is_refused(tmp_path):
         tidestore.offload(llama(), overlap="sideways", nvme_dir=tmp_path)
 
 
+@pytest.mark.parametrize("bad", [-1, 1025, 2.0, True])
+def test_a_collectives_ahead_out_of_range_is_refused_by_both_engines(bad, tmp_path):
+    with pytest.raises(ValueError, match=f"collectives_ahead: {bad!r} is not a whole number"):
+        tidestore.offload(llama(), collectives_ahead=bad, nvme_dir=tmp_path)
+    with pytest.raises(ValueError, match=f"collectives_ahead: {bad!r} is not a whole number"):
+        tidestore.AdamW(llama().parameters(), collectives_ahead=bad, nvme_dir=tmp_path)
+
+
 def test_a_config_files_overlap_during_backward_is_refused_with_accumulation(tmp_path):
     # The file's overlap decides, not the keyword's (which is not read with a config).
     cfg = tmp_path / "overlap.toml"

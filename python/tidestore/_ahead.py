@@ -67,7 +67,6 @@ class Overlapped:
         place = len(self._seen)
         self._seen.append(key)
         if self._following and (place >= len(self._order) or self._order[place] != key):
-            self._following = False
             self.discard_gathers()
         if self._following and self._gathers and self._gathers[0][0] == place:
             self.stats["gathers_ahead"] += 1

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ._tidestore import EngineCore, TidestoreError, export_tensors_from
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
-from ._ahead import Overlapped
+from ._ahead import Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from .optim import closure_loss
 
@@ -722,6 +722,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     """
     if accumulation < 1:
         raise ValueError(f"accumulation: {accumulation} is not a positive count")
+    check_ahead(collectives_ahead)
     overlap = _overlap_name(overlap)
     _check_accumulation(overlap, accumulation)
     source_dir = None

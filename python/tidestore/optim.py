@@ -122,6 +122,7 @@ class AdamW(torch.optim.Optimizer):
         for i, p in enumerate(self._params):
             self._check_param(i, p)
         host_budget = parse_bytes(host_budget, "host_budget")
+        check_ahead(collectives_ahead)
         self._tmpdir = None
         if nvme_dir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="tidestore-adamw-")
@@ -145,7 +146,7 @@ class AdamW(torch.optim.Optimizer):
                 "check_finite": bool(check_finite), "collectives_ahead": collectives_ahead})
             self._shards.broadcast(self._params)
             core_shapes = [[s] for s in self._shards.lens]
-            self._collectives = Overlapped(self._shards, check_ahead(collectives_ahead))
+            self._collectives = Overlapped(self._shards, collectives_ahead)
         self._core = AdamWCore(
             core_shapes, lr=float(g0["lr"]), betas=tuple(g0["betas"]),
             eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
