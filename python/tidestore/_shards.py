@@ -21,10 +21,11 @@ Per step, over the group's backend (gloo on CPUs, NCCL on GPUs; no transport of 
 - the new values are **all-gathered** into every rank's parameters (``tidestore.AdamW``,
   after the step; ``tidestore.offload``, into a module's buffer each time it is bound).
 
-``tidestore.offload`` keeps these collectives in flight beside its modules' compute
-(``_ahead.Overlapped``: gathers started ahead of the binds, reduce-scatters waited for
-behind), through the ``*_later`` methods, which start a collective and return a
-``Pending``.
+Both keep these collectives in flight (``_ahead.Overlapped``, up to
+``collectives_ahead``): ``tidestore.offload`` starts a module's gathers ahead of its
+bind and waits for each reduce-scatter behind, beside its modules' compute;
+``tidestore.AdamW`` leaves its reduce-scatters and write-back gathers behind while the
+next start. The ``*_later`` methods start a collective and return a ``Pending``.
 
 Per step and parameter of ``n`` elements of ``b`` bytes, each rank sends and receives
 ``(world - 1) * ceil(n / world) * b`` bytes in each of the two collectives.
