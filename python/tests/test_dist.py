@@ -280,16 +280,20 @@ def test_a_resume_after_one_rank_was_killed_is_bit_identical(engine, tmp_path):
         dist_worker.train(a, 0, 1, None)
 
 
-def test_a_dead_rank_stops_the_other_with_an_error(tmp_path):
+@pytest.mark.parametrize("engine", ["adamw", "offload"])
+def test_a_dead_rank_stops_the_other_with_an_error(engine, tmp_path):
     # Launched as mpirun-style launchers do: each rank its own process with RANK,
-    # WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no torchrun to stop the survivor).
+    # WORLD_SIZE, MASTER_ADDR and MASTER_PORT (no torchrun to stop the survivor). The
+    # survivor has collectives in flight (collectives_ahead = 8): the one it waits for
+    # fails, named.
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, "--out", str(tmp_path), "--die-at", "1"],
+            [sys.executable, WORKER, "--out", str(tmp_path), "--die-at", "1",
+             "--engine", engine],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     start = time.monotonic()
     out0 = procs[0].communicate(timeout=120)[0].decode(errors="replace")
