@@ -59,6 +59,13 @@ class Overlapped:
         self.stats = {"gathers_ahead": 0, "gathers_at_call": 0, "gathers_discarded": 0,
                       "scatters_behind": 0, "collective_wait_ns": 0}
 
+    def report(self):
+        """What a sharded engine adds to its ``stats()``: the world size, the bytes this
+        rank sent into each kind of collective, the depth, and what it did so far."""
+        return {"world_size": self.shards.world,
+                **{f"sent_{k}_bytes": v for k, v in self.shards.sent.items()},
+                "collectives_ahead": self.depth, **self.stats}
+
     def whole(self, key, read):
         """The whole parameter ``key[0]``, flat: gathered ahead when the order foresaw
         this bind, else gathered now from the shard ``read(key)`` gives. Then starts the

@@ -526,11 +526,8 @@ class Engine:
         world size and the bytes this rank sent into each collective (as
         ``tidestore.AdamW.stats``)."""
         stats = self.core.stats()
-        if self._shards is not None:
-            stats["world_size"] = self._shards.world
-            stats.update({f"sent_{k}_bytes": v for k, v in self._shards.sent.items()})
-            stats["collectives_ahead"] = self._collectives.depth
-            stats.update(self._collectives.stats)
+        if self._collectives is not None:
+            stats.update(self._collectives.report())
         return stats
 
     def remove(self):
