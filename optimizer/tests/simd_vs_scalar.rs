@@ -193,3 +193,31 @@ fn thread_count_does_not_change_bits() {
         two.grad_sq_norm(Grads::F32(&g)).to_bits()
     );
 }
+
+/// An f32 gradient widened into a destination at every alignment (the streaming copy's
+/// scalar head and tail around its aligned stores) lands exactly, with its norm.
+#[test]
+fn widened_f32_lands_exactly_at_every_alignment() {
+    let g: Vec<f32> = (0..1100).map(|i| (i as f32 - 550.0) * 0.37).collect();
+    let mut buf = vec![0f32; 1100 + 16];
+    for (level, threads, opt) in common::optimizers(64) {
+        for offset in 0..16 {
+            for len in [0, 1, 7, 15, 16, 17, 31, 33, 64, 100, 1000, 1100] {
+                buf.fill(f32::NAN);
+                let dst = &mut buf[offset..offset + len];
+                let sq = opt.widen_grads(Grads::F32(&g[..len]), dst).unwrap();
+                assert!(
+                    dst.iter().zip(&g).all(|(d, s)| d.to_bits() == s.to_bits()),
+                    "{level:?} x{threads}: offset {offset}, {len} elements"
+                );
+                assert_eq!(
+                    sq.to_bits(),
+                    opt.grad_sq_norm(Grads::F32(&g[..len])).to_bits()
+                );
+                // Nothing written outside the destination.
+                assert!(buf[..offset].iter().all(|x| x.is_nan()));
+                assert!(buf[offset + len..].iter().all(|x| x.is_nan()));
+            }
+        }
+    }
+}

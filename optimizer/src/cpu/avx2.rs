@@ -419,3 +419,26 @@ pub(crate) unsafe fn probe<const GK: u8, const OK: u8>(
         scalar::probe_from::<GK, OK>(s, one, zero, n8);
     }
 }
+
+/// Copies `len` f32 from `src` to `dst` with non-temporal stores where `dst` is
+/// 32-byte aligned (see [`super::avx512::copy_stream`]).
+///
+/// # Safety
+/// The CPU supports AVX; `src` covers `len` f32, `dst` (exclusive, not overlapping
+/// `src`) `len` f32.
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn copy_stream(src: *const f32, dst: *mut f32, len: usize) {
+    // SAFETY: AVX2 enabled here; every access is below `len`; the streamed stores are
+    // at `dst + i` with `i` past the head, which makes `dst + i` 32-byte aligned.
+    unsafe {
+        let head = dst.align_offset(32).min(len);
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let mut i = head;
+        while i + 8 <= len {
+            _mm256_stream_ps(dst.add(i), _mm256_loadu_ps(src.add(i)));
+            i += 8;
+        }
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+        _mm_sfence();
+    }
+}

@@ -243,13 +243,22 @@ impl AdamW {
     /// Widens `grads` into `dst` and returns what [`AdamW::grad_sq_norm`] returns for
     /// `dst`, bit for bit (the same blocks, each summed while it is still in cache): how
     /// a gradient enters an fp32 place in one pass over memory, spread over the threads.
+    /// An f32 gradient is copied with streaming stores (`dst` is not read into the cache
+    /// first: a gradient place is next read at the step) and summed from its source, the
+    /// same values.
     pub fn widen_grads(&self, grads: Grads<'_>, dst: &mut [f32]) -> Result<f64> {
         check_len("dst", dst.len(), "grads", grads.len())?;
         Ok(self.run(
             AccJob { acc: dst, g: grads },
-            |level, j: AccJob<'_>| {
-                widen_leaf(j.g, j.acc);
-                sq_norm_leaf(level, Grads::F32(j.acc))
+            |level, j: AccJob<'_>| match j.g {
+                Grads::F32(g) => {
+                    copy_streaming(level, g, j.acc);
+                    sq_norm_leaf(level, Grads::F32(g))
+                }
+                g => {
+                    widen_leaf(g, j.acc);
+                    sq_norm_leaf(level, Grads::F32(j.acc))
+                }
             },
             |a: f64, b: f64| a + b,
         ))
@@ -462,6 +471,24 @@ fn widen_leaf(g: Grads<'_>, dst: &mut [f32]) {
     }
 }
 grad_leaf!(finite_leaf, all_finite, bool);
+
+/// `src` copied into `dst` (as long), with non-temporal stores where the CPU has them
+/// (see [`avx512::copy_stream`]): for a destination not read again soon.
+fn copy_streaming(level: SimdLevel, src: &[f32], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), dst.len(), "a copy between slices of one length");
+    let len = src.len().min(dst.len());
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `src` and the exclusive `dst` both cover `len` elements and cannot
+        // overlap (one is borrowed shared, the other exclusive); `level` is supported.
+        SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => unsafe { avx512::copy_stream(s, d, len) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { avx2::copy_stream(s, d, len) },
+        _ => dst[..len].copy_from_slice(&src[..len]),
+    }
+}
 
 fn accumulate_leaf(level: SimdLevel, j: AccJob<'_>, scale: f32) {
     let len = j.acc.len();
