@@ -260,8 +260,8 @@ impl Schedule {
     /// The moments of a prefetch window after the absolute moment `now`, each with
     /// its chunks, read with `horizon`: the next `count` moments, or with `busy_only`
     /// the next `count` moments that use a chunk (a tier's schedule has empty moments
-    /// where the other tier's accesses are, and these do not bring a need closer). At
-    /// most one iteration is read.
+    /// where the other tier's accesses are, and these do not bring a need closer; they
+    /// are looked for at most one iteration on).
     pub fn window(
         &self,
         now: u64,
@@ -270,16 +270,14 @@ impl Schedule {
         busy_only: bool,
     ) -> impl Iterator<Item = (u64, &[ChunkId])> + '_ {
         let len = u64::from(self.len);
-        let reach = match (horizon, busy_only) {
+        let ahead = now.saturating_add(u64::from(count));
+        // The last moment read: busy moments are looked for up to one iteration on.
+        let reach = match horizon {
             _ if len == 0 => now,
-            (Horizon::Once, _) => len - 1,
-            (Horizon::Cyclic, true) => now.saturating_add(len),
-            (Horizon::Cyclic, false) => now.saturating_add(u64::from(count)),
-        };
-        let reach = if busy_only {
-            reach
-        } else {
-            reach.min(now.saturating_add(u64::from(count)))
+            Horizon::Once if busy_only => len - 1,
+            Horizon::Once => ahead.min(len - 1),
+            Horizon::Cyclic if busy_only => now.saturating_add(len),
+            Horizon::Cyclic => ahead,
         };
         (now + 1..=reach)
             .map(move |at| {

@@ -495,6 +495,12 @@ fn _tidestore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyAioHandle>()?;
     m.add_class::<py_engine::PyEngineCore>()?;
     m.add_function(wrap_pyfunction!(py_engine::export_tensors_from, m)?)?;
+    // The collectives a sharded engine keeps in flight: by default, and at the most.
+    m.add(
+        "DEFAULT_COLLECTIVES_AHEAD",
+        tidestore_train::ranks::DEFAULT_AHEAD,
+    )?;
+    m.add("MAX_COLLECTIVES_AHEAD", tidestore_train::ranks::MAX_AHEAD)?;
     m.add("TidestoreError", py.get_type::<TidestoreError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("IoError", py.get_type::<TidestoreIoError>())?;

@@ -9,7 +9,7 @@ use std::sync::{Mutex, PoisonError};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tidestore_train::ranks::{DEFAULT_AHEAD, MAX_AHEAD};
+use tidestore_train::ranks::DEFAULT_AHEAD;
 use tidestore_train::{Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig};
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
@@ -91,17 +91,6 @@ fn config_file(path: &std::path::Path, local_gpu: Option<usize>) -> Result<(Trai
     Ok((cfg.trainer_config(swap)?, ahead))
 }
 
-/// `collectives_ahead` checked against [`MAX_AHEAD`].
-fn check_ahead(ahead: usize) -> Result<usize> {
-    if ahead > MAX_AHEAD {
-        return Err(Error::bad(
-            "collectives_ahead",
-            format!("{ahead} is outside 0..={MAX_AHEAD}"),
-        ));
-    }
-    Ok(ahead)
-}
-
 /// `tidestore._tidestore.EngineCore`: see [`crate::engine`].
 #[pyclass(name = "EngineCore", module = "tidestore._tidestore")]
 pub struct PyEngineCore {
@@ -178,7 +167,8 @@ impl PyEngineCore {
                     chunk_elements,
                 }
                 .trainer_config()?,
-                check_ahead(collectives_ahead)?,
+                // (checked by `tidestore.offload`, against `MAX_COLLECTIVES_AHEAD`)
+                collectives_ahead,
             ),
         };
         let specs: Vec<ParamSpec> = params

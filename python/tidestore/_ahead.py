@@ -28,9 +28,10 @@ leaves its reduce-scatters and its write-back's all-gathers behind alike. With `
 import collections
 import time
 
-__all__ = ["MAX_AHEAD", "Overlapped", "check_ahead"]
+from ._tidestore import DEFAULT_COLLECTIVES_AHEAD as DEFAULT_AHEAD
+from ._tidestore import MAX_COLLECTIVES_AHEAD as MAX_AHEAD
 
-MAX_AHEAD = 1024  # as the Rust trainer's `ranks::MAX_AHEAD`
+__all__ = ["DEFAULT_AHEAD", "MAX_AHEAD", "Overlapped", "check_ahead"]
 
 
 def check_ahead(depth):

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ._tidestore import EngineCore, TidestoreError, export_tensors_from
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
-from ._ahead import Overlapped, check_ahead
+from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from .optim import closure_loss
 
@@ -683,7 +683,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
             weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
             chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None,
-            collectives_ahead=8):
+            collectives_ahead=DEFAULT_AHEAD):
     """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
     built with its parameters on the meta device and imported straight into the store)
     to a tidestore store; returns ``(model, optimizer)``.

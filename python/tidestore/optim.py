@@ -81,7 +81,7 @@ import weakref
 import torch
 
 from ._tidestore import AdamWCore
-from ._ahead import Overlapped, check_ahead
+from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
@@ -114,7 +114,8 @@ class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
                  overlap=False, threads=0, checkpoint_path=None, chunk_elements=None,
-                 process_group=None, check_finite=True, collectives_ahead=8):
+                 process_group=None, check_finite=True,
+                 collectives_ahead=DEFAULT_AHEAD):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self._check_groups()

@@ -27,13 +27,10 @@ impl ChunkStore {
             return;
         };
         let dev_mark = self.mover.device_marks();
-        let window = s
-            .device
-            .window(now, self.settings.lookahead, Horizon::Cyclic, true);
-        if !window
-            .flat_map(|(_, chunks)| chunks)
-            .any(|c| !dev_mark[c.dense()])
-        {
+        // The device's window counts its own accesses only (see `PrefetchPlanner`).
+        if !needs_any(&s.device, now, self.settings.lookahead, true, |c| {
+            !dev_mark[c.dense()]
+        }) {
             return;
         }
         let s = s.clone();
@@ -109,8 +106,8 @@ impl ChunkStore {
         };
         let lookahead = self.settings.host_lookahead;
         let mover = &self.mover;
-        let for_host = needs_any(hs, now, lookahead, |c| !mover.host_ready(c, true));
-        let for_device = needs_any(ds, now, lookahead, |c| !mover.host_ready(c, false));
+        let for_host = needs_any(hs, now, lookahead, false, |c| !mover.host_ready(c, true));
+        let for_device = needs_any(ds, now, lookahead, false, |c| !mover.host_ready(c, false));
         if !for_host && !for_device {
             return;
         }
@@ -219,22 +216,19 @@ impl ChunkStore {
 }
 
 /// Whether any chunk used in the `lookahead` moments after `now` (wrapping around the
-/// traced iteration) satisfies `missing`: the cheap test that decides whether a prefetch
-/// planner needs to run at all.
+/// traced iteration; with `busy_only`, moments that use a chunk) satisfies `missing`:
+/// the cheap test that decides whether a prefetch planner needs to run at all.
 fn needs_any(
     schedule: &Schedule,
     now: u64,
     lookahead: u32,
+    busy_only: bool,
     mut missing: impl FnMut(ChunkId) -> bool,
 ) -> bool {
-    let len = u64::from(schedule.len());
-    len != 0
-        && (1..=u64::from(lookahead)).any(|k| {
-            schedule
-                .chunks_at(((now + k) % len) as u32)
-                .iter()
-                .any(|&c| missing(c))
-        })
+    schedule
+        .window(now, lookahead, Horizon::Cyclic, busy_only)
+        .flat_map(|(_, chunks)| chunks)
+        .any(|&c| missing(c))
 }
 
 /// The reason recorded for a prefetch's moves: the load of `step.chunk` itself (`victim`
