@@ -118,6 +118,32 @@ fn the_optimizer_step_on_the_device_trains_as_the_host_step_and_resumes() {
 }
 
 #[test]
+fn without_a_gpu_auto_reads_the_host_pool_and_trains_as_the_simulated_gpu() {
+    // `kind = "sim"` stands in for a GPU (the blocks read the parameters there); what
+    // `auto` leaves without a GPU is host memory, not read at all.
+    let sim = setup("");
+    let auto = setup("");
+    let cfg = config("").replace("kind = \"sim\"", "kind = \"auto\"");
+    std::fs::write(auto.path().join("tidestore.toml"), cfg).unwrap();
+    let report = |json: &str| -> serde_json::Value { serde_json::from_str(json).unwrap() };
+    let (s, a) = (
+        ok(sim.path(), &["finetune", "--json"]),
+        ok(auto.path(), &["finetune", "--json"]),
+    );
+    let (rs, ra) = (report(&s), report(&a));
+    if ra["compute"] == "cuda" {
+        eprintln!("skipped: `auto` found a GPU here, so nothing was left to the simulation");
+        return;
+    }
+    assert_eq!(rs["compute_reads"], "device", "{s}");
+    assert_eq!(ra["compute_reads"], "host", "{a}");
+    let device_peak = |r: &serde_json::Value| r["peak_tier_bytes"][0].as_u64().unwrap();
+    assert!(device_peak(&rs) > 0, "the stand-in holds chunks: {s}");
+    assert_eq!(device_peak(&ra), 0, "nothing on the simulated device: {a}");
+    assert_eq!(losses(&a), losses(&s), "the same training");
+}
+
+#[test]
 fn lora_exports_a_peft_adapter() {
     let d = setup("mode = \"lora\"\nlora_rank = 4\nexport_dir = \"adapter\"\n");
     let out = ok(d.path(), &["finetune", "--json"]);

@@ -197,6 +197,24 @@ pub struct CapacityPlan {
     pub device_working_set_bytes: u64,
 }
 
+/// Device bytes one moment's working set needs in `layout`: its `working_set_chunks`
+/// largest chunks, each as stored (rounded up to the I/O alignment). What
+/// [`plan_capacity`] asks of the device budget.
+pub fn device_working_set_bytes(layout: &Layout, working_set_chunks: u32) -> u64 {
+    let mut sizes = layout.dense_chunk_bytes();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    working_set_bytes(&sizes, working_set_chunks as usize)
+}
+
+/// The first `n` of `sizes` (largest first), each rounded up to the I/O alignment.
+fn working_set_bytes(sizes: &[u64], n: usize) -> u64 {
+    sizes
+        .iter()
+        .take(n)
+        .map(|&b| align_up(b as usize) as u64)
+        .sum()
+}
+
 /// Checks the budgets against `layout` (see the module doc). `nvme_slots` is the number
 /// of NVMe slots usable for chunks (for [`NvmeSource::Dir`], `bytes / slot_bytes`);
 /// `device_total_bytes` is the device's memory.
@@ -226,11 +244,7 @@ pub fn plan_capacity(
     let slot_bytes = align_up(sizes[0] as usize) as u64;
     let chunks = sizes.len() as u64;
     let n = working_set_chunks as usize;
-    let device_working_set_bytes: u64 = sizes
-        .iter()
-        .take(n)
-        .map(|&b| align_up(b as usize) as u64)
-        .sum();
+    let device_working_set_bytes = working_set_bytes(&sizes, n);
     if device_budget_bytes > device_total_bytes {
         return Err(ChunkError::Config {
             key: "store.device_budget",

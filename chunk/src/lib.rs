@@ -50,7 +50,7 @@ pub mod tracer;
 pub mod typed;
 
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
-pub use config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
+pub use config::{device_working_set_bytes, plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::{DType, UnknownDType};
 pub use error::{AdoptRefusal, ChunkError, SharedTierError};
 pub use id::{ChunkId, ListKind, TensorId};

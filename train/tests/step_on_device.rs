@@ -7,12 +7,18 @@
 //!   host and device: compute reads the parameters there and the gradients are written
 //!   where the step reads them. Fails if a gradient (or anything else) takes a host
 //!   round trip; the host step, beside it, moves every gradient;
+//! - a simulation left where `DeviceChoice::Auto` found no GPU is not a stand-in for
+//!   one: compute reads where the step writes (the host pool, or the device when the
+//!   step was asked there), no byte crosses between host and device, and it trains bit
+//!   for bit as the stand-in (`DeviceChoice::Sim`), which is read as a GPU would be;
+//!   and no device budget is asked of it (one the stand-in refuses opens);
 //! - `Auto` on the simulated device steps in the host pool, saying why; `Gpu` with a
 //!   device budget below the largest tensor's chunks is refused at open, naming
 //!   `optimizer.device` and the bytes short.
 
 mod common;
 
+use tidestore_tiers::DeviceKind;
 use tidestore_train::{
     typed, Budget, DType, DeviceChoice, DeviceViewMut, HyperParams, ParamSpec, Precision,
     StepDevice, TensorState, TensorViewMut, TrainError, Trainer, TrainerConfig, Values,
@@ -171,5 +177,63 @@ fn auto_on_the_simulated_device_steps_in_the_host_pool_and_a_short_budget_is_ref
             );
         }
         other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_simulation_left_without_a_gpu_is_not_read_by_compute_and_trains_as_the_stand_in() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        // The stand-in for a GPU (`DeviceChoice::Sim`) and what `Auto` leaves here.
+        let mut stand_in = open(&config(da.path(), precision, StepDevice::Cpu));
+        let mut cfg = config(db.path(), precision, StepDevice::Cpu);
+        cfg.device = DeviceChoice::Auto;
+        // Nothing is placed on it, so no budget is asked of it either: one the stand-in
+        // refuses opens.
+        cfg.device_budget = Budget::Bytes(8192);
+        let mut left = open(&cfg);
+        if left.store().device().kind() == DeviceKind::Cuda {
+            eprintln!("skipped: `Auto` found a GPU, so nothing was left to the simulation");
+            return;
+        }
+        assert!(stand_in.compute_reads_device());
+        assert!(!left.compute_reads_device(), "{precision:?}");
+        // A front end on the CPU says so; the place stays.
+        left.set_compute_on_device(false);
+        assert!(!left.compute_reads_device());
+        for k in 0..4 {
+            iteration(&mut stand_in, k, Hand::Put);
+            iteration(&mut left, k, Hand::Put);
+        }
+        assert_eq!(
+            crossed(&left),
+            0,
+            "{precision:?}: compute or the step used the device: {:?}",
+            left.stats()
+        );
+        assert!(
+            crossed(&stand_in) > 0,
+            "{precision:?}: the stand-in is read"
+        );
+        assert_eq!(state(&mut stand_in), state(&mut left), "{precision:?}");
+        cfg.device = DeviceChoice::Sim;
+        match Trainer::open(&[ParamSpec::new("w", &[300, 70], true)], &cfg) {
+            Err(TrainError::Store(e)) => assert!(e.to_string().contains("short"), "{e}"),
+            Err(e) => panic!("expected the device budget refused, got {e}"),
+            Ok(_) => panic!("expected the device budget refused"),
+        }
+    }
+    // A step asked onto the device takes compute there too: it reads where the step
+    // writes, with nothing crossing after the first iteration.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), Precision::F32, StepDevice::Gpu);
+    cfg.device = DeviceChoice::Auto;
+    let mut t = open(&cfg);
+    if t.store().device().kind() == DeviceKind::Sim {
+        assert!(t.compute_reads_device());
+        iteration(&mut t, 0, Hand::Put);
+        t.reset_stats();
+        iteration(&mut t, 1, Hand::Put);
+        assert_eq!(crossed(&t), 0, "{:?}", t.stats());
     }
 }

@@ -301,12 +301,17 @@ fn print(r: &FinetuneReport) {
         .map_or(String::new(), |s| format!("; resumed from step {s}"));
     out!(
         "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
-         {}); the optimizer steps on the {} ({}){resumed}",
+         {}), reading the parameters on the {}; the optimizer steps on the {} ({}){resumed}",
         r.params,
         r.params_trainable,
         r.text_tokens,
         r.compute,
         r.matmul,
+        if r.compute_reads == "host" {
+            "host pool"
+        } else {
+            "device tier"
+        },
         r.optimizer,
         r.optimizer_reason,
     );

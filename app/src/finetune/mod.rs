@@ -98,6 +98,10 @@ pub struct FinetuneReport {
     pub states: String,
     /// Where the blocks computed: `cpu`, or `cuda` (candle's CUDA backend).
     pub compute: String,
+    /// Where the blocks read the parameters: `device` (the device tier: a GPU's memory,
+    /// or the simulated device standing in for one, `device.kind = "sim"`) or `host` (the
+    /// host pool: computing on the CPU with no GPU found, `device.kind = "auto"`).
+    pub compute_reads: String,
     /// What computed their matrix products: on the CPU OpenBLAS (its build and library)
     /// or candle's gemm (see `tidestore_candle::blas`), on a GPU cuBLAS.
     pub matmul: String,
@@ -220,6 +224,7 @@ impl FinetuneReport {
             model: loaded.describe(),
             states: cfg.optimizer.states.moments().to_string(),
             compute: "cpu".into(),
+            compute_reads: String::new(),
             matmul: String::new(),
             optimizer: String::new(),
             optimizer_reason: String::new(),
@@ -356,6 +361,12 @@ pub fn run_with_ranks(
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
     report.compute = compute::name(&compute).into();
+    report.compute_reads = if params.trainer().compute_reads_device() {
+        "device"
+    } else {
+        "host"
+    }
+    .into();
     report.matmul = matmul;
     report.set_step_placement(params.trainer().step_placement());
     progress.begin(first, t.steps);

@@ -92,9 +92,12 @@ pub struct Trainer {
     entries: Vec<Entry>,
     by_name: HashMap<String, usize>,
     precision: Precision,
-    /// Where compute reads parameters: the device tier when it is host memory (the
-    /// simulation), else the host pool.
+    /// Where compute reads parameters (see [`Trainer::set_compute_on_device`]).
     compute_place: Place,
+    /// The simulated device stands in for a GPU: compute reads it as it would a GPU's
+    /// memory (else, a simulation left where no GPU was found, compute reads where the
+    /// step writes).
+    sim_stands_in: bool,
     /// A master copy was handed out as resident ([`Trainer::resident_master`]).
     resident: bool,
     /// Bytes between host and NVMe per list, counted through the store's move hook (a

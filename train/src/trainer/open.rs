@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use tidestore_chunk::{
-    search_chunk_size, ChunkError, ChunkStore, DType, Layout, LayoutConfig, ListKind, MoveEvent,
-    NvmeSource, SearchConfig, StoreConfig, TensorSpec,
+    device_working_set_bytes, search_chunk_size, ChunkError, ChunkStore, DType, Layout,
+    LayoutConfig, ListKind, MoveEvent, NvmeSource, Place, SearchConfig, StoreConfig, TensorSpec,
 };
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
@@ -31,8 +31,8 @@ impl Trainer {
     pub fn open(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Trainer> {
         check_specs(specs)?;
         let layout = layout(specs, cfg)?;
-        let (store_cfg, slot_bytes) = store_config(&layout, cfg);
-        let (device, ordinal) = open_device(cfg, store_cfg.device_budget_bytes)?;
+        let (mut store_cfg, slot_bytes) = store_config(&layout, cfg);
+        let (mut device, ordinal) = open_device(cfg, store_cfg.device_budget_bytes)?;
         let cpu = AdamW::new(CpuConfig {
             threads: cfg.optimizer_threads,
             ..CpuConfig::default()
@@ -62,6 +62,16 @@ impl Trainer {
         } else {
             StepPlace::Host
         };
+        if cfg.device == DeviceChoice::Auto && !on_gpu && !on_device {
+            // The simulation left where no GPU was found holds nothing while the step is
+            // in the host pool (compute reads there too, `Trainer::compute_place_for`):
+            // its budget is what the store's capacity check asks, not the one given.
+            let needed = device_working_set_bytes(&layout, STEP_WORKING_SET_CHUNKS);
+            if needed != store_cfg.device_budget_bytes {
+                store_cfg.device_budget_bytes = needed;
+                device = open_device(cfg, needed)?.0;
+            }
+        }
         tracing::info!(?place, reason = %step_reason, "trainer: optimizer step placement");
         let step = StepConfig {
             hp: cfg.hp,
@@ -90,6 +100,15 @@ impl Trainer {
         let hook = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
         let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, opt)?;
+        // A simulation asked for stands in for a GPU; one left where none was found is
+        // host memory beside the host pool (see `Trainer::compute_place_for`).
+        trainer.sim_stands_in = cfg.device == DeviceChoice::Sim;
+        trainer.compute_place = trainer.compute_place_for(false);
+        tracing::info!(
+            device = %trainer.store.device().kind(),
+            reads_device = trainer.compute_reads_device(),
+            "trainer: where compute reads parameters"
+        );
         trainer.traffic = Some(traffic);
         trainer.step_reason = step_reason;
         Ok(trainer)
@@ -112,8 +131,12 @@ impl Trainer {
         let entries = entries(specs, store.layout(), precision)?;
         let step = step_loop(&store, &entries, precision, step, opt)?;
         // Compute reads host-addressable memory until a front end computing on the GPU
-        // says otherwise (`Trainer::set_compute_on_device`).
-        let compute_place = super::values::compute_place(store.device().kind(), false);
+        // says otherwise (`Trainer::set_compute_on_device`); a caller's simulated device
+        // stands in for a GPU, read as one.
+        let compute_place = match store.device().kind() {
+            DeviceKind::Sim => Place::Device,
+            DeviceKind::Cuda => Place::Host,
+        };
         let swap_path = store.nvme().with_swap_file(|f| f.path().to_path_buf());
         let by_name = entries
             .iter()
@@ -127,6 +150,7 @@ impl Trainer {
             by_name,
             precision,
             compute_place,
+            sim_stands_in: true,
             resident: false,
             traffic: None,
             step_reason: "chosen by the caller that opened the store".into(),

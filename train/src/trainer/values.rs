@@ -248,16 +248,41 @@ impl Trainer {
         Ok(v)
     }
 
-    /// Whether compute reads parameters from the device tier's memory. The simulated
-    /// device is host memory, so there it always does; on a GPU only a front end that
-    /// computes on that GPU asks for it (the parameters then stay on the device, and
-    /// [`Trainer::fetch_view`] hands out device pointers; [`Trainer::fetch`] cannot
-    /// read them). Set before the first step: the warm-up iteration traces the place.
-    /// While a master copy is resident ([`Trainer::resident_master`]) compute stays in
-    /// the host pool whatever is asked.
+    /// Whether compute reads parameters from the device tier's memory: on a GPU only a
+    /// front end that computes on that GPU asks for it (the parameters then stay on the
+    /// device, and [`Trainer::fetch_view`] hands out device pointers; [`Trainer::fetch`]
+    /// cannot read them). A simulated device standing in for a GPU is read whatever is
+    /// asked, one left where no GPU was found when asked (see
+    /// [`Trainer::compute_reads_device`]). Set before the first step: the warm-up
+    /// iteration traces the place. While a master copy is resident
+    /// ([`Trainer::resident_master`]) compute stays in the host pool whatever is asked.
     pub fn set_compute_on_device(&mut self, on_device: bool) {
         if !self.resident {
-            self.compute_place = compute_place(self.store.device().kind(), on_device);
+            self.compute_place = self.compute_place_for(on_device);
+        }
+    }
+
+    /// Whether compute reads parameters on the device tier (else in the host pool).
+    pub fn compute_reads_device(&self) -> bool {
+        self.compute_place == Place::Device
+    }
+
+    /// Where compute reads parameters, `on_device` when a front end computes on the GPU.
+    /// A simulated device that stands in for a GPU (`DeviceChoice::Sim`, a caller's own
+    /// store) is read as a GPU would be, so the GPU's traffic is exercised and measured on
+    /// any machine. One that is only what was left without a GPU (`DeviceChoice::Auto`)
+    /// is not: compute then runs on the CPU and reads where the step writes — the host
+    /// pool, unless the step was asked onto the device — since both tiers are host memory
+    /// and every copy between them would be the CPU's work for nothing.
+    pub(super) fn compute_place_for(&self, on_device: bool) -> Place {
+        match self.store.device().kind() {
+            DeviceKind::Sim if on_device || self.sim_stands_in => Place::Device,
+            DeviceKind::Sim => match self.step.place() {
+                crate::step::StepPlace::Device => Place::Device,
+                crate::step::StepPlace::Host => Place::Host,
+            },
+            DeviceKind::Cuda if on_device => Place::Device,
+            DeviceKind::Cuda => Place::Host,
         }
     }
 
@@ -446,17 +471,6 @@ impl Trainer {
 pub(crate) fn f32_view_mut(bytes: &mut [u8]) -> Result<&mut [f32]> {
     bytemuck::try_cast_slice_mut(bytes)
         .map_err(|e| TrainError::Protocol(format!("an fp32 place in the store is misaligned: {e}")))
-}
-
-/// Where compute reads parameters on a device of `kind`: the simulated device is host
-/// memory, so there on the device; on a GPU on the device only when compute runs there
-/// (`on_device`), else in the host pool.
-pub(super) fn compute_place(kind: DeviceKind, on_device: bool) -> Place {
-    match kind {
-        DeviceKind::Sim => Place::Device,
-        DeviceKind::Cuda if on_device => Place::Device,
-        DeviceKind::Cuda => Place::Host,
-    }
 }
 
 /// Bytes a view spans.
