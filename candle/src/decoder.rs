@@ -537,17 +537,29 @@ impl Llama {
                 let ids = x.flatten_all()?;
                 let hidden = self.config().hidden;
                 let rows = g.reshape((ids.elem_count(), hidden))?;
-                let zeros = Tensor::zeros(w.shape(), candle_core::DType::F32, g.device())?;
                 add_grad(
                     &mut grads,
                     name.to_string(),
-                    zeros.index_add(&ids, &rows, 0)?,
+                    embedding_grad(&w, &ids, &rows)?,
                 )?;
             }
             return Ok((None, grads, None));
         }
         let (_, saved) = self.layer_forward(b - 1, src, x, Mode::Fused)?;
-        let dx = self.layer_backward(b - 1, src, &saved, g, &mut grads)?;
+        self.layer_block_backward(b, src, &saved, g)
+    }
+
+    /// Block `b` (decoder layer `b - 1`)'s backward for its output's gradient `g`, from
+    /// its forward's `saved` values: a recompute's, or what the forward kept.
+    pub(crate) fn layer_block_backward(
+        &self,
+        b: usize,
+        src: &mut dyn ParamSource,
+        saved: &LayerSaved,
+        g: &Tensor,
+    ) -> Result<BlockBack> {
+        let mut grads = ParamGrads::new();
+        let dx = self.layer_backward(b - 1, src, saved, g, &mut grads)?;
         Ok((Some(dx), grads, None))
     }
 
@@ -574,6 +586,44 @@ impl Llama {
         put(grads, p[0].name.clone(), dw)?;
         Ok(dx.reshape((bs, t, hidden))?)
     }
+}
+
+/// The embedding `w`'s gradient: each of `rows` `(tokens, hidden)` added, in order, at the
+/// row its token `ids` names, zero elsewhere. On the CPU one zeroed allocation that the
+/// kernel maps lazily (the untouched rows of a large vocabulary are never written) with
+/// the rows added in place, where candle's zeros-then-`index_add` writes the whole
+/// matrix twice (0.26 GB each for a 32000 × 2048 fp32 table); on a GPU through candle.
+/// The same additions in the same order, so the same values.
+fn embedding_grad(w: &Weight, ids: &Tensor, rows: &Tensor) -> Result<Tensor> {
+    let shape = w.shape();
+    if !rows.device().is_cpu() {
+        let zeros = Tensor::zeros(shape, candle_core::DType::F32, rows.device())?;
+        return Ok(zeros.index_add(ids, rows, 0)?);
+    }
+    let [vocab, hidden] = shape[..] else {
+        return Err(Error::BadParam {
+            name: "model.embed_tokens.weight".into(),
+            reason: format!("shape {shape:?} where a matrix was expected"),
+        });
+    };
+    let ids = ids.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
+    let rows = rows.flatten_all()?.to_vec1::<f32>()?;
+    let mut g = vec![0f32; vocab * hidden];
+    for (id, row) in ids.iter().zip(rows.chunks_exact(hidden)) {
+        let at = *id as usize;
+        let Some(dst) = g.get_mut(at * hidden..(at + 1) * hidden) else {
+            return Err(Error::BadParam {
+                name: "model.embed_tokens.weight".into(),
+                reason: format!("token id {id} is outside the vocabulary of {vocab}"),
+            });
+        };
+        dst.iter_mut().zip(row).for_each(|(d, r)| *d += r);
+    }
+    Ok(Tensor::from_vec(
+        g,
+        (vocab, hidden),
+        &candle_core::Device::Cpu,
+    )?)
 }
 
 /// Parameter `name` for `mode`'s forward: detached in the fused passes, which build no

@@ -91,6 +91,9 @@ pub trait Blocks {
     type Tensor: Clone;
     /// The framework's error; the driver's own errors convert into it.
     type Error: From<TrainError>;
+    /// What a block's forward keeps for a backward that follows it at once (its
+    /// activations; see [`Blocks::forward_keeping`]).
+    type Kept;
 
     /// How many blocks (the last one computes the loss).
     fn block_count(&self) -> usize;
@@ -106,6 +109,34 @@ pub trait Blocks {
         input: &Self::Tensor,
     ) -> Result<Self::Tensor, Self::Error>;
 
+    /// [`Blocks::forward`], keeping what the block's backward reads where the model can:
+    /// the driver asks it of the last block before the loss, whose backward comes right
+    /// after the loss block's and would otherwise recompute this forward. Memory: one
+    /// block's activations for one micro-batch. The default keeps nothing.
+    fn forward_keeping(
+        &self,
+        block: usize,
+        params: &mut dyn BlockParams<Self>,
+        input: &Self::Tensor,
+    ) -> Result<Keeping<Self>, Self::Error> {
+        Ok((self.forward(block, params, input)?, None))
+    }
+
+    /// Block `block` differentiated against `upstream` from what its
+    /// [`Blocks::forward_keeping`] kept, without recomputing it: the same gradients as
+    /// [`Blocks::backward`] from the block's input. Called only with a `kept` that
+    /// method gave.
+    fn backward_kept(
+        &self,
+        block: usize,
+        params: &mut dyn BlockParams<Self>,
+        kept: Self::Kept,
+        upstream: Upstream<'_, Self::Tensor>,
+    ) -> Result<BlockGrads<Self::Tensor>, Self::Error> {
+        let _ = (params, kept, upstream);
+        Err(TrainError::Protocol(format!("block {block}: nothing was kept by its forward")).into())
+    }
+
     /// Block `block` recomputed from its saved `input` and differentiated against
     /// `upstream`.
     fn backward(
@@ -119,6 +150,9 @@ pub trait Blocks {
     /// `a + b`: a tied parameter's gradients of two blocks summed.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, Self::Error>;
 }
+
+/// A block's output and what its forward kept ([`Blocks::forward_keeping`]).
+pub type Keeping<B> = (<B as Blocks>::Tensor, Option<<B as Blocks>::Kept>);
 
 /// Where a block's parameters come from and where their gradients go.
 pub trait BlockParams<B: Blocks + ?Sized> {
@@ -482,13 +516,23 @@ where
     P: BlockParams<B>,
 {
     let head = model.block_count() - 1;
-    // Forward: per micro-batch, the input of every block (the checkpoints).
+    // Forward: per micro-batch, the input of every block (the checkpoints). The last
+    // block before the head keeps its last micro-batch's activations: its backward
+    // comes right after the head's, and needs no recompute then.
     let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
+    let last = batches.len() - 1;
+    let mut kept: Option<B::Kept> = None;
     for b in 0..head {
         params.step_deferred(&model.block_params(b))?;
         let mut cache = BlockCache::<B, P>::new(&mut *params);
-        let done = inputs.iter_mut().try_for_each(|x| {
-            let y = model.forward(b, &mut cache, &x[b])?;
+        let done = inputs.iter_mut().enumerate().try_for_each(|(k, x)| {
+            let y = if b + 1 == head && k == last {
+                let (y, keep) = model.forward_keeping(b, &mut cache, &x[b])?;
+                kept = keep;
+                y
+            } else {
+                model.forward(b, &mut cache, &x[b])?
+            };
             x.push(y);
             Ok(())
         });
@@ -504,7 +548,8 @@ where
         }
         let mut cache = BlockCache::<B, P>::new(&mut *params);
         let (ins, ups) = (&mut inputs, &mut upstream);
-        let done = block_backward(&mut cache, model, b, batches, ins, ups, part.scale);
+        let keep = if b + 1 == head { kept.take() } else { None };
+        let done = block_backward(&mut cache, model, b, batches, (ins, keep), ups, part.scale);
         let (sums, loss) = cache.finish(done)?;
         loss_sum += loss;
         put_block_grads(params, model, sums, b, first, &mut pending, part)?;
@@ -523,7 +568,8 @@ where
 type Named<T> = Vec<(String, T)>;
 
 /// Block `b`'s backward for every micro-batch, its parameters from `cache`, from its
-/// saved input (popped from `inputs`) and `upstream` (replaced by the gradient of the
+/// saved input (popped from `inputs`; the last micro-batch's from what its forward
+/// `kept`, where it kept something) and `upstream` (replaced by the gradient of the
 /// block's input), the loss times `scale`: its parameters' gradients summed over the
 /// micro-batches in first-seen order, and the sum of the micro-batches' losses (the
 /// last block's; 0 for the others).
@@ -532,7 +578,7 @@ fn block_backward<B, P>(
     model: &B,
     b: usize,
     batches: &[(B::Tensor, B::Tensor)],
-    inputs: &mut [Vec<B::Tensor>],
+    (inputs, mut kept): (&mut [Vec<B::Tensor>], Option<B::Kept>),
     upstream: &mut [Option<B::Tensor>],
     scale: f64,
 ) -> Result<(Named<B::Tensor>, f32), B::Error>
@@ -550,7 +596,15 @@ where
             None => Upstream::Loss { targets, scale },
             Some(g) => Upstream::Grad(g),
         };
-        let grads = model.backward(b, cache, &input, up)?;
+        let keep = if k + 1 == batches.len() {
+            kept.take()
+        } else {
+            None
+        };
+        let grads = match keep {
+            Some(kept) => model.backward_kept(b, cache, kept, up)?,
+            None => model.backward(b, cache, &input, up)?,
+        };
         if b + 1 == model.block_count() {
             loss_sum += grads
                 .loss
@@ -589,6 +643,8 @@ mod tests {
         blocks: usize,
         /// A block whose forward fails after taking its weight.
         fails: Option<usize>,
+        /// Backward passes run from what a forward kept (its input).
+        kept: std::cell::Cell<usize>,
     }
 
     /// The weight of a block: lent where the params lend, else fetched.
@@ -614,6 +670,7 @@ mod tests {
     impl Blocks for Chain {
         type Tensor = Vec<f64>;
         type Error = TrainError;
+        type Kept = Vec<f64>;
 
         fn block_count(&self) -> usize {
             self.blocks
@@ -662,6 +719,26 @@ mod tests {
                 params: vec![(name, vec![dw])],
                 loss,
             })
+        }
+
+        fn forward_keeping(
+            &self,
+            block: usize,
+            params: &mut dyn BlockParams<Self>,
+            input: &Vec<f64>,
+        ) -> Result<(Vec<f64>, Option<Vec<f64>>), TrainError> {
+            Ok((self.forward(block, params, input)?, Some(input.clone())))
+        }
+
+        fn backward_kept(
+            &self,
+            block: usize,
+            params: &mut dyn BlockParams<Self>,
+            kept: Vec<f64>,
+            upstream: Upstream<'_, Vec<f64>>,
+        ) -> Result<BlockGrads<Vec<f64>>, TrainError> {
+            self.kept.set(self.kept.get() + 1);
+            self.backward(block, params, &kept, upstream)
         }
 
         fn add(&self, a: &Vec<f64>, b: &Vec<f64>) -> Result<Vec<f64>, TrainError> {
@@ -760,6 +837,7 @@ mod tests {
         let chain = Chain {
             blocks: 5,
             fails: None,
+            kept: Default::default(),
         };
         let mut p = Counting {
             lends,
@@ -771,6 +849,28 @@ mod tests {
 
     fn run(order: MicroBatchOrder, parts: usize) -> (Counting, f32) {
         run_with(order, parts, false)
+    }
+
+    /// The block before the loss is differentiated once a pass from what its forward
+    /// kept (the last micro-batch's; the others recompute): once a step in vertical
+    /// order, once a micro-batch in horizontal. Giving another micro-batch's values
+    /// would change the losses and gradients both orders share (checked below).
+    #[test]
+    fn the_block_before_the_loss_backs_from_what_its_forward_kept_once_a_pass() {
+        for (order, parts, passes) in [
+            (MicroBatchOrder::Vertical, 1, 1),
+            (MicroBatchOrder::Vertical, 3, 1),
+            (MicroBatchOrder::Horizontal, 3, 3),
+        ] {
+            let chain = Chain {
+                blocks: 5,
+                fails: None,
+                kept: Default::default(),
+            };
+            let mut p = Counting::default();
+            train_step(&mut p, &chain, &batches(parts), order).unwrap();
+            assert_eq!(chain.kept.get(), passes, "{order:?}, {parts} micro-batches");
+        }
     }
 
     /// Lent weights give what fetched ones give, bit for bit; a block's loans are made
@@ -803,6 +903,7 @@ mod tests {
         let chain = Chain {
             blocks: 5,
             fails: Some(2),
+            kept: Default::default(),
         };
         let mut p = Counting {
             lends: true,
@@ -863,6 +964,7 @@ mod tests {
         let chain = Chain {
             blocks: 3,
             fails: None,
+            kept: Default::default(),
         };
         let e = train_step(&mut p, &chain, &[], MicroBatchOrder::Vertical);
         assert!(
