@@ -207,9 +207,13 @@ impl RankFigures {
 }
 
 impl FinetuneReport {
-    /// Where the optimizer step runs and why (`Trainer::step_placement`).
-    fn set_step_placement(&mut self, (on_device, why): (bool, &str)) {
-        self.optimizer = if on_device { "device" } else { "host" }.into();
+    /// Where `trainer`'s compute reads the parameters, and where its optimizer step
+    /// runs and why (`Trainer::step_placement`).
+    fn set_placement(&mut self, trainer: &tidestore_train::Trainer) {
+        let place = |device: bool| if device { "device" } else { "host" }.to_string();
+        self.compute_reads = place(trainer.compute_reads_device());
+        let (on_device, why) = trainer.step_placement();
+        self.optimizer = place(on_device);
         self.optimizer_reason = why.into();
     }
 
@@ -361,14 +365,8 @@ pub fn run_with_ranks(
     let first = resumed_from.map_or(1, |s| s as u32 + 1);
     let mut report = FinetuneReport::new(cfg, &loaded, &samples, resumed_from);
     report.compute = compute::name(&compute).into();
-    report.compute_reads = if params.trainer().compute_reads_device() {
-        "device"
-    } else {
-        "host"
-    }
-    .into();
     report.matmul = matmul;
-    report.set_step_placement(params.trainer().step_placement());
+    report.set_placement(params.trainer());
     progress.begin(first, t.steps);
     for step in first..=t.steps {
         let record = one_step(cfg, &loaded, &samples, &mut params, step)?;

@@ -33,36 +33,19 @@ impl Trainer {
         let layout = layout(specs, cfg)?;
         let (mut store_cfg, slot_bytes) = store_config(&layout, cfg);
         let (mut device, ordinal) = open_device(cfg, store_cfg.device_budget_bytes)?;
-        let cpu = AdamW::new(CpuConfig {
-            threads: cfg.optimizer_threads,
-            ..CpuConfig::default()
-        })?;
-        let on_gpu = device.kind() == DeviceKind::Cuda;
-        let opt = if on_gpu && cfg.step_device != StepDevice::Cpu {
-            HybridAdamW::new(cpu, ordinal)
-        } else {
-            let why = if on_gpu {
-                "optimizer.device = \"cpu\""
-            } else {
-                "the device is simulated"
-            };
-            HybridAdamW::cpu_only(cpu, OptimError::NoGpu { reason: why.into() })
-        };
-        let needs = StepNeeds::of(&layout, |id| layout.tensor(id).is_some_and(|t| t.trainable));
-        let (on_device, step_reason) = decide_step_place(
-            cfg.step_device,
-            on_gpu,
+        let (opt, on_device, step_reason) = optimizer(
+            cfg,
+            &layout,
+            &device,
+            ordinal,
             store_cfg.device_budget_bytes,
-            "device.budget",
-            &needs,
-            opt.gpu_status(),
         )?;
         let place = if on_device {
             StepPlace::Device
         } else {
             StepPlace::Host
         };
-        if cfg.device == DeviceChoice::Auto && !on_gpu && !on_device {
+        if cfg.device == DeviceChoice::Auto && device.kind() == DeviceKind::Sim && !on_device {
             // The simulation left where no GPU was found holds nothing while the step is
             // in the host pool (compute reads there too, `Trainer::compute_place_for`):
             // its budget is what the store's capacity check asks, not the one given.
@@ -130,26 +113,20 @@ impl Trainer {
         check_specs(specs)?;
         let entries = entries(specs, store.layout(), precision)?;
         let step = step_loop(&store, &entries, precision, step, opt)?;
-        // Compute reads host-addressable memory until a front end computing on the GPU
-        // says otherwise (`Trainer::set_compute_on_device`); a caller's simulated device
-        // stands in for a GPU, read as one.
-        let compute_place = match store.device().kind() {
-            DeviceKind::Sim => Place::Device,
-            DeviceKind::Cuda => Place::Host,
-        };
         let swap_path = store.nvme().with_swap_file(|f| f.path().to_path_buf());
         let by_name = entries
             .iter()
             .enumerate()
             .map(|(i, e)| (e.spec.name.clone(), i))
             .collect::<HashMap<_, _>>();
-        Ok(Trainer {
+        let mut trainer = Trainer {
             store,
             step,
             entries,
             by_name,
             precision,
-            compute_place,
+            compute_place: Place::Host,
+            // A caller's simulated device stands in for a GPU, read as one.
             sim_stands_in: true,
             resident: false,
             traffic: None,
@@ -157,7 +134,11 @@ impl Trainer {
             swap_path,
             reported: 0,
             began_with_due: false,
-        })
+        };
+        // Compute reads host-addressable memory until a front end computing on the GPU
+        // says otherwise (`Trainer::set_compute_on_device`).
+        trainer.compute_place = trainer.compute_place_for(false);
+        Ok(trainer)
     }
 }
 
@@ -291,6 +272,42 @@ fn store_config(layout: &Layout, cfg: &TrainerConfig) -> (StoreConfig, u64) {
     let store_cfg = StoreConfig::new(device_budget_bytes, host_budget_bytes, nvme)
         .with_working_set_chunks(STEP_WORKING_SET_CHUNKS);
     (store_cfg, slot_bytes)
+}
+
+/// The optimizer for the opened `device` (GPU `ordinal`), whether its step runs on the
+/// device tier (`device_budget_bytes` there), and why.
+fn optimizer(
+    cfg: &TrainerConfig,
+    layout: &Layout,
+    device: &Device,
+    ordinal: usize,
+    device_budget_bytes: u64,
+) -> Result<(HybridAdamW, bool, String)> {
+    let cpu = AdamW::new(CpuConfig {
+        threads: cfg.optimizer_threads,
+        ..CpuConfig::default()
+    })?;
+    let on_gpu = device.kind() == DeviceKind::Cuda;
+    let opt = if on_gpu && cfg.step_device != StepDevice::Cpu {
+        HybridAdamW::new(cpu, ordinal)
+    } else {
+        let why = if on_gpu {
+            "optimizer.device = \"cpu\""
+        } else {
+            "the device is simulated"
+        };
+        HybridAdamW::cpu_only(cpu, OptimError::NoGpu { reason: why.into() })
+    };
+    let needs = StepNeeds::of(layout, |id| layout.tensor(id).is_some_and(|t| t.trainable));
+    let (on_device, reason) = decide_step_place(
+        cfg.step_device,
+        on_gpu,
+        device_budget_bytes,
+        "device.budget",
+        &needs,
+        opt.gpu_status(),
+    )?;
+    Ok((opt, on_device, reason))
 }
 
 /// The device tier `cfg` asks for, on GPU `cfg.gpu_ordinal`, with that ordinal (for
