@@ -7,7 +7,8 @@ derived from what the run holds; JSON.
 
 The bound is what this process may hold at once: torch's and transformers' own baseline
 (measured: the resident set after the model's skeleton is built, before the store
-opens), the host pool and the simulated device (the store touches both whole), the
+opens), the host pool (the store touches it whole) and the device budget (the
+simulated device a config asks for; without one asked for nothing is placed there), the
 largest module's parameters and their gradients while it runs (in the bound dtype), and
 the activations of one step with gradient checkpointing (each layer's saved input, one
 layer recomputed with its attention scores, the logits with their log-softmax and

@@ -3,8 +3,9 @@
 Every parameter of the model becomes a tensor of a tidestore store (registered in the
 model's parameter order, which for the models people fine-tune is forward order; the
 first iteration traces the real order and the later ones prefetch and evict by it):
-its values, fp32 master, Adam M and V live in chunks on the simulated device, in the
-host pool and in a swap file on NVMe, so the model never has to fit in memory.
+its values, fp32 master, Adam M and V live in chunks in the host pool and in a swap
+file on NVMe (and on the simulated device where a config asks for it, ``device.kind =
+"sim"``: a stand-in for a GPU), so the model never has to fit in memory.
 Buffers stay torch's.
 
 How a module meets its weights:
