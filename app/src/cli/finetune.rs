@@ -301,16 +301,16 @@ fn print(r: &FinetuneReport) {
         .map_or(String::new(), |s| format!("; resumed from step {s}"));
     out!(
         "{} params, {} trained; text of {} tokens; blocks compute on {} (matrix products: \
-         {}), reading the parameters on the {}; the optimizer steps on the {} ({}){resumed}",
+         {}), reading the parameters {}; the optimizer steps on the {} ({}){resumed}",
         r.params,
         r.params_trainable,
         r.text_tokens,
         r.compute,
         r.matmul,
         if r.compute_reads == "host" {
-            "host pool"
+            "in the host pool"
         } else {
-            "device tier"
+            "on the device tier"
         },
         r.optimizer,
         r.optimizer_reason,
