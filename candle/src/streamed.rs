@@ -100,16 +100,8 @@ impl Blocks for Llama {
         params: &mut dyn BlockParams<Self>,
         input: &Tensor,
     ) -> Result<Tensor> {
-        let mut src = BlockSource {
-            params,
-            backward: false,
-            handed: Vec::new(),
-        };
-        let y = self.block_in(block, &mut src, input, Mode::Fused)?.detach();
-        // A GPU runs the block asynchronously: wait here, so that its time counts as
-        // compute and not as the store's (whose next copy would wait for it).
-        y.device().synchronize()?;
-        Ok(y)
+        // A layer's forward makes what its backward reads in any case; here it is dropped.
+        Ok(self.forward_keeping(block, params, input)?.0)
     }
 
     /// A decoder layer keeps its forward's values (about 100 MB for a 2048-wide layer
@@ -120,18 +112,22 @@ impl Blocks for Llama {
         params: &mut dyn BlockParams<Self>,
         input: &Tensor,
     ) -> Result<(Tensor, Option<KeptLayer>)> {
-        if block == 0 || block + 1 >= self.blocks() {
-            return Ok((Blocks::forward(self, block, params, input)?, None));
-        }
         let mut src = BlockSource {
             params,
             backward: false,
             handed: Vec::new(),
         };
-        let (y, saved) = self.layer_forward(block - 1, &mut src, input, Mode::Fused)?;
+        let (y, kept) = if block == 0 || block + 1 >= self.blocks() {
+            (self.block_in(block, &mut src, input, Mode::Fused)?, None)
+        } else {
+            let (y, saved) = self.layer_forward(block - 1, &mut src, input, Mode::Fused)?;
+            (y, Some(KeptLayer(saved)))
+        };
         let y = y.detach();
+        // A GPU runs the block asynchronously: wait here, so that its time counts as
+        // compute and not as the store's (whose next copy would wait for it).
         y.device().synchronize()?;
-        Ok((y, Some(KeptLayer(saved))))
+        Ok((y, kept))
     }
 
     fn backward_kept(

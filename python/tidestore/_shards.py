@@ -139,13 +139,10 @@ class Shards:
         out[: hi - lo] = flat
         return out
 
-    def grad(self, i, g):
-        """This rank's shard of the ranks' average gradient of parameter ``i`` (the
-        gradient ``g`` of this rank's batch reduce-scattered), on the CPU."""
-        return self.grad_later(i, g).wait()
-
     def grad_later(self, i, g):
-        """``grad`` started: a ``Pending`` whose ``wait`` gives the shard."""
+        """Starts reduce-scattering the gradient ``g`` of this rank's batch for parameter
+        ``i``: a ``Pending`` whose ``wait`` gives this rank's shard of the ranks' average,
+        on the CPU."""
         s, n = self.lens[i], self.numels[i]
         flat = g.detach().reshape(-1).to(self.device)
         if s * self.world != n:
@@ -164,13 +161,9 @@ class Shards:
             return out.div_(self.world).to("cpu")
         return Pending(work, average, what, flat)
 
-    def gather(self, i, p, shard):
-        """Every rank's new shard of parameter ``i`` (this rank's is ``shard``) into
-        ``p``."""
-        self.gather_into_later(i, p, shard).wait()
-
     def gather_into_later(self, i, p, shard):
-        """``gather`` started: a ``Pending`` whose ``wait`` finishes it (``p`` is not to
+        """Starts gathering every rank's new shard of parameter ``i`` (this rank's is
+        ``shard``) into ``p``: a ``Pending`` whose ``wait`` finishes it (``p`` is not to
         be read before)."""
         s, n = self.lens[i], self.numels[i]
         if s * self.world == n and p.device == self.device and p.is_contiguous():
