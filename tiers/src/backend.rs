@@ -204,6 +204,15 @@ pub(crate) struct SlabPlace {
     pub(crate) granularity_bytes: u64,
 }
 
+/// What every backend's chunk memory records of itself: the bytes asked for, the chunk
+/// it was allocated for and its device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MemTag {
+    pub(crate) bytes: usize,
+    pub(crate) chunk: u64,
+    pub(crate) device_id: u32,
+}
+
 /// What both backends share: the budget, the slab and the reported non-model memory.
 #[derive(Debug)]
 pub(crate) struct DeviceCore {
@@ -219,6 +228,15 @@ pub(crate) struct DeviceCore {
 }
 
 impl DeviceCore {
+    /// The tag of `bytes` of this device's memory allocated for `chunk`.
+    pub(crate) fn tag(&self, chunk: u64, bytes: usize) -> MemTag {
+        MemTag {
+            bytes,
+            chunk,
+            device_id: self.device_id,
+        }
+    }
+
     /// Checks the budget against the device and the slab the backend allocated.
     pub(crate) fn new(cfg: &DeviceConfig, total_bytes: u64, slab: SlabPlace) -> Result<Self> {
         let SlabPlace {

@@ -35,7 +35,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 use tidestore_io::BufferPool;
 
 use crate::backend::{
-    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone, SlabPlace,
+    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, MemTag, RawDone, SlabPlace,
 };
 use crate::budget::Lease;
 use crate::copy::{CopyDir, CopyId};
@@ -363,9 +363,7 @@ fn open_context(ordinal: usize) -> Result<Opened> {
 #[derive(Debug)]
 pub struct CudaMem {
     ptr: sys::CUdeviceptr,
-    bytes: usize,
-    chunk: u64,
-    device_id: u32,
+    tag: MemTag,
     /// `None` only while dropping.
     store: Option<CudaStore>,
     /// `None` only while dropping.
@@ -385,28 +383,20 @@ enum CudaStore {
 }
 
 impl CudaMem {
-    pub(crate) fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    pub(crate) fn chunk(&self) -> u64 {
-        self.chunk
-    }
-
-    pub(crate) fn device_id(&self) -> u32 {
-        self.device_id
+    pub(crate) fn tag(&self) -> MemTag {
+        self.tag
     }
 
     pub(crate) fn view(&self) -> DeviceView<'_> {
         // SAFETY: `ptr..ptr + bytes` is this allocation, live until `self` drops, which the
         // span's borrow of `self` outlasts; writes need `&mut self` (`view_mut`).
-        DeviceView::Cuda(unsafe { CudaSpan::from_raw(self.ptr, self.bytes) })
+        DeviceView::Cuda(unsafe { CudaSpan::from_raw(self.ptr, self.tag.bytes) })
     }
 
     pub(crate) fn view_mut(&mut self) -> DeviceViewMut<'_> {
         // SAFETY: as `view`, borrowed exclusively: nobody else reaches this allocation
         // through the tier while the span lives.
-        DeviceViewMut::Cuda(unsafe { CudaSpanMut::from_raw(self.ptr, self.bytes) })
+        DeviceViewMut::Cuda(unsafe { CudaSpanMut::from_raw(self.ptr, self.tag.bytes) })
     }
 }
 
@@ -425,7 +415,7 @@ impl Drop for CudaMem {
         });
         if let Err(e) = freed {
             // The GPU still holds the memory: so does the budget, and the footprint.
-            tracing::error!(error = %e, chunk = self.chunk, bytes = self.bytes,
+            tracing::error!(error = %e, chunk = self.tag.chunk, bytes = self.tag.bytes,
                 "CUDA: device memory cannot be freed; leaked with its budget");
             std::mem::forget(accounting);
             std::mem::forget(self.lease.take());
@@ -570,11 +560,11 @@ impl CudaDevice {
         let len = req.len_bytes;
         let (chunk, bytes) = (req.chunk, len as u64);
         let mem = &req.mem;
-        if len > mem.bytes {
+        if len > mem.tag.bytes {
             return Err(TierError::BadCopy {
                 id,
                 chunk,
-                reason: format!("{len} bytes into {} bytes of device memory", mem.bytes),
+                reason: format!("{len} bytes into {} bytes of device memory", mem.tag.bytes),
             });
         }
         let dptr = mem.ptr;
@@ -640,9 +630,7 @@ impl DeviceBackend for CudaDevice {
                 assert_eq!(block.bytes(), lease.bytes(), "a block is its lease's bytes");
                 return Ok(CudaMem {
                     ptr: self.slab.ptr + block.offset_bytes(),
-                    bytes,
-                    chunk,
-                    device_id: self.core.device_id,
+                    tag: self.core.tag(chunk, bytes),
                     store: Some(CudaStore::Slab {
                         _slab: Arc::clone(&self.slab),
                         _block: block,
@@ -671,9 +659,7 @@ impl DeviceBackend for CudaDevice {
         })?;
         Ok(CudaMem {
             ptr,
-            bytes,
-            chunk,
-            device_id: self.core.device_id,
+            tag: self.core.tag(chunk, bytes),
             store: Some(CudaStore::Overflow {
                 ctx: Arc::clone(&self.ctx),
                 accounting,

@@ -101,17 +101,17 @@ macro_rules! mem_dispatch {
 impl DeviceMem {
     /// Bytes asked for at allocation (the budget holds them rounded up to 4096).
     pub fn bytes(&self) -> usize {
-        mem_dispatch!(self, m => m.bytes())
+        mem_dispatch!(self, m => m.tag().bytes)
     }
 
     /// The chunk this memory was allocated for.
     pub fn chunk(&self) -> u64 {
-        mem_dispatch!(self, m => m.chunk())
+        mem_dispatch!(self, m => m.tag().chunk)
     }
 
     /// The device this memory belongs to.
     pub fn device_id(&self) -> u32 {
-        mem_dispatch!(self, m => m.device_id())
+        mem_dispatch!(self, m => m.tag().device_id)
     }
 
     /// Which backend this memory lives on.

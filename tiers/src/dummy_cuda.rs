@@ -8,7 +8,7 @@
 
 use tidestore_io::BufferPool;
 
-use crate::backend::{CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone};
+use crate::backend::{CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, MemTag, RawDone};
 use crate::budget::Lease;
 use crate::copy::CopyId;
 use crate::error::{Result, TierError};
@@ -34,15 +34,7 @@ impl CudaDevice {
 }
 
 impl CudaMem {
-    pub(crate) fn bytes(&self) -> usize {
-        match *self {}
-    }
-
-    pub(crate) fn chunk(&self) -> u64 {
-        match *self {}
-    }
-
-    pub(crate) fn device_id(&self) -> u32 {
+    pub(crate) fn tag(&self) -> MemTag {
         match *self {}
     }
 

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use tidestore_io::{AlignedBuf, BufferPool};
 
 use crate::backend::{
-    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, RawDone, SlabPlace,
+    CopyOf, DeviceBackend, DeviceConfig, DeviceCore, MemInfo, MemTag, RawDone, SlabPlace,
 };
 use crate::budget::{Lease, TierKind};
 use crate::copy::{CopyDir, CopyId};
@@ -42,36 +42,26 @@ use crate::view::{DeviceView, DeviceViewMut};
 #[derive(Debug)]
 pub struct SimMem {
     store: SimStore,
-    bytes: usize,
-    chunk: u64,
-    device_id: u32,
+    tag: MemTag,
     _lease: Lease,
 }
 
 impl SimMem {
-    pub(crate) fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    pub(crate) fn chunk(&self) -> u64 {
-        self.chunk
-    }
-
-    pub(crate) fn device_id(&self) -> u32 {
-        self.device_id
+    pub(crate) fn tag(&self) -> MemTag {
+        self.tag
     }
 
     pub(crate) fn view(&self) -> DeviceView<'_> {
         DeviceView::Host(match &self.store {
-            SimStore::Slab { region, block } => region.bytes(block, self.bytes),
-            SimStore::Overflow { buf, .. } => &buf[..self.bytes],
+            SimStore::Slab { region, block } => region.bytes(block, self.tag.bytes),
+            SimStore::Overflow { buf, .. } => &buf[..self.tag.bytes],
         })
     }
 
     pub(crate) fn view_mut(&mut self) -> DeviceViewMut<'_> {
         DeviceViewMut::Host(match &mut self.store {
-            SimStore::Slab { region, block } => region.bytes_mut(block, self.bytes),
-            SimStore::Overflow { buf, .. } => &mut buf[..self.bytes],
+            SimStore::Slab { region, block } => region.bytes_mut(block, self.tag.bytes),
+            SimStore::Overflow { buf, .. } => &mut buf[..self.tag.bytes],
         })
     }
 }
@@ -259,9 +249,7 @@ impl DeviceBackend for SimDevice {
         };
         Ok(SimMem {
             store,
-            bytes,
-            chunk,
-            device_id: self.core.device_id,
+            tag: self.core.tag(chunk, bytes),
             _lease: lease,
         })
     }

@@ -481,10 +481,8 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCac
         self.params.lent(loan)
     }
 
-    /// Loans end with the block ([`BlockCache::finish`]), not when a micro-batch asks.
-    fn end_loans(&mut self) -> Result<(), B::Error> {
-        Ok(())
-    }
+    // `end_loans` is the trait's default, which ends none: loans end with the block
+    // ([`BlockCache::finish`]), not when a micro-batch asks.
 
     fn put_grad(
         &mut self,

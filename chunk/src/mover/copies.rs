@@ -9,7 +9,7 @@
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::{CopyCompletion, CopyDir, CopyId, DeviceMem, TierError};
 
-use super::{count_down, remove_from, Cause, Mover, Pending};
+use super::{count_down, remove_from, stopped, Cause, Mover, Pending};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -54,6 +54,30 @@ impl Mover {
         slot.host_prefetched = true;
         self.pending_copies += 1;
         Ok(())
+    }
+
+    /// Copies `c`'s device copy into `buf` and waits for it: the blocking
+    /// device->host copy of an eviction (`doing`: "evicting") or of a host access
+    /// ("loading"). The completion carries the device memory and the host buffer back
+    /// whatever its result; the caller puts them where they belong.
+    pub(super) fn copy_d2h_now(
+        &mut self,
+        c: ChunkId,
+        buf: AlignedBuf,
+        doing: &'static str,
+        cause: Cause,
+    ) -> Result<CopyCompletion> {
+        let d = c.dense();
+        let Some(mem) = self.slots[d].dev.take() else {
+            return Err(ChunkError::tier(
+                doing,
+                Some(c),
+                stopped("device copy vanished"),
+            ));
+        };
+        let len = self.len(c);
+        let id = self.device.copy_to_host(d as u64, mem, buf, len);
+        self.wait_copy_id(id, c, cause)
     }
 
     /// Puts the host buffer a good device->host copy of `c` filled into its slot (the

@@ -11,7 +11,7 @@
 use tidestore_io::AlignedBuf;
 use tidestore_tiers::TierKind;
 
-use super::{remove_from, stopped, tier_err, Cause, Mover, Pending, Slot};
+use super::{remove_from, tier_err, Cause, Mover, Pending, Slot};
 use crate::accounting::MoveKind;
 use crate::error::ChunkError;
 use crate::id::ChunkId;
@@ -305,16 +305,8 @@ impl Mover {
                 },
                 cause,
             )?;
-            let Some(mem) = self.slots[d].dev.take() else {
-                return Err(ChunkError::tier(
-                    "evicting",
-                    Some(v),
-                    stopped("device copy vanished"),
-                ));
-            };
+            let done = self.copy_d2h_now(v, buf, "evicting", cause)?;
             let len = self.len(v);
-            let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, v, cause)?;
             if let Err(e) = done.result {
                 self.slots[d].dev = Some(done.mem);
                 return Err(ChunkError::tier("copy device->host", Some(v), e));

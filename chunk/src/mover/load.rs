@@ -118,16 +118,7 @@ impl Mover {
         };
         if self.slots[d].dev.is_some() {
             let buf = self.take_host_buffer(c, room, cause)?;
-            let Some(mem) = self.slots[d].dev.take() else {
-                return Err(ChunkError::tier(
-                    "loading",
-                    Some(c),
-                    stopped("device copy vanished"),
-                ));
-            };
-            let len = self.len(c);
-            let id = self.device.copy_to_host(d as u64, mem, buf, len);
-            let done = self.wait_copy_id(id, c, cause)?;
+            let done = self.copy_d2h_now(c, buf, "loading", cause)?;
             // The device copy stays: both are current now.
             self.slots[d].dev = Some(done.mem);
             if let Err(e) = done.result {

@@ -39,26 +39,14 @@ impl Mover {
                 self.route_nvme(c, cause)?;
                 return Ok(true);
             }
-            return Err(ChunkError::Invariant {
-                chunk: None,
-                what: format!(
-                    "{} NVMe requests counted in flight, none outstanding",
-                    self.pending_nvme
-                ),
-            });
+            return Err(none_outstanding(self.pending_nvme, "NVMe requests"));
         }
         if self.pending_copies > 0 {
             if let Some(c) = self.device.wait_copy() {
                 self.route_copy(c, cause)?;
                 return Ok(true);
             }
-            return Err(ChunkError::Invariant {
-                chunk: None,
-                what: format!(
-                    "{} device copies counted in flight, none outstanding",
-                    self.pending_copies
-                ),
-            });
+            return Err(none_outstanding(self.pending_copies, "device copies"));
         }
         Ok(false)
     }
@@ -112,5 +100,13 @@ impl Mover {
             self.cancel_queued(c);
         }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// The broken invariant of `counted` transfers (`what`) in flight with none outstanding.
+fn none_outstanding(counted: usize, what: &str) -> ChunkError {
+    ChunkError::Invariant {
+        chunk: None,
+        what: format!("{counted} {what} counted in flight, none outstanding"),
     }
 }

@@ -526,45 +526,56 @@ fn family(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<Family> 
     }
 }
 
-/// Refuses what tidestore's decoder does not compute for `family`.
+/// Refuses what tidestore's decoder does not compute for `family`: the first key set to
+/// something else, with why.
 fn check_supported(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<()> {
-    if let Some(a) = r.hidden_act.as_deref().filter(|a| *a != "silu") {
-        return Err(err(
+    let set = |on: Option<bool>, why: &str| (on == Some(true)).then(|| why.to_string());
+    let refused = [
+        (
             "hidden_act",
-            format!("`{a}` is not supported; these families use `silu`"),
-        ));
-    }
-    if r.attention_bias == Some(true) {
-        return Err(err(
+            r.hidden_act
+                .as_deref()
+                .filter(|a| *a != "silu")
+                .map(|a| format!("`{a}` is not supported; these families use `silu`")),
+        ),
+        (
             "attention_bias",
-            "true is not supported: tidestore computes q/k/v biases for qwen2 only".into(),
-        ));
-    }
-    if r.mlp_bias == Some(true) {
-        return Err(err(
+            set(
+                r.attention_bias,
+                "true is not supported: tidestore computes q/k/v biases for qwen2 only",
+            ),
+        ),
+        (
             "mlp_bias",
-            "true is not supported: tidestore's MLP has no biases".into(),
-        ));
-    }
-    if let Some(p) = r.attention_dropout.filter(|p| *p != 0.0) {
-        return Err(err(
+            set(
+                r.mlp_bias,
+                "true is not supported: tidestore's MLP has no biases",
+            ),
+        ),
+        (
             "attention_dropout",
-            format!("{p} is not supported: tidestore trains without attention dropout"),
-        ));
-    }
-    if let Some(p) = r.partial_rotary_factor.filter(|p| *p != 1.0) {
-        return Err(err(
+            r.attention_dropout.filter(|p| *p != 0.0).map(|p| {
+                format!("{p} is not supported: tidestore trains without attention dropout")
+            }),
+        ),
+        (
             "partial_rotary_factor",
-            format!("{p} is not supported: tidestore rotates the whole head (1.0)"),
-        ));
-    }
-    if r.use_sliding_window == Some(true) {
-        return Err(err(
+            r.partial_rotary_factor
+                .filter(|p| *p != 1.0)
+                .map(|p| format!("{p} is not supported: tidestore rotates the whole head (1.0)")),
+        ),
+        (
             "use_sliding_window",
-            "true is not supported: tidestore computes Qwen's full attention only".into(),
-        ));
+            set(
+                r.use_sliding_window,
+                "true is not supported: tidestore computes Qwen's full attention only",
+            ),
+        ),
+    ];
+    match refused.into_iter().find_map(|(key, why)| Some((key, why?))) {
+        Some((key, why)) => Err(err(key, why)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// transformers ≥ 5's `layer_types`: every layer as the model computes it.
