@@ -90,7 +90,7 @@ const USER_KEY_PREFIX: &str = "user.";
 /// safetensors' length prefix of the header.
 pub(crate) const HEADER_LEN_BYTES: usize = 8;
 /// Buffer of the file writer: many small tensors become few writes.
-pub(crate) const WRITE_BUFFER_BYTES: usize = 1 << 20;
+const WRITE_BUFFER_BYTES: usize = 1 << 20;
 
 /// What a checkpoint holds besides the tensors: the step controller's state and the
 /// caller's metadata (a data cursor, a run name...).
@@ -325,6 +325,66 @@ fn temp_path(path: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((dir, tmp))
 }
 
+/// A safetensors file written front to back: created with its header, then each
+/// tensor's bytes in order through one write buffer.
+pub(crate) struct TensorFile<'a> {
+    w: BufWriter<File>,
+    path: &'a Path,
+}
+
+impl<'a> TensorFile<'a> {
+    /// Creates `path` (`fresh`: it must not exist yet; else one there is truncated) and
+    /// writes `header`.
+    pub(crate) fn create(path: &'a Path, fresh: bool, header: &[u8]) -> Result<Self> {
+        let mut open = OpenOptions::new();
+        if fresh {
+            open.create_new(true);
+        } else {
+            open.create(true).truncate(true);
+        }
+        let file = open
+            .write(true)
+            .open(path)
+            .map_err(io_err("creating", path))?;
+        let mut w = BufWriter::with_capacity(WRITE_BUFFER_BYTES, file);
+        w.write_all(header)
+            .map_err(io_err("writing the header of", path))?;
+        Ok(TensorFile { w, path })
+    }
+
+    /// Appends one tensor's bytes.
+    pub(crate) fn write_tensor(&mut self, bytes: &[u8]) -> Result<()> {
+        self.w
+            .write_all(bytes)
+            .map_err(io_err("writing a tensor to", self.path))
+    }
+
+    /// Flushes the buffer; the file, not yet synced.
+    pub(crate) fn finish(self) -> Result<File> {
+        self.w
+            .into_inner()
+            .map_err(|e| io_err("writing", self.path)(e.into_error()))
+    }
+}
+
+/// `written` as it is; where it failed, the half-written `tmp` (a `what`) is removed
+/// first with `remove` (a file's or a directory's), a failure to remove it logged: the
+/// write's error is the one returned.
+pub(crate) fn removed_on_err<T>(
+    written: Result<T>,
+    tmp: &Path,
+    what: &str,
+    remove: fn(&Path) -> std::io::Result<()>,
+) -> Result<T> {
+    if written.is_err() {
+        if let Err(rm) = remove(tmp) {
+            tracing::warn!(path = %tmp.display(), error = %rm,
+                "could not remove a half-written {what}");
+        }
+    }
+    written
+}
+
 /// `fsync`s a directory, so that a rename or removal in it is durable.
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
@@ -347,16 +407,7 @@ pub fn save(
         std::fs::rename(&tmp, path).map_err(io_err("renaming the temporary file", path))?;
         Ok(bytes)
     });
-    let bytes = match written {
-        Ok(bytes) => bytes,
-        Err(e) => {
-            if let Err(rm) = std::fs::remove_file(&tmp) {
-                tracing::warn!(path = %tmp.display(), error = %rm,
-                    "could not remove a half-written checkpoint");
-            }
-            return Err(e);
-        }
-    };
+    let bytes = removed_on_err(written, &tmp, "checkpoint", |p| std::fs::remove_file(p))?;
     sync_dir(&dir)?;
     tracing::info!(path = %path.display(), step = state.controller.step,
         tensors = entries.len(), bytes, "checkpoint saved");
@@ -371,15 +422,7 @@ fn write_file(
     tmp: &Path,
 ) -> Result<u64> {
     let provisional = header_bytes(entries, state, None);
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(tmp)
-        .map_err(io_err("creating", tmp))?;
-    let mut w = BufWriter::with_capacity(WRITE_BUFFER_BYTES, file);
-    w.write_all(&provisional)
-        .map_err(io_err("writing the header of", tmp))?;
+    let mut w = TensorFile::create(tmp, false, &provisional)?;
     let mut crcs = Vec::with_capacity(entries.len());
     let mut len = provisional.len() as u64;
     for e in entries {
@@ -395,8 +438,7 @@ fn write_file(
             });
         }
         crcs.push(crc32c::crc32c(&bytes));
-        w.write_all(&bytes)
-            .map_err(io_err("writing a tensor to", tmp))?;
+        w.write_tensor(&bytes)?;
         len += bytes.len() as u64;
     }
     let header = header_bytes(entries, state, Some(&crcs));
@@ -410,9 +452,7 @@ fn write_file(
             ),
         ));
     }
-    let mut file = w
-        .into_inner()
-        .map_err(|e| io_err("writing", tmp)(e.into_error()))?;
+    let mut file = w.finish()?;
     file.seek(SeekFrom::Start(0))
         .and_then(|_| file.write_all(&header))
         .map_err(io_err("rewriting the header of", tmp))?;

@@ -3,13 +3,13 @@
 //! written through a buffer and `fsync`ed, and the directory made next to its target
 //! and renamed into place, replacing only a directory that holds an export's files.
 
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use tidestore_chunk::DType;
 
-use crate::checkpoint::{io_err, safetensors_header, sync_dir, HeaderTensor, WRITE_BUFFER_BYTES};
+use crate::checkpoint::{
+    io_err, removed_on_err, safetensors_header, sync_dir, HeaderTensor, TensorFile,
+};
 use crate::error::{Result, TrainError};
 use crate::hf::config::CONFIG_FILE;
 use crate::hf::files::{ADAPTER_CONFIG_FILE, COPIED_FILES, INDEX_FILE, SINGLE_FILE};
@@ -136,14 +136,7 @@ fn write_shard(
         }),
         meta,
     );
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(io_err("creating", path))?;
-    let mut w = BufWriter::with_capacity(WRITE_BUFFER_BYTES, file);
-    w.write_all(&header)
-        .map_err(io_err("writing the header of", path))?;
+    let mut w = TensorFile::create(path, true, &header)?;
     for t in tensors {
         let bytes = source(&t.name)?;
         if bytes.len() != t.len_bytes {
@@ -156,13 +149,9 @@ fn write_shard(
                 ),
             });
         }
-        w.write_all(&bytes)
-            .map_err(io_err("writing a tensor to", path))?;
+        w.write_tensor(&bytes)?;
     }
-    let file: File = w
-        .into_inner()
-        .map_err(|e| io_err("writing", path)(e.into_error()))?;
-    file.sync_all().map_err(io_err("syncing", path))
+    w.finish()?.sync_all().map_err(io_err("syncing", path))
 }
 
 /// Runs `fill` on a fresh temporary directory next to `target`, then puts it in
@@ -191,16 +180,8 @@ pub(crate) fn write_dir_atomically<T>(
         std::fs::remove_dir_all(&tmp).map_err(io_err("removing a stale", &tmp))?;
     }
     std::fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
-    let out = match fill(&tmp).and_then(|out| sync_dir(&tmp).map(|()| out)) {
-        Ok(out) => out,
-        Err(e) => {
-            if let Err(rm) = std::fs::remove_dir_all(&tmp) {
-                tracing::warn!(path = %tmp.display(), error = %rm,
-                    "could not remove a half-written export");
-            }
-            return Err(e);
-        }
-    };
+    let filled = fill(&tmp).and_then(|out| sync_dir(&tmp).map(|()| out));
+    let out = removed_on_err(filled, &tmp, "export", |p| std::fs::remove_dir_all(p))?;
     let old = parent.join(format!(".{name}.old.{pid}"));
     let had_old = target.exists();
     if had_old {
