@@ -1,5 +1,6 @@
-//! The bench's GPU kernels (feature `cuda`): `kernels/bench.cu`, compiled at run time
-//! with NVRTC through cudarc, run on tensors the chunk store holds on a CUDA device.
+//! The bench's GPU kernels (feature `cuda`): `kernels/bench.cu` after the optimizer's
+//! `half_bits.cuh`, compiled at run time with NVRTC through cudarc, run on tensors the
+//! chunk store holds on a CUDA device.
 //!
 //! - [`BenchKernels::checksum`] adds the bench's checksum of a device range (any
 //!   alignment) into a device-side u64 accumulator; [`BenchKernels::take_checksum`]
@@ -35,8 +36,17 @@ use tidestore_tiers::{DeviceView, DeviceViewMut};
 
 use crate::error::{Error, Result};
 
-/// The CUDA C source of the bench's kernels.
+/// The CUDA C source of the bench's kernels; compiled as [`bench_source`].
 pub const BENCH_CU: &str = include_str!("kernels/bench.cu");
+
+/// What NVRTC compiles: the optimizer's 16-bit conversions (`HALF_BITS_CU`), which the
+/// bench's gradient fill rounds with, then [`BENCH_CU`].
+pub fn bench_source() -> String {
+    format!(
+        "{}\n{BENCH_CU}",
+        tidestore_optimizer::cuda_source::HALF_BITS_CU
+    )
+}
 
 /// The kernels [`BENCH_CU`] defines.
 pub const KERNEL_NAMES: [&str; 2] = ["bench_checksum", "bench_grad_fill"];
@@ -139,16 +149,21 @@ unsafe fn launch_grad_fill(
 /// Compiles [`BENCH_CU`] to PTX with NVRTC (`arch`: e.g. `compute_86`; `None`:
 /// `compute_86`). Needs libnvrtc only, no GPU.
 pub fn compile_ptx(arch: Option<&'static str>) -> Result<String> {
-    tidestore_optimizer::gpu::compile_source(BENCH_CU, "tidestore_bench.cu", arch, Vec::new())
-        .map_err(|e| Error::KernelBuild {
-            nvrtc: nvrtc_version_text(),
-            reason: e.to_string(),
-        })
+    tidestore_optimizer::gpu::compile_source(
+        &bench_source(),
+        "tidestore_bench.cu",
+        arch,
+        Vec::new(),
+    )
+    .map_err(|e| Error::KernelBuild {
+        nvrtc: nvrtc_version_text(),
+        reason: e.to_string(),
+    })
 }
 
 /// Compiles [`BENCH_CU`] to a cubin for `sm_{major}{minor}`. Needs libnvrtc only.
 pub fn compile_cubin(cc: (i32, i32)) -> Result<Vec<u8>> {
-    kernels_nvrtc::compile_cubin(BENCH_CU, "tidestore_bench.cu", cc, &[]).map_err(|e| {
+    kernels_nvrtc::compile_cubin(&bench_source(), "tidestore_bench.cu", cc, &[]).map_err(|e| {
         Error::KernelBuild {
             nvrtc: nvrtc_version_text(),
             reason: e.to_string(),
@@ -198,8 +213,9 @@ impl BenchKernels {
             nvrtc: nvrtc_version_text(),
             reason,
         };
-        let image = kernels_nvrtc::build_for_device(BENCH_CU, "tidestore_bench.cu", (major, minor))
-            .map_err(|e| kernel_build(e.to_string()))?;
+        let image =
+            kernels_nvrtc::build_for_device(&bench_source(), "tidestore_bench.cu", (major, minor))
+                .map_err(|e| kernel_build(e.to_string()))?;
         let built = image.describe((major, minor));
         let module = ctx
             .load_module(image.into_module_image())

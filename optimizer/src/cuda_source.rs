@@ -14,8 +14,16 @@
 
 use crate::quant::maps;
 
-/// The CUDA C source of the fp32 kernels.
-pub const ADAMW_CU: &str = include_str!("kernels/adamw.cu");
+/// The integer types and 16-bit float conversions every kernel source of the workspace
+/// is compiled after (the bench's kernels too).
+pub const HALF_BITS_CU: &str = include_str!("kernels/half_bits.cuh");
+
+/// The CUDA C source of the fp32 kernels, [`HALF_BITS_CU`] ahead of them.
+pub const ADAMW_CU: &str = concat!(
+    include_str!("kernels/half_bits.cuh"),
+    "\n",
+    include_str!("kernels/adamw.cu")
+);
 
 /// The CUDA C source of the compact-moment kernels (appended to the AdamW source).
 pub const ADAMW_COMPACT_CU: &str = include_str!("kernels/adamw_compact.cu");

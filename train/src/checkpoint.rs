@@ -352,8 +352,22 @@ impl<'a> TensorFile<'a> {
         Ok(TensorFile { w, path })
     }
 
-    /// Appends one tensor's bytes.
-    pub(crate) fn write_tensor(&mut self, bytes: &[u8]) -> Result<()> {
+    /// Appends tensor `name`'s bytes, which the header gave `len_bytes`.
+    pub(crate) fn write_tensor(
+        &mut self,
+        name: &str,
+        bytes: &[u8],
+        len_bytes: usize,
+    ) -> Result<()> {
+        if bytes.len() != len_bytes {
+            return Err(TrainError::Tensor {
+                tensor: name.to_string(),
+                reason: format!(
+                    "{} bytes to write, its header entry says {len_bytes}",
+                    bytes.len()
+                ),
+            });
+        }
         self.w
             .write_all(bytes)
             .map_err(io_err("writing a tensor to", self.path))
@@ -427,18 +441,8 @@ fn write_file(
     let mut len = provisional.len() as u64;
     for e in entries {
         let bytes = store.read(e.tensor, e.list)?;
-        if bytes.len() != e.len_bytes {
-            return Err(TrainError::Tensor {
-                tensor: e.name.clone(),
-                reason: format!(
-                    "the store returned {} bytes, its layout says {}",
-                    bytes.len(),
-                    e.len_bytes
-                ),
-            });
-        }
+        w.write_tensor(&e.name, &bytes, e.len_bytes)?;
         crcs.push(crc32c::crc32c(&bytes));
-        w.write_tensor(&bytes)?;
         len += bytes.len() as u64;
     }
     let header = header_bytes(entries, state, Some(&crcs));

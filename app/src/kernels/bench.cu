@@ -17,11 +17,6 @@
 // Every float operation is an explicit round-to-nearest intrinsic, so the compiler
 // cannot contract or reorder them.
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
 __device__ __forceinline__ u64 rotr64(u64 x, u32 r) {
     return r == 0u ? x : (x >> r) | (x << (64u - r));
 }
@@ -76,19 +71,6 @@ __device__ __forceinline__ u64 splitmix64(u64 seed, u64 index) {
 // The top 24 bits as an f32 in [-1, 1): exact in every step.
 __device__ __forceinline__ float unit_f32(u64 x) {
     return __fsub_rn(__fdiv_rn(__ull2float_rn(x >> 40), 8388608.0f), 1.0f);
-}
-
-// f32 -> bf16 bits, round to nearest even; the `half` crate's rule (NaN: quiet bit set).
-__device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
-    u32 x = __float_as_uint(f);
-    if ((x & 0x7fffffffu) > 0x7f800000u) {
-        return (u16)((x >> 16) | 0x0040u);
-    }
-    u32 round_bit = 0x00008000u;
-    if ((x & round_bit) != 0u && (x & (3u * round_bit - 1u)) != 0u) {
-        return (u16)((x >> 16) + 1u);
-    }
-    return (u16)(x >> 16);
 }
 
 extern "C" __global__ void bench_grad_fill(u16* out, u64 n, u64 seed, u64 first, float scale) {

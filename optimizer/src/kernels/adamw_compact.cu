@@ -15,8 +15,6 @@
 //   (quant.rs `DynamicMap::values` / `midpoints`, 256 each, the last midpoint +inf).
 // Aliasing as in adamw.cu: g and out may be the same pointer (read first, same thread).
 
-typedef unsigned char u8;
-
 __device__ __forceinline__ void adam_step(
     float& p, float& m, float& v, float g, bool l2, AdamConsts c) {
     float gi = __fmul_rn(g, c.grad_scale);

@@ -139,17 +139,7 @@ fn write_shard(
     let mut w = TensorFile::create(path, true, &header)?;
     for t in tensors {
         let bytes = source(&t.name)?;
-        if bytes.len() != t.len_bytes {
-            return Err(TrainError::Tensor {
-                tensor: t.name.clone(),
-                reason: format!(
-                    "{} bytes to export, its shape and dtype say {}",
-                    bytes.len(),
-                    t.len_bytes
-                ),
-            });
-        }
-        w.write_tensor(&bytes)?;
+        w.write_tensor(&t.name, &bytes, t.len_bytes)?;
     }
     w.finish()?.sync_all().map_err(io_err("syncing", path))
 }
