@@ -111,7 +111,9 @@ pub mod gpu;
 pub mod gpu;
 
 pub use controller::{clip_coefficient, ControllerState, StepController, StepDecision};
-pub use cpu::{AdamW, CpuConfig, SimdLevel, SimdReason, BLOCK_PARAMS_DEFAULT, SIMD_ENV};
+pub use cpu::{
+    AdamW, CpuConfig, SimdLevel, SimdReason, BLOCK_PARAMS_DEFAULT, NORM_STREAMS, SIMD_ENV,
+};
 pub use device_slices::{moment_view_bytes, DeviceGrads, DeviceGroup, DeviceSlices};
 pub use error::{OptimError, Result};
 pub use group::ParamGroup;

@@ -17,7 +17,7 @@ mod common;
 use common::{case, check_same, scalar, Case, Rng};
 use half::{bf16, f16};
 use proptest::prelude::*;
-use tidestore_optimizer::{AdamW, CpuConfig, Grads, ParamOut};
+use tidestore_optimizer::{AdamW, CpuConfig, Grads, ParamOut, NORM_STREAMS};
 
 fn value(rng: &mut Rng, scale: f32, specials: bool) -> f32 {
     if specials && rng.next_u64().is_multiple_of(16) {
@@ -192,6 +192,47 @@ fn thread_count_does_not_change_bits() {
         one.grad_sq_norm(Grads::F32(&g)).to_bits(),
         two.grad_sq_norm(Grads::F32(&g)).to_bits()
     );
+}
+
+/// The norm reads several blocks at once (`NORM_STREAMS` streams): each block's sum and
+/// the order they are added in stay those of the block-at-a-time pass that widening
+/// takes, bit for bit, at every SIMD level, thread count and dtype, with whole groups of
+/// blocks, a group cut short and a last block cut short; and within the scalar
+/// reference's rounding of the definition.
+#[test]
+fn the_norm_read_blocks_at_a_time_adds_as_one_block_at_a_time() {
+    let block = 1024;
+    let mut rng = Rng::new(11);
+    for n in [
+        block * NORM_STREAMS * 3,
+        block * NORM_STREAMS * 3 + 517,
+        block * (NORM_STREAMS + 2),
+        block * NORM_STREAMS - 1,
+        block,
+    ] {
+        let g32: Vec<f32> = (0..n).map(|_| rng.unit() * 3.0).collect();
+        let g16: Vec<f16> = g32.iter().map(|&x| f16::from_f32(x)).collect();
+        let gb16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+        for g in [Grads::F32(&g32), Grads::F16(&g16), Grads::Bf16(&gb16)] {
+            let exact: f64 = (0..n)
+                .map(|i| f64::from(g.get_f32(i).unwrap()).powi(2))
+                .sum();
+            for (level, threads, opt) in common::optimizers(block) {
+                let mut wide = vec![0f32; n];
+                let blockwise = opt.widen_grads(g, &mut wide).unwrap();
+                let sq = opt.grad_sq_norm(g);
+                assert_eq!(
+                    sq.to_bits(),
+                    blockwise.to_bits(),
+                    "{level:?} x{threads}, {n}"
+                );
+                assert!(
+                    (sq - exact).abs() <= 1e-12 * exact,
+                    "{level:?}: {sq} vs {exact}"
+                );
+            }
+        }
+    }
 }
 
 /// An f32 gradient widened into a destination at every alignment (the streaming copy's

@@ -292,34 +292,57 @@ pub(crate) unsafe fn step<const GK: u8, const OK: u8, const L2: bool>(c: &Consts
     unsafe { step_body::<GK, OK, L2>(c, s) }
 }
 
-/// AVX2 sum of squares in f64.
+/// AVX2 sum of squares in f64: [`sq_norms`] of one stream.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `g` covers `len` elements of the `GK` dtype.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn sq_norm<const GK: u8>(g: *const u8, len: usize) -> f64 {
+    // SAFETY: forwarded caller contract.
+    unsafe { sq_norms::<GK, 1>([g], len)[0] }
+}
+
+/// AVX2 sums of squares in f64 of `K` streams of `len` elements at once, each with two
+/// 4-lane accumulators of its own: per stream the bits of [`sq_norm`] of it alone (see
+/// [`super::avx512::sq_norms`]).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; each of `g` covers `len` elements of the `GK`
+/// dtype.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sq_norms<const GK: u8, const K: usize>(
+    g: [*const u8; K],
+    len: usize,
+) -> [f64; K] {
     // SAFETY: features enabled here; `i + 8 <= len` for every vector load.
     unsafe {
-        let mut a0 = _mm256_setzero_pd();
-        let mut a1 = _mm256_setzero_pd();
+        let mut a0 = [_mm256_setzero_pd(); K];
+        let mut a1 = [_mm256_setzero_pd(); K];
         let n8 = len - len % 8;
         let mut i = 0;
         while i < n8 {
-            // One stream read once: fetched ahead, as the step's streams are.
-            if GK == G_F32 {
-                prefetch(g.cast(), i);
+            for s in 0..K {
+                // Fetched ahead, as the step's streams are.
+                if GK == G_F32 {
+                    prefetch(g[s].cast(), i);
+                }
+                let x = load8::<GK>(g[s], i);
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));
+                a0[s] = _mm256_fmadd_pd(lo, lo, a0[s]);
+                a1[s] = _mm256_fmadd_pd(hi, hi, a1[s]);
             }
-            let x = load8::<GK>(g, i);
-            let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-            let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x));
-            a0 = _mm256_fmadd_pd(lo, lo, a0);
-            a1 = _mm256_fmadd_pd(hi, hi, a1);
             i += 8;
         }
-        let a = _mm256_add_pd(a0, a1);
-        let mut lanes = [0.0f64; 4];
-        _mm256_storeu_pd(lanes.as_mut_ptr(), a);
-        (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + scalar::sq_norm_from::<GK>(g, n8, len)
+        let mut out = [0.0; K];
+        for s in 0..K {
+            let mut lanes = [0.0f64; 4];
+            _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(a0[s], a1[s]));
+            out[s] = (lanes[0] + lanes[1])
+                + (lanes[2] + lanes[3])
+                + scalar::sq_norm_from::<GK>(g[s], n8, len);
+        }
+        out
     }
 }
 

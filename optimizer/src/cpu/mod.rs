@@ -28,6 +28,7 @@ pub(crate) mod x86;
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
 use rayon::ThreadPool;
 
 pub use level::{SimdLevel, SimdReason, SIMD_ENV};
@@ -232,12 +233,23 @@ impl AdamW {
     /// global norm clipping: add the results of every slice of every group, then
     /// [`crate::clip_coefficient`]. Non-finite exactly when some gradient is inf or NaN.
     /// The result does not depend on the thread count.
+    ///
+    /// The blocks and the order their sums are added in are [`AdamW::widen_grads`]'
+    /// (bit for bit); [`NORM_STREAMS`] blocks are read at once, one stream each.
     pub fn grad_sq_norm(&self, grads: Grads<'_>) -> f64 {
-        self.run(
-            grads,
-            |level, g: Grads<'_>| sq_norm_leaf(level, g),
-            |a: f64, b: f64| a + b,
-        )
+        let block = self.block_params;
+        let mut sums = vec![0.0; grads.len().div_ceil(block).max(1)];
+        let (level, full) = (self.level, grads.len() / block);
+        let fill = |(k, out): (usize, &mut [f64])| {
+            sq_norm_blocks(level, grads, block, k * NORM_STREAMS, full, out);
+        };
+        match self.pool() {
+            Some(pool) if pool.current_num_threads() > 1 => {
+                pool.install(|| sums.par_chunks_mut(NORM_STREAMS).enumerate().for_each(fill))
+            }
+            _ => sums.chunks_mut(NORM_STREAMS).enumerate().for_each(fill),
+        }
+        tree_sum(&sums)
     }
 
     /// Widens `grads` into `dst` and returns what [`AdamW::grad_sq_norm`] returns for
@@ -460,6 +472,74 @@ macro_rules! grad_leaf {
 }
 
 grad_leaf!(sq_norm_leaf, sq_norm, f64);
+
+/// Blocks whose gradient norms [`AdamW::grad_sq_norm`] reads at once.
+pub const NORM_STREAMS: usize = 4;
+
+/// Sums of squares of `out.len()` consecutive blocks of `block` elements of `g` from
+/// block `first`, each the bits [`sq_norm_leaf`] gives it; `full` of `g`'s blocks are
+/// whole. [`NORM_STREAMS`] whole blocks are read together where the SIMD level has a
+/// kernel for it.
+fn sq_norm_blocks(
+    level: SimdLevel,
+    g: Grads<'_>,
+    block: usize,
+    first: usize,
+    full: usize,
+    out: &mut [f64],
+) {
+    let at = |k: usize| {
+        let lo = ((first + k) * block).min(g.len());
+        let hi = (lo + block).min(g.len());
+        g.split_at(hi).0.split_at(lo).1
+    };
+    let mut streams: Option<[f64; NORM_STREAMS]> = None;
+    if out.len() == NORM_STREAMS && first + NORM_STREAMS <= full {
+        let (gk, _) = grad_raw(g);
+        let ptrs: [*const u8; NORM_STREAMS] = std::array::from_fn(|k| grad_raw(at(k)).1);
+        // SAFETY: each pointer is to `block` elements of `g` (whole blocks), alive for the
+        // call; `level` is supported by this CPU.
+        streams = unsafe {
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512Bf16 | SimdLevel::Avx512 => Some(dispatch_grad!(
+                    avx512::sq_norms,
+                    gk,
+                    <NORM_STREAMS>,
+                    (ptrs, block)
+                )),
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx2 => Some(dispatch_grad!(
+                    avx2::sq_norms,
+                    gk,
+                    <NORM_STREAMS>,
+                    (ptrs, block)
+                )),
+                _ => None,
+            }
+        };
+    }
+    match streams {
+        Some(sums) => out.copy_from_slice(&sums),
+        None => {
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = sq_norm_leaf(level, at(k));
+            }
+        }
+    }
+}
+
+/// `sums` added as [`run_blocks`] adds its blocks' results: the first half's sum plus
+/// the second's, recursively (the left half has `len / 2` blocks).
+fn tree_sum(sums: &[f64]) -> f64 {
+    match sums {
+        [one] => *one,
+        _ => {
+            let (a, b) = sums.split_at(sums.len() / 2);
+            tree_sum(a) + tree_sum(b)
+        }
+    }
+}
 
 /// `g` widened to f32 into `dst` (as long as `g`): exact for every dtype.
 fn widen_leaf(g: Grads<'_>, dst: &mut [f32]) {

@@ -77,7 +77,8 @@ macro_rules! dispatch_step {
     }};
 }
 
-/// Calls `path::<GK>(args)` for the runtime gradient code `gk`.
+/// Calls `path::<GK>(args)` (or `path::<GK, N>(args)`, given `<N>`) for the runtime
+/// gradient code `gk`.
 macro_rules! dispatch_grad {
     ($($f:ident)::+, $gk:expr, ($($arg:expr),*)) => {{
         use $crate::cpu::raw::{G_BF16, G_F16, G_F32};
@@ -85,6 +86,15 @@ macro_rules! dispatch_grad {
             G_F32 => $($f)::+::<G_F32>($($arg),*),
             G_F16 => $($f)::+::<G_F16>($($arg),*),
             G_BF16 => $($f)::+::<G_BF16>($($arg),*),
+            _ => unreachable!("dtype codes come from grad_raw"),
+        }
+    }};
+    ($($f:ident)::+, $gk:expr, <$n:ident>, ($($arg:expr),*)) => {{
+        use $crate::cpu::raw::{G_BF16, G_F16, G_F32};
+        match $gk {
+            G_F32 => $($f)::+::<G_F32, $n>($($arg),*),
+            G_F16 => $($f)::+::<G_F16, $n>($($arg),*),
+            G_BF16 => $($f)::+::<G_BF16, $n>($($arg),*),
             _ => unreachable!("dtype codes come from grad_raw"),
         }
     }};
