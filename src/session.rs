@@ -293,25 +293,13 @@ fn open_device(cfg: &Config, sim_memory_bytes: u64) -> Result<(Device, u64)> {
     Ok((device, memory_bytes))
 }
 
-/// Opens the device, the host pool and the swap file for a prepared workload: the store,
-/// and what the bench keeps of the preparation.
-pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
-    let Prepared {
-        workload,
-        layout,
-        chunk_elements,
-        chunk_searched,
-        waste_bytes,
-        capacity,
-        device_memory_bytes,
-        ..
-    } = prepared;
-    let (device, device_memory_bytes) = open_device(cfg, device_memory_bytes)?;
+/// The bench's swap file in `nvme.dir`, shaped for `capacity`. It is scratch: one of
+/// another shape (an earlier run, another chunk size) is replaced, one of this shape is
+/// emptied by the store. Any other failure (another process holding the file's lock, a
+/// full disk) is an error, and the file is left alone.
+fn open_swap_file(cfg: &Config, capacity: &CapacityPlan) -> Result<NvmeTier> {
     let dir = cfg.nvme_dir()?.to_path_buf();
     let io = cfg.io_config()?;
-    // The bench's swap file is scratch: one of another shape (an earlier run, another
-    // chunk size) is replaced, one of this shape is emptied by the store. Any other failure (another process holding the file's
-    // lock, a full disk) is an error, and the file is left alone.
     let compression = match cfg.nvme.compression {
         CompressionName::Off => Compression::Off,
         CompressionName::Zstd => Compression::FP32,
@@ -321,7 +309,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
     let path = dir.join(SWAP_FILE_NAME);
     let open =
         || NvmeTier::open_or_create(&path, capacity.slot_bytes as usize, slots, &io, compression);
-    let tier = match open() {
+    Ok(match open() {
         Err(TierError::Io {
             source: source @ tidestore_io::IoError::BadHeader { .. },
             ..
@@ -336,7 +324,24 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
             open()?
         }
         other => other?,
-    };
+    })
+}
+
+/// Opens the device, the host pool and the swap file for a prepared workload: the store,
+/// and what the bench keeps of the preparation.
+pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
+    let Prepared {
+        workload,
+        layout,
+        chunk_elements,
+        chunk_searched,
+        waste_bytes,
+        capacity,
+        device_memory_bytes,
+        ..
+    } = prepared;
+    let (device, device_memory_bytes) = open_device(cfg, device_memory_bytes)?;
+    let tier = open_swap_file(cfg, &capacity)?;
     // Every run starts from nothing: the store drops the chunks an earlier run left
     // (it adopts none unless asked to).
     let nvme = NvmeSource::Tier(Box::new(tier));

@@ -79,39 +79,10 @@ pub(crate) fn open_swap_dir(
         return create();
     }
     let why_remade = match SwapFile::open(&path, io) {
-        Ok(file) => {
-            if let Some(fingerprint) = adopt_fingerprint {
-                check_adoptable(
-                    &path,
-                    file.layout_fingerprint(),
-                    file.is_clean(),
-                    fingerprint,
-                )?;
-            }
-            let same_shape = file.slot_bytes() == slot_bytes
-                && file.slot_count() == slots
-                && file.compression() == Compression::Off;
-            if same_shape {
-                return Ok(NvmeTier::from_swap_file(file));
-            }
-            if adopt_fingerprint.is_some() {
-                return Err(refused(
-                    &path,
-                    AdoptRefusal::OtherShape {
-                        file_slot_bytes: file.slot_bytes(),
-                        file_slots: file.slot_count(),
-                        slot_bytes,
-                        slots,
-                    },
-                ));
-            }
-            format!(
-                "{} slots of {} bytes with {:?}",
-                file.slot_count(),
-                file.slot_bytes(),
-                file.compression()
-            )
-        }
+        Ok(file) => match reuse(file, &path, slot_bytes, slots, adopt_fingerprint)? {
+            Ok(nvme) => return Ok(nvme),
+            Err(why) => why,
+        },
         Err(IoError::BadHeader { reason, .. }) if adopt_fingerprint.is_none() => reason,
         Err(e) => return Err(swap_error("opening the swap file", e)),
     };
@@ -131,6 +102,49 @@ pub(crate) fn open_swap_dir(
         )
     })?;
     create()
+}
+
+/// The swap file found at `path` as the NVMe tier (`Ok`) when it has the shape asked
+/// for, else what it was (`Err`: it is made again); with `adopt_fingerprint`, a file
+/// that cannot be adopted is refused instead.
+fn reuse(
+    file: SwapFile,
+    path: &Path,
+    slot_bytes: usize,
+    slots: u32,
+    adopt_fingerprint: Option<u64>,
+) -> Result<std::result::Result<NvmeTier, String>> {
+    if let Some(fingerprint) = adopt_fingerprint {
+        check_adoptable(
+            path,
+            file.layout_fingerprint(),
+            file.is_clean(),
+            fingerprint,
+        )?;
+    }
+    let same_shape = file.slot_bytes() == slot_bytes
+        && file.slot_count() == slots
+        && file.compression() == Compression::Off;
+    if same_shape {
+        return Ok(Ok(NvmeTier::from_swap_file(file)));
+    }
+    if adopt_fingerprint.is_some() {
+        return Err(refused(
+            path,
+            AdoptRefusal::OtherShape {
+                file_slot_bytes: file.slot_bytes(),
+                file_slots: file.slot_count(),
+                slot_bytes,
+                slots,
+            },
+        ));
+    }
+    Ok(Err(format!(
+        "{} slots of {} bytes with {:?}",
+        file.slot_count(),
+        file.slot_bytes(),
+        file.compression()
+    )))
 }
 
 /// Decides what the chunks `nvme` already stores are (see the module doc) and returns

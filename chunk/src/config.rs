@@ -215,6 +215,36 @@ fn working_set_bytes(sizes: &[u64], n: usize) -> u64 {
         .sum()
 }
 
+/// Refuses a device budget above the device's memory or below the working set of the
+/// `n` largest chunks.
+fn check_device_budget(
+    budget_bytes: u64,
+    total_bytes: u64,
+    working_set: u64,
+    n: usize,
+) -> Result<()> {
+    if budget_bytes > total_bytes {
+        return Err(ChunkError::Config {
+            key: "store.device_budget",
+            reason: format!("{budget_bytes} bytes is more than the device's {total_bytes} bytes"),
+        });
+    }
+    if budget_bytes < working_set {
+        return Err(ChunkError::BudgetTooSmall {
+            tier: TierKind::Device,
+            what: if n == 1 {
+                "the largest chunk (one access)"
+            } else {
+                "the working set (the largest chunks one moment may use)"
+            },
+            needed_bytes: working_set,
+            available_bytes: budget_bytes,
+            short_bytes: working_set - budget_bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Checks the budgets against `layout` (see the module doc). `nvme_slots` is the number
 /// of NVMe slots usable for chunks (for [`NvmeSource::Dir`], `bytes / slot_bytes`);
 /// `device_total_bytes` is the device's memory.
@@ -245,29 +275,12 @@ pub fn plan_capacity(
     let chunks = sizes.len() as u64;
     let n = working_set_chunks as usize;
     let device_working_set_bytes = working_set_bytes(&sizes, n);
-    if device_budget_bytes > device_total_bytes {
-        return Err(ChunkError::Config {
-            key: "store.device_budget",
-            reason: format!(
-                "{} bytes is more than the device's {device_total_bytes} bytes",
-                device_budget_bytes
-            ),
-        });
-    }
-    let what_device = if n == 1 {
-        "the largest chunk (one access)"
-    } else {
-        "the working set (the largest chunks one moment may use)"
-    };
-    if device_budget_bytes < device_working_set_bytes {
-        return Err(ChunkError::BudgetTooSmall {
-            tier: TierKind::Device,
-            what: what_device,
-            needed_bytes: device_working_set_bytes,
-            available_bytes: device_budget_bytes,
-            short_bytes: device_working_set_bytes - device_budget_bytes,
-        });
-    }
+    check_device_budget(
+        device_budget_bytes,
+        device_total_bytes,
+        device_working_set_bytes,
+        n,
+    )?;
     let host_buffers = host_budget_bytes / slot_bytes;
     let host_needed = (n as u64 + 1) * slot_bytes;
     if host_budget_bytes < host_needed {

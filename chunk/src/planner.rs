@@ -414,27 +414,8 @@ impl PrefetchPlanner {
             if !trial.fits(bytes) {
                 break;
             }
-            let evict: Vec<usize> = match (&room, &trial) {
-                (Room::Pool(before), Room::Pool(after)) => {
-                    // Keep the victims that made room: those that helped alone, and the
-                    // parts of buffers a later victim freed whole. What made the trial
-                    // fit is among them, so the room they leave fits too.
-                    let keep: Vec<usize> = given
-                        .iter()
-                        .filter(|&&(i, helps)| helps || before.freed_in(after, victims[i].1))
-                        .map(|&(i, _)| i)
-                        .collect();
-                    let mut pruned = room.clone();
-                    for &i in &keep {
-                        let v = victims[i].1;
-                        pruned.give(v, size(v)?, bytes);
-                    }
-                    debug_assert!(pruned.fits(bytes), "pruning left no room for {chunk}");
-                    trial = pruned;
-                    keep
-                }
-                _ => given.iter().map(|&(i, _)| i).collect(),
-            };
+            let (mut trial, evict) = kept(&room, trial, &given, &victims, bytes, &tier)?;
+            debug_assert!(trial.fits(bytes), "pruning left no room for {chunk}");
             trial.take(bytes);
             room = trial;
             for &i in &evict {
@@ -448,6 +429,35 @@ impl PrefetchPlanner {
         }
         Ok(plan)
     }
+}
+
+/// The victims to evict for a load of `bytes` that `trial` (`room` after every victim
+/// `given`) fits, and the room they leave. `given`: indices into `victims` in the order
+/// tried, each with whether it made room alone. In a pool, those that helped alone and
+/// the parts of buffers a later victim freed whole (what made the trial fit is among
+/// them, so the room they leave fits too); counted in bytes, all of them.
+fn kept(
+    room: &Room,
+    trial: Room,
+    given: &[(usize, bool)],
+    victims: &[(u64, ChunkId)],
+    bytes: u64,
+    tier: &Residency<'_>,
+) -> Result<(Room, Vec<usize>)> {
+    let (Room::Pool(before), Room::Pool(after)) = (room, &trial) else {
+        return Ok((trial, given.iter().map(|&(i, _)| i).collect()));
+    };
+    let keep: Vec<usize> = given
+        .iter()
+        .filter(|&&(i, helps)| helps || before.freed_in(after, victims[i].1))
+        .map(|&(i, _)| i)
+        .collect();
+    let mut pruned = room.clone();
+    for &i in &keep {
+        let v = victims[i].1;
+        pruned.give(v, chunk_size(tier, v)?, bytes);
+    }
+    Ok((pruned, keep))
 }
 
 /// The chunks a plan may evict, in the order it takes them, each with its next use after

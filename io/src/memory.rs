@@ -170,27 +170,36 @@ impl MemoryBackend {
         }
     }
 
-    fn execute(&mut self, op: RawOp) -> i32 {
-        let mut len = op.len_bytes as usize;
+    /// The fault injected into an `op` of `len` bytes before it runs, if any: a
+    /// transient error or EIO to return at once (`Some`), or `len` cut short.
+    fn injected_fault(&mut self, op: Op, len: &mut usize) -> Option<i32> {
         if self.chance(self.faults.transient_rate) {
             FaultCounters::bump(&self.counters.transient);
-            return if self.rng.random_bool(0.5) {
+            return Some(if self.rng.random_bool(0.5) {
                 -libc::EINTR
             } else {
                 -libc::EAGAIN
-            };
+            });
         }
-        let eio_rate = match op.op {
+        let eio_rate = match op {
             Op::Read => self.faults.eio_read_rate,
             Op::Write => self.faults.eio_write_rate,
         };
         if self.chance(eio_rate) {
             FaultCounters::bump(&self.counters.eio);
-            return -libc::EIO;
+            return Some(-libc::EIO);
         }
-        if len > 1 && self.chance(self.faults.short_rate) {
+        if *len > 1 && self.chance(self.faults.short_rate) {
             FaultCounters::bump(&self.counters.short);
-            len = self.short_len(len);
+            *len = self.short_len(*len);
+        }
+        None
+    }
+
+    fn execute(&mut self, op: RawOp) -> i32 {
+        let mut len = op.len_bytes as usize;
+        if let Some(err) = self.injected_fault(op.op, &mut len) {
+            return err;
         }
         let Ok(start) = usize::try_from(op.offset_bytes) else {
             return -libc::EINVAL;

@@ -321,6 +321,38 @@ impl Arrays {
         )
     }
 
+    /// After a warm-up (page tables, pool threads, frequency), `repeats` timed steps,
+    /// probes with prefetch and probes without, in alternating order so that drifting
+    /// load hits all three alike; their seconds, in that order. `step_no` counts steps.
+    fn alternated(
+        &mut self,
+        opt: &AdamW,
+        path: BenchPath,
+        repeats: usize,
+        step_no: &mut u64,
+    ) -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+        *step_no += 1;
+        self.step(opt, path, *step_no)?;
+        self.probe(opt, path, true)?;
+        self.probe(opt, path, false)?;
+        let mut step_s = Vec::with_capacity(repeats);
+        let mut probe_s = Vec::with_capacity(repeats);
+        let mut probe_plain_s = Vec::with_capacity(repeats);
+        for r in 0..repeats {
+            *step_no += 1;
+            if r % 2 == 0 {
+                step_s.push(self.step(opt, path, *step_no)?);
+                probe_s.push(self.probe(opt, path, true)?);
+                probe_plain_s.push(self.probe(opt, path, false)?);
+            } else {
+                probe_plain_s.push(self.probe(opt, path, false)?);
+                probe_s.push(self.probe(opt, path, true)?);
+                step_s.push(self.step(opt, path, *step_no)?);
+            }
+        }
+        Ok((step_s, probe_s, probe_plain_s))
+    }
+
     /// Runs `full` (fp32 moments: the fp32 and bf16 paths) or `compact` (the compact
     /// moments of the states paths) over `path`'s arrays; the seconds it took.
     fn timed(
@@ -494,27 +526,8 @@ pub fn run_with(cfg: &BenchConfig, mut on_row: impl FnMut(&BenchRow)) -> Result<
                 simd: cfg.simd,
             })?;
             for &path in &cfg.paths {
-                // Warm-up: page tables, pool threads, frequency.
-                step_no += 1;
-                a.step(&opt, path, step_no)?;
-                a.probe(&opt, path, true)?;
-                a.probe(&opt, path, false)?;
-                let mut step_s = Vec::with_capacity(cfg.repeats);
-                let mut probe_s = Vec::with_capacity(cfg.repeats);
-                let mut probe_plain_s = Vec::with_capacity(cfg.repeats);
-                for r in 0..cfg.repeats {
-                    step_no += 1;
-                    // Alternate the order so drifting load hits all three alike.
-                    if r % 2 == 0 {
-                        step_s.push(a.step(&opt, path, step_no)?);
-                        probe_s.push(a.probe(&opt, path, true)?);
-                        probe_plain_s.push(a.probe(&opt, path, false)?);
-                    } else {
-                        probe_plain_s.push(a.probe(&opt, path, false)?);
-                        probe_s.push(a.probe(&opt, path, true)?);
-                        step_s.push(a.step(&opt, path, step_no)?);
-                    }
-                }
+                let (step_s, probe_s, probe_plain_s) =
+                    a.alternated(&opt, path, cfg.repeats, &mut step_no)?;
                 let key = (opt.threads(), path);
                 let (cache_params, cache_s) = match cache.get(&key) {
                     Some(&c) => c,

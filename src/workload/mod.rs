@@ -264,6 +264,11 @@ impl WorkloadSection {
             }
             return Ok(shape);
         }
+        self.custom_shape()
+    }
+
+    /// `model = "custom"`'s shape, from its keys, checked.
+    fn custom_shape(&self) -> Result<ModelShape> {
         let need = |key: &'static str, v: Option<u32>| -> Result<u32> {
             match v {
                 None => Err(Error::config(

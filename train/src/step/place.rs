@@ -5,10 +5,13 @@
 //! the simulated device). Each access is released on every path by the store's scoped
 //! API.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
-use tidestore_optimizer::{DeviceGrads, DeviceSlices, Grads, Placement};
+use tidestore_optimizer::{
+    AdamW, DeviceGrads, DeviceSlices, Grads, HyperParams, Placement, StepState,
+};
 
 use super::views::*;
 use super::{Applied, Entry, GradPlace, Observer, StepLoop};
@@ -34,52 +37,14 @@ impl StepLoop {
         let ns =
             store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
                 let mut views = host_slices(views, &e.name)?;
-                let InPlace {
-                    grad: grad_bytes,
-                    mut out,
-                    master,
-                    m,
-                    v,
-                } = InPlace::split(&mut views, e, given.is_some())?;
+                let mut places = InPlace::split(&mut views, e, given.is_some())?;
                 let mut ns = 0u64;
                 let mut at = 0;
                 while at < e.len {
                     let end = (at + e.piece()).min(e.len);
-                    let n = end - at;
                     let started = Instant::now();
-                    if matches!(e.spec.grad, GradPlace::InParam16) {
-                        // The gradient and the new parameters share these bytes: stage the
-                        // piece's gradient in a cache-sized buffer.
-                        let staged: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch.grad[..]);
-                        staged[..2 * n].copy_from_slice(&grad_bytes[2 * at..2 * end]);
-                        let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
-                        let out =
-                            param_out(&mut grad_bytes[2 * at..2 * end], e.grad_dtype, &e.name)?;
-                        let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
-                        opt.cpu().step_moments(
-                            state,
-                            &hp,
-                            &mut master[at..end],
-                            mv,
-                            grads,
-                            Some(out),
-                        )?;
-                    } else {
-                        let w = e.grad_dtype.size_bytes() as usize;
-                        let grads = match given {
-                            Some(g) => g.split_at(end).0.split_at(at).1,
-                            None => grads_of(&grad_bytes[w * at..w * end], e.grad_dtype, &e.name)?,
-                        };
-                        let out = match (&mut out, e.out_dtype) {
-                            (Some(o), Some(d)) => {
-                                Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?)
-                            }
-                            _ => None,
-                        };
-                        let mv = moments_of((m, v), (e.moments, e.len), &e.name, at..end)?;
-                        opt.cpu()
-                            .step_moments(state, &hp, &mut master[at..end], mv, grads, out)?;
-                    }
+                    let staged = &mut scratch.grad[..];
+                    places.step_piece(opt.cpu(), staged, e, given, (state, &hp), at..end)?;
                     ns += started.elapsed().as_nanos() as u64;
                     // Keep the NVMe reads of the next tensors (and write-backs) moving.
                     pump.poll();
@@ -246,6 +211,43 @@ impl<'a> InPlace<'a> {
             m,
             v,
         })
+    }
+}
+
+impl InPlace<'_> {
+    /// Steps elements `piece` of `e` (with `given`, its gradient read there). A 16-bit
+    /// gradient that shares its bytes with the new parameters is staged in `staged` (a
+    /// cache-sized buffer) first.
+    fn step_piece(
+        &mut self,
+        cpu: &AdamW,
+        staged: &mut [u32],
+        e: &Entry,
+        given: Option<Grads<'_>>,
+        (state, hp): (StepState, &HyperParams),
+        piece: Range<usize>,
+    ) -> Result<()> {
+        let (at, end) = (piece.start, piece.end);
+        let master = &mut self.master[at..end];
+        let mv = moments_of((self.m, self.v), (e.moments, e.len), &e.name, piece)?;
+        if matches!(e.spec.grad, GradPlace::InParam16) {
+            let n = end - at;
+            let staged: &mut [u8] = bytemuck::cast_slice_mut(staged);
+            staged[..2 * n].copy_from_slice(&self.grad[2 * at..2 * end]);
+            let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
+            let out = param_out(&mut self.grad[2 * at..2 * end], e.grad_dtype, &e.name)?;
+            return Ok(cpu.step_moments(state, hp, master, mv, grads, Some(out))?);
+        }
+        let w = e.grad_dtype.size_bytes() as usize;
+        let grads = match given {
+            Some(g) => g.split_at(end).0.split_at(at).1,
+            None => grads_of(&self.grad[w * at..w * end], e.grad_dtype, &e.name)?,
+        };
+        let out = match (&mut self.out, e.out_dtype) {
+            (Some(o), Some(d)) => Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?),
+            _ => None,
+        };
+        Ok(cpu.step_moments(state, hp, master, mv, grads, out)?)
     }
 }
 

@@ -198,7 +198,9 @@ impl AdamW {
     }
 }
 
-fn step_leaf(level: SimdLevel, c: &Consts, q: &Maps, j: CompactJob<'_>) {
+/// The kernels' pointers into `j`'s slices, with the gradient's and output's dtype
+/// codes and whether the moments are int8 (else bf16; their absmax pointers dangle).
+fn step_ptrs(j: CompactJob<'_>) -> (CompactPtrs, u8, u8, bool) {
     let (gk, g) = grad_raw(j.g);
     let (ok, out) = out_raw(j.out);
     let dangling = std::ptr::NonNull::<f32>::dangling().as_ptr();
@@ -228,6 +230,11 @@ fn step_leaf(level: SimdLevel, c: &Consts, q: &Maps, j: CompactJob<'_>) {
         out,
         len: j.p.len(),
     };
+    (s, gk, ok, int8)
+}
+
+fn step_leaf(level: SimdLevel, c: &Consts, q: &Maps, j: CompactJob<'_>) {
+    let (s, gk, ok, int8) = step_ptrs(j);
     #[cfg(target_arch = "x86_64")]
     let vbmi = int8 && level >= SimdLevel::Avx512 && avx512::vbmi_supported();
     // SAFETY: `s` was built from the job's slices, checked by `step_moments` to have the
