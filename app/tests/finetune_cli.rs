@@ -5,7 +5,8 @@
 //! Hugging Face directory (with LoRA, a PEFT adapter); the README's example runs on the
 //! shipped `examples/finetune.toml`; bad input is refused naming the key or file (a
 //! budget too small for the chunks also says why they are that large; a `TIDESTORE_BLAS`
-//! that names no usable library), exit code 2 for configuration.
+//! that names no usable library; micro-batches whose activations cannot fit in memory),
+//! exit code 2 for configuration.
 
 use std::path::Path;
 use std::process::Output;
@@ -264,6 +265,21 @@ fn bad_input_is_refused_naming_the_key_or_file() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("TIDESTORE_BLAS=/no/such/libopenblas.so"),
+        "{err}"
+    );
+    // Micro-batches whose activations cannot fit in this machine's memory (logits alone
+    // 2 · 10⁶ · 2048 · vocab · 4 bytes): refused before step 1, not killed in it.
+    let out = finetune_with(
+        d.path(),
+        &config("").replace(
+            "sequence = 32\nmicro_batch = 2",
+            "sequence = 2048\nmicro_batch = 1000000",
+        ),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("train.micro_batch") && err.contains("available"),
         "{err}"
     );
     // A model directory without its weights.

@@ -113,13 +113,56 @@ pub fn check_activation_room(cfg: &Config, total: u64, beside_slab: u64, need: u
             t.micro_batch,
             t.sequence,
             t.accumulation,
-            match t.micro_batch_order {
-                tidestore::config::MicroBatchOrderName::Vertical => "vertical",
-                tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
-            },
+            order_name(t.micro_batch_order),
             h(need - beside_slab)
         ),
     ))
+}
+
+/// Refuses micro-batches whose activations cannot fit in this machine's memory when the
+/// blocks compute on the CPU: `need` is a lower bound of them (as for a GPU,
+/// [`check_activation_room`]), `available` the memory the kernel says can still be
+/// given to processes (`MemAvailable`). Only a run that cannot fit is refused (the
+/// store's pools and the allocator's slack come on top of `need`), before step 1,
+/// rather than killed for memory inside it.
+pub fn check_host_activation_room(cfg: &Config, available: u64, need: u64) -> Result<()> {
+    if need <= available {
+        return Ok(());
+    }
+    let h = tidestore::config::human_bytes;
+    let t = &cfg.train;
+    Err(Error::config(
+        "train.micro_batch",
+        format!(
+            "{}: the blocks compute on the CPU and their activations take at least {} \
+             (train.micro_batch = {}, train.sequence = {}, train.accumulation = {} in {} \
+             order), more than the {} of memory this machine has available; lower \
+             train.micro_batch or train.sequence",
+            t.micro_batch,
+            h(need),
+            t.micro_batch,
+            t.sequence,
+            t.accumulation,
+            order_name(t.micro_batch_order),
+            h(available)
+        ),
+    ))
+}
+
+/// The memory the kernel says can still be given to processes (`MemAvailable` of
+/// `/proc/meminfo`); `None` where that is not known.
+pub fn mem_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn order_name(o: tidestore::config::MicroBatchOrderName) -> &'static str {
+    match o {
+        tidestore::config::MicroBatchOrderName::Vertical => "vertical",
+        tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
+    }
 }
 
 /// Refuses an `nvme.size` below the swap file the run made (`file_bytes`, at `path`).
@@ -318,6 +361,27 @@ mod tests {
             text.contains("4.00 KiB short") && text.contains("vertical"),
             "{text}"
         );
+    }
+
+    /// On the CPU, micro-batches whose activations' lower bound exceeds the memory
+    /// available are a config error naming `train.micro_batch`, the bound and what is
+    /// available; one that fits passes.
+    #[test]
+    fn activations_beyond_the_memory_available_are_refused_on_the_cpu() {
+        let cfg = Config::from_toml_str(
+            "[nvme]\ndir = \"swap\"\n[train]\nmicro_batch = 64\nsequence = 4096\n",
+        )
+        .unwrap();
+        let gib = 1u64 << 30;
+        check_host_activation_room(&cfg, 16 * gib, 16 * gib).unwrap();
+        let e = check_host_activation_room(&cfg, 16 * gib, 16 * gib + 1).unwrap_err();
+        assert_eq!(e.key(), Some("train.micro_batch"));
+        let text = e.to_string();
+        assert!(
+            text.contains("16.00 GiB of memory") && text.contains("train.sequence = 4096"),
+            "{text}"
+        );
+        assert!(mem_available_bytes().is_some_and(|b| b > 0));
     }
 
     #[test]

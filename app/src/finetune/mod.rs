@@ -422,8 +422,35 @@ fn set_up_compute(
     let matmul = compute::matmul(&compute)?;
     if compute.is_cuda() {
         activation_room(cfg, loaded, params)?;
+    } else {
+        host_activation_room(cfg, loaded)?;
     }
     Ok((compute, matmul))
+}
+
+/// Before step 1 on the CPU: the blocks' activations must fit in the memory this
+/// machine has available (see [`checks::check_host_activation_room`]); skipped, logged,
+/// where that is not known.
+fn host_activation_room(cfg: &Config, loaded: &model::Loaded) -> Result<()> {
+    let Some(available) = checks::mem_available_bytes() else {
+        tracing::debug!("MemAvailable unknown: the activations are not checked against memory");
+        return Ok(());
+    };
+    checks::check_host_activation_room(cfg, available, activation_need(cfg, loaded))
+}
+
+/// The lower bound of the blocks' activations for this run's micro-batches.
+fn activation_need(cfg: &Config, loaded: &model::Loaded) -> u64 {
+    let t = &cfg.train;
+    let kept = match t.micro_batch_order {
+        tidestore::config::MicroBatchOrderName::Vertical => t.accumulation,
+        tidestore::config::MicroBatchOrderName::Horizontal => 1,
+    };
+    loaded.model.activation_bytes_at_least(
+        t.micro_batch as usize,
+        t.sequence as usize,
+        kept as usize,
+    )
 }
 
 /// The store for `loaded`'s parameters (this rank's shards of them, with `ranks`); a
@@ -449,22 +476,12 @@ fn open_params(cfg: &Config, loaded: &model::Loaded, ranks: Option<Ranks>) -> Re
 /// Before step 1 on a GPU: the blocks' activations must fit beside the chunk slab
 /// (see [`checks::check_activation_room`]).
 fn activation_room(cfg: &Config, loaded: &model::Loaded, params: &TideParams) -> Result<()> {
-    let t = &cfg.train;
     let device = params.trainer().store().device();
     let total = device.mem_info()?.total_bytes;
     let beside_slab = total
         .saturating_sub(device.slab_bytes())
         .saturating_sub(device.non_model_bytes()?);
-    let kept = match t.micro_batch_order {
-        tidestore::config::MicroBatchOrderName::Vertical => t.accumulation,
-        tidestore::config::MicroBatchOrderName::Horizontal => 1,
-    };
-    let need = loaded.model.activation_bytes_at_least(
-        t.micro_batch as usize,
-        t.sequence as usize,
-        kept as usize,
-    );
-    checks::check_activation_room(cfg, total, beside_slab, need)
+    checks::check_activation_room(cfg, total, beside_slab, activation_need(cfg, loaded))
 }
 
 /// The prefix of a finetune run's swap directory in `nvme.dir`: `finetune.PID`.
