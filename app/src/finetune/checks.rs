@@ -98,22 +98,16 @@ pub fn check_activation_room(cfg: &Config, total: u64, beside_slab: u64, need: u
         return Ok(());
     }
     let h = tidestore::config::human_bytes;
-    let t = &cfg.train;
     Err(Error::config(
         "device.budget",
         format!(
             "{}: the chunk slab leaves {} of the GPU's {} free beside it, but the blocks' \
-             activations take at least {} (train.micro_batch = {}, train.sequence = {}, \
-             train.accumulation = {} in {} order), {} short; lower device.budget, \
+             activations take at least {}, {} short; lower device.budget, \
              train.micro_batch or train.sequence",
             cfg.device.budget,
             h(beside_slab),
             h(total),
-            h(need),
-            t.micro_batch,
-            t.sequence,
-            t.accumulation,
-            order_name(t.micro_batch_order),
+            activations(cfg, need),
             h(need - beside_slab)
         ),
     ))
@@ -129,24 +123,34 @@ pub fn check_host_activation_room(cfg: &Config, available: u64, need: u64) -> Re
     if need <= available {
         return Ok(());
     }
-    let h = tidestore::config::human_bytes;
-    let t = &cfg.train;
     Err(Error::config(
         "train.micro_batch",
         format!(
-            "{}: the blocks compute on the CPU and their activations take at least {} \
-             (train.micro_batch = {}, train.sequence = {}, train.accumulation = {} in {} \
-             order), more than the {} of memory this machine has available; lower \
-             train.micro_batch or train.sequence",
-            t.micro_batch,
-            h(need),
-            t.micro_batch,
-            t.sequence,
-            t.accumulation,
-            order_name(t.micro_batch_order),
-            h(available)
+            "{}: the blocks compute on the CPU and their activations take at least {}, more \
+             than the {} of memory this machine has available; lower train.micro_batch or \
+             train.sequence",
+            cfg.train.micro_batch,
+            activations(cfg, need),
+            tidestore::config::human_bytes(available)
         ),
     ))
+}
+
+/// `need` bytes of activations, with the settings that size them.
+fn activations(cfg: &Config, need: u64) -> String {
+    let t = &cfg.train;
+    let order = match t.micro_batch_order {
+        tidestore::config::MicroBatchOrderName::Vertical => "vertical",
+        tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
+    };
+    format!(
+        "{} (train.micro_batch = {}, train.sequence = {}, train.accumulation = {} in {order} \
+         order)",
+        tidestore::config::human_bytes(need),
+        t.micro_batch,
+        t.sequence,
+        t.accumulation
+    )
 }
 
 /// The memory the kernel says can still be given to processes (`MemAvailable` of
@@ -156,13 +160,6 @@ pub fn mem_available_bytes() -> Option<u64> {
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-fn order_name(o: tidestore::config::MicroBatchOrderName) -> &'static str {
-    match o {
-        tidestore::config::MicroBatchOrderName::Vertical => "vertical",
-        tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
-    }
 }
 
 /// Refuses an `nvme.size` below the swap file the run made (`file_bytes`, at `path`).
