@@ -1,9 +1,12 @@
 //! What a fine-tuning run refuses before step 1, and the non-finite checks during it:
 //! - settings `finetune` cannot honour: `device.kind = "cuda"` on a build without
-//!   CUDA or a machine without a GPU, `nvme.compression` (the trainer's swap file is uncompressed), an
-//!   `nvme.size` smaller than the swap file the model needs, and the bench-only keys of
-//!   the sections it reads, each when set to anything but its default — the error
-//!   names the key and the command;
+//!   CUDA or a machine without a GPU, `nvme.compression` (the trainer's swap file is
+//!   uncompressed), an `nvme.size` smaller than the swap file the model needs, and the
+//!   bench-only keys of the sections it reads, each when set to anything but its
+//!   default — the error names the key and the command;
+//! - micro-batches whose activations (a lower bound of them) cannot fit: beside the
+//!   chunk slab on a GPU (`device.budget`), in the memory available on the CPU
+//!   (`train.micro_batch`);
 //! - tensors in the model's files that the model does not use (but for the two kinds
 //!   that are known to be derived: `rotary_emb.inv_freq` buffers, and `lm_head.weight`
 //!   with tied embeddings);
