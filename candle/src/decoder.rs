@@ -516,10 +516,13 @@ impl Llama {
             let (logits, h) = self.head_forward(src, x, Mode::Fused)?;
             let (g, loss) = match upstream {
                 Upstream::Loss { targets, scale } => {
-                    let (loss, g) = Llama::loss_and_grad(&logits, targets, scale)?;
+                    let (loss, g) = Llama::loss_and_grad(logits, targets, scale)?;
                     (g, Some(loss))
                 }
-                Upstream::Grad(g) => (g.clone(), None),
+                Upstream::Grad(g) => {
+                    drop(logits);
+                    (g.clone(), None)
+                }
             };
             let dx = self.head_backward(src, x, &h, &g, &mut grads)?;
             return Ok((Some(dx), grads, loss));

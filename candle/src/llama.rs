@@ -340,15 +340,16 @@ impl Llama {
     /// `kept` have their block inputs saved at a time (all of a step's with the
     /// vertical order, one with the horizontal): every block's saved input in f32, plus
     /// the larger of one layer's attention scores with their softmax and its gradient
-    /// (`3 · batch · heads · time² · 4` bytes) and the head's logits with their
-    /// log-softmax (`2 · batch · time · vocab · 4`). A lower bound: the blocks'
-    /// other intermediates and the allocator's slack come on top.
+    /// (`3 · batch · heads · time² · 4` bytes) and the head's logits with the two
+    /// tensors of their size the log-softmax makes while they are alive
+    /// (`HEAD_COPIES · batch · time · vocab · 4`). A lower bound: the blocks' other
+    /// intermediates and the allocator's slack come on top.
     pub fn activation_bytes_at_least(&self, batch: usize, time: usize, kept: usize) -> u64 {
         let c = &self.cfg;
         let (b, t) = (batch as u64, time as u64);
         let saved = (c.layers as u64 + 1) * b * t * c.hidden as u64 * 4 * kept as u64;
         let scores = 3 * b * c.heads as u64 * t * t * 4;
-        let logits = 2 * b * t * c.vocab as u64 * 4;
+        let logits = HEAD_COPIES * b * t * c.vocab as u64 * 4;
         saved + scores.max(logits)
     }
 
@@ -373,23 +374,32 @@ impl Llama {
 
     /// [`Llama::loss`]'s value and its gradient with respect to `logits`, times
     /// `scale`: `(softmax − one-hot of the target) · scale / count` at kept positions, 0
-    /// at masked ones.
+    /// at masked ones. Each `(batch · time, vocab)` tensor is dropped as soon as the
+    /// next is made (the logits too, which it takes): at most three are alive at once,
+    /// the logits and two of the log-softmax's ([`HEAD_COPIES`]).
     pub(crate) fn loss_and_grad(
-        logits: &Tensor,
+        logits: Tensor,
         targets: &Tensor,
         scale: f64,
     ) -> Result<(f32, Tensor)> {
-        let m = MaskedLogProbs::new(logits, targets)?;
+        let shape = logits.shape().clone();
+        let m = MaskedLogProbs::new(&logits, targets)?;
+        drop(logits);
         let loss = m.loss()?.to_scalar::<f32>()?;
-        let idx = m.safe.unsqueeze(1)?;
+        let MaskedLogProbs {
+            log_p,
+            safe,
+            weight,
+            count,
+        } = m;
+        let idx = safe.unsqueeze(1)?;
         let minus_one = Tensor::full(-1f32, idx.shape(), idx.device())?;
-        let factor = (m.weight * (scale / f64::from(m.count.max(1.0))))?.unsqueeze(1)?;
-        let g = m
-            .log_p
-            .exp()?
-            .scatter_add(&idx, &minus_one, 1)?
-            .broadcast_mul(&factor)?;
-        Ok((loss, g.reshape(logits.shape())?))
+        let factor = (weight * (scale / f64::from(count.max(1.0))))?.unsqueeze(1)?;
+        let p = log_p.exp()?;
+        drop(log_p);
+        let g = p.scatter_add(&idx, &minus_one, 1)?;
+        drop(p);
+        Ok((loss, g.broadcast_mul(&factor)?.reshape(shape)?))
     }
 }
 
@@ -430,6 +440,11 @@ pub(crate) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> R
         .collect();
     Ok(Tensor::from_vec(m, (t, t), device)?.to_dtype(DType::F32)?)
 }
+
+/// The `(batch · time, vocab)` f32 tensors the head holds at once at its peak: the
+/// logits, and the log-softmax's shifted logits and their exponentials (candle's
+/// `log_softmax`: `x − max`, then `exp` of it summed).
+pub const HEAD_COPIES: u64 = 3;
 
 /// The log-probabilities of `logits` `(batch, time, vocab)` as rows, and which targets
 /// count: a masked target ([`IGNORE_TARGET`]) is read as id 0 (any valid id) with
