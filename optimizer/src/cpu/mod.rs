@@ -533,6 +533,7 @@ fn sq_norm_blocks(
 /// the second's, recursively (the left half has `len / 2` blocks).
 fn tree_sum(sums: &[f64]) -> f64 {
     match sums {
+        [] => 0.0,
         [one] => *one,
         _ => {
             let (a, b) = sums.split_at(sums.len() / 2);

@@ -9,9 +9,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use tidestore_chunk::{ChunkStore, ListKind, Place, TensorId, TensorState};
-use tidestore_optimizer::{
-    AdamW, DeviceGrads, DeviceSlices, Grads, HyperParams, Placement, StepState,
-};
+use tidestore_optimizer::{AdamW, DeviceGrads, DeviceSlices, Grads, Placement};
 
 use super::views::*;
 use super::{Applied, Entry, GradPlace, Observer, StepLoop};
@@ -32,7 +30,7 @@ impl StepLoop {
         let places = e.places();
         // The gradient's place comes first; a given gradient needs none.
         let places = &places[usize::from(given.is_some())..];
-        let (opt, scratch, Applied { state, hp }) = (&self.opt, &mut self.scratch, applied);
+        let (opt, scratch) = (&self.opt, &mut self.scratch);
         let at_host: Vec<_> = places.iter().map(|&(t, l)| (t, l, Place::Host)).collect();
         let ns =
             store.with_access(&at_host, TensorState::Hold, |views, pump| -> Result<u64> {
@@ -44,7 +42,7 @@ impl StepLoop {
                     let end = (at + e.piece()).min(e.len);
                     let started = Instant::now();
                     let staged = &mut scratch.grad[..];
-                    places.step_piece(opt.cpu(), staged, e, given, (state, &hp), at..end)?;
+                    places.step_piece(opt.cpu(), staged, e, given, &applied, at..end)?;
                     ns += started.elapsed().as_nanos() as u64;
                     // Keep the NVMe reads of the next tensors (and write-backs) moving.
                     pump.poll();
@@ -212,9 +210,7 @@ impl<'a> InPlace<'a> {
             v,
         })
     }
-}
 
-impl InPlace<'_> {
     /// Steps elements `piece` of `e` (with `given`, its gradient read there). A 16-bit
     /// gradient that shares its bytes with the new parameters is staged in `staged` (a
     /// cache-sized buffer) first.
@@ -224,10 +220,11 @@ impl InPlace<'_> {
         staged: &mut [u32],
         e: &Entry,
         given: Option<Grads<'_>>,
-        (state, hp): (StepState, &HyperParams),
+        applied: &Applied,
         piece: Range<usize>,
     ) -> Result<()> {
         let (at, end) = (piece.start, piece.end);
+        let Applied { state, hp } = *applied;
         let master = &mut self.master[at..end];
         let mv = moments_of((self.m, self.v), (e.moments, e.len), &e.name, piece)?;
         if matches!(e.spec.grad, GradPlace::InParam16) {
@@ -236,7 +233,7 @@ impl InPlace<'_> {
             staged[..2 * n].copy_from_slice(&self.grad[2 * at..2 * end]);
             let grads = grads_of(&staged[..2 * n], e.grad_dtype, &e.name)?;
             let out = param_out(&mut self.grad[2 * at..2 * end], e.grad_dtype, &e.name)?;
-            return Ok(cpu.step_moments(state, hp, master, mv, grads, Some(out))?);
+            return Ok(cpu.step_moments(state, &hp, master, mv, grads, Some(out))?);
         }
         let w = e.grad_dtype.size_bytes() as usize;
         let grads = match given {
@@ -247,7 +244,7 @@ impl InPlace<'_> {
             (Some(o), Some(d)) => Some(param_out(&mut o[2 * at..2 * end], d, &e.name)?),
             _ => None,
         };
-        Ok(cpu.step_moments(state, hp, master, mv, grads, out)?)
+        Ok(cpu.step_moments(state, &hp, master, mv, grads, out)?)
     }
 }
 
