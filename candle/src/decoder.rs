@@ -486,17 +486,24 @@ impl Llama {
         x: &Tensor,
         mode: Mode,
     ) -> Result<(Tensor, Tensor)> {
+        let (bs, t, _) = x.dims3()?;
+        let h = self.head_input(src, x, mode)?;
+        let p = self.block_params(self.blocks() - 1);
+        let logits = weight(src, &p[1].name, mode)?.0.apply(src, &h)?;
+        Ok((logits.reshape((bs, t, self.config().vocab))?, h))
+    }
+
+    /// The head's normed input `(rows, hidden)` of `x` `(batch, time, hidden)`.
+    fn head_input(&self, src: &mut dyn ParamSource, x: &Tensor, mode: Mode) -> Result<Tensor> {
         let (bs, t, hidden) = x.dims3()?;
         let p = self.block_params(self.blocks() - 1);
         let x2 = x.reshape((bs * t, hidden))?;
-        let h = rms_norm(
+        rms_norm(
             &x2,
             &param(src, &p[0].name, mode)?,
             self.config().rms_eps,
             mode,
-        )?;
-        let logits = weight(src, &p[1].name, mode)?.0.apply(src, &h)?;
-        Ok((logits.reshape((bs, t, self.config().vocab))?, h))
+        )
     }
 
     /// The backward of the whole block `b` on its input `x` for `upstream` (the head
@@ -513,18 +520,18 @@ impl Llama {
         let mut grads = ParamGrads::new();
         let head = self.blocks() - 1;
         if b == head {
-            let (logits, h) = self.head_forward(src, x, Mode::Fused)?;
-            let (g, loss) = match upstream {
+            let h = self.head_input(src, x, Mode::Fused)?;
+            let (dh, loss) = match upstream {
                 Upstream::Loss { targets, scale } => {
-                    let (loss, g) = Llama::loss_and_grad(logits, targets, scale)?;
-                    (g, Some(loss))
+                    let (dh, loss) = self.head_loss_back(src, &h, targets, scale, &mut grads)?;
+                    (dh, Some(loss))
                 }
                 Upstream::Grad(g) => {
-                    drop(logits);
-                    (g.clone(), None)
+                    let g = g.reshape((h.dim(0)?, self.config().vocab))?;
+                    (self.head_weight_back(src, &h, &g, &mut grads)?, None)
                 }
             };
-            let dx = self.head_backward(src, x, &h, &g, &mut grads)?;
+            let dx = self.head_norm_back(src, x, &dh, &mut grads)?;
             return Ok((Some(dx), grads, loss));
         }
         let Upstream::Grad(g) = upstream else {
@@ -566,27 +573,91 @@ impl Llama {
         Ok((Some(dx), grads, None))
     }
 
-    /// The head's backward for the logits' gradient `g` `(batch, time, vocab)`.
-    fn head_backward(
+    /// The head's loss against `targets` times `scale` and its backward to the normed
+    /// input `h` `(rows, hidden)`: the logits, their loss and their gradient a block of
+    /// [`Llama::head_chunk_rows`] rows at a time, so that at most that many rows of
+    /// `(rows, vocab)` tensors are alive at once; the weight's gradient is the blocks'
+    /// sum. Returns `h`'s gradient and the micro-batch's mean loss.
+    fn head_loss_back(
         &self,
         src: &mut dyn ParamSource,
-        x: &Tensor,
+        h: &Tensor,
+        targets: &Tensor,
+        scale: f64,
+        grads: &mut ParamGrads,
+    ) -> Result<(Tensor, f32)> {
+        let rows = h.dim(0)?;
+        let targets = targets.reshape(rows)?;
+        let count = Llama::kept_count(&targets, h.dtype())?;
+        let name = self.block_params(self.blocks() - 1)[1].name.clone();
+        let (w, trains) = weight(src, &name, Mode::Fused)?;
+        let (mut log_lik, mut dw, mut dh) = (None::<Tensor>, None::<Tensor>, Vec::new());
+        let chunk = self.head_chunk_rows();
+        for at in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - at);
+            let h_c = h.narrow(0, at, n)?;
+            let logits = w.apply(src, &h_c)?;
+            let (lik, g) =
+                Llama::log_lik_and_grad(logits, &targets.narrow(0, at, n)?, scale, count)?;
+            log_lik = Some(match log_lik {
+                Some(sum) => (sum + lik)?,
+                None => lik,
+            });
+            if trains {
+                let d = mm(&g.t()?, &h_c)?;
+                dw = Some(match dw {
+                    Some(sum) => (sum + d)?,
+                    None => d,
+                });
+            }
+            dh.push(w.back(src, &g)?);
+        }
+        if let Some(dw) = dw {
+            add_grad(grads, name, dw)?;
+        }
+        let loss = match log_lik {
+            Some(l) => Llama::mean_loss(&l, count)?,
+            None => 0.0,
+        };
+        let dh = match dh.len() {
+            1 => dh.remove(0),
+            _ => Tensor::cat(&dh, 0)?,
+        };
+        Ok((dh, loss))
+    }
+
+    /// The head weight's backward for the logits' gradient `g` `(rows, vocab)` of its
+    /// normed input `h`: its gradient put when it trains; returns `h`'s.
+    fn head_weight_back(
+        &self,
+        src: &mut dyn ParamSource,
         h: &Tensor,
         g: &Tensor,
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
-        let (bs, t, hidden) = x.dims3()?;
-        let p = self.block_params(self.blocks() - 1);
-        let g2 = g.reshape((bs * t, self.config().vocab))?;
-        let (w, trains) = weight(src, &p[1].name, Mode::Fused)?;
+        let name = &self.block_params(self.blocks() - 1)[1].name;
+        let (w, trains) = weight(src, name, Mode::Fused)?;
         if trains {
-            add_grad(grads, p[1].name.clone(), mm(&g2.t()?, h)?)?;
+            add_grad(grads, name.clone(), mm(&g.t()?, h)?)?;
         }
-        let dh = w.back(src, &g2)?;
-        let (wn, wn_trains) = trained(src, &p[0].name)?;
+        w.back(src, g)
+    }
+
+    /// The head norm's backward for its output's gradient `dh` `(rows, hidden)`: its
+    /// weight's gradient put; returns the gradient of the head's input `x`.
+    fn head_norm_back(
+        &self,
+        src: &mut dyn ParamSource,
+        x: &Tensor,
+        dh: &Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Tensor> {
+        let (bs, t, hidden) = x.dims3()?;
+        let name = self.block_params(self.blocks() - 1)[0].name.clone();
+        let (wn, wn_trains) = trained(src, &name)?;
         let x2 = x.reshape((bs * t, hidden))?;
-        let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, &dh, wn_trains)?;
-        put(grads, p[0].name.clone(), dw)?;
+        let (dx, dw) = rms_norm_back(&x2, &wn, self.config().rms_eps, dh, wn_trains)?;
+        put(grads, name, dw)?;
         Ok(dx.reshape((bs, t, hidden))?)
     }
 }

@@ -92,6 +92,8 @@ pub struct LlamaArch {
 pub struct Llama {
     cfg: LlamaConfig,
     arch: LlamaArch,
+    /// Rows of logits the head's backward computes at once (see [`HEAD_CHUNK_BYTES`]).
+    head_chunk_rows: usize,
 }
 
 /// The projections of a layer: (module path under the layer, short name, out, in).
@@ -193,7 +195,24 @@ impl Llama {
                 return Err(bad(format!("unknown LoRA target `{t}`")));
             }
         }
-        Ok(Llama { cfg, arch })
+        let head_chunk_rows = (HEAD_CHUNK_BYTES / (4 * cfg.vocab.max(1))).max(1);
+        Ok(Llama {
+            cfg,
+            arch,
+            head_chunk_rows,
+        })
+    }
+
+    /// Has the head's backward compute `rows` rows of logits at a time (at least 1)
+    /// instead of [`HEAD_CHUNK_BYTES`]' worth: the gradients are the same sums in
+    /// another order.
+    pub fn set_head_chunk_rows(&mut self, rows: usize) {
+        self.head_chunk_rows = rows.max(1);
+    }
+
+    /// Rows of logits the head's backward computes at once.
+    pub fn head_chunk_rows(&self) -> usize {
+        self.head_chunk_rows
     }
 
     /// The shape.
@@ -342,14 +361,16 @@ impl Llama {
     /// the larger of one layer's attention scores with their softmax and its gradient
     /// (`3 · batch · heads · time² · 4` bytes) and the head's logits with the two
     /// tensors of their size the log-softmax makes while they are alive
-    /// (`HEAD_COPIES · batch · time · vocab · 4`). A lower bound: the blocks' other
-    /// intermediates and the allocator's slack come on top.
+    /// (`HEAD_COPIES · rows · vocab · 4`, for the rows of one block of
+    /// [`Llama::head_chunk_rows`]). A lower bound: the blocks' other intermediates and
+    /// the allocator's slack come on top.
     pub fn activation_bytes_at_least(&self, batch: usize, time: usize, kept: usize) -> u64 {
         let c = &self.cfg;
         let (b, t) = (batch as u64, time as u64);
         let saved = (c.layers as u64 + 1) * b * t * c.hidden as u64 * 4 * kept as u64;
         let scores = 3 * b * c.heads as u64 * t * t * 4;
-        let logits = HEAD_COPIES * b * t * c.vocab as u64 * 4;
+        let rows = (b * t).min(self.head_chunk_rows as u64);
+        let logits = HEAD_COPIES * rows * c.vocab as u64 * 4;
         saved + scores.max(logits)
     }
 
@@ -372,25 +393,27 @@ impl Llama {
         MaskedLogProbs::new(logits, targets)?.loss()
     }
 
-    /// [`Llama::loss`]'s value and its gradient with respect to `logits`, times
-    /// `scale`: `(softmax − one-hot of the target) · scale / count` at kept positions, 0
-    /// at masked ones. Each `(batch · time, vocab)` tensor is dropped as soon as the
-    /// next is made (the logits too, which it takes): at most three are alive at once,
-    /// the logits and two of the log-softmax's ([`HEAD_COPIES`]).
-    pub(crate) fn loss_and_grad(
+    /// For `logits` `(rows, vocab)` of some of a micro-batch's positions and their
+    /// `targets` `(rows)`: the sum of the kept positions' log-likelihoods (a scalar) and
+    /// the logits' gradient of the micro-batch's mean loss times `scale`, `(softmax −
+    /// one-hot of the target) · scale / count` at kept positions, 0 at masked ones
+    /// (`count`: the micro-batch's kept positions, [`Llama::kept_count`]). Each `(rows,
+    /// vocab)` tensor is dropped as soon as the next is made (the logits too, which it
+    /// takes): at most [`HEAD_COPIES`] are alive at once.
+    pub(crate) fn log_lik_and_grad(
         logits: Tensor,
         targets: &Tensor,
         scale: f64,
-    ) -> Result<(f32, Tensor)> {
-        let shape = logits.shape().clone();
+        count: f32,
+    ) -> Result<(Tensor, Tensor)> {
         let m = MaskedLogProbs::new(&logits, targets)?;
         drop(logits);
-        let loss = m.loss()?.to_scalar::<f32>()?;
+        let total = m.log_lik()?;
         let MaskedLogProbs {
             log_p,
             safe,
             weight,
-            count,
+            ..
         } = m;
         let idx = safe.unsqueeze(1)?;
         let minus_one = Tensor::full(-1f32, idx.shape(), idx.device())?;
@@ -399,7 +422,20 @@ impl Llama {
         drop(log_p);
         let g = p.scatter_add(&idx, &minus_one, 1)?;
         drop(p);
-        Ok((loss, g.broadcast_mul(&factor)?.reshape(shape)?))
+        Ok((total, g.broadcast_mul(&factor)?))
+    }
+
+    /// The positions of `targets` that carry loss (not [`IGNORE_TARGET`]), counted in
+    /// `dtype` as [`Llama::loss`] counts them.
+    pub(crate) fn kept_count(targets: &Tensor, dtype: DType) -> Result<f32> {
+        let (_, weight) = kept(&targets.flatten_all()?)?;
+        Ok(weight.to_dtype(dtype)?.sum_all()?.to_scalar::<f32>()?)
+    }
+
+    /// The mean loss of a micro-batch from the sum of its kept positions'
+    /// log-likelihoods and their count.
+    pub(crate) fn mean_loss(log_lik: &Tensor, count: f32) -> Result<f32> {
+        Ok((log_lik.neg()? / f64::from(count.max(1.0)))?.to_scalar::<f32>()?)
     }
 }
 
@@ -441,10 +477,15 @@ pub(crate) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> R
     Ok(Tensor::from_vec(m, (t, t), device)?.to_dtype(DType::F32)?)
 }
 
-/// The `(batch · time, vocab)` f32 tensors the head holds at once at its peak: the
+/// The `(rows, vocab)` f32 tensors the head's backward holds at once at its peak: the
 /// logits, and the log-softmax's shifted logits and their exponentials (candle's
 /// `log_softmax`: `x − max`, then `exp` of it summed).
 pub const HEAD_COPIES: u64 = 3;
+
+/// Bytes of one `(rows, vocab)` f32 tensor of the head's backward: it computes its
+/// logits, loss and gradients this many bytes of rows at a time (a micro-batch of 4096
+/// tokens and a 128256-token vocabulary: 2 GiB a tensor at once, 256 MiB in blocks).
+pub const HEAD_CHUNK_BYTES: usize = 256 << 20;
 
 /// The log-probabilities of `logits` `(batch, time, vocab)` as rows, and which targets
 /// count: a masked target ([`IGNORE_TARGET`]) is read as id 0 (any valid id) with
@@ -458,12 +499,11 @@ struct MaskedLogProbs {
 
 impl MaskedLogProbs {
     fn new(logits: &Tensor, targets: &Tensor) -> Result<Self> {
-        let (b, t, v) = logits.dims3()?;
-        let targets = targets.reshape(b * t)?;
-        let ignore = Tensor::full(IGNORE_TARGET, b * t, targets.device())?;
-        let kept = targets.ne(&ignore)?;
-        let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
-        let log_p = candle_nn::ops::log_softmax(&logits.reshape((b * t, v))?, D::Minus1)?;
+        let v = logits.dim(D::Minus1)?;
+        let rows = logits.elem_count() / v.max(1);
+        let targets = targets.reshape(rows)?;
+        let (safe, kept) = kept(&targets)?;
+        let log_p = candle_nn::ops::log_softmax(&logits.reshape((rows, v))?, D::Minus1)?;
         let weight = kept.to_dtype(log_p.dtype())?;
         let count = weight.sum_all()?.to_scalar::<f32>()?;
         Ok(MaskedLogProbs {
@@ -474,10 +514,23 @@ impl MaskedLogProbs {
         })
     }
 
+    /// The sum of the kept positions' log-likelihoods (a scalar).
+    fn log_lik(&self) -> Result<Tensor> {
+        let picked = self.log_p.gather(&self.safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+        Ok((picked * &self.weight)?.sum_all()?)
+    }
+
     /// The mean of the kept positions' negative log-likelihoods (0 with none kept).
     fn loss(&self) -> Result<Tensor> {
-        let picked = self.log_p.gather(&self.safe.unsqueeze(1)?, 1)?.squeeze(1)?;
-        let total = (picked * &self.weight)?.sum_all()?;
-        Ok((total.neg()? / f64::from(self.count.max(1.0)))?)
+        Ok((self.log_lik()?.neg()? / f64::from(self.count.max(1.0)))?)
     }
+}
+
+/// For `targets` `(rows)`: each read as id 0 where masked ([`IGNORE_TARGET`]: any valid
+/// id), and which are kept (u8).
+fn kept(targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let ignore = Tensor::full(IGNORE_TARGET, targets.elem_count(), targets.device())?;
+    let kept = targets.ne(&ignore)?;
+    let safe = kept.where_cond(targets, &targets.zeros_like()?)?;
+    Ok((safe, kept))
 }

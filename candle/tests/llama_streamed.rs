@@ -226,6 +226,51 @@ fn twenty_streamed_steps_equal_full_graph_training() {
     );
 }
 
+/// The head's backward a few rows of logits at a time (7 rows, so blocks cut across
+/// sequences and the last is short) trains as it does with the whole micro-batch at
+/// once: the same gradients summed in another order, so the losses agree within
+/// rounding, with a tied embedding (the head's gradient joins the embedding's) and with
+/// LoRA (the head frozen); and one block of every row is the whole micro-batch, bit for
+/// bit.
+#[test]
+fn the_head_a_block_of_rows_at_a_time_trains_as_the_whole_micro_batch() {
+    for (tie, lora) in [(false, false), (true, false), (false, true)] {
+        let whole = llama(tie, lora);
+        let init = whole.init(5);
+        let data = batches();
+        let run = |model: &Llama| -> Vec<f32> {
+            let (_dir, mut p) = opened(&init, Precision::F32, Overlap::Off);
+            (0..6)
+                .map(|s| {
+                    let (x, y) = data.get(s, &Device::Cpu).unwrap();
+                    train_step(&mut p, model, &[(x, y)], Horizontal)
+                        .unwrap()
+                        .loss
+                })
+                .collect()
+        };
+        let want = run(&whole);
+        let mut blocks = llama(tie, lora);
+        blocks.set_head_chunk_rows(7);
+        let got = run(&blocks);
+        let mut one = llama(tie, lora);
+        let (x, _) = data.get(0, &Device::Cpu).unwrap();
+        one.set_head_chunk_rows(x.elem_count());
+        let same = run(&one);
+        eprintln!("tie {tie} lora {lora}\nwhole: {want:?}\n7 rows: {got:?}");
+        assert!(
+            got.iter().any(|l| !want.contains(l)) || lora,
+            "blocks of 7 rows ran"
+        );
+        let d = max_rel_diff(&want, &got);
+        assert!(
+            d <= 1e-5,
+            "tie {tie} lora {lora}: max relative loss difference {d:e}"
+        );
+        assert_eq!(want, same, "tie {tie} lora {lora}: one block is the whole");
+    }
+}
+
 #[test]
 fn two_micro_batches_equal_one_batch_of_both_in_either_order() {
     let model = llama(false, false);
