@@ -295,13 +295,20 @@ impl Llama {
         let q = rotate(&qkv[0].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, rep * t, hd))?;
         let k = rotate(&qkv[1].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, t, hd))?;
         let v = qkv[2].0.reshape((bs * c.kv_heads, t, hd))?;
-        let s = (mm(&q, &k.t()?)? / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
-        let s = s.broadcast_add(&causal_mask(t, self.arch().sliding_window, x.device())?)?;
+        // Each (batch, heads, time, time) tensor is dropped once the next exists: two
+        // alive at once beside what the layer keeps, whatever the sequence length.
+        let scores = mm(&q, &k.t()?)?;
+        let scaled = (&scores / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
+        drop(scores);
+        let masked =
+            scaled.broadcast_add(&causal_mask(t, self.arch().sliding_window, x.device())?)?;
+        drop(scaled);
         let probs = match mode {
-            Mode::Fused => candle_nn::ops::softmax_last_dim(&s)?,
-            Mode::Graph => candle_nn::ops::softmax(&s, D::Minus1)?,
+            Mode::Fused => candle_nn::ops::softmax_last_dim(&masked)?,
+            Mode::Graph => candle_nn::ops::softmax(&masked, D::Minus1)?,
         }
         .reshape((bs * c.kv_heads, rep * t, t))?;
+        drop(masked);
         let o = mm(&probs, &v)?
             .reshape((bs, c.heads, t, hd))?
             .transpose(1, 2)?
@@ -418,10 +425,19 @@ impl Llama {
             .reshape((bs, t, c.heads, hd))?
             .transpose(1, 2)?
             .reshape((bs * c.kv_heads, rep * t, hd))?;
-        let dp = mm(&d_o, &s.v.t()?)?;
         let dv = mm(&s.p.t()?, &d_o)?;
-        let ds = ((&s.p * dp.broadcast_sub(&(&s.p * &dp)?.sum_keepdim(D::Minus1)?)?)?
-            / (hd as f64).sqrt())?;
+        // Each (batch, heads, time, time) tensor is dropped once the next exists: two
+        // alive at once beside the saved probabilities.
+        let dp = mm(&d_o, &s.v.t()?)?;
+        let p_dp = (&s.p * &dp)?;
+        let rowsum = p_dp.sum_keepdim(D::Minus1)?;
+        drop(p_dp);
+        let centred = dp.broadcast_sub(&rowsum)?;
+        drop(dp);
+        let ds_unscaled = (&s.p * &centred)?;
+        drop(centred);
+        let ds = (&ds_unscaled / (hd as f64).sqrt())?;
+        drop(ds_unscaled);
         let dq = mm(&ds, &s.k)?.reshape((bs, c.heads, t, hd))?;
         let dk = mm(&ds.t()?, &s.q)?.reshape((bs, c.kv_heads, t, hd))?;
         Ok([
