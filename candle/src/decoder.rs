@@ -397,11 +397,17 @@ impl Llama {
     ) -> Result<Tensor> {
         let down = format!("{m}.down_proj");
         let d_act = self.project_back(&s.mlp[2], src, &down, "down_proj", g2, grads)?;
+        // Each (rows, intermediate) temporary is dropped once the next exists.
         let sig = candle_nn::ops::sigmoid(&s.gate)?;
         let silu = (&s.gate * &sig)?;
         let d_up = (&d_act * &silu)?;
+        drop(silu);
         // silu'(z) = σ(z) · (1 + z · (1 − σ(z)))
-        let dsilu = (&sig * ((&s.gate * sig.affine(-1.0, 1.0)?)? + 1.0)?)?;
+        let one_minus = sig.affine(-1.0, 1.0)?;
+        let z_one_minus = (&s.gate * &one_minus)?;
+        drop(one_minus);
+        let dsilu = (&sig * (z_one_minus + 1.0)?)?;
+        drop(sig);
         let d_gate = ((d_act * &s.up)? * dsilu)?;
         let (gate, up) = (format!("{m}.gate_proj"), format!("{m}.up_proj"));
         let dh_gate = self.project_back(&s.mlp[0], src, &gate, "gate_proj", &d_gate, grads)?;
