@@ -295,20 +295,7 @@ impl Llama {
         let q = rotate(&qkv[0].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, rep * t, hd))?;
         let k = rotate(&qkv[1].0, &cos, &sin, false)?.reshape((bs * c.kv_heads, t, hd))?;
         let v = qkv[2].0.reshape((bs * c.kv_heads, t, hd))?;
-        // Each (batch, heads, time, time) tensor is dropped once the next exists: two
-        // alive at once beside what the layer keeps, whatever the sequence length.
-        let scores = mm(&q, &k.t()?)?;
-        let scaled = (&scores / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
-        drop(scores);
-        let masked =
-            scaled.broadcast_add(&causal_mask(t, self.arch().sliding_window, x.device())?)?;
-        drop(scaled);
-        let probs = match mode {
-            Mode::Fused => candle_nn::ops::softmax_last_dim(&masked)?,
-            Mode::Graph => candle_nn::ops::softmax(&masked, D::Minus1)?,
-        }
-        .reshape((bs * c.kv_heads, rep * t, t))?;
-        drop(masked);
+        let probs = self.attention_probs(&q, &k, (bs, t), mode)?;
         let o = mm(&probs, &v)?
             .reshape((bs, c.heads, t, hd))?
             .transpose(1, 2)?
@@ -344,6 +331,32 @@ impl Llama {
             mlp: [gate_s, up_s, down_s],
         };
         Ok((out, saved))
+    }
+
+    /// Attention's probabilities `softmax(q·kᵀ / √d + causal mask)` of the queries `q`
+    /// `(batch · kv_heads, rep · time, head_dim)` and keys `k`, in `q`'s shape but
+    /// `time` wide. Each `(batch, heads, time, time)` tensor is dropped once the next
+    /// exists: two alive at once, whatever the sequence length.
+    fn attention_probs(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        (bs, t): (usize, usize),
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let c = self.config();
+        let (hd, rep) = (self.head_dim(), c.heads / c.kv_heads);
+        let scores = mm(q, &k.t()?)?;
+        let scaled = (&scores / (hd as f64).sqrt())?.reshape((bs, c.heads, t, t))?;
+        drop(scores);
+        let mask = causal_mask(t, self.arch().sliding_window, q.device())?;
+        let masked = scaled.broadcast_add(&mask)?;
+        drop(scaled);
+        let probs = match mode {
+            Mode::Fused => candle_nn::ops::softmax_last_dim(&masked)?,
+            Mode::Graph => candle_nn::ops::softmax(&masked, D::Minus1)?,
+        };
+        Ok(probs.reshape((bs * c.kv_heads, rep * t, t))?)
     }
 
     /// The backward of decoder layer `l` for the output gradient `g`
