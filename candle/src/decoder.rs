@@ -200,17 +200,15 @@ impl Llama {
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
         let x = &saved.x;
-        let (w, trains) = weight(src, &format!("{name}.weight"), Mode::Fused)?;
-        if trains {
-            add_grad(grads, format!("{name}.weight"), mm(&g.t()?, x)?)?;
-        }
+        let weight_name = format!("{name}.weight");
+        let w = weight(src, &weight_name, Mode::Fused)?;
+        let mut dx = weight_back(src, &w, &weight_name, x, g, grads)?;
         if self.biased(short) {
             let bias = format!("{name}.bias");
             if trained(src, &bias)?.1 {
                 add_grad(grads, bias, g.sum(0)?)?;
             }
         }
-        let mut dx = w.back(src, g)?;
         if let (Some(low), Some(l)) = (&saved.low, self.adapted(short)) {
             let (a, a_trains) = trained(src, &format!("{name}.lora_A.weight"))?;
             let (bm, b_trains) = trained(src, &format!("{name}.lora_B.weight"))?;
@@ -624,41 +622,28 @@ impl Llama {
         let rows = h.dim(0)?;
         let targets = targets.reshape(rows)?;
         let count = Llama::kept_count(&targets, h.dtype())?;
-        let name = self.block_params(self.blocks() - 1)[1].name.clone();
-        let (w, trains) = weight(src, &name, Mode::Fused)?;
-        let (mut log_lik, mut dw, mut dh) = (None::<Tensor>, None::<Tensor>, Vec::new());
+        let name = &self.block_params(self.blocks() - 1)[1].name;
+        let w = weight(src, name, Mode::Fused)?;
+        let (mut log_lik, mut dh) = (None::<Tensor>, Vec::new());
         let chunk = self.head_chunk_rows();
         for at in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - at);
             let h_c = h.narrow(0, at, n)?;
-            let logits = w.apply(src, &h_c)?;
+            let logits = w.0.apply(src, &h_c)?;
             let (lik, g) =
                 Llama::log_lik_and_grad(logits, &targets.narrow(0, at, n)?, scale, count)?;
             log_lik = Some(match log_lik {
                 Some(sum) => (sum + lik)?,
                 None => lik,
             });
-            if trains {
-                let d = mm(&g.t()?, &h_c)?;
-                dw = Some(match dw {
-                    Some(sum) => (sum + d)?,
-                    None => d,
-                });
-            }
-            dh.push(w.back(src, &g)?);
-        }
-        if let Some(dw) = dw {
-            add_grad(grads, name, dw)?;
+            // The weight's gradient is the blocks' sum, added up in `grads`.
+            dh.push(weight_back(src, &w, name, &h_c, &g, grads)?);
         }
         let loss = match log_lik {
             Some(l) => Llama::mean_loss(&l, count)?,
             None => 0.0,
         };
-        let dh = match dh.len() {
-            1 => dh.remove(0),
-            _ => Tensor::cat(&dh, 0)?,
-        };
-        Ok((dh, loss))
+        Ok((Tensor::cat(&dh, 0)?, loss))
     }
 
     /// The head weight's backward for the logits' gradient `g` `(rows, vocab)` of its
@@ -671,11 +656,8 @@ impl Llama {
         grads: &mut ParamGrads,
     ) -> Result<Tensor> {
         let name = &self.block_params(self.blocks() - 1)[1].name;
-        let (w, trains) = weight(src, name, Mode::Fused)?;
-        if trains {
-            add_grad(grads, name.clone(), mm(&g.t()?, h)?)?;
-        }
-        w.back(src, g)
+        let w = weight(src, name, Mode::Fused)?;
+        weight_back(src, &w, name, h, g, grads)
     }
 
     /// The head norm's backward for its output's gradient `dh` `(rows, hidden)`: its
@@ -695,6 +677,23 @@ impl Llama {
         put(grads, name, dw)?;
         Ok(dx.reshape((bs, t, hidden))?)
     }
+}
+
+/// The backward of the matrix `w` (with whether it trains, as [`weight`] gives it, named
+/// `name`) for the gradient `g` `(rows, out)` of its output on the input rows `h`:
+/// `gᵀ·h` added to its gradient in `grads` when it trains; returns `g·W`, `h`'s.
+fn weight_back(
+    src: &dyn ParamSource,
+    (w, trains): &(Weight, bool),
+    name: &str,
+    h: &Tensor,
+    g: &Tensor,
+    grads: &mut ParamGrads,
+) -> Result<Tensor> {
+    if *trains {
+        add_grad(grads, name.to_string(), mm(&g.t()?, h)?)?;
+    }
+    w.back(src, g)
 }
 
 /// The embedding `w`'s gradient: each of `rows` `(tokens, hidden)` added, in order, at the

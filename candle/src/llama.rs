@@ -413,7 +413,6 @@ impl Llama {
             log_p,
             safe,
             weight,
-            ..
         } = m;
         let idx = safe.unsqueeze(1)?;
         let minus_one = Tensor::full(-1f32, idx.shape(), idx.device())?;
@@ -428,14 +427,14 @@ impl Llama {
     /// The positions of `targets` that carry loss (not [`IGNORE_TARGET`]), counted in
     /// `dtype` as [`Llama::loss`] counts them.
     pub(crate) fn kept_count(targets: &Tensor, dtype: DType) -> Result<f32> {
-        let (_, weight) = kept(&targets.flatten_all()?)?;
-        Ok(weight.to_dtype(dtype)?.sum_all()?.to_scalar::<f32>()?)
+        let kept = kept(&targets.flatten_all()?)?;
+        Ok(kept.to_dtype(dtype)?.sum_all()?.to_scalar::<f32>()?)
     }
 
     /// The mean loss of a micro-batch from the sum of its kept positions'
     /// log-likelihoods and their count.
     pub(crate) fn mean_loss(log_lik: &Tensor, count: f32) -> Result<f32> {
-        Ok((log_lik.neg()? / f64::from(count.max(1.0)))?.to_scalar::<f32>()?)
+        Ok(mean_nll(log_lik, count)?.to_scalar::<f32>()?)
     }
 }
 
@@ -494,7 +493,6 @@ struct MaskedLogProbs {
     log_p: Tensor,
     safe: Tensor,
     weight: Tensor,
-    count: f32,
 }
 
 impl MaskedLogProbs {
@@ -502,15 +500,15 @@ impl MaskedLogProbs {
         let v = logits.dim(D::Minus1)?;
         let rows = logits.elem_count() / v.max(1);
         let targets = targets.reshape(rows)?;
-        let (safe, kept) = kept(&targets)?;
+        let kept = kept(&targets)?;
+        // A masked target is read as id 0 (any valid id), with weight 0.
+        let safe = kept.where_cond(&targets, &targets.zeros_like()?)?;
         let log_p = candle_nn::ops::log_softmax(&logits.reshape((rows, v))?, D::Minus1)?;
         let weight = kept.to_dtype(log_p.dtype())?;
-        let count = weight.sum_all()?.to_scalar::<f32>()?;
         Ok(MaskedLogProbs {
             log_p,
             safe,
             weight,
-            count,
         })
     }
 
@@ -522,15 +520,19 @@ impl MaskedLogProbs {
 
     /// The mean of the kept positions' negative log-likelihoods (0 with none kept).
     fn loss(&self) -> Result<Tensor> {
-        Ok((self.log_lik()?.neg()? / f64::from(self.count.max(1.0)))?)
+        let count = self.weight.sum_all()?.to_scalar::<f32>()?;
+        mean_nll(&self.log_lik()?, count)
     }
 }
 
-/// For `targets` `(rows)`: each read as id 0 where masked ([`IGNORE_TARGET`]: any valid
-/// id), and which are kept (u8).
-fn kept(targets: &Tensor) -> Result<(Tensor, Tensor)> {
+/// The mean negative log-likelihood of `count` positions (0 with none) from the sum of
+/// their log-likelihoods.
+fn mean_nll(log_lik: &Tensor, count: f32) -> Result<Tensor> {
+    Ok((log_lik.neg()? / f64::from(count.max(1.0)))?)
+}
+
+/// Which of `targets` `(rows)` carry loss (not [`IGNORE_TARGET`]), as u8.
+fn kept(targets: &Tensor) -> Result<Tensor> {
     let ignore = Tensor::full(IGNORE_TARGET, targets.elem_count(), targets.device())?;
-    let kept = targets.ne(&ignore)?;
-    let safe = kept.where_cond(targets, &targets.zeros_like()?)?;
-    Ok((safe, kept))
+    Ok(targets.ne(&ignore)?)
 }

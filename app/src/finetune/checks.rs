@@ -159,8 +159,14 @@ fn activations(cfg: &Config, need: u64) -> String {
 /// The memory the kernel says can still be given to processes (`MemAvailable` of
 /// `/proc/meminfo`); `None` where that is not known.
 pub fn mem_available_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    proc_bytes("/proc/meminfo", "MemAvailable:")
+}
+
+/// The `key` line of a `/proc` file that counts kB (`/proc/meminfo`,
+/// `/proc/self/status`), in bytes; `None` where the file or the line is missing.
+pub(super) fn proc_bytes(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

@@ -310,10 +310,7 @@ fn tide_config(cfg: &Config) -> Result<TideConfig> {
 
 /// Peak resident memory of this process, from `/proc/self/status`.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    checks::proc_bytes("/proc/self/status", "VmHWM:")
 }
 
 /// Runs the fine-tuning the configuration describes (see the module doc); `resume`

@@ -239,9 +239,9 @@ impl AdamW {
     pub fn grad_sq_norm(&self, grads: Grads<'_>) -> f64 {
         let block = self.block_params;
         let mut sums = vec![0.0; grads.len().div_ceil(block).max(1)];
-        let (level, full) = (self.level, grads.len() / block);
+        let level = self.level;
         let fill = |(k, out): (usize, &mut [f64])| {
-            sq_norm_blocks(level, grads, block, k * NORM_STREAMS, full, out);
+            sq_norm_blocks(level, grads, block, k * NORM_STREAMS, out);
         };
         match self.pool() {
             Some(pool) if pool.current_num_threads() > 1 => {
@@ -477,24 +477,16 @@ grad_leaf!(sq_norm_leaf, sq_norm, f64);
 pub const NORM_STREAMS: usize = 4;
 
 /// Sums of squares of `out.len()` consecutive blocks of `block` elements of `g` from
-/// block `first`, each the bits [`sq_norm_leaf`] gives it; `full` of `g`'s blocks are
-/// whole. [`NORM_STREAMS`] whole blocks are read together where the SIMD level has a
-/// kernel for it.
-fn sq_norm_blocks(
-    level: SimdLevel,
-    g: Grads<'_>,
-    block: usize,
-    first: usize,
-    full: usize,
-    out: &mut [f64],
-) {
+/// block `first`, each the bits [`sq_norm_leaf`] gives it. [`NORM_STREAMS`] whole blocks
+/// are read together where the SIMD level has a kernel for it.
+fn sq_norm_blocks(level: SimdLevel, g: Grads<'_>, block: usize, first: usize, out: &mut [f64]) {
     let at = |k: usize| {
         let lo = ((first + k) * block).min(g.len());
         let hi = (lo + block).min(g.len());
         g.split_at(hi).0.split_at(lo).1
     };
     let mut streams: Option<[f64; NORM_STREAMS]> = None;
-    if out.len() == NORM_STREAMS && first + NORM_STREAMS <= full {
+    if out.len() == NORM_STREAMS && first + NORM_STREAMS <= g.len() / block {
         let (gk, _) = grad_raw(g);
         let ptrs: [*const u8; NORM_STREAMS] = std::array::from_fn(|k| grad_raw(at(k)).1);
         // SAFETY: each pointer is to `block` elements of `g` (whole blocks), alive for the
