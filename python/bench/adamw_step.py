@@ -8,6 +8,13 @@ Each model gets the same fixed random gradients (no forward/backward: it is the 
 for every optimizer); what is timed is ``opt.step()``: for tidestore that includes
 handing the gradients over and writing the new parameters back into the model.
 A forward+backward of the model is timed once for scale.
+
+Three pairs do the same work on both sides:
+- no check: torch's fused step against ``check_finite=False``;
+- a step skipped on a non-finite gradient (tidestore's default): torch's
+  ``get_total_norm`` and a step only when it is finite, against the default;
+- clipping to norm 1 (transformers' ``Trainer`` default): torch's ``clip_grad_norm_``
+  then the fused step, against ``max_grad_norm=1.0``.
 """
 
 import argparse
@@ -59,6 +66,13 @@ def main():
     opts["tide_ram_torch"] = tidestore.AdamW(models["tide_ram_torch"].parameters(), **hp,
                                              nvme_dir=tempfile.mkdtemp(dir=args.nvme_dir),
                                              check_finite=False)
+    models["tide_clip"] = make_model(args.layers, args.width)
+    opts["tide_clip"] = tidestore.AdamW(models["tide_clip"].parameters(), **hp,
+                                        nvme_dir=tempfile.mkdtemp(dir=args.nvme_dir),
+                                        max_grad_norm=1.0)
+    for k in ("torch_check", "torch_clip"):
+        models[k] = make_model(args.layers, args.width)
+        opts[k] = torch.optim.AdamW(models[k].parameters(), **hp, **{torch_kind: True})
     models["tide_nvme"] = make_model(args.layers, args.width)
     opts["tide_nvme"] = tidestore.AdamW(models["tide_nvme"].parameters(), **hp,
                                         nvme_dir=tempfile.mkdtemp(dir=args.nvme_dir),
@@ -74,11 +88,14 @@ def main():
     for p, g in zip(ref.parameters(), grads):
         p.grad = g.clone()
 
+    steps = {k: o.step for k, o in opts.items()}
+    steps["torch_check"] = lambda: step_if_finite(models["torch_check"], opts["torch_check"])
+    steps["torch_clip"] = lambda: clip_and_step(models["torch_clip"], opts["torch_clip"])
     times = {k: [] for k in opts}
     for rep in range(args.reps + 1):
-        for k, o in opts.items():
+        for k, step in steps.items():
             t = time.perf_counter()
-            o.step()
+            step()
             dt = time.perf_counter() - t
             if rep > 0:  # the first step of each is a warm-up
                 times[k].append(dt)
@@ -95,12 +112,33 @@ def main():
                      f"{s['nvme_written_bytes'] / 2**30:.2f} GiB over {s['steps']} steps")
         name = {"torch": f"torch.optim.AdamW({torch_kind}=True)", "tide_ram": "tidestore.AdamW, M/V in RAM",
                 "tide_ram_torch": "tidestore.AdamW, M/V in RAM, check_finite=False",
+                "torch_check": "torch: get_total_norm, step if finite",
+                "torch_clip": "torch: clip_grad_norm_(1.0), step",
+                "tide_clip": "tidestore.AdamW, M/V in RAM, max_grad_norm=1.0",
                 "tide_nvme": f"tidestore.AdamW, M/V on NVMe (host_budget={args.small_host})"}[k]
         print(f"{name:55s} median {med:.3f} s  ({n / med / 1e6:.0f} Mparam/s)  "
               f"all {[round(t, 3) for t in times[k]]}{extra}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for torch_k, tide_k, what in [("torch", "tide_ram_torch", "no check"),
+                                  ("torch_check", "tide_ram", "skip on non-finite"),
+                                  ("torch_clip", "tide_clip", "clip to 1.0")]:
+        print(f"same work, {what:20s} tidestore at {med[torch_k] / med[tide_k]:.2f}x torch's speed")
+    print(f"default tidestore against torch's bare fused step: {med['torch'] / med['tide_ram']:.2f}x")
     dmax = max((p - q).abs().max().item()
                for p, q in zip(models["torch"].parameters(), models["tide_nvme"].parameters()))
     print(f"max |torch - tidestore(NVMe)| after {args.reps + 1} steps: {dmax:.2e}")
+
+
+def step_if_finite(model, opt):
+    """A torch step skipped when the gradients' norm is not finite (tidestore's default)."""
+    grads = [p.grad for p in model.parameters()]
+    if torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        opt.step()
+
+
+def clip_and_step(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
 
 
 def full_steps(args):
