@@ -20,6 +20,13 @@ def bf16_to_f32(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def checkpointing_on(model):
+    """transformers' activation checkpointing, by its 5.x name where the model has it
+    (4.x's `gradient_checkpointing_enable` is a deprecated alias there)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
 def adamw_reference(p0, grads, lr, betas, eps, wd, max_grad_norm=None):
     """torch.optim.AdamW's update in float64, over a list of parameters and a list of
     per-step gradient lists; global-norm clipping as torch.nn.utils.clip_grad_norm_."""

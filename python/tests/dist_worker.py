@@ -87,7 +87,9 @@ def optimizer(a, model, rank, world, group):
                   collectives_ahead=ahead)
     if a.engine == "offload":
         if a.checkpointing:
-            model.gradient_checkpointing_enable()
+            # transformers 5's name, else 4's
+            (getattr(model, "activation_checkpointing_enable", None)
+             or model.gradient_checkpointing_enable)()
         if a.config_file:  # the same settings from a tidestore.toml (the keywords unread)
             config = os.path.join(a.out, f"tidestore{rank}.toml")
             with open(config, "w") as f:

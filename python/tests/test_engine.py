@@ -19,6 +19,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: the engine's model tests need it")
 
 import tidestore  # noqa: E402
+from conftest import checkpointing_on  # noqa: E402
 
 VOCAB = 128
 
@@ -81,8 +82,8 @@ def test_losses_equal_torch_with_the_weights_streamed_from_nvme(overlap, checkpo
     base = llama()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     if checkpointing:
-        ref.gradient_checkpointing_enable()
-        mine.gradient_checkpointing_enable()
+        checkpointing_on(ref)
+        checkpointing_on(mine)
     want = torch_losses(ref, 10)
     mine, opt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, chunk_elements=16384,
                                   host_budget=HOST, overlap=overlap, nvme_dir=tmp_path)
@@ -259,8 +260,8 @@ def test_bf16_parameters_equal_a_torch_mixed_precision_loop(checkpointing, tmp_p
     base = llama()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     if checkpointing:
-        ref.gradient_checkpointing_enable()
-        mine.gradient_checkpointing_enable()
+        checkpointing_on(ref)
+        checkpointing_on(mine)
     for p in ref.parameters():
         p.data = p.data.to(torch.bfloat16)
     # torch's side of the same mixed precision: bf16 weights compute, an fp32 master
