@@ -196,9 +196,14 @@ impl AdamWCore {
         Ok(norm_and_clip(self.trainer.step(&mut |_| {})?.decision))
     }
 
-    /// Sets the learning rate of the steps to come.
-    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
-        Ok(self.trainer.set_lr(lr)?)
+    /// Sets the hyper-parameters of the steps to come (the param groups' values).
+    pub fn set_hyper_params(&mut self, hp: HyperParams) -> Result<()> {
+        Ok(self.trainer.set_hyper_params(hp)?)
+    }
+
+    /// The hyper-parameters the next step uses.
+    pub fn hyper_params(&self) -> HyperParams {
+        *self.trainer.hyper_params()
     }
 
     /// Steps applied so far.

@@ -32,8 +32,8 @@ use std::path::Path;
 
 use tidestore_train::hf::HfWeights;
 use tidestore_train::{
-    DType, DeviceView, Lease, ParamSpec, ShardLayout, TensorState, TensorView, Trainer,
-    TrainerConfig, Values,
+    DType, DeviceView, HyperParams, Lease, ParamSpec, ShardLayout, TensorState, TensorView,
+    Trainer, TrainerConfig, Values,
 };
 
 use crate::adamw::{norm_and_clip, unlink_swap};
@@ -314,9 +314,14 @@ impl EngineCore {
         self.trainer.reported()
     }
 
-    /// Sets the learning rate of the steps to come.
-    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
-        Ok(self.trainer.set_lr(lr)?)
+    /// Sets the hyper-parameters of the steps to come (the param groups' values).
+    pub fn set_hyper_params(&mut self, hp: HyperParams) -> Result<()> {
+        Ok(self.trainer.set_hyper_params(hp)?)
+    }
+
+    /// The hyper-parameters the next step uses.
+    pub fn hyper_params(&self) -> HyperParams {
+        *self.trainer.hyper_params()
     }
 
     /// Steps applied so far.

@@ -229,8 +229,16 @@ impl PyAdamWCore {
         Ok(py.allow_threads(|| core.step_given(&views))?)
     }
 
-    fn set_lr(&mut self, lr: f32) -> PyResult<()> {
-        Ok(self.core().set_lr(lr)?)
+    /// Sets the hyper-parameters of the steps to come (the param groups' values).
+    fn set_hyper_params(
+        &mut self,
+        lr: f32,
+        betas: (f32, f32),
+        eps: f32,
+        weight_decay: f32,
+    ) -> PyResult<()> {
+        let hp = HyperParams::adamw(lr, betas, eps, weight_decay);
+        Ok(self.core().set_hyper_params(hp)?)
     }
 
     /// Makes this core one rank of a data-parallel run that steps its shards:

@@ -98,7 +98,6 @@ pub struct PyEngineCore {
     /// with `get_mut`, no locking.
     core: Mutex<EngineCore>,
     precision: Precision,
-    hp: HyperParams,
     /// When tensors are stepped (the keyword's, or the config file's).
     overlap: Overlap,
     /// The CUDA GPU a GPU device tier opens.
@@ -175,12 +174,11 @@ impl PyEngineCore {
             .iter()
             .map(|(n, s, t)| ParamSpec::new(n.clone(), s, *t))
             .collect();
-        let (precision, hp, overlap) = (tc.precision, tc.hp, tc.overlap);
+        let (precision, overlap) = (tc.precision, tc.overlap);
         let core = py.allow_threads(|| EngineCore::open(&specs, &tc))?;
         Ok(PyEngineCore {
             core: Mutex::new(core),
             precision,
-            hp,
             overlap,
             gpu_ordinal: tc.gpu_ordinal,
             collectives_ahead,
@@ -224,12 +222,13 @@ impl PyEngineCore {
     }
 
     /// The store's AdamW hyper-parameters (lr, betas, eps, weight_decay).
-    fn hyper_params<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn hyper_params<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let hp = self.core().hyper_params();
         let d = PyDict::new(py);
-        d.set_item("lr", self.hp.lr)?;
-        d.set_item("betas", (self.hp.beta1, self.hp.beta2))?;
-        d.set_item("eps", self.hp.eps)?;
-        d.set_item("weight_decay", self.hp.weight_decay)?;
+        d.set_item("lr", hp.lr)?;
+        d.set_item("betas", (hp.beta1, hp.beta2))?;
+        d.set_item("eps", hp.eps)?;
+        d.set_item("weight_decay", hp.weight_decay)?;
         Ok(d)
     }
 
@@ -338,8 +337,16 @@ impl PyEngineCore {
         self.core().reported()
     }
 
-    fn set_lr(&mut self, lr: f32) -> PyResult<()> {
-        Ok(self.core().set_lr(lr)?)
+    /// Sets the hyper-parameters of the steps to come (the param groups' values).
+    fn set_hyper_params(
+        &mut self,
+        lr: f32,
+        betas: (f32, f32),
+        eps: f32,
+        weight_decay: f32,
+    ) -> PyResult<()> {
+        let hp = HyperParams::adamw(lr, betas, eps, weight_decay);
+        Ok(self.core().set_hyper_params(hp)?)
     }
 
     fn step_count(&mut self) -> u64 {

@@ -376,3 +376,95 @@ def test_converting_a_handed_over_model_is_refused(tmp_path):
         mine.to(torch.float16)
     with pytest.raises(tidestore.TidestoreError, match="live in the store"):
         mine.to("meta")
+
+
+def test_hyper_parameters_changed_between_steps_are_torchs(tmp_path):
+    base = llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    mine, mopt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, nvme_dir=tmp_path)
+    got = {}
+    for name, model, opt in (("torch", ref, ropt), ("tidestore", mine, mopt)):
+        # OneCycleLR cycles beta1 with the lr.
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8)
+        out = []
+        for k, ids in enumerate(batches(5)):
+            g = opt.param_groups[0]
+            g["weight_decay"], g["eps"] = (0.2, 1e-4) if k >= 2 else (0.01, 1e-8)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            out.append(loss.item())
+        got[name] = out
+    assert_close(got["torch"], got["tidestore"])
+    assert mine.tidestore_engine.core.hyper_params()["weight_decay"] == pytest.approx(0.2)
+
+
+class ScaledHead(torch.nn.Module):
+    """A one-output head (bias of shape (1,)) and a 0-dim parameter of the root."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.body(x))) * self.scale
+
+
+def test_one_element_dimensions_and_scalars_train_as_torch(tmp_path):
+    ref, mine = ScaledHead(), ScaledHead()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    mine, mopt = tidestore.offload(mine, lr=1e-2, nvme_dir=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    got = {}
+    for name, model, opt in (("torch", ref, ropt), ("tidestore", mine, mopt)):
+        out = []
+        for x, y in data:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        got[name] = out
+    assert_close(got["torch"], got["tidestore"])
+
+
+def test_a_forward_that_raised_leaves_training_as_torchs(tmp_path):
+    base = llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    want = torch_losses(ref, 3)
+    mine, opt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, nvme_dir=tmp_path)
+    with pytest.raises(IndexError):
+        mine(input_ids=torch.full((2, 16), VOCAB + 5))  # a token id past the vocabulary
+    assert_close(want, engine_losses(mine, opt, 3))
+
+
+def test_what_the_engine_cannot_do_is_refused(tmp_path):
+    mine, opt = tidestore.offload(llama(), lr=1e-3, nvme_dir=tmp_path)
+    with pytest.raises(ValueError, match="already handed to tidestore"):
+        tidestore.offload(mine, nvme_dir=tmp_path)
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        copy.deepcopy(opt)
+    with pytest.raises(ValueError, match="accumulation: 2.5"):
+        tidestore.offload(llama(), nvme_dir=tmp_path, accumulation=2.5)
+    with pytest.raises(ValueError, match="maximize=True is not supported"):
+        tidestore.offload(llama(), nvme_dir=tmp_path, maximize=True)
+    engine_losses(mine, opt, 1)
+    first = opt.state_dict()
+    engine_losses(mine, opt, 1)
+    second = opt.state_dict()  # the same file, a later step
+    with pytest.raises(ValueError, match="overwritten by a later save"):
+        opt.load_state_dict(first)
+    with pytest.raises(ValueError, match="offloaded model's state cannot be loaded"):
+        tidestore.AdamW(llama().parameters(), nvme_dir=tmp_path).load_state_dict(second)
+    adamw_state = tidestore.AdamW(llama().parameters(), nvme_dir=tmp_path).state_dict()
+    with pytest.raises(ValueError, match="not an offloaded model's optimizer state"):
+        opt.load_state_dict(adamw_state)

@@ -13,6 +13,10 @@ where torch is not installed (see .ci/python-tests.sh).
 """
 
 import copy
+import gc
+import os
+import pickle
+import weakref
 
 import numpy as np
 import pytest
@@ -296,3 +300,108 @@ def test_shape_change_and_missing_grad_change_nothing(tmp_path):
     assert [opt._core.master(i) for i in range(len(before))] == masters
     for p, q in zip(before[2:], list(m.parameters())[2:]):
         assert torch.equal(p, q)
+
+
+def edit_hyper_params(opt, step):
+    """Between steps, what torch users change in param_groups besides the lr."""
+    g = opt.param_groups[0]
+    if step == 1:
+        g["weight_decay"] = 0.3
+    elif step == 2:
+        g["betas"] = (g["betas"][0], 0.95)
+    elif step == 3:
+        g["eps"] = 1e-3
+
+
+def test_hyper_parameters_changed_between_steps_are_torchs(tmp_path):
+    a, b = model(), model()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path)
+    ob = torch.optim.AdamW(b.parameters(), **HP, foreach=False)
+    # OneCycleLR cycles beta1 with the lr.
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=8) for o in (oa, ob)]
+    for k, batch in enumerate(batches(6)):
+        for o in (oa, ob):
+            edit_hyper_params(o, k)
+        train(a, oa, [batch])
+        train(b, ob, [batch])
+        for s in scheds:
+            s.step()
+    assert oa.param_groups[0]["betas"][0] != HP["betas"][0]
+    assert max_diff(a, b) < 2e-5
+
+
+def test_load_state_dict_restores_every_hyper_parameter(tmp_path):
+    a, b = model(), model()
+    data = batches(4)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    oa = tidestore.AdamW(a.parameters(), **{**HP, "weight_decay": 0.0}, nvme_dir=tmp_path / "a")
+    train(a, oa, data[:2])
+    ob = tidestore.AdamW(b.parameters(), **HP, nvme_dir=tmp_path / "b")
+    ob.load_state_dict(oa.state_dict())
+    assert ob.param_groups[0]["weight_decay"] == 0.0
+    train(a, oa, data[2:])
+    train(b, ob, data[2:])
+    assert max_diff(a, b) == 0
+
+
+def test_what_a_store_cannot_do_is_refused(tmp_path):
+    m = model()
+    opt = tidestore.AdamW(m.parameters(), nvme_dir=tmp_path)
+    with pytest.raises(ValueError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        pickle.dumps(opt)
+    w = m[0].weight
+    with pytest.raises(ValueError, match="parameter 1 is parameter 0 again"):
+        tidestore.AdamW([w, w], nvme_dir=tmp_path)
+    # torch.optim.AdamW's keywords at their off values pass; others are refused.
+    tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, amsgrad=False, maximize=False,
+                    foreach=None, fused=False, capturable=False, differentiable=False).close()
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, amsgrad=True)
+    with pytest.raises(TypeError, match="'nesterov'"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, nesterov=True)
+    with pytest.raises(ValueError, match="threads: -1"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, threads=-1)
+    with pytest.raises(ValueError, match="host_budget: 'inf'"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, host_budget="inf")
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['lr'\] = '0.1'"):
+        tidestore.AdamW(model().parameters(), nvme_dir=tmp_path, lr="0.1")
+    opt.close()
+    with pytest.raises(tidestore.TidestoreError, match="used after close"):
+        opt.stats()
+
+
+def test_an_overlapped_optimizer_goes_with_its_hooks(tmp_path):
+    a = model()
+    oa = tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path, overlap=True)
+    train(a, oa, batches(1))
+    gone = weakref.ref(oa)
+    del oa
+    gc.collect()
+    assert gone() is None
+    # Its hooks went with it: another optimizer trains the model as torch does.
+    b = copy.deepcopy(a)
+    data = batches(2, seed=3)
+    train(a, tidestore.AdamW(a.parameters(), **HP, nvme_dir=tmp_path, overlap=True), data)
+    train(b, torch.optim.AdamW(b.parameters(), **HP, foreach=False), data)
+    assert max_diff(a, b) < 2e-5
+
+
+def test_a_state_dict_outlives_an_optimizer_in_a_temporary_dir():
+    a, b = model(), model(seed=1)
+    oa = tidestore.AdamW(a.parameters(), **HP)  # no nvme_dir: a temporary one
+    train(a, oa, batches(2))
+    sd = oa.state_dict()
+    nvme_dir = oa.nvme_dir
+    del oa
+    gc.collect()
+    assert not os.path.exists(nvme_dir)
+    try:
+        tidestore.AdamW(b.parameters(), **HP).load_state_dict(sd)
+        assert max_diff(a, b) == 0
+    finally:
+        os.remove(sd["tidestore"]["path"])

@@ -7,6 +7,8 @@ check that only Python can make (a torch tensor on the GPU, non-contiguous memor
 non-float dtype) is made here, raising before the core is called.
 """
 
+import math
+
 import numpy as np
 
 # dtype names the core understands, by numpy / torch dtype name.
@@ -73,7 +75,7 @@ def parse_bytes(value, what):
             n = float(num)
         except ValueError:
             n = -1.0
-        if unit in _UNITS and n > 0:
+        if unit in _UNITS and n > 0 and math.isfinite(n * _UNITS[unit]):
             return int(n * _UNITS[unit])
     raise ValueError(f"{what}: {value!r} is not a size (an int of bytes, or e.g. '512MiB', '4GB')")
 

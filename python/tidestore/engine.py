@@ -47,11 +47,16 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ._tidestore import EngineCore, TidestoreError, export_tensors_from
+from ._tidestore import AdamWCore, EngineCore, TidestoreError, export_tensors_from
 from ._views import byte_view, dtype_name, parse_bytes, store_memory
 from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
+from ._groups import StoreOptimizer, check_threads, check_torch_only, hyper_params
 from .optim import closure_loss
+
+# The format named in an offloaded model's optimizer state dict (tidestore.AdamW's is
+# "tidestore.checkpoint.v1").
+ENGINE_FORMAT = "tidestore.engine.v1"
 
 __all__ = ["offload", "Engine", "EngineOptimizer"]
 
@@ -162,6 +167,7 @@ class Engine:
         self._held = 0  # parameters with a hold
         self._bf16 = core.precision == "bf16"
         self._users = [None] * len(params)  # tensors over a parameter's memory once bound
+        self._stand_ins = [None] * len(params)  # data_ptr of an unbound parameter's NaN
         self._shapes = ([tuple(p.shape) for p in params] if shards is not None
                         else [tuple(core.spec(i)[1]) for i in range(len(params))])
         # The dtype a parameter is bound in: bf16 for a trainable one in bf16 precision.
@@ -214,7 +220,9 @@ class Engine:
         """What a parameter is while not bound: its shape and dtype over one NaN (stride
         0, no memory of its own). Code that reads it outside a module's forward gets
         NaN, and writing it in place is refused by torch."""
-        return torch.full((1,), float("nan"), dtype=self._dtypes[i]).expand(self._shapes[i])
+        t = torch.full((), float("nan"), dtype=self._dtypes[i]).expand(self._shapes[i])
+        self._stand_ins[i] = t.data_ptr()
+        return t
 
     def _unbind(self, i, backward):
         p = self.params[i]
@@ -247,14 +255,28 @@ class Engine:
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre))
+        # First of the root's pre-hooks: a forward that raised is cleared up before the
+        # root's own parameters are bound again.
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(self.model.register_forward_hook(self._root_post))
 
     def _root_pre(self, module, args):
         self._check_unchanged()
+        if self._saved_hooks is not None and not _in_backward():
+            self._abandoned_forward()
         if self._saved_hooks is None and not _in_backward():
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
+
+    def _abandoned_forward(self):
+        """The last forward raised before its end (its root hook never ran): its
+        saved-tensor hooks are left and what its modules still hold is released, so the
+        next forward starts as after a whole one (a bad batch does not end training)."""
+        hooks, self._saved_hooks = self._saved_hooks, None
+        hooks.__exit__(None, None, None)
+        for i, holds in enumerate(self._holds):
+            for _ in range(holds):
+                self._unbind(i, False)
 
     def _root_post(self, module, args, out):
         if self._saved_hooks is not None:
@@ -398,7 +420,7 @@ class Engine:
                 and self.micro == self.accumulation - 1):
             self.core.step_ready()
 
-    def step(self, lr):
+    def step(self):
         if self.micro != self.accumulation:
             raise TidestoreError(
                 f"step after {self.micro} backward pass(es); the engine was set up with "
@@ -409,7 +431,6 @@ class Engine:
         self._flush_scatters()
         if self._collectives is not None:
             self._collectives.end_iteration()
-        self.core.set_lr(float(lr))
         out = self.core.step()
         self.micro = 0
         return out
@@ -427,7 +448,8 @@ class Engine:
                 + (f" (new: {new[:5]})" if new else " (a parameter was removed)")
                 + ": hand the changed model over again")
         for i, p in enumerate(self.params):
-            if p.device.type != "cpu" or (self._holds[i] == 0 and any(p.stride())):
+            if p.device.type != "cpu" or (self._holds[i] == 0
+                                           and p.data_ptr() != self._stand_ins[i]):
                 raise TidestoreError(
                     f"parameter `{self.names[i]}` was moved or replaced outside tidestore "
                     f"({tuple(p.shape)} on {p.device}): its values live in the store; change "
@@ -537,11 +559,12 @@ class Engine:
         self._handles = []
 
 
-class EngineOptimizer(torch.optim.Optimizer):
-    """The step of an offloaded model: ``step()`` is the store's step (the learning rate
-    of the first param group, so LR schedulers work); ``zero_grad()`` has nothing to do
-    (gradients went to the store); ``state_dict()`` streams the training state into a
-    tidestore checkpoint at ``checkpoint_path`` and returns a small dict naming it."""
+class EngineOptimizer(StoreOptimizer):
+    """The step of an offloaded model: ``step()`` is the store's step, with the param
+    groups' hyper-parameters (so LR schedulers work; see ``_groups.py``); ``zero_grad()``
+    has nothing to do (gradients went to the store); ``state_dict()`` streams the
+    training state into a tidestore checkpoint at ``checkpoint_path`` and returns a small
+    dict naming it."""
 
     def __init__(self, engine, checkpoint_path):
         hp = engine.core.hyper_params()
@@ -550,15 +573,14 @@ class EngineOptimizer(torch.optim.Optimizer):
                                          weight_decay=hp["weight_decay"]))
         self.engine = engine
         self.checkpoint_path = os.fspath(checkpoint_path)
+        self._applied = hyper_params(self.param_groups, type(self).__name__)
+        self._seal()
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure_loss(closure)
-        lrs = {g["lr"] for g in self.param_groups}
-        if len(lrs) != 1:
-            raise ValueError(f"param groups with different learning rates {sorted(lrs)}: "
-                             "the store steps every parameter with one")
-        self.last = self.engine.step(lrs.pop())
+        self._sync_hyper(self.engine.core)
+        self.last = self.engine.step()
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -570,25 +592,38 @@ class EngineOptimizer(torch.optim.Optimizer):
         group every rank writes its shards (call it on every rank)."""
         path = rank_file(self.checkpoint_path, self.engine._shards)
         world, _ = world_of(self.engine._shards)
-        self.engine.core.save(path, world_meta(self.engine._shards))
+        step = self.engine.core.step_count()
+        self.engine.core.save(path, {"step": str(step), **world_meta(self.engine._shards)})
         return {"state": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "tidestore": {"path": path, "base_path": self.checkpoint_path,
-                          "step": self.engine.core.step_count(), "world_size": world}}
+            "tidestore": {"format": ENGINE_FORMAT, "path": path,
+                          "base_path": self.checkpoint_path, "step": step,
+                          "world_size": world}}
 
     def load_state_dict(self, state_dict):
         ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
-        if not ts:
-            raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry)")
+        if not ts or ts.get("format", ENGINE_FORMAT) != ENGINE_FORMAT:
+            raise ValueError("not an offloaded model's optimizer state (no 'tidestore' entry "
+                             f"of format {ENGINE_FORMAT}; found {ts and ts.get('format')!r})")
         shards = self.engine._shards
         check_world(ts["path"], ts.get("world_size", 1), None, shards, "engine")
         if self.engine._collectives is not None:
             # Gathers started ahead read the values the load replaces.
             self.engine._collectives.discard_gathers()
-        self.engine.core.load(rank_file(ts["base_path"], shards) if "base_path" in ts
-                              else ts["path"])
-        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
-            g["lr"] = saved["lr"]
+        path = rank_file(ts["base_path"], shards) if "base_path" in ts else ts["path"]
+        found = AdamWCore.read_metadata(path).get("step")
+        if found is not None and found != str(ts.get("step")):
+            raise ValueError(
+                f"checkpoint {path} holds step {found}, the state dict names step "
+                f"{ts.get('step')}: the file was overwritten by a later save")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state has {len(groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        self.engine.core.load(path)
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: tuple(v) if k == "betas" else v
+                      for k, v in saved.items() if k != "params"})
 
 
 @contextlib.contextmanager
@@ -681,10 +716,10 @@ def _overlap_name(overlap):
 
 
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-            weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
+            weight_decay=1e-2, states="fp32", nvme_dir=None, host_budget=None,
             device_budget=None, max_grad_norm=None, overlap=False, threads=0,
             chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None,
-            collectives_ahead=DEFAULT_AHEAD):
+            collectives_ahead=DEFAULT_AHEAD, **torch_only):
     """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
     built with its parameters on the meta device and imported straight into the store)
     to a tidestore store; returns ``(model, optimizer)``.
@@ -698,6 +733,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     ``"forward"`` (decided after backward, clipping included; each group stepped in the
     next forward), all bit-identical.
     After the call the model's own parameter storage is freed: its values are the store's.
+    The hyper-parameters default to ``torch.optim.AdamW``'s and are the optimizer's
+    ``param_groups``' at each step (see ``_groups.py``). A forward that raised (a bad
+    batch) releases what it held at the next forward, so training goes on.
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``group.WORLD``; launch with
     ``torchrun``): every parameter is sharded over the group's ranks as
@@ -718,8 +756,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     last step bound them), gradients reduce-scattered that many behind; 0: each waits
     where it is asked for. The results are the same.
     """
-    if accumulation < 1:
-        raise ValueError(f"accumulation: {accumulation} is not a positive count")
+    check_torch_only(torch_only, "tidestore.offload")
+    check_threads(threads)
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation: {accumulation!r} is not a positive whole count")
     check_ahead(collectives_ahead)
     overlap = _overlap_name(overlap)
     _check_accumulation(overlap, accumulation)
@@ -730,6 +770,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: a {type(model).__name__}, expected a torch.nn.Module "
                         "or a model directory")
+    if hasattr(model, "tidestore_engine"):
+        raise ValueError("model: already handed to tidestore (model.tidestore_engine): its "
+                         "parameters live in that store; use the optimizer it returned")
     named = list(model.named_parameters())
     if not named:
         raise ValueError("model: it has no parameters")
@@ -746,6 +789,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
             states=states, max_grad_norm=max_grad_norm, overlap=overlap,
             accumulation=accumulation, collectives_ahead=collectives_ahead))
         specs = [(n, [s], t) for (n, _, t), s in zip(specs, shards.lens)]
+    # In nvme_dir when given, else beside the temporary one (which goes with the engine):
+    # a state_dict's file must outlive the engine.
+    default_checkpoint = os.path.join(nvme_dir or tempfile.gettempdir(),
+                                      f"tidestore-engine-{os.getpid()}.safetensors")
     tmpdir = None
     if config is None and nvme_dir is None:
         tmpdir = tempfile.mkdtemp(prefix="tidestore-engine-")
@@ -790,6 +837,5 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     model.save_pretrained = engine.save_pretrained
     model._apply = engine._refuse_apply
     model.state_dict = lambda *a, **k: engine.state_dict()
-    opt = EngineOptimizer(engine, checkpoint_path or os.path.join(
-        nvme_dir or tempfile.gettempdir(), f"tidestore-engine-{os.getpid()}.safetensors"))
+    opt = EngineOptimizer(engine, checkpoint_path or default_checkpoint)
     return model, opt

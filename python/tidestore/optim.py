@@ -16,7 +16,10 @@ and out:
   all final while backward goes on; ``step()`` steps the rest and writes parameters back.
   The result is bit-identical to ``overlap=False``. It is refused with ``max_grad_norm``
   (clipping needs every gradient first) and needs one backward per step (no gradient
-  accumulation over several backward passes).
+  accumulation over several backward passes). A step cannot be skipped once groups were
+  stepped during backward: a non-finite gradient that arrives after them makes the step
+  raise (``TidestoreError``, naming how many tensors were stepped) instead. The hooks
+  reach the optimizer weakly and go with it.
 - **A CPU fp32 parameter is its own master copy** where the store keeps every chunk in
   host memory (no ``host_budget``): at construction its ``.data`` becomes a tensor over
   the master's memory in the store (the store never moves it; the tensor keeps the
@@ -65,11 +68,20 @@ the gradients. ``check_finite=False`` (refused with ``max_grad_norm``) applies e
 step as ``torch.optim.AdamW`` does and takes no norm (``last_step`` then reports a NaN
 norm).
 
+With no ``nvme_dir`` the swap file goes in a temporary directory that goes with the
+optimizer, and ``checkpoint_path`` defaults to a file beside it (same name,
+``.safetensors``), which stays: a ``state_dict()`` taken before the optimizer went can
+still be loaded.
+
 Differences from ``torch.optim.AdamW``: every parameter is stepped every step (one
 without a gradient is an error, where torch skips it); all param groups must share one
-set of hyper-parameters (the learning rate may change between steps, e.g. by a
-scheduler); ``amsgrad``, ``maximize``, ``capturable`` and complex parameters are not
-supported.
+set of hyper-parameters, which may change between steps (a scheduler, an edit of
+``param_groups``, ``load_state_dict``) and are read before each step; the parameters
+are fixed when the optimizer is made (``add_param_group`` is refused); the optimizer
+cannot be pickled or copied (its state is in the store: ``state_dict()``);
+``amsgrad``, ``maximize``, ``capturable``, ``differentiable``, ``foreach`` and ``fused``
+are taken only at torch's defaults; complex parameters are not supported (see
+``_groups.py``).
 """
 
 import json
@@ -80,14 +92,15 @@ import weakref
 
 import torch
 
-from ._tidestore import AdamWCore
+from ._tidestore import AdamWCore, TidestoreError
 from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
+from ._groups import StoreOptimizer, check_threads, check_torch_only, hyper_params
 from ._shards import Shards, check_world, rank_file, world_meta
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
 
-_HP_KEYS = ("betas", "eps", "weight_decay")
+ADAMW_FORMAT = "tidestore.checkpoint.v1"
 
 
 def closure_loss(closure):
@@ -110,18 +123,46 @@ def _unbind(params, adopted):
             adopted[k] = None
 
 
-class AdamW(torch.optim.Optimizer):
+def _grad_hook(opt_ref, i):
+    def hook(p):
+        opt = opt_ref()
+        if opt is not None:
+            opt._grad_ready(i, p)
+    return hook
+
+
+def _remove_hooks(hooks):
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+
+
+class _Closed:
+    """The core of a closed optimizer: any use is an error that says so."""
+
+    def __getattr__(self, name):
+        raise TidestoreError("tidestore.AdamW: used after close()")
+
+
+class AdamW(StoreOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  states="fp32", nvme_dir=None, host_budget=None, max_grad_norm=None,
                  overlap=False, threads=0, checkpoint_path=None, chunk_elements=None,
                  process_group=None, check_finite=True,
-                 collectives_ahead=DEFAULT_AHEAD):
+                 collectives_ahead=DEFAULT_AHEAD, **torch_only):
+        check_torch_only(torch_only, "tidestore.AdamW")
+        check_threads(threads)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self._check_groups()
+        hp = hyper_params(self.param_groups, "tidestore.AdamW")
         self._params = [p for g in self.param_groups for p in g["params"]]
+        first_at = {}
         for i, p in enumerate(self._params):
             self._check_param(i, p)
+            j = first_at.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(f"parameter {i} is parameter {j} again: pass each "
+                                 "parameter once")
         host_budget = parse_bytes(host_budget, "host_budget")
         check_ahead(collectives_ahead)
         self._tmpdir = None
@@ -130,8 +171,11 @@ class AdamW(torch.optim.Optimizer):
             nvme_dir = self._tmpdir
             weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
         self.nvme_dir = os.fspath(nvme_dir)
-        self.checkpoint_path = os.fspath(
-            checkpoint_path or os.path.join(self.nvme_dir, "tidestore-adamw.safetensors"))
+        # Beside a temporary nvme_dir, not in it: the directory goes with the optimizer,
+        # a state_dict's file must outlive it.
+        default_checkpoint = (self._tmpdir + ".safetensors" if self._tmpdir is not None
+                              else os.path.join(self.nvme_dir, "tidestore-adamw.safetensors"))
+        self.checkpoint_path = os.fspath(checkpoint_path or default_checkpoint)
         self.overlap = bool(overlap)
         self._shapes = [tuple(p.shape) for p in self._params]
         g0 = self.param_groups[0]
@@ -149,14 +193,13 @@ class AdamW(torch.optim.Optimizer):
             core_shapes = [[s] for s in self._shards.lens]
             self._collectives = Overlapped(self._shards, collectives_ahead)
         self._core = AdamWCore(
-            core_shapes, lr=float(g0["lr"]), betas=tuple(g0["betas"]),
-            eps=float(g0["eps"]), weight_decay=float(g0["weight_decay"]), states=states,
+            core_shapes, lr=hp[0], betas=hp[1], eps=hp[2], weight_decay=hp[3], states=states,
             nvme_dir=self.nvme_dir, host_budget=host_budget, max_grad_norm=max_grad_norm,
             overlap=self.overlap, threads=threads, chunk_elements=chunk_elements,
             check_finite=bool(check_finite))
         if self._shards is not None:
             self._core.set_norm_peers(self._shards.sum_sq_norm)
-        self._lr = float(g0["lr"])
+        self._applied = hp
         # Per parameter, the address of the store's memory its .data is bound to (None:
         # copied; see the module doc).
         self._adopted = [None] * len(self._params)
@@ -168,23 +211,15 @@ class AdamW(torch.optim.Optimizer):
         self._checked = False
         self._hooks = []
         if self.overlap:
+            # The hooks reach the optimizer weakly (a parameter must not keep it, and its
+            # store, alive) and go with it.
+            me = weakref.ref(self)
             for i, p in enumerate(self._params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
+            weakref.finalize(self, _remove_hooks, self._hooks)
+        self._seal()
 
     # -- checks ------------------------------------------------------------------------
-
-    def _check_groups(self):
-        def norm(v):
-            return tuple(v) if isinstance(v, (list, tuple)) else v
-
-        g0 = self.param_groups[0]
-        for k, g in enumerate(self.param_groups[1:], 1):
-            for key in _HP_KEYS + ("lr",):
-                if norm(g[key]) != norm(g0[key]):
-                    raise ValueError(
-                        f"param_groups[{k}]['{key}'] = {g[key]!r} differs from group 0's "
-                        f"{g0[key]!r}: tidestore.AdamW steps every parameter with one set of "
-                        "hyper-parameters")
 
     def _check_param(self, i, p, shape=None):
         what = f"parameter {i}"
@@ -219,7 +254,7 @@ class AdamW(torch.optim.Optimizer):
     def _check_all(self):
         """Every parameter as registered (shape, dtype, contiguity), checked before any
         is handed over; parameters changed outside the optimizer synced into the core."""
-        self._check_groups()
+        self._sync_hyper(self._core)
         for i, p in enumerate(self._params):
             self._check_param(i, p, self._shapes[i])
         for i, p in enumerate(self._params):
@@ -232,10 +267,6 @@ class AdamW(torch.optim.Optimizer):
             elif p._version != self._versions[i]:
                 self._core.sync_param(i, self._cpu_view(self._held(i, p)), dtype_name(p))
                 self._versions[i] = p._version
-        lr = float(self.param_groups[0]["lr"])
-        if lr != self._lr:
-            self._core.set_lr(lr)
-            self._lr = lr
 
     # -- moving tensors ----------------------------------------------------------------
 
@@ -331,14 +362,13 @@ class AdamW(torch.optim.Optimizer):
         """Parameter ``i`` holds its master's values now: a later change is the user's."""
         self._versions[i] = p._version
 
-    def _hook(self, i):
-        def hook(p):
-            if not self._checked:
-                self._check_all()
-                self._checked = True
-            self._check_grad(i, p)
-            self._put_grad(i, p)
-        return hook
+    def _grad_ready(self, i, p):
+        """With overlap, parameter ``i``'s gradient is final: handed over now."""
+        if not self._checked:
+            self._check_all()
+            self._checked = True
+        self._check_grad(i, p)
+        self._put_grad(i, p)
 
     # -- the Optimizer interface -------------------------------------------------------
 
@@ -406,26 +436,26 @@ class AdamW(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
-        lr = float(self.param_groups[0]["lr"])
-        self._core.set_lr(lr)
-        self._lr = lr
+        self._sync_hyper(self._core)
 
     def state_dict(self):
         path = self.save(self.checkpoint_path)
         return {
             "state": {},
             "param_groups": self._groups_meta(),
-            "tidestore": {"format": "tidestore.checkpoint.v1", "path": path,
+            "tidestore": {"format": ADAMW_FORMAT, "path": path,
                           "base_path": self.checkpoint_path,
                           "step": self._core.step_count(), **world_meta(self._shards)},
         }
 
     def load_state_dict(self, state_dict):
         ts = state_dict.get("tidestore") if isinstance(state_dict, dict) else None
-        if not ts or "path" not in ts:
+        if not ts or "path" not in ts or ts.get("format", ADAMW_FORMAT) != ADAMW_FORMAT:
             raise ValueError(
-                "not a tidestore.AdamW state dict (no 'tidestore' entry naming the checkpoint "
-                "file); torch.optim.AdamW state cannot be loaded into it")
+                "not a tidestore.AdamW state dict (no 'tidestore' entry of format "
+                f"{ADAMW_FORMAT} naming the checkpoint file; found "
+                f"{ts and ts.get('format')!r}); torch.optim.AdamW's or an offloaded "
+                "model's state cannot be loaded into it")
         # Every rank loads its own file, whichever rank's dict this is.
         path = rank_file(ts["base_path"], self._shards) if "base_path" in ts else ts["path"]
         check_world(path, ts.get("world_size", 1), None, self._shards, "optimizer")
@@ -442,11 +472,9 @@ class AdamW(torch.optim.Optimizer):
         file has no name in ``nvme_dir`` once the store is open; its space comes back
         when the store goes: here, when the optimizer is garbage-collected, or when the
         process ends). Bound parameters get memory of their own first."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)
         _unbind(self._params, self._adopted)
-        self._core = None
+        self._core = _Closed()
 
     def stats(self):
         """The store's and the step loop's counters (NVMe bytes moved, host buffers...);

@@ -353,7 +353,14 @@ impl StepLoop {
     /// Sets the learning rate of the steps to come (a schedule's); an invalid one is
     /// refused and nothing changes.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
-        let hp = HyperParams { lr, ..self.hp };
+        self.set_hyper_params(HyperParams { lr, ..self.hp })
+    }
+
+    /// Sets every hyper-parameter of the steps to come (a front end whose user changed
+    /// betas, eps or weight decay between steps, as torch's schedulers may); an invalid
+    /// set is refused and nothing changes. The bias corrections of later steps use the
+    /// new betas with the step count so far, as torch's AdamW does.
+    pub fn set_hyper_params(&mut self, hp: HyperParams) -> Result<()> {
         hp.validate()?;
         self.hp = hp;
         Ok(())

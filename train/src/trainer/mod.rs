@@ -175,6 +175,11 @@ impl Trainer {
         self.step.set_lr(lr)
     }
 
+    /// Sets every hyper-parameter of the steps to come: see [`StepLoop::set_hyper_params`].
+    pub fn set_hyper_params(&mut self, hp: HyperParams) -> Result<()> {
+        self.step.set_hyper_params(hp)
+    }
+
     /// Steps applied so far.
     pub fn step_count(&self) -> u64 {
         self.step.step_count()
