@@ -465,6 +465,12 @@ def test_what_the_engine_cannot_do_is_refused(tmp_path):
         opt.load_state_dict(first)
     with pytest.raises(ValueError, match="offloaded model's state cannot be loaded"):
         tidestore.AdamW(llama().parameters(), nvme_dir=tmp_path).load_state_dict(second)
+    engine = mine.tidestore_engine
+    engine.set_values("model.norm.weight", torch.full((64,), 0.5))
+    assert torch.equal(engine.values(engine.names.index("model.norm.weight")),
+                       torch.full((64,), 0.5))
+    with pytest.raises(ValueError, match="shape"):
+        engine.set_values("model.norm.weight", torch.ones(3))
     adamw_state = tidestore.AdamW(llama().parameters(), nvme_dir=tmp_path).state_dict()
     with pytest.raises(ValueError, match="not an offloaded model's optimizer state"):
         opt.load_state_dict(adamw_state)

@@ -453,7 +453,7 @@ class Engine:
                 raise TidestoreError(
                     f"parameter `{self.names[i]}` was moved or replaced outside tidestore "
                     f"({tuple(p.shape)} on {p.device}): its values live in the store; change "
-                    "them with engine.set_values")
+                    "them with model.tidestore_engine.set_values")
 
     def _refuse_apply(self, fn, recurse=True):
         """Stands in for the model's ``_apply`` (behind ``.to()``, ``.cuda()``, ``.half()``):
@@ -476,6 +476,26 @@ class Engine:
         if self._shards is not None:
             t = self._shards.gathered(i, t)  # a collective: every rank calls it
         return t.view(self._shapes[i])
+
+    def set_values(self, name, values):
+        """Sets parameter ``name``'s values (a tensor of its shape, any float dtype) in
+        the store — its master copy too when trainable: how a handed-over parameter is
+        changed (its own tensor is a stand-in between forwards). Under a process group
+        every rank calls it with the same values."""
+        if name not in self.names:
+            raise KeyError(f"no parameter `{name}` in the offloaded model")
+        i = self.names.index(name)
+        if tuple(values.shape) != self._shapes[i]:
+            raise ValueError(f"parameter `{name}`: values of shape {tuple(values.shape)} "
+                             f"for a parameter of shape {self._shapes[i]}")
+        if self._holds[i]:
+            raise TidestoreError(f"parameter `{name}` is in use by a module: set it between steps")
+        if self._collectives is not None:
+            self._collectives.discard_gathers()  # gathered ahead: the old values
+        t = values.detach().to("cpu").contiguous()
+        if self._shards is not None:
+            t = self._shards.values(i, t)
+        self.core.set_values(i, byte_view(t, name), dtype_name(t))
 
     def state_dict(self):
         """Every parameter's values by name, one tensor at a time into a new dict (the

@@ -33,6 +33,10 @@ and out:
   NVMe) is copied: changed outside the optimizer (``model.load_state_dict``, an
   in-place edit under ``no_grad``: its version counter moved), it is compared with the
   master copy before the next step; if its values differ, they become the master copy.
+  An in-place edit through ``.data`` (``p.data.mul_(0)``) moves no version counter
+  torch keeps, so it is not seen there and the next step writes the master over it:
+  edit such a parameter under ``torch.no_grad()`` (``p.mul_(0)``) or replace its
+  ``.data``.
 
 **Data parallel** (``process_group=torch.distributed.group.WORLD``, or any group; launch
 with ``torchrun --nproc-per-node N``): the state is sharded over the group's ranks
