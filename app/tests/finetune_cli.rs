@@ -299,6 +299,44 @@ fn bad_input_is_refused_naming_the_key_or_file() {
     );
 }
 
+/// An export over the checkpoints once deleted them all (exit 0: the export replaces
+/// its directory whole), and one holding the checkpoint directory failed only after
+/// training; both are refused before step 1, naming both keys.
+#[test]
+fn an_export_over_the_checkpoints_is_refused_before_step_1() {
+    let d = setup("");
+    let lora = "mode = \"lora\"\nexport_dir = \"adapter\"\n";
+    for (cfg, key) in [
+        (config("export_dir = \"ckpt\"\n"), "train.export_dir"),
+        (
+            config("export_dir = \"run\"\n")
+                .replace("checkpoint_dir = \"ckpt\"", "checkpoint_dir = \"run/ck\""),
+            "train.export_dir",
+        ),
+        (
+            config(&format!("{lora}export_merged = \"ckpt\"\n")),
+            "train.export_merged",
+        ),
+    ] {
+        let out = finetune_with(d.path(), &cfg);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains("train.checkpoint_dir"),
+            "{err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "no run: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            !d.path().join("run").exists(),
+            "nothing made before the refusal"
+        );
+    }
+}
+
 /// The README's complete example, run as a new user runs it: the random-weight tiny
 /// LLaMA written by `init-model` with the README's arguments, then the shipped
 /// `examples/finetune.toml` (its paths relative to itself) for two steps. The shipped
