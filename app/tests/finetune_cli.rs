@@ -299,6 +299,38 @@ fn bad_input_is_refused_naming_the_key_or_file() {
     );
 }
 
+/// `--resume` on an empty checkpoint directory once started a fresh run (exit 0), and
+/// a renamed checkpoint resumed at the step of its name, skipping steps; both refused.
+#[test]
+fn resume_needs_a_checkpoint_named_for_the_step_it_records() {
+    let d = setup("");
+    let out = run(d.path(), &["finetune", "--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("train.checkpoint_dir") && err.contains("no checkpoint found to resume from"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "no run");
+
+    ok(d.path(), &["finetune", "--steps", "4"]);
+    let ckpt = d.path().join("ckpt");
+    std::fs::rename(
+        ckpt.join("ckpt-000004.safetensors"),
+        ckpt.join("ckpt-000006.safetensors"),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune", "--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("ckpt-000006.safetensors")
+            && err.contains("step 6")
+            && err.contains("records step 4"),
+        "{err}"
+    );
+}
+
 /// An export over the checkpoints once deleted them all (exit 0: the export replaces
 /// its directory whole), and one holding the checkpoint directory failed only after
 /// training; both are refused before step 1, naming both keys.
