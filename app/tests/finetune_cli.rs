@@ -218,6 +218,21 @@ fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("junk.json") && err.contains("schema"), "{err}");
     assert!(!d2.path().join("x.svg").exists(), "refused before the run");
+
+    // A plot target that is a directory: once refused only after the whole run, its
+    // report lost.
+    std::fs::create_dir(d2.path().join("plots")).unwrap();
+    let bad = run(d2.path(), &["finetune", "--steps", "6", "--plot", "plots"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--plot") && err.contains("plots is a directory"),
+        "{err}"
+    );
+    assert!(
+        !d2.path().join("ckpt/ckpt-000006.safetensors").exists(),
+        "refused before the run"
+    );
 }
 
 /// `finetune` run in `dir` with `config` as its tidestore.toml.
