@@ -384,6 +384,36 @@ fn an_export_over_the_checkpoints_is_refused_before_step_1() {
     }
 }
 
+/// Sets `key` of the tiny model's `config.json` in `dir` to `value`.
+fn set_model_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("model/config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v[key] = value;
+    std::fs::write(&path, v.to_string()).unwrap();
+}
+
+/// `tie_word_embeddings: true` over weights that hold `lm_head.weight` once trained
+/// without that head (silently dropped); refused naming the tensor and the key.
+#[test]
+fn a_tied_config_over_an_untied_head_is_refused() {
+    let d = setup("");
+    set_model_config(
+        d.path(),
+        "tie_word_embeddings",
+        serde_json::Value::Bool(true),
+    );
+    let out = run(d.path(), &["finetune"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("`lm_head.weight`")
+            && err.contains("tie_word_embeddings")
+            && err.contains("silently dropped"),
+        "{err}"
+    );
+}
+
 /// The README's complete example, run as a new user runs it: the random-weight tiny
 /// LLaMA written by `init-model` with the README's arguments, then the shipped
 /// `examples/finetune.toml` (its paths relative to itself) for two steps. The shipped
