@@ -321,7 +321,7 @@ impl LlamaConfig {
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            rms_norm_eps: r.rms_norm_eps.unwrap_or(1e-6),
+            rms_norm_eps: rms_norm_eps_of(&r, &err)?,
             vocab_size: need(r.vocab_size, "vocab_size")?,
             tie_word_embeddings: r.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings,
@@ -437,6 +437,18 @@ fn check_keys(raw: &Map<String, Value>, err: &impl Fn(&str, String) -> TrainErro
             "unknown key: tidestore cannot tell whether it changes the model, so it \
              refuses it rather than ignore it"
                 .into(),
+        )),
+    }
+}
+
+/// `rms_norm_eps` (transformers' 1e-6 when absent), finite and above 0: the RMS norm
+/// divides by `sqrt(mean(x²) + eps)`, which a zero or negative eps can make 0 or NaN.
+fn rms_norm_eps_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<f64> {
+    match r.rms_norm_eps.unwrap_or(1e-6) {
+        eps if eps.is_finite() && eps > 0.0 => Ok(eps),
+        eps => Err(err(
+            "rms_norm_eps",
+            format!("{eps}: must be a finite number above 0"),
         )),
     }
 }
@@ -689,6 +701,22 @@ mod tests {
         assert!(
             matches!(e, Err(TrainError::HfConfig { ref key, .. }) if key == "architectures[0]")
         );
+    }
+
+    #[test]
+    fn rms_norm_eps_zero_or_negative_is_refused() {
+        for eps in [-1e-5, 0.0] {
+            match parse(&with("rms_norm_eps", Value::from(eps))) {
+                Err(e @ TrainError::HfConfig { .. }) => {
+                    assert!(
+                        matches!(&e, TrainError::HfConfig { key, .. } if key == "rms_norm_eps")
+                    );
+                    assert!(e.to_string().contains("above 0"), "{e}");
+                }
+                other => panic!("{eps}: {other:?}"),
+            }
+        }
+        assert_eq!(parse(LLAMA2_7B).unwrap().rms_norm_eps, 1e-5);
     }
 
     #[test]
