@@ -454,15 +454,32 @@ fn rms_norm_eps_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result
 }
 
 /// `torch_dtype` (or `dtype`, its transformers 5 name) when it names one tidestore holds.
+/// Both keys are read, each checked; given both, they must agree.
 fn torch_dtype_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<Option<DType>> {
-    match r.torch_dtype.as_deref().or(r.dtype.as_deref()) {
-        None => Ok(None),
-        Some(t) => Ok(Some(dtype_from_torch(t).ok_or_else(|| {
-            err(
-                "torch_dtype",
-                format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
-            )
-        })?)),
+    let read = |key: &str, t: Option<&str>| -> Result<Option<DType>> {
+        t.map(|t| {
+            dtype_from_torch(t).ok_or_else(|| {
+                err(
+                    key,
+                    format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
+                )
+            })
+        })
+        .transpose()
+    };
+    let old = read("torch_dtype", r.torch_dtype.as_deref())?;
+    let new = read("dtype", r.dtype.as_deref())?;
+    match (old, new) {
+        (Some(a), Some(b)) if a != b => Err(err(
+            "dtype",
+            format!(
+                "`{}` disagrees with torch_dtype = `{}`: both name the weights' dtype \
+                 (dtype is transformers 5's name); keep one, or make them agree",
+                dtype_to_torch(b),
+                dtype_to_torch(a)
+            ),
+        )),
+        (a, b) => Ok(a.or(b)),
     }
 }
 
@@ -717,6 +734,28 @@ mod tests {
             }
         }
         assert_eq!(parse(LLAMA2_7B).unwrap().rms_norm_eps, 1e-5);
+    }
+
+    /// transformers 5's `dtype` beside `torch_dtype` was ignored: checked as it is, and
+    /// the two must agree.
+    #[test]
+    fn dtype_is_checked_and_must_agree_with_torch_dtype() {
+        for (v, reason) in [("float32", "disagrees with torch_dtype"), ("int8", "int8")] {
+            match parse(&with("dtype", Value::from(v))) {
+                Err(e @ TrainError::HfConfig { .. }) => {
+                    assert!(matches!(&e, TrainError::HfConfig { key, .. } if key == "dtype"));
+                    assert!(e.to_string().contains(reason), "{e}");
+                }
+                other => panic!("{v}: {other:?}"),
+            }
+        }
+        let agreeing = parse(&with("dtype", Value::from("float16"))).unwrap();
+        assert_eq!(agreeing.torch_dtype, Some(DType::F16));
+        let mut alone: Map<String, Value> = serde_json::from_str(LLAMA2_7B).unwrap();
+        alone.remove("torch_dtype");
+        alone.insert("dtype".into(), Value::from("bfloat16"));
+        let c = parse(&Value::Object(alone).to_string()).unwrap();
+        assert_eq!(c.torch_dtype, Some(DType::BF16));
     }
 
     #[test]

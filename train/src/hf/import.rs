@@ -355,7 +355,7 @@ fn locate(
     }
     if let Some(want) = torch_dtype.filter(|&d| d != dtype) {
         return Err(refuse(format!(
-            "config.json's torch_dtype is {}",
+            "config.json's torch_dtype (or dtype) is {}",
             dtype_to_torch(want)
         )));
     }
