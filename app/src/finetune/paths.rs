@@ -17,6 +17,12 @@ pub fn check_writable_dir(key: &str, dir: &Path) -> Result<()> {
     let bad = |what: &str, e: std::io::Error| {
         Error::config(key, format!("{} {what}: {e}", dir.display()))
     };
+    if dir.exists() && !dir.is_dir() {
+        return Err(Error::config(
+            key,
+            format!("{} exists and is not a directory", dir.display()),
+        ));
+    }
     std::fs::create_dir_all(dir).map_err(|e| bad("cannot be created", e))?;
     let probe = dir.join(format!(".tidestore-probe.{}", std::process::id()));
     std::fs::write(&probe, b"probe").map_err(|e| bad("is not writable", e))?;
@@ -160,6 +166,16 @@ mod tests {
         }
         check_export_dir("train.export_dir", &d.path().join("model-out"), &model).unwrap();
         check_export_dir("train.export_merged", &d.path().join("export"), &model).unwrap();
+    }
+
+    #[test]
+    fn a_file_where_a_directory_goes_is_named_so() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("afile");
+        std::fs::write(&file, b"x").unwrap();
+        let e = check_writable_dir("train.checkpoint_dir", &file).unwrap_err();
+        assert_eq!(e.key(), Some("train.checkpoint_dir"));
+        assert!(e.to_string().contains("is not a directory"), "{e}");
     }
 
     #[test]
