@@ -27,7 +27,7 @@ use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierError, Tie
 
 use crate::config::{AutoSize, CompressionName, Config, DeviceKindName, Size};
 use crate::error::{Error, Result};
-use crate::workload::Workload;
+use crate::workload::{ModelShape, Workload};
 
 /// Chunks in use at once (see the module doc).
 pub const WORKING_SET_CHUNKS: u32 = 1;
@@ -148,6 +148,7 @@ fn human(b: u64) -> String {
 
 /// Builds the workload and its layout and checks every budget (see the module doc).
 pub fn prepare(cfg: &Config) -> Result<Prepared> {
+    check_model_bytes(cfg)?;
     let workload = cfg.workload.build()?;
     let (layout, chunk_elements, chunk_searched) = layout_for(
         &workload,
@@ -197,6 +198,46 @@ pub fn prepare(cfg: &Config) -> Result<Prepared> {
         device_memory_bytes,
         param16_chunk_bytes,
     })
+}
+
+/// Refuses a custom model whose 16-bit parameters alone exceed the three tiers'
+/// budgets together, before its tensors are listed one by one: `workload.layers =
+/// 1000000000` would otherwise be allocated for, layer by layer, and abort the process.
+/// The count comes from the one- and two-layer workloads (what each layer adds), so it
+/// is the workload's own; a model this check passes (and every named one) is checked
+/// exactly by the capacity plan.
+fn check_model_bytes(cfg: &Config) -> Result<()> {
+    let w = &cfg.workload;
+    w.validate()?;
+    if w.model != crate::workload::ModelName::Custom {
+        return Ok(());
+    }
+    let shape = w.shape()?;
+    let params = |layers: u32| {
+        let s = ModelShape { layers, ..shape };
+        u128::from(Workload::new(w.model, s, None, 1, 1).params_base())
+    };
+    let (one, two) = (params(1), params(2));
+    let total = one + (two - one) * u128::from(shape.layers.max(1) - 1);
+    let needed = total * 2;
+    let room = [cfg.device.budget, cfg.host.budget, cfg.nvme.size]
+        .iter()
+        .map(|s| u128::from(s.bytes()))
+        .sum::<u128>();
+    if needed <= room {
+        return Ok(());
+    }
+    Err(Error::config(
+        "workload.layers",
+        format!(
+            "the model does not fit: {} layers of {} parameters in all need {} for their \
+             16-bit copy alone, more than device.budget + host.budget + nvme.size ({}) hold",
+            shape.layers,
+            total,
+            human(u64::try_from(needed).unwrap_or(u64::MAX)),
+            human(u64::try_from(room).unwrap_or(u64::MAX)),
+        ),
+    ))
 }
 
 /// The chunk crate's capacity errors as config errors naming the key to change.

@@ -196,3 +196,14 @@ fn device_kind_cuda_without_a_gpu() {
     }
     assert_refused(&r, "device.kind", "no CUDA device");
 }
+
+#[test]
+fn a_billion_layers_is_refused_before_they_are_listed() {
+    // Once each layer's tensors were listed before the fit check: the process aborted
+    // allocating them ("memory allocation of … bytes failed").
+    assert_refused(
+        &run(&with("workload.layers", "layers = 1000000000")),
+        "workload.layers",
+        "does not fit",
+    );
+}

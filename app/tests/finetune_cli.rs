@@ -218,6 +218,21 @@ fn plot_with_draws_earlier_runs_and_compares_their_final_loss() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("junk.json") && err.contains("schema"), "{err}");
     assert!(!d2.path().join("x.svg").exists(), "refused before the run");
+
+    // A plot target that is a directory: once refused only after the whole run, its
+    // report lost.
+    std::fs::create_dir(d2.path().join("plots")).unwrap();
+    let bad = run(d2.path(), &["finetune", "--steps", "6", "--plot", "plots"]);
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--plot") && err.contains("plots is a directory"),
+        "{err}"
+    );
+    assert!(
+        !d2.path().join("ckpt/ckpt-000006.safetensors").exists(),
+        "refused before the run"
+    );
 }
 
 /// `finetune` run in `dir` with `config` as its tidestore.toml.
@@ -296,6 +311,106 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         String::from_utf8_lossy(&out.stderr).contains(".safetensors"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `--resume` on an empty checkpoint directory once started a fresh run (exit 0), and
+/// a renamed checkpoint resumed at the step of its name, skipping steps; both refused.
+#[test]
+fn resume_needs_a_checkpoint_named_for_the_step_it_records() {
+    let d = setup("");
+    let out = run(d.path(), &["finetune", "--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("train.checkpoint_dir") && err.contains("no checkpoint found to resume from"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "no run");
+
+    ok(d.path(), &["finetune", "--steps", "4"]);
+    let ckpt = d.path().join("ckpt");
+    std::fs::rename(
+        ckpt.join("ckpt-000004.safetensors"),
+        ckpt.join("ckpt-000006.safetensors"),
+    )
+    .unwrap();
+    let out = run(d.path(), &["finetune", "--resume"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("ckpt-000006.safetensors")
+            && err.contains("step 6")
+            && err.contains("records step 4"),
+        "{err}"
+    );
+}
+
+/// An export over the checkpoints once deleted them all (exit 0: the export replaces
+/// its directory whole), and one holding the checkpoint directory failed only after
+/// training; both are refused before step 1, naming both keys.
+#[test]
+fn an_export_over_the_checkpoints_is_refused_before_step_1() {
+    let d = setup("");
+    let lora = "mode = \"lora\"\nexport_dir = \"adapter\"\n";
+    for (cfg, key) in [
+        (config("export_dir = \"ckpt\"\n"), "train.export_dir"),
+        (
+            config("export_dir = \"run\"\n")
+                .replace("checkpoint_dir = \"ckpt\"", "checkpoint_dir = \"run/ck\""),
+            "train.export_dir",
+        ),
+        (
+            config(&format!("{lora}export_merged = \"ckpt\"\n")),
+            "train.export_merged",
+        ),
+    ] {
+        let out = finetune_with(d.path(), &cfg);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains(&format!("`{key}`")) && err.contains("train.checkpoint_dir"),
+            "{err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "no run: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            !d.path().join("run").exists(),
+            "nothing made before the refusal"
+        );
+    }
+}
+
+/// Sets `key` of the tiny model's `config.json` in `dir` to `value`.
+fn set_model_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("model/config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v[key] = value;
+    std::fs::write(&path, v.to_string()).unwrap();
+}
+
+/// `tie_word_embeddings: true` over weights that hold `lm_head.weight` once trained
+/// without that head (silently dropped); refused naming the tensor and the key.
+#[test]
+fn a_tied_config_over_an_untied_head_is_refused() {
+    let d = setup("");
+    set_model_config(
+        d.path(),
+        "tie_word_embeddings",
+        serde_json::Value::Bool(true),
+    );
+    let out = run(d.path(), &["finetune"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("`lm_head.weight`")
+            && err.contains("tie_word_embeddings")
+            && err.contains("silently dropped"),
+        "{err}"
     );
 }
 

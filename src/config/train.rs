@@ -252,6 +252,7 @@ impl TrainSection {
                 format!("{} is not a number > 0", self.lora_alpha),
             ));
         }
+        self.validate_paths()?;
         self.validate_data()?;
         self.validate_export()?;
         if self.checkpoint_every > 0 && self.checkpoint_dir.is_none() {
@@ -261,6 +262,30 @@ impl TrainSection {
             ));
         }
         Ok(())
+    }
+
+    /// No path key set to the empty string (which would read or write the current
+    /// directory's nothing, refused only late and unnamed).
+    fn validate_paths(&self) -> Result<()> {
+        let paths = [
+            ("train.model_dir", &self.model_dir),
+            ("train.text", &self.text),
+            ("train.data", &self.data),
+            ("train.chat_template", &self.chat_template),
+            ("train.checkpoint_dir", &self.checkpoint_dir),
+            ("train.export_dir", &self.export_dir),
+            ("train.export_merged", &self.export_merged),
+        ];
+        match paths
+            .into_iter()
+            .find(|(_, p)| p.as_ref().is_some_and(|p| p.as_os_str().is_empty()))
+        {
+            Some((key, _)) => Err(Error::config(
+                key,
+                "is empty: give a path, or leave the key out",
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The data keys agree with `data_format`.
@@ -412,6 +437,35 @@ mod tests {
         ];
         for (t, key) in bad {
             assert_eq!(t.validate().unwrap_err().key(), Some(key));
+        }
+        // Empty paths: once refused late (`reading ``: No such file`), unnamed.
+        let empty = || Some(std::path::PathBuf::new());
+        for (t, key) in [
+            (
+                TrainSection {
+                    model_dir: empty(),
+                    ..TrainSection::default()
+                },
+                "train.model_dir",
+            ),
+            (
+                TrainSection {
+                    text: empty(),
+                    ..TrainSection::default()
+                },
+                "train.text",
+            ),
+            (
+                TrainSection {
+                    checkpoint_dir: empty(),
+                    ..TrainSection::default()
+                },
+                "train.checkpoint_dir",
+            ),
+        ] {
+            let e = t.validate().unwrap_err();
+            assert_eq!(e.key(), Some(key));
+            assert!(e.to_string().contains("is empty"), "{e}");
         }
         // bf16 accumulates in vertical order: a block's gradients are summed over the
         // micro-batches before they are written over its 16-bit parameters.

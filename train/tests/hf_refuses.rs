@@ -13,8 +13,8 @@ use common::hf::*;
 use common::{fill, snapshot};
 use tidestore_chunk::DType;
 use tidestore_train::hf::{
-    import, read_text, LlamaConfig, LoraSpec, LoraTarget, Tokenizer, CONFIG_FILE, INDEX_FILE,
-    SINGLE_FILE,
+    import, read_text, HfWeights, LlamaConfig, LoraSpec, LoraTarget, Tokenizer, CONFIG_FILE,
+    INDEX_FILE, SINGLE_FILE,
 };
 use tidestore_train::TrainError;
 
@@ -218,6 +218,26 @@ fn unsupported_architecture_and_settings() {
     std::fs::remove_file(dir.join(CONFIG_FILE)).unwrap();
     let e = LlamaConfig::load(&dir).unwrap_err();
     assert!(matches!(e, TrainError::HfMissingFile { .. }));
+}
+
+/// A `num_hidden_layers` far beyond the weights (a typo) once aborted the process
+/// allocating its per-layer tensor list; one below them would drop layers. Both are
+/// refused naming the key, sharded or not, before anything is made per layer.
+#[test]
+fn a_layer_count_other_than_the_weights_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (shard_bytes, sub) in [(u64::MAX, "one"), (2000, "sharded")] {
+        let dir = model(&tmp.path().join(sub), shard_bytes);
+        let mut cfg = LlamaConfig::load(&dir).unwrap();
+        for layers in [1_000_000_000, 1] {
+            cfg.num_hidden_layers = layers;
+            let e = HfWeights::open(&dir, &cfg).expect_err("refused");
+            assert!(
+                matches!(e, TrainError::HfConfig { ref key, .. } if key == "num_hidden_layers")
+            );
+            names(&e, &[CONFIG_FILE, &layers.to_string(), "2 decoder layers"]);
+        }
+    }
 }
 
 #[test]

@@ -100,11 +100,18 @@ pub(crate) fn print_json(report: &impl serde::Serialize, what: &'static str) -> 
 }
 
 /// Proves an output file's folder writable before a run (a file made there and
-/// removed), so that no run is lost to an output that cannot be written at its end.
+/// removed), and the file itself not a directory, so that no run is lost to an output
+/// that cannot be written at its end.
 pub(crate) fn check_output_writable(
     flag: &'static str,
     path: &std::path::Path,
 ) -> Result<(), Error> {
+    if path.is_dir() {
+        return Err(Error::Usage {
+            flag,
+            reason: format!("{} is a directory; give a file's path", path.display()),
+        });
+    }
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),

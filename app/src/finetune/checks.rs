@@ -239,7 +239,7 @@ pub fn refuse_unused_tensors(
     tied: bool,
 ) -> Result<()> {
     let used: BTreeSet<&str> = used.iter().map(String::as_str).collect();
-    let derived = |n: &str| n.ends_with("rotary_emb.inv_freq") || (tied && n == "lm_head.weight");
+    let derived = |n: &str| n.ends_with("rotary_emb.inv_freq");
     let mut listed: Vec<(String, PathBuf)> = Vec::new();
     for file in files {
         listed.extend(header_names(file)?.into_iter().map(|n| (n, file.clone())));
@@ -257,6 +257,12 @@ pub fn refuse_unused_tensors(
         .into_iter()
         .find(|(n, _)| !used.contains(n.as_str()) && !derived(n))
     {
+        Some((name, file)) if tied && name == hf::names::LM_HEAD => Err(Error::Finetune(format!(
+            "{}: tensor `{name}` would be silently dropped: config.json's \
+             tie_word_embeddings is true, so the head reuses model.embed_tokens.weight; set \
+             tie_word_embeddings to false to train this head, or remove the tensor",
+            file.display()
+        ))),
         Some((name, file)) => Err(Error::Finetune(format!(
             "{}: tensor `{name}` is not used by the model its config.json describes \
              (a LLaMA of these dimensions): it would be silently dropped; remove it, or \

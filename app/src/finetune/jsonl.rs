@@ -65,12 +65,33 @@ fn read_records<T: DeserializeOwned>(
         if line.trim().is_empty() {
             continue;
         }
-        let record: T =
-            serde_json::from_str(line).map_err(|e| data_error(path, Some(i + 1), e.to_string()))?;
+        let bad = |reason: String| data_error(path, Some(i + 1), reason);
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if !value.is_object() {
+            return Err(bad(format!(
+                "{} is not a JSON object: a record is an object with named fields \
+                 ({{\"text\": ...}} or {{\"messages\": [...]}}), never read by position",
+                json_kind(&value)
+            )));
+        }
+        let record = T::deserialize(value).map_err(|e| bad(e.to_string()))?;
         each(i + 1, record)?;
         records += 1;
     }
     Ok(records)
+}
+
+/// What a JSON value is, for an error (`an array`, `a string`).
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// BOS and EOS ids a document gets (see the module doc).
@@ -251,4 +272,32 @@ fn pad_id(loaded: &Loaded) -> u32 {
         .filter_map(|k| loaded.tokenizer_config.token(k))
         .find_map(|t| loaded.tokenizer.token_id(t))
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A line holding an array (`["abc"]`) was once read as a record by position.
+    #[test]
+    fn a_record_must_be_an_object() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("d.jsonl");
+        std::fs::write(&path, "{\"text\": \"ok\"}\n[\"abc\"]\n").unwrap();
+        let mut seen = Vec::new();
+        let e = read_records(&path, |line, r: TextRecord| {
+            seen.push((line, r.text));
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("d.jsonl:2") && e.contains("an array is not a JSON object"),
+            "{e}"
+        );
+        assert_eq!(seen, [(1, "ok".to_string())]);
+        std::fs::write(&path, "[[{\"role\": \"user\", \"content\": \"x\"}]]\n").unwrap();
+        let e = read_records(&path, |_, _: ChatRecord| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("d.jsonl:1"), "{e}");
+    }
 }

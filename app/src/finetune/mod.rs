@@ -521,16 +521,43 @@ fn open_checkpoints(
     };
     let dir = CheckpointDir::open(ranked::checkpoint_dir(dir, params.ranks())?, 2)?;
     id.check_dir(&dir, resume)?;
-    let mut resumed_from = None;
-    let latest = match params.ranks() {
-        Some(r) if resume => ranked::common_latest(&dir, r)?,
-        _ => dir.latest()?,
-    };
-    if let (true, Some((step, path))) = (resume, latest) {
-        checkpoint::load(params, &path)?;
-        resumed_from = Some(step);
+    if !resume {
+        return Ok((Some(dir), None));
     }
-    Ok((Some(dir), resumed_from))
+    let latest = match params.ranks() {
+        Some(r) => ranked::common_latest(&dir, r)?,
+        None => dir.latest()?,
+    };
+    let Some((step, path)) = latest else {
+        return Err(Error::config(
+            "train.checkpoint_dir",
+            format!(
+                "--resume: no checkpoint found to resume from in {} (no \
+                 ckpt-NNNNNN.safetensors there); run without --resume to start afresh",
+                dir.dir().display()
+            ),
+        ));
+    };
+    check_recorded_step(&path, step)?;
+    checkpoint::load(params, &path)?;
+    Ok((Some(dir), Some(step)))
+}
+
+/// Refuses a checkpoint whose name's step (`ckpt-000005.safetensors`) is not the step
+/// it records (a renamed file would otherwise skip or repeat steps), before it loads.
+fn check_recorded_step(path: &std::path::Path, named: u64) -> Result<()> {
+    let recorded = tidestore_train::checkpoint::read_tensors(path, |_| false)?
+        .0
+        .controller
+        .step;
+    if recorded != named {
+        return Err(Error::Finetune(format!(
+            "checkpoint {}: its name says step {named}, but it records step {recorded} \
+             (renamed?); give it its own step's name, ckpt-{recorded:06}.safetensors",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The export, after every weight is checked finite (and within f16's range for an f16

@@ -126,8 +126,8 @@ impl TokenizerConfig {
         };
         Ok(TokenizerConfig {
             special,
-            add_bos_token: v.get("add_bos_token").and_then(|b| b.as_bool()),
-            add_eos_token: v.get("add_eos_token").and_then(|b| b.as_bool()),
+            add_bos_token: flag(&v, "add_bos_token").map_err(bad)?,
+            add_eos_token: flag(&v, "add_eos_token").map_err(bad)?,
             chat_template,
         })
     }
@@ -340,6 +340,17 @@ fn trim_controls(inner: &str) -> (&str, &str, &str) {
     (left, body, right)
 }
 
+/// A boolean key of tokenizer_config.json (`add_bos_token`): true, false, or absent /
+/// null (unset), as transformers reads it; anything else (`"yes"`, `1`) is refused
+/// rather than taken as false.
+fn flag(v: &serde_json::Value, key: &str) -> std::result::Result<Option<bool>, String> {
+    match v.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+        Some(other) => Err(format!("{key} is {other}, not true, false or null")),
+    }
+}
+
 /// A minijinja error as the crate's, with the template's line where it has one.
 fn template_error(source: &Path, e: &minijinja::Error) -> TrainError {
     let line = e
@@ -367,6 +378,29 @@ mod tests {
 
     fn template(t: &str) -> ChatTemplate {
         ChatTemplate::new(t.into(), &serde_json::Map::new(), "t.jinja".into()).unwrap()
+    }
+
+    #[test]
+    fn a_non_boolean_add_bos_token_is_refused_naming_the_file_and_key() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(TOKENIZER_CONFIG_FILE);
+        for (value, want) in [("true", Some(true)), ("false", Some(false)), ("null", None)] {
+            std::fs::write(&path, format!("{{\"add_bos_token\": {value}}}")).unwrap();
+            let c = TokenizerConfig::for_model(d.path()).unwrap();
+            assert_eq!(c.add_bos_token, want, "{value}");
+        }
+        for key in ["add_bos_token", "add_eos_token"] {
+            for value in ["\"yes\"", "1"] {
+                std::fs::write(&path, format!("{{\"{key}\": {value}}}")).unwrap();
+                let e = TokenizerConfig::for_model(d.path())
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    e.contains(TOKENIZER_CONFIG_FILE) && e.contains(key) && e.contains(value),
+                    "{e}"
+                );
+            }
+        }
     }
 
     #[test]

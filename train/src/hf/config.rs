@@ -321,7 +321,7 @@ impl LlamaConfig {
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            rms_norm_eps: r.rms_norm_eps.unwrap_or(1e-6),
+            rms_norm_eps: rms_norm_eps_of(&r, &err)?,
             vocab_size: need(r.vocab_size, "vocab_size")?,
             tie_word_embeddings: r.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings,
@@ -441,16 +441,45 @@ fn check_keys(raw: &Map<String, Value>, err: &impl Fn(&str, String) -> TrainErro
     }
 }
 
+/// `rms_norm_eps` (transformers' 1e-6 when absent), finite and above 0: the RMS norm
+/// divides by `sqrt(mean(x²) + eps)`, which a zero or negative eps can make 0 or NaN.
+fn rms_norm_eps_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<f64> {
+    match r.rms_norm_eps.unwrap_or(1e-6) {
+        eps if eps.is_finite() && eps > 0.0 => Ok(eps),
+        eps => Err(err(
+            "rms_norm_eps",
+            format!("{eps}: must be a finite number above 0"),
+        )),
+    }
+}
+
 /// `torch_dtype` (or `dtype`, its transformers 5 name) when it names one tidestore holds.
+/// Both keys are read, each checked; given both, they must agree.
 fn torch_dtype_of(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<Option<DType>> {
-    match r.torch_dtype.as_deref().or(r.dtype.as_deref()) {
-        None => Ok(None),
-        Some(t) => Ok(Some(dtype_from_torch(t).ok_or_else(|| {
-            err(
-                "torch_dtype",
-                format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
-            )
-        })?)),
+    let read = |key: &str, t: Option<&str>| -> Result<Option<DType>> {
+        t.map(|t| {
+            dtype_from_torch(t).ok_or_else(|| {
+                err(
+                    key,
+                    format!("`{t}`; tidestore reads float32, float16 and bfloat16"),
+                )
+            })
+        })
+        .transpose()
+    };
+    let old = read("torch_dtype", r.torch_dtype.as_deref())?;
+    let new = read("dtype", r.dtype.as_deref())?;
+    match (old, new) {
+        (Some(a), Some(b)) if a != b => Err(err(
+            "dtype",
+            format!(
+                "`{}` disagrees with torch_dtype = `{}`: both name the weights' dtype \
+                 (dtype is transformers 5's name); keep one, or make them agree",
+                dtype_to_torch(b),
+                dtype_to_torch(a)
+            ),
+        )),
+        (a, b) => Ok(a.or(b)),
     }
 }
 
@@ -689,6 +718,44 @@ mod tests {
         assert!(
             matches!(e, Err(TrainError::HfConfig { ref key, .. }) if key == "architectures[0]")
         );
+    }
+
+    #[test]
+    fn rms_norm_eps_zero_or_negative_is_refused() {
+        for eps in [-1e-5, 0.0] {
+            match parse(&with("rms_norm_eps", Value::from(eps))) {
+                Err(e @ TrainError::HfConfig { .. }) => {
+                    assert!(
+                        matches!(&e, TrainError::HfConfig { key, .. } if key == "rms_norm_eps")
+                    );
+                    assert!(e.to_string().contains("above 0"), "{e}");
+                }
+                other => panic!("{eps}: {other:?}"),
+            }
+        }
+        assert_eq!(parse(LLAMA2_7B).unwrap().rms_norm_eps, 1e-5);
+    }
+
+    /// transformers 5's `dtype` beside `torch_dtype` was ignored: checked as it is, and
+    /// the two must agree.
+    #[test]
+    fn dtype_is_checked_and_must_agree_with_torch_dtype() {
+        for (v, reason) in [("float32", "disagrees with torch_dtype"), ("int8", "int8")] {
+            match parse(&with("dtype", Value::from(v))) {
+                Err(e @ TrainError::HfConfig { .. }) => {
+                    assert!(matches!(&e, TrainError::HfConfig { key, .. } if key == "dtype"));
+                    assert!(e.to_string().contains(reason), "{e}");
+                }
+                other => panic!("{v}: {other:?}"),
+            }
+        }
+        let agreeing = parse(&with("dtype", Value::from("float16"))).unwrap();
+        assert_eq!(agreeing.torch_dtype, Some(DType::F16));
+        let mut alone: Map<String, Value> = serde_json::from_str(LLAMA2_7B).unwrap();
+        alone.remove("torch_dtype");
+        alone.insert("dtype".into(), Value::from("bfloat16"));
+        let c = parse(&Value::Object(alone).to_string()).unwrap();
+        assert_eq!(c.torch_dtype, Some(DType::BF16));
     }
 
     #[test]

@@ -172,6 +172,7 @@ impl HfWeights {
     /// Maps the weights of the model directory `dir` and checks every tensor `cfg`
     /// implies (see the module doc). Nothing is read beyond the headers.
     pub fn open(dir: &Path, cfg: &LlamaConfig) -> Result<HfWeights> {
+        check_layer_count(dir, cfg)?;
         Self::open_tensors(dir, base_tensors(cfg), cfg.torch_dtype)
     }
 
@@ -274,6 +275,55 @@ impl HfWeights {
     }
 }
 
+/// The names of the tensors the weights hold: the shard index's, or the single file's
+/// header (only the header is read).
+fn held_names(dir: &Path) -> Result<(PathBuf, Vec<String>)> {
+    let (listing, map) = weight_map(dir)?;
+    if let Some(map) = map {
+        return Ok((listing, map.into_keys().collect()));
+    }
+    let file = map_file(&listing).map_err(model_file_error)?;
+    let (_, meta) = parse(&file, &listing).map_err(model_file_error)?;
+    Ok((listing, meta.tensors().into_keys().collect()))
+}
+
+/// Refuses a `num_hidden_layers` other than the count of decoder layers the weights
+/// hold (`model.layers.N.…`), before anything is made per layer: a count far beyond
+/// the files (a typo, a corrupted config) would otherwise be allocated for.
+fn check_layer_count(dir: &Path, cfg: &LlamaConfig) -> Result<()> {
+    let (listing, names) = held_names(dir)?;
+    let held = names
+        .iter()
+        .filter_map(|n| {
+            n.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .max()
+        .map_or(0, |last| last + 1);
+    if held == cfg.num_hidden_layers {
+        return Ok(());
+    }
+    let holds = match held {
+        0 => "no decoder layer's tensors".to_string(),
+        n => format!(
+            "the tensors of {n} decoder layers (model.layers.0 to model.layers.{})",
+            n - 1
+        ),
+    };
+    Err(TrainError::HfConfig {
+        path: dir.join(crate::hf::config::CONFIG_FILE),
+        key: "num_hidden_layers".into(),
+        reason: format!(
+            "{} layers, but {} holds {holds}: config.json must describe the weights",
+            cfg.num_hidden_layers,
+            listing.display()
+        ),
+    })
+}
+
 /// Finds `name` in one parsed file and checks it against config.json.
 fn locate(
     file: &MappedFile,
@@ -305,7 +355,7 @@ fn locate(
     }
     if let Some(want) = torch_dtype.filter(|&d| d != dtype) {
         return Err(refuse(format!(
-            "config.json's torch_dtype is {}",
+            "config.json's torch_dtype (or dtype) is {}",
             dtype_to_torch(want)
         )));
     }
