@@ -383,23 +383,34 @@ def test_hyper_parameters_changed_between_steps_are_torchs(tmp_path):
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     mine, mopt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, nvme_dir=tmp_path)
-    got = {}
-    for name, model, opt in (("torch", ref, ropt), ("tidestore", mine, mopt)):
-        # OneCycleLR cycles beta1 with the lr.
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8)
-        out = []
-        for k, ids in enumerate(batches(5)):
-            g = opt.param_groups[0]
-            g["weight_decay"], g["eps"] = (0.2, 1e-4) if k >= 2 else (0.01, 1e-8)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            out.append(loss.item())
-        got[name] = out
-    assert_close(got["torch"], got["tidestore"])
+
+    def edit(opt, k):
+        g = opt.param_groups[0]
+        g["weight_decay"], g["eps"] = (0.2, 1e-4) if k >= 2 else (0.01, 1e-8)
+
+    got = [step_losses(model, opt, batches(5), lambda m, ids: m(input_ids=ids, labels=ids).loss,
+                       edit, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1e-2, total_steps=8))
+           for model, opt in ((ref, ropt), (mine, mopt))]  # OneCycleLR cycles beta1 too
+    assert_close(*got)
     assert mine.tidestore_engine.core.hyper_params()["weight_decay"] == pytest.approx(0.2)
+
+
+def step_losses(model, opt, data, loss_of, before=None, scheduler=None):
+    """The losses of one step per batch; ``before(opt, k)`` runs before step k's forward,
+    a scheduler made by ``scheduler(opt)`` steps after each step."""
+    sched = scheduler(opt) if scheduler else None
+    out = []
+    for k, batch in enumerate(data):
+        if before:
+            before(opt, k)
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched:
+            sched.step()
+        out.append(loss.item())
+    return out
 
 
 class ScaledHead(torch.nn.Module):
@@ -422,17 +433,9 @@ def test_one_element_dimensions_and_scalars_train_as_torch(tmp_path):
     mine, mopt = tidestore.offload(mine, lr=1e-2, nvme_dir=tmp_path)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
-    got = {}
-    for name, model, opt in (("torch", ref, ropt), ("tidestore", mine, mopt)):
-        out = []
-        for x, y in data:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        got[name] = out
-    assert_close(got["torch"], got["tidestore"])
+    got = [step_losses(model, opt, data, lambda m, xy: torch.nn.functional.mse_loss(m(xy[0]), xy[1]))
+           for model, opt in ((ref, ropt), (mine, mopt))]
+    assert_close(*got)
 
 
 def test_a_forward_that_raised_leaves_training_as_torchs(tmp_path):
