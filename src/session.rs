@@ -27,7 +27,7 @@ use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierError, Tie
 
 use crate::config::{AutoSize, CompressionName, Config, DeviceKindName, Size};
 use crate::error::{Error, Result};
-use crate::workload::{ModelShape, Workload};
+use crate::workload::{ModelShape, Workload, WorkloadSection};
 
 /// Chunks in use at once (see the module doc).
 pub const WORKING_SET_CHUNKS: u32 = 1;
@@ -148,7 +148,15 @@ fn human(b: u64) -> String {
 
 /// Builds the workload and its layout and checks every budget (see the module doc).
 pub fn prepare(cfg: &Config) -> Result<Prepared> {
-    check_model_bytes(cfg)?;
+    let room = [cfg.device.budget, cfg.host.budget, cfg.nvme.size]
+        .iter()
+        .map(|s| u128::from(s.bytes()))
+        .sum::<u128>();
+    check_model_fits(
+        &cfg.workload,
+        room,
+        "device.budget + host.budget + nvme.size",
+    )?;
     let workload = cfg.workload.build()?;
     let (layout, chunk_elements, chunk_searched) = layout_for(
         &workload,
@@ -200,14 +208,13 @@ pub fn prepare(cfg: &Config) -> Result<Prepared> {
     })
 }
 
-/// Refuses a custom model whose 16-bit parameters alone exceed the three tiers'
-/// budgets together, before its tensors are listed one by one: `workload.layers =
-/// 1000000000` would otherwise be allocated for, layer by layer, and abort the process.
-/// The count comes from the one- and two-layer workloads (what each layer adds), so it
-/// is the workload's own; a model this check passes (and every named one) is checked
-/// exactly by the capacity plan.
-fn check_model_bytes(cfg: &Config) -> Result<()> {
-    let w = &cfg.workload;
+/// Refuses a custom model whose 16-bit parameters alone exceed `room` bytes (the three
+/// tiers' budgets together, named by `room_what`), before its tensors are listed one by
+/// one: `workload.layers = 1000000000` would otherwise be allocated for, layer by
+/// layer, and abort the process. The count comes from the one- and two-layer workloads
+/// (what each layer adds), so it is the workload's own; a model this check passes (and
+/// every named one) is checked exactly by the capacity plan.
+pub fn check_model_fits(w: &WorkloadSection, room: u128, room_what: &str) -> Result<()> {
     w.validate()?;
     if w.model != crate::workload::ModelName::Custom {
         return Ok(());
@@ -220,10 +227,6 @@ fn check_model_bytes(cfg: &Config) -> Result<()> {
     let (one, two) = (params(1), params(2));
     let total = one + (two - one) * u128::from(shape.layers.max(1) - 1);
     let needed = total * 2;
-    let room = [cfg.device.budget, cfg.host.budget, cfg.nvme.size]
-        .iter()
-        .map(|s| u128::from(s.bytes()))
-        .sum::<u128>();
     if needed <= room {
         return Ok(());
     }
@@ -231,7 +234,7 @@ fn check_model_bytes(cfg: &Config) -> Result<()> {
         "workload.layers",
         format!(
             "the model does not fit: {} layers of {} parameters in all need {} for their \
-             16-bit copy alone, more than device.budget + host.budget + nvme.size ({}) hold",
+             16-bit copy alone, more than {room_what} ({}) hold",
             shape.layers,
             total,
             human(u64::try_from(needed).unwrap_or(u64::MAX)),

@@ -22,6 +22,11 @@ const TINY: &str = "[io]\nblock_size = 4096\nqueue_depth = 8\n\
 intermediate = 256\nvocab = 512\nsequence = 64\niterations = 1\n";
 
 fn run(body: &str) -> Run {
+    run_command(body, "bench")
+}
+
+/// `tidestore --config <body> <command>`.
+fn run_command(body: &str, command: &str) -> Run {
     let dir = tempfile::tempdir().expect("temp dir");
     let swap: PathBuf = dir.path().join("swap");
     let config = dir.path().join("tidestore.toml");
@@ -29,7 +34,7 @@ fn run(body: &str) -> Run {
     let out = Command::new(BIN)
         .arg("--config")
         .arg(&config)
-        .arg("bench")
+        .arg(command)
         .env("RUST_LOG", "warn")
         .output()
         .expect("run the binary");
@@ -201,9 +206,12 @@ fn device_kind_cuda_without_a_gpu() {
 fn a_billion_layers_is_refused_before_they_are_listed() {
     // Once each layer's tensors were listed before the fit check: the process aborted
     // allocating them ("memory allocation of … bytes failed").
+    let billion = with("workload.layers", "layers = 1000000000");
+    assert_refused(&run(&billion), "workload.layers", "does not fit");
+    // `plan` listed them too, to report that they do not fit.
     assert_refused(
-        &run(&with("workload.layers", "layers = 1000000000")),
+        &run_command(&billion, "plan"),
         "workload.layers",
-        "does not fit",
+        "the plan's GPU + host pool + NVMe",
     );
 }

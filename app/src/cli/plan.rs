@@ -7,7 +7,7 @@ use crate::bench::cpu_optimizer;
 use crate::plan::{self, human_bytes, Machine, PlanReport};
 use clap::ValueEnum;
 use tidestore::config::OverlapName;
-use tidestore::session::layout_for;
+use tidestore::session::{check_model_fits, layout_for};
 use tidestore::workload::{human_count, ModelName, TrainMode};
 use tidestore::{AutoSize, Config, Size};
 
@@ -134,6 +134,24 @@ fn optimizer_rate(cfg: &Config, given: Option<f64>) -> Result<(f64, bool), Error
     })
 }
 
+/// The host pool of the plan: `--ram` less `--ram-reserve`, else `host.budget`.
+fn plan_host(cfg: &Config, args: &PlanArgs) -> Result<u64, Error> {
+    let Some(ram) = args.ram else {
+        return Ok(cfg.host.budget.bytes());
+    };
+    let pool = ram.bytes().saturating_sub(args.ram_reserve.bytes());
+    if pool == 0 {
+        return Err(Error::Usage {
+            flag: "--ram",
+            reason: format!(
+                "{ram} leaves nothing for the host pool after --ram-reserve {}",
+                args.ram_reserve
+            ),
+        });
+    }
+    Ok(pool)
+}
+
 /// Runs the planner.
 pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     let mut cfg = Config::load(config)?;
@@ -155,6 +173,23 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     if args.full {
         cfg.workload.mode = TrainMode::Full;
     }
+    let (host, nvme) = (
+        plan_host(&cfg, args)?,
+        args.nvme.unwrap_or(cfg.nvme.size).bytes(),
+    );
+    // The GPU's room for chunks (its activations aside), before a tensor is listed.
+    let gpu_room = match (args.gpu, cfg.device.sim_memory) {
+        (Some(g), _) => g.bytes(),
+        (None, AutoSize::Fixed(m)) => m.bytes(),
+        (None, AutoSize::Auto) => cfg.device.budget.bytes(),
+    };
+    let room =
+        [gpu_room, host, nvme].map(u128::from).iter().sum::<u128>() * u128::from(args.gpus.max(1));
+    check_model_fits(
+        &cfg.workload,
+        room,
+        "the plan's GPU + host pool + NVMe, times --gpus",
+    )?;
     let workload = cfg.workload.build()?;
     let pcie = positive("--pcie", args.pcie.unwrap_or(cfg.device.pcie_gbps))? * 1e9;
     let tflops = args.tflops.unwrap_or(cfg.workload.tflops);
@@ -178,27 +213,11 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
         (None, AutoSize::Fixed(m)) => m.bytes(),
         (None, AutoSize::Auto) => cfg.device.budget.bytes() + act + margin,
     };
-    let host = match args.ram {
-        Some(ram) => {
-            let pool = ram.bytes().saturating_sub(args.ram_reserve.bytes());
-            if pool == 0 {
-                return Err(Error::Usage {
-                    flag: "--ram",
-                    reason: format!(
-                        "{ram} leaves nothing for the host pool after --ram-reserve {}",
-                        args.ram_reserve
-                    ),
-                });
-            }
-            pool
-        }
-        None => cfg.host.budget.bytes(),
-    };
     let machine = Machine {
         gpu_bytes: gpu,
         tidal_margin_bytes: margin,
         host_budget_bytes: host,
-        nvme_bytes: args.nvme.unwrap_or(cfg.nvme.size).bytes(),
+        nvme_bytes: nvme,
         pcie_bytes_per_s: pcie,
         nvme_read_bytes_per_s: nvme_read,
         nvme_write_bytes_per_s: nvme_write,
