@@ -152,6 +152,25 @@ fn plan_host(cfg: &Config, args: &PlanArgs) -> Result<u64, Error> {
     Ok(pool)
 }
 
+/// Refuses a custom model whose 16-bit parameters alone exceed what the plan's machine
+/// holds (the GPU's room for chunks, its activations aside, the host pool and NVMe, per
+/// rank), before a tensor is listed.
+fn check_plan_room(cfg: &Config, args: &PlanArgs, host: u64, nvme: u64) -> Result<(), Error> {
+    let gpu_room = match (args.gpu, cfg.device.sim_memory) {
+        (Some(g), _) => g.bytes(),
+        (None, AutoSize::Fixed(m)) => m.bytes(),
+        (None, AutoSize::Auto) => cfg.device.budget.bytes(),
+    };
+    let room =
+        [gpu_room, host, nvme].map(u128::from).iter().sum::<u128>() * u128::from(args.gpus.max(1));
+    check_model_fits(
+        &cfg.workload,
+        room,
+        "the plan's GPU + host pool + NVMe, times --gpus",
+    )?;
+    Ok(())
+}
+
 /// Runs the planner.
 pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     let mut cfg = Config::load(config)?;
@@ -173,23 +192,9 @@ pub fn run(config: &std::path::Path, args: &PlanArgs) -> Result<(), Error> {
     if args.full {
         cfg.workload.mode = TrainMode::Full;
     }
-    let (host, nvme) = (
-        plan_host(&cfg, args)?,
-        args.nvme.unwrap_or(cfg.nvme.size).bytes(),
-    );
-    // The GPU's room for chunks (its activations aside), before a tensor is listed.
-    let gpu_room = match (args.gpu, cfg.device.sim_memory) {
-        (Some(g), _) => g.bytes(),
-        (None, AutoSize::Fixed(m)) => m.bytes(),
-        (None, AutoSize::Auto) => cfg.device.budget.bytes(),
-    };
-    let room =
-        [gpu_room, host, nvme].map(u128::from).iter().sum::<u128>() * u128::from(args.gpus.max(1));
-    check_model_fits(
-        &cfg.workload,
-        room,
-        "the plan's GPU + host pool + NVMe, times --gpus",
-    )?;
+    let host = plan_host(&cfg, args)?;
+    let nvme = args.nvme.unwrap_or(cfg.nvme.size).bytes();
+    check_plan_room(&cfg, args, host, nvme)?;
     let workload = cfg.workload.build()?;
     let pcie = positive("--pcie", args.pcie.unwrap_or(cfg.device.pcie_gbps))? * 1e9;
     let tflops = args.tflops.unwrap_or(cfg.workload.tflops);
