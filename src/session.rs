@@ -20,7 +20,8 @@
 
 use tidestore_chunk::{
     plan_capacity, search_chunk_size, CapacityPlan, ChunkError, ChunkStore, Layout, LayoutConfig,
-    ListKind, NvmeSource, SearchConfig, StoreConfig, TensorId, SWAP_FILE_NAME,
+    ListKind, NvmeSource, SearchConfig, StoreConfig, TensorId, ALLOCATING_HOST_POOL,
+    SWAP_FILE_NAME,
 };
 use tidestore_io::compress::Compression;
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind, NvmeTier, TierError, TierKind};
@@ -271,15 +272,31 @@ fn capacity_error(e: ChunkError, workload: &Workload, cfg: &Config) -> Error {
                 human(short_bytes)
             ),
         ),
-        other => Error::Store(other),
+        other => budget_error(other, cfg),
     }
 }
 
 /// A [`ChunkError::BudgetTooSmall`] as a config error naming the budget's key; when the
 /// chunk size was chosen by the search, it says that chunks are whole multiples of
 /// `io.block_size`, the usual reason a small budget cannot hold a small model's chunks.
-/// Any other error is returned as the store's.
+/// A host pool the machine cannot allocate names `host.budget`. Any other error is
+/// returned as the store's.
 pub fn budget_error(e: ChunkError, cfg: &Config) -> Error {
+    if let ChunkError::Tier {
+        op: ALLOCATING_HOST_POOL,
+        source,
+        ..
+    } = &e
+    {
+        return Error::config(
+            "host.budget",
+            format!(
+                "{}: the host pool cannot be allocated ({}); give a budget this machine's \
+                 memory holds",
+                cfg.host.budget, source.0
+            ),
+        );
+    }
     let ChunkError::BudgetTooSmall {
         tier,
         what,
@@ -401,10 +418,7 @@ pub fn open(cfg: &Config, prepared: Prepared) -> Result<(ChunkStore, Session)> {
     };
     let store = match ChunkStore::open(layout, store_cfg, device) {
         Ok(s) => s,
-        Err(e @ (ChunkError::BudgetTooSmall { .. } | ChunkError::ModelTooLarge { .. })) => {
-            return Err(capacity_error(e, &workload, cfg))
-        }
-        Err(e) => return Err(Error::Store(e)),
+        Err(e) => return Err(capacity_error(e, &workload, cfg)),
     };
     let ids = (0..workload.tensors.len() as u32).map(TensorId).collect();
     tracing::info!(

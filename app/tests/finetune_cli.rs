@@ -268,6 +268,20 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         err.contains("device.budget") && err.contains("io.block_size"),
         "{err}"
     );
+    // A host budget no machine can allocate: once the pool's mapping error, unnamed.
+    let out = finetune_with(
+        d.path(),
+        &config("").replace(
+            "[host]\nbudget = \"16MiB\"",
+            "[host]\nbudget = \"100000TiB\"",
+        ),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("host.budget") && err.contains("cannot be allocated"),
+        "{err}"
+    );
     // A matrix-product library that cannot be opened: refused before the model loads.
     std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();
     let out = std::process::Command::new(common::bin())

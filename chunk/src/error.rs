@@ -442,6 +442,10 @@ impl ChunkError {
     }
 }
 
+/// The [`ChunkError::Tier`] operation of a host pool that could not be allocated (a
+/// budget beyond what the machine gives): a front end names its budget's key for it.
+pub const ALLOCATING_HOST_POOL: &str = "allocating the host pool";
+
 /// A [`TierError`] behind an `Arc`, so that [`ChunkError`] stays `Clone` and `Eq`
 /// (two of these are equal when they are the same error value).
 #[derive(Debug, Clone)]

@@ -52,7 +52,7 @@ pub mod typed;
 pub use accounting::{MoveEvent, MoveHook, MoveKind, MoveReason, StoreStats, TierSnapshot};
 pub use config::{device_working_set_bytes, plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
 pub use dtype::{DType, UnknownDType};
-pub use error::{AdoptRefusal, ChunkError, SharedTierError};
+pub use error::{AdoptRefusal, ChunkError, SharedTierError, ALLOCATING_HOST_POOL};
 pub use id::{ChunkId, ListKind, TensorId};
 pub use layout::{
     Layout, LayoutBuilder, LayoutConfig, TensorLocation, TensorSpec, CHUNK_ALIGN_BYTES,

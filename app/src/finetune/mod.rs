@@ -37,7 +37,7 @@ use std::time::Instant;
 use candle_core::Device;
 use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
-use tidestore_chunk::{ChunkError, ListKind, StoreStats};
+use tidestore_chunk::{ListKind, StoreStats};
 use tidestore_optimizer::StepDecision;
 use tidestore_train::{CheckpointDir, OverlapStats, Ranks, SentBytes, TrainError};
 
@@ -463,9 +463,9 @@ fn open_params(cfg: &Config, loaded: &model::Loaded, ranks: Option<Ranks>) -> Re
     };
     match opened {
         Ok(p) => Ok(p),
-        Err(tidestore_candle::Error::Train(TrainError::Store(
-            e @ ChunkError::BudgetTooSmall { .. },
-        ))) => Err(tidestore::session::budget_error(e, cfg).into()),
+        Err(tidestore_candle::Error::Train(TrainError::Store(e))) => {
+            Err(tidestore::session::budget_error(e, cfg).into())
+        }
         Err(e) => Err(e.into()),
     }
 }

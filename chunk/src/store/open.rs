@@ -13,7 +13,7 @@ use tidestore_tiers::{Device, HostTier, NvmeTier};
 
 use crate::adopt::{open_swap_dir, prepare_swap_file};
 use crate::config::{plan_capacity, CapacityPlan, NvmeSource, StoreConfig};
-use crate::error::ChunkError;
+use crate::error::{ChunkError, ALLOCATING_HOST_POOL};
 use crate::layout::Layout;
 use crate::mover::{Mover, Policies};
 use crate::planner::PrefetchPlanner;
@@ -68,7 +68,7 @@ impl ChunkStore {
         let mut nvme = source.open(nvme_slots, slot_bytes, adopt.then_some(fingerprint))?;
         let adopted = prepare_swap_file(&mut nvme, &len_bytes, fingerprint, adopt)?;
         let host = HostTier::with_pinning(host_budget_bytes, slot_bytes, &device, pin_host)
-            .map_err(|e| ChunkError::tier("allocating the host pool", None, e))?;
+            .map_err(|e| ChunkError::tier(ALLOCATING_HOST_POOL, None, e))?;
 
         let settings = Settings {
             device_budget_bytes,
