@@ -32,6 +32,15 @@ use parse::parse;
 #[cfg(test)]
 use parse::{key_and_reason, locate};
 pub use size::{human_bytes, AutoSize, Size};
+
+/// A setting's value as a TOML file writes it (`"zstd"`, `"64MiB"`, `4`), for messages
+/// that name what the user wrote.
+pub fn as_toml<T: serde::Serialize + std::fmt::Debug>(value: &T) -> String {
+    match toml::Value::try_from(value) {
+        Ok(v) => v.to_string(),
+        Err(_) => format!("{value:?}"),
+    }
+}
 #[cfg(test)]
 use size::{GIB, MIB, TIB};
 pub use train::*;
@@ -142,7 +151,7 @@ impl Default for NvmeSection {
 }
 
 /// `nvme.compression`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CompressionName {
     /// Chunks are stored as they are (the fastest on a fast drive).
@@ -220,7 +229,7 @@ impl Default for HostSection {
 }
 
 /// `policy.eviction`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EvictionName {
     /// Evict the chunk whose next use on the traced schedule is farthest (Belady).

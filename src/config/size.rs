@@ -185,6 +185,20 @@ impl AutoSize {
     }
 }
 
+/// As its text (`"64MiB"`), which parses back to the same size.
+impl serde::Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// As its text (`"auto"`, `"64MiB"`).
+impl serde::Serialize for AutoSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl fmt::Display for AutoSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

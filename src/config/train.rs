@@ -72,7 +72,7 @@ pub enum ExportDtype {
 }
 
 /// `train.data_format`: what the training data file holds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataFormat {
     /// Plain UTF-8 text (`train.text`), cut into windows of `sequence + 1` tokens.
@@ -300,8 +300,8 @@ impl TrainSection {
             return Err(Error::config(
                 key,
                 format!(
-                    "set, but data_format = {:?} reads {wanted}",
-                    self.data_format
+                    "set, but data_format = {} reads {wanted}",
+                    super::as_toml(&self.data_format)
                 ),
             ));
         }
@@ -374,8 +374,8 @@ impl TrainSection {
             Error::config(
                 "train.data",
                 format!(
-                    "missing: the data file data_format = {:?} reads",
-                    self.data_format
+                    "missing: the data file data_format = {} reads",
+                    super::as_toml(&self.data_format)
                 ),
             )
         })

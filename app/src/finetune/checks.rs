@@ -22,20 +22,25 @@ use std::path::{Path, PathBuf};
 use tidestore_train::hf;
 
 use crate::error::{Error, Result};
-use tidestore::config::{CompressionName, Config, DeviceKindName, Size};
+use tidestore::config::{as_toml, CompressionName, Config, DeviceKindName, Size};
 
 const COMMAND: &str = "tidestore finetune";
 
 /// Refuses `key` = `value` unless it is `default`, the only value finetune runs with.
-fn only_default<T: PartialEq + std::fmt::Debug>(key: &str, value: T, default: T) -> Result<()> {
+fn only_default<T>(key: &str, value: T, default: T) -> Result<()>
+where
+    T: PartialEq + std::fmt::Debug + serde::Serialize,
+{
     if value == default {
         return Ok(());
     }
     Err(Error::config(
         key,
         format!(
-            "{value:?} is not read by `{COMMAND}`, which always runs with {default:?}; remove \
-             the key from this config (it is a `tidestore bench` setting)"
+            "{} is not read by `{COMMAND}`, which always runs with {}; remove the key from \
+             this config (it is a `tidestore bench` setting)",
+            as_toml(&value),
+            as_toml(&default)
         ),
     ))
 }
@@ -325,6 +330,33 @@ mod tests {
         let text = e.unwrap_err().to_string();
         assert!(text.contains("`w`") && text.contains("index 2"), "{text}");
         check_finite_weight("w", &[0.0, -1e30], Path::new("m")).unwrap();
+    }
+
+    /// A bench-only setting is refused in the words of the TOML file (once `Zstd` and
+    /// `Size(1099511627776)`, Rust's names).
+    #[test]
+    fn a_bench_setting_is_named_as_the_file_writes_it() {
+        let e = only_default(
+            "nvme.compression",
+            CompressionName::Zstd,
+            CompressionName::Off,
+        );
+        let text = e.unwrap_err().to_string();
+        assert!(
+            text.contains("\"zstd\" is not read") && text.contains("with \"off\""),
+            "{text}"
+        );
+        let e = only_default(
+            "device.tidal_margin",
+            Size::from_bytes(1 << 40),
+            Size::from_bytes(0),
+        );
+        let text = e.unwrap_err().to_string();
+        assert!(
+            text.contains("\"1TiB\"") && text.contains("\"0B\""),
+            "{text}"
+        );
+        only_default("policy.prefetch_lookahead", 4u32, 4u32).unwrap();
     }
 
     #[test]

@@ -545,7 +545,11 @@ fn family(r: &Raw, err: &impl Fn(&str, String) -> TrainError) -> Result<Family> 
     match (by_arch, by_type) {
         (Some(a), Some(t)) if a != t => Err(err(
             "model_type",
-            format!("{t:?} disagrees with architectures ({a:?})"),
+            format!(
+                "`{}` ({t:?}) disagrees with architectures ({}: {a:?})",
+                r.model_type.as_deref().unwrap_or_default(),
+                r.architectures.as_deref().unwrap_or_default().join(", ")
+            ),
         )),
         (Some(f), _) | (None, Some(f)) => Ok(f),
         (None, None) => Err(err(
