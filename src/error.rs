@@ -86,11 +86,23 @@ impl From<tidestore_train::TrainError> for Error {
     fn from(e: tidestore_train::TrainError) -> Self {
         use tidestore_train::TrainError;
         match e {
-            TrainError::Config { key, reason } => Error::config(key, reason),
+            TrainError::Config { key, reason } => Error::config(config_key(key), reason),
             TrainError::Store(e) => Error::Store(e),
             TrainError::Optim(e) => Error::Optimizer(e),
             other => Error::Train(other),
         }
+    }
+}
+
+/// The configuration key behind a trainer setting's name (the trainer names its own
+/// fields; the user wrote the TOML's).
+fn config_key(trainer_key: &'static str) -> &'static str {
+    match trainer_key {
+        "chunk_elements" => "chunk.size",
+        "lora.r" => "train.lora_rank",
+        "lora.alpha" => "train.lora_alpha",
+        "lora.targets" => "train.lora_targets",
+        key => key,
     }
 }
 

@@ -15,9 +15,10 @@ pub enum Error {
     #[error(transparent)]
     Tidestore(#[from] tidestore::Error),
 
-    /// A model's forward or backward in candle failed, or the candle glue refused.
+    /// A model's forward or backward in candle failed, or the candle glue refused (the
+    /// step loop's errors it passes on go through the library, see the `From`).
     #[error(transparent)]
-    Candle(#[from] tidestore_candle::Error),
+    Candle(tidestore_candle::Error),
 
     /// The bench's GPU kernels could not be built (NVRTC version and log).
     #[error("GPU kernels: NVRTC {nvrtc}: {reason}")]
@@ -99,6 +100,17 @@ through_library!(
     tidestore::optimizer::OptimError,
     tidestore::train::TrainError,
 );
+
+impl From<tidestore_candle::Error> for Error {
+    /// The trainer's errors candle passes on are the library's (a bad setting a config
+    /// error naming its key); candle's own stay [`Error::Candle`].
+    fn from(e: tidestore_candle::Error) -> Self {
+        match e {
+            tidestore_candle::Error::Train(e) => e.into(),
+            e => Error::Candle(e),
+        }
+    }
+}
 
 impl Error {
     /// A configuration error for `key` (the library's `Config`, with no location yet).

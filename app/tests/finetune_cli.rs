@@ -268,6 +268,18 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         err.contains("device.budget") && err.contains("io.block_size"),
         "{err}"
     );
+    // A chunk smaller than a tensor: once named by the trainer's field (chunk_elements),
+    // exit 1.
+    let out = finetune_with(
+        d.path(),
+        &config("").replace("[train]", "[chunk]\nsize = \"8192\"\n[train]"),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`chunk.size`") && err.contains("never split"),
+        "{err}"
+    );
     // A host budget no machine can allocate: once the pool's mapping error, unnamed.
     let out = finetune_with(
         d.path(),
