@@ -641,11 +641,55 @@ pub(crate) fn parse(map: &[u8], path: &Path) -> Result<(usize, safetensors::tens
                 )),
             }
         }
+        Err(E::TensorInvalidInfo) => Err(malformed(
+            path,
+            match header_entries(map).and_then(|h| invalid_entry(&h)) {
+                Some(why) => format!("not a valid safetensors file: {why}"),
+                None => format!("not a valid safetensors file: {}", E::TensorInvalidInfo),
+            },
+        )),
         Err(e) => Err(malformed(
             path,
             format!("not a valid safetensors file: {e}"),
         )),
     }
+}
+
+/// The header's JSON object (its tensors and `__metadata__`), where it can be read.
+fn header_entries(map: &[u8]) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let prefix: [u8; HEADER_LEN_BYTES] = map.get(..HEADER_LEN_BYTES)?.try_into().ok()?;
+    let end = HEADER_LEN_BYTES.checked_add(usize::try_from(u64::from_le_bytes(prefix)).ok()?)?;
+    match serde_json::from_slice(map.get(HEADER_LEN_BYTES..end)?).ok()? {
+        serde_json::Value::Object(entries) => Some(entries),
+        _ => None,
+    }
+}
+
+/// The first tensor whose bytes (`data_offsets`) are not what its dtype and shape take,
+/// named with both, for the crate's unnamed `TensorInvalidInfo`.
+fn invalid_entry(entries: &serde_json::Map<String, serde_json::Value>) -> Option<String> {
+    entries
+        .iter()
+        .filter(|(name, _)| name.as_str() != "__metadata__")
+        .find_map(|(name, v)| {
+            let dtype: safetensors::Dtype = serde_json::from_value(v.get("dtype")?.clone()).ok()?;
+            let shape: Vec<u64> = serde_json::from_value(v.get("shape")?.clone()).ok()?;
+            let [start, end]: [u64; 2] =
+                serde_json::from_value(v.get("data_offsets")?.clone()).ok()?;
+            let bits = shape
+                .iter()
+                .try_fold(dtype.bitsize() as u64, |acc, &d| acc.checked_mul(d));
+            let held = end.checked_sub(start).map(|b| b * 8);
+            (bits != held).then(|| {
+                format!(
+                    "tensor `{name}`: {dtype:?} of shape {shape:?} takes {} bytes, its \
+                     data_offsets [{start}, {end}] hold {}",
+                    bits.map_or("more than 2^64 bits' worth of".into(), |b| (b / 8)
+                        .to_string()),
+                    end.saturating_sub(start)
+                )
+            })
+        })
 }
 
 /// The file length the header declares (the header's own length when it is cut off,
@@ -742,6 +786,23 @@ fn check_crc(kv: &HashMap<String, String>, name: &str, bytes: &[u8], path: &Path
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tensor whose bytes are not what its dtype and shape take is named (the crate
+    /// says only "invalid shape, data type, or offset for tensor").
+    #[test]
+    fn a_tensor_of_the_wrong_size_is_named() {
+        let header = br#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,4]}}"#;
+        let mut map = (header.len() as u64).to_le_bytes().to_vec();
+        map.extend_from_slice(header);
+        map.extend_from_slice(&[0; 4]);
+        let e = parse(&map, Path::new("m.safetensors"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tensor `w`: F32 of shape [4] takes 16 bytes"),
+            "{e}"
+        );
+    }
 
     fn entry(name: &str, dtype: DType, elements: usize) -> Entry {
         Entry {
