@@ -257,42 +257,31 @@ fn bad_input_is_refused_naming_the_key_or_file() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Each config refused with exit 2, its message holding every one of the words.
+    let refused = |config: &str, words: &[&str]| {
+        let out = finetune_with(d.path(), config);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(words.iter().all(|w| err.contains(w)), "{words:?}: {err}");
+    };
     // A device budget below the working set: the key, and why chunks are that large.
-    let out = finetune_with(
-        d.path(),
+    refused(
         &config("").replace("budget = \"16MiB\"\n[host]", "budget = \"64KiB\"\n[host]"),
-    );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("device.budget") && err.contains("io.block_size"),
-        "{err}"
+        &["device.budget", "io.block_size"],
     );
     // A chunk smaller than a tensor: once named by the trainer's field (chunk_elements),
     // exit 1.
-    let out = finetune_with(
-        d.path(),
+    refused(
         &config("").replace("[train]", "[chunk]\nsize = \"8192\"\n[train]"),
-    );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("`chunk.size`") && err.contains("never split"),
-        "{err}"
+        &["`chunk.size`", "never split"],
     );
     // A host budget no machine can allocate: once the pool's mapping error, unnamed.
-    let out = finetune_with(
-        d.path(),
+    refused(
         &config("").replace(
             "[host]\nbudget = \"16MiB\"",
             "[host]\nbudget = \"100000TiB\"",
         ),
-    );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("host.budget") && err.contains("cannot be allocated"),
-        "{err}"
+        &["host.budget", "cannot be allocated"],
     );
     // A matrix-product library that cannot be opened: refused before the model loads.
     std::fs::write(d.path().join("tidestore.toml"), config("")).unwrap();
@@ -310,18 +299,12 @@ fn bad_input_is_refused_naming_the_key_or_file() {
     );
     // Micro-batches whose activations cannot fit in this machine's memory (logits alone
     // 2 · 10⁶ · 2048 · vocab · 4 bytes): refused before step 1, not killed in it.
-    let out = finetune_with(
-        d.path(),
+    refused(
         &config("").replace(
             "sequence = 32\nmicro_batch = 2",
             "sequence = 2048\nmicro_batch = 1000000",
         ),
-    );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("train.micro_batch") && err.contains("available"),
-        "{err}"
+        &["train.micro_batch", "available"],
     );
     // A model directory without its weights.
     for f in std::fs::read_dir(d.path().join("model")).unwrap() {
