@@ -15,6 +15,11 @@ struct Run {
 /// Run `tidestore --config <file with body> io-bench <args>`; `{swap}` in `body` is a
 /// writable folder.
 fn run(body: &str, args: &[&str]) -> Run {
+    run_command(body, "io-bench", args)
+}
+
+/// [`run`] with another command.
+fn run_command(body: &str, command: &str, args: &[&str]) -> Run {
     let dir = tempfile::tempdir().expect("temp dir");
     let swap: PathBuf = dir.path().join("swap");
     let config = dir.path().join("tidestore.toml");
@@ -22,7 +27,7 @@ fn run(body: &str, args: &[&str]) -> Run {
     let out = Command::new(BIN)
         .arg("--config")
         .arg(&config)
-        .arg("io-bench")
+        .arg(command)
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
@@ -196,4 +201,14 @@ fn missing_fio_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("fio is not installed"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `plan` flags that mean something only beside another were ignored without a word.
+#[test]
+fn plan_flags_without_the_flag_they_qualify_exit_2() {
+    assert_exit_2_naming(
+        &run_command(NVME, "plan", &["--ram-reserve", "1GiB"]),
+        "--ram",
+    );
+    assert_exit_2_naming(&run_command(NVME, "plan", &["--link", "10"]), "--gpus");
 }

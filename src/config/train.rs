@@ -329,6 +329,12 @@ impl TrainSection {
                 "must be more than 0",
             ));
         }
+        if self.base_model_name.as_deref() == Some("") {
+            return Err(Error::config(
+                "train.base_model_name",
+                "is empty: give the base model's name (a hub id or a path), or leave the key out",
+            ));
+        }
         if self.base_model_name.is_some() && self.mode != TrainMode::Lora {
             return Err(Error::config(
                 "train.base_model_name",
@@ -433,6 +439,14 @@ mod tests {
                     ..TrainSection::default()
                 },
                 "train.collectives_ahead",
+            ),
+            (
+                TrainSection {
+                    mode: TrainMode::Lora,
+                    base_model_name: Some(String::new()),
+                    ..TrainSection::default()
+                },
+                "train.base_model_name",
             ),
         ];
         for (t, key) in bad {

@@ -63,7 +63,7 @@ pub struct PlanArgs {
     ram: Option<Size>,
 
     /// RAM left to the OS and the process when --ram is given.
-    #[arg(long, value_name = "SIZE", default_value = "8GiB")]
+    #[arg(long, value_name = "SIZE", default_value = "8GiB", requires = "ram")]
     ram_reserve: Size,
 
     /// NVMe space for the swap file [default: nvme.size].
@@ -95,7 +95,7 @@ pub struct PlanArgs {
 
     /// Bandwidth of a rank's collectives between GPUs in GB/s, each way (NCCL's bus
     /// bandwidth: about the PCIe rate without NVLink) [default: --pcie].
-    #[arg(long, value_name = "GB/s")]
+    #[arg(long, value_name = "GB/s", requires = "gpus")]
     link: Option<f64>,
 
     /// CPU AdamW rate in parameters per second [default: measured now].

@@ -53,11 +53,17 @@ enum Inner {
 }
 
 impl Tokenizer {
-    /// `dir/tokenizer.json` when it exists, else byte-level.
+    /// `dir/tokenizer.json` when it exists, else byte-level (anything else by that
+    /// name, a directory say, is refused rather than taken for no tokenizer).
     pub fn for_model(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join(TOKENIZER_FILE);
         if path.is_file() {
             Tokenizer::from_file(&path)
+        } else if path.exists() {
+            Err(TrainError::Tokenizer {
+                path,
+                reason: "is not a file".into(),
+            })
         } else {
             tracing::info!(dir = %dir.display(), "no tokenizer.json: byte-level tokens");
             Ok(Tokenizer::byte_level())
@@ -394,6 +400,19 @@ mod tests {
         Tokenizer::byte_level()
             .check_fits(&cfg, Path::new("m"))
             .unwrap();
+    }
+
+    /// A `tokenizer.json` that is not a file (a directory) was once taken for none:
+    /// byte-level tokens, silently.
+    #[test]
+    fn a_tokenizer_json_that_is_no_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join(TOKENIZER_FILE)).unwrap();
+        let e = Tokenizer::for_model(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains(TOKENIZER_FILE) && e.contains("is not a file"),
+            "{e}"
+        );
     }
 
     #[test]
