@@ -212,3 +212,15 @@ fn plan_flags_without_the_flag_they_qualify_exit_2() {
     );
     assert_exit_2_naming(&run_command(NVME, "plan", &["--link", "10"]), "--gpus");
 }
+
+/// `init-model` names the flag the user typed (once config.json's `num_hidden_layers`).
+#[test]
+fn init_model_names_the_flag_at_fault() {
+    let out = tempfile::tempdir().expect("temp dir");
+    let dir = out.path().join("m");
+    let dir = dir.to_str().expect("a UTF-8 path");
+    for (flag, value) in [("--layers", "0"), ("--heads", "0"), ("--vocab", "0")] {
+        let r = run_command(NVME, "init-model", &["--out", dir, flag, value]);
+        assert_exit_2_naming(&r, &format!("invalid value for {flag}"));
+    }
+}

@@ -51,6 +51,28 @@ pub struct InitModelArgs {
     max_shard_size: Option<Size>,
 }
 
+/// A config.json key `init-model` refused, as the flag that set it (`--layers` for
+/// `num_hidden_layers`): the user typed flags, not the file's keys.
+fn flag_error(e: tidestore::train::TrainError) -> Error {
+    let tidestore::train::TrainError::HfConfig { key, reason, .. } = &e else {
+        return e.into();
+    };
+    let flag = match key.as_str() {
+        "num_hidden_layers" => "--layers",
+        "hidden_size" => "--hidden",
+        "intermediate_size" => "--intermediate",
+        "num_attention_heads" => "--heads",
+        "num_key_value_heads" => "--kv-heads",
+        "vocab_size" => "--vocab",
+        "max_position_embeddings" => "--max-positions",
+        _ => return e.into(),
+    };
+    Error::Usage {
+        flag,
+        reason: reason.clone(),
+    }
+}
+
 /// Runs `init-model`.
 pub fn run(args: &InitModelArgs) -> Result<(), Error> {
     let dtype = match args.dtype.as_str() {
@@ -80,7 +102,7 @@ pub fn run(args: &InitModelArgs) -> Result<(), Error> {
         max_shard_bytes: args.max_shard_size.map_or(u64::MAX, |s| s.bytes()),
         tokenizer: true,
     };
-    let cfg = hf::init_model(&args.out, shape, &opts).map_err(crate::Error::from)?;
+    let cfg = hf::init_model(&args.out, shape, &opts).map_err(flag_error)?;
     out!(
         "init-model: {} ({} layers, hidden {}, {} params, {}) written",
         args.out.display(),
