@@ -106,6 +106,6 @@ class StoreOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         raise TypeError(
-            f"a {type(self).__name__} cannot be pickled or copied: its state lives in a "
+            f"{type(self).__name__} cannot be pickled or copied: its state lives in a "
             "tidestore store; save it with state_dict() (a checkpoint file) and load it "
             "into a new optimizer")
