@@ -477,3 +477,23 @@ def test_what_the_engine_cannot_do_is_refused(tmp_path):
     adamw_state = tidestore.AdamW(llama().parameters(), nvme_dir=tmp_path).state_dict()
     with pytest.raises(ValueError, match="not an offloaded model's optimizer state"):
         opt.load_state_dict(adamw_state)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_backward_beyond_the_accumulation_is_refused_and_the_step_goes_on(checkpointing, tmp_path):
+    base = llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    want = torch_losses(ref, 3)
+    mine, opt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, nvme_dir=tmp_path)
+    if checkpointing:
+        checkpointing_on(mine)
+    ids = batches(1)[0]
+    first = mine(input_ids=ids, labels=ids).loss
+    first.backward()
+    with pytest.raises(tidestore.TidestoreError, match="beyond accumulation=1"):
+        mine(input_ids=ids, labels=ids).loss.backward()  # once stuck for good after this
+    opt.step()
+    opt.zero_grad()
+    assert mine.tidestore_engine.core.held() == []
+    rest = step_losses(mine, opt, batches(3)[1:], lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    assert_close(want, [first.item()] + rest)

@@ -287,6 +287,8 @@ class Engine:
         def hook(module, args, kwargs):
             _, own = self._modules[key]
             backward = _in_backward()
+            if backward:
+                self._check_backward_due()  # a recompute: the first a pass does
             for i in own:
                 self._bind(i)
             if backward:
@@ -328,11 +330,23 @@ class Engine:
                 "keep them")
 
     def _module_backward_begins(self, key):
+        self._check_backward_due()
         own = self._modules[key][1]
         for i in own:
             self._bind(i)
         self._bwd_holds.setdefault(key, []).extend(own)
         self._queue_end_of_backward()
+
+    def _check_backward_due(self):
+        """Refuses a backward pass beyond ``accumulation`` before the step, at its first
+        module and before anything is bound or handed over: the gradients of the passes
+        before stay whole, and ``step()`` still steps them (a gradient is final once per
+        step; torch would add the extra pass in)."""
+        if self.micro >= self.accumulation:
+            raise TidestoreError(
+                f"a backward pass beyond accumulation={self.accumulation} before "
+                "optimizer.step(): step first, or hand the model over with a larger "
+                "accumulation; the gradients of the passes before are kept")
 
     def _module_backward_done(self, key):
         for i in self._bwd_holds.pop(key, []):
@@ -374,6 +388,7 @@ class Engine:
 
     def _grad_hook(self, i):
         def hook(p):
+            self._check_backward_due()
             g, p.grad = p.grad, None
             self._queue_end_of_backward()
             self._pending[i] = g
