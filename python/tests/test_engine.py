@@ -497,3 +497,8 @@ def test_a_backward_beyond_the_accumulation_is_refused_and_the_step_goes_on(chec
     assert mine.tidestore_engine.core.held() == []
     rest = step_losses(mine, opt, batches(3)[1:], lambda m, ids: m(input_ids=ids, labels=ids).loss)
     assert_close(want, [first.item()] + rest)
+
+
+def test_engines_without_an_nvme_dir_keep_their_checkpoints_apart():
+    (_, a), (_, b) = tidestore.offload(llama()), tidestore.offload(llama(seed=1))
+    assert a.checkpoint_path != b.checkpoint_path

@@ -824,14 +824,15 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
             states=states, max_grad_norm=max_grad_norm, overlap=overlap,
             accumulation=accumulation, collectives_ahead=collectives_ahead))
         specs = [(n, [s], t) for (n, _, t), s in zip(specs, shards.lens)]
-    # In nvme_dir when given, else beside the temporary one (which goes with the engine):
-    # a state_dict's file must outlive the engine.
     default_checkpoint = os.path.join(nvme_dir or tempfile.gettempdir(),
                                       f"tidestore-engine-{os.getpid()}.safetensors")
     tmpdir = None
     if config is None and nvme_dir is None:
         tmpdir = tempfile.mkdtemp(prefix="tidestore-engine-")
         nvme_dir = tmpdir
+        # Beside the temporary directory, which goes with the engine (a state_dict's
+        # file must outlive it), and named after it: one per engine.
+        default_checkpoint = tmpdir + ".safetensors"
     kw = {}
     if config is None:
         kw = dict(precision=precision, lr=lr, betas=tuple(betas), eps=eps,

@@ -36,7 +36,7 @@ pub enum PrecisionName {
 }
 
 /// `train.micro_batch_order`: how the micro-batches of a step meet the blocks.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MicroBatchOrderName {
     /// Every micro-batch through a block before the next block: each block's weights

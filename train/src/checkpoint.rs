@@ -655,10 +655,15 @@ pub(crate) fn parse(map: &[u8], path: &Path) -> Result<(usize, safetensors::tens
     }
 }
 
+/// Where the header ends: its length prefix plus the length it declares.
+fn header_end(map: &[u8]) -> Option<u64> {
+    let prefix: [u8; HEADER_LEN_BYTES] = map.get(..HEADER_LEN_BYTES)?.try_into().ok()?;
+    (HEADER_LEN_BYTES as u64).checked_add(u64::from_le_bytes(prefix))
+}
+
 /// The header's JSON object (its tensors and `__metadata__`), where it can be read.
 fn header_entries(map: &[u8]) -> Option<serde_json::Map<String, serde_json::Value>> {
-    let prefix: [u8; HEADER_LEN_BYTES] = map.get(..HEADER_LEN_BYTES)?.try_into().ok()?;
-    let end = HEADER_LEN_BYTES.checked_add(usize::try_from(u64::from_le_bytes(prefix)).ok()?)?;
+    let end = usize::try_from(header_end(map)?).ok()?;
     match serde_json::from_slice(map.get(HEADER_LEN_BYTES..end)?).ok()? {
         serde_json::Value::Object(entries) => Some(entries),
         _ => None,
@@ -695,18 +700,11 @@ fn invalid_entry(entries: &serde_json::Map<String, serde_json::Value>) -> Option
 /// The file length the header declares (the header's own length when it is cut off,
 /// else header + the largest data offset); `None` when it cannot be told.
 fn declared_len(map: &[u8]) -> Option<u64> {
-    let prefix: [u8; HEADER_LEN_BYTES] = map.get(..HEADER_LEN_BYTES)?.try_into().ok()?;
-    let n = u64::from_le_bytes(prefix);
-    let header_end = (HEADER_LEN_BYTES as u64).checked_add(n)?;
-    let Some(json) = usize::try_from(header_end)
-        .ok()
-        .and_then(|end| map.get(HEADER_LEN_BYTES..end))
-    else {
+    let header_end = header_end(map)?;
+    if header_end > map.len() as u64 {
         return Some(header_end);
-    };
-    let value: serde_json::Value = serde_json::from_slice(json).ok()?;
-    let data_end = value
-        .as_object()?
+    }
+    let data_end = header_entries(map)?
         .iter()
         .filter(|(k, _)| k.as_str() != "__metadata__")
         .filter_map(|(_, v)| v.get("data_offsets")?.get(1)?.as_u64())

@@ -147,17 +147,14 @@ pub fn check_host_activation_room(cfg: &Config, available: u64, need: u64) -> Re
 /// `need` bytes of activations, with the settings that size them.
 fn activations(cfg: &Config, need: u64) -> String {
     let t = &cfg.train;
-    let order = match t.micro_batch_order {
-        tidestore::config::MicroBatchOrderName::Vertical => "vertical",
-        tidestore::config::MicroBatchOrderName::Horizontal => "horizontal",
-    };
     format!(
-        "{} (train.micro_batch = {}, train.sequence = {}, train.accumulation = {} in {order} \
-         order)",
+        "{} (train.micro_batch = {}, train.sequence = {}, train.accumulation = {}, \
+         train.micro_batch_order = {})",
         tidestore::config::human_bytes(need),
         t.micro_batch,
         t.sequence,
-        t.accumulation
+        t.accumulation,
+        as_toml(&t.micro_batch_order)
     )
 }
 
