@@ -235,6 +235,50 @@ def test_a_changed_model_is_refused_naming_the_parameter(tmp_path):
         mine(input_ids=batches(1)[0])
 
 
+class _ReadsAChildsWeight(torch.nn.Module):
+    """Uses its embedding's weight as the head in its own forward, outside the
+    embedding module: the read the engine cannot bind."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return self.mix(self.embed(ids)) @ self.embed.weight.T
+
+
+def test_a_parameter_used_outside_its_modules_forward_is_refused_by_name(tmp_path):
+    model, _ = tidestore.offload(_ReadsAChildsWeight(), chunk_elements=16384,
+                                 nvme_dir=tmp_path)
+    ids = batches(1)[0]
+    with pytest.raises(tidestore.TidestoreError, match=r"`embed.weight` used outside the "
+                       r"forward of its module `embed`"):
+        model(ids)
+    mine, opt = tidestore.offload(llama(), chunk_elements=16384, nvme_dir=tmp_path)
+    w = mine.model.layers[0].mlp.up_proj.weight
+    # What reads no value passes: the shape, dtype, strides, no gradient.
+    assert (w.shape, w.dtype, w.stride(), w.grad, w.numel()) == ((128, 64), torch.float32,
+                                                                  (0, 0), None, 128 * 64)
+    loss = mine(input_ids=ids, labels=ids).loss
+    with pytest.raises(tidestore.TidestoreError, match=r"`model.embed_tokens.weight` used "
+                       r"outside the forward of its module `model.embed_tokens` \(`pow`\)"):
+        loss + sum(p.pow(2).sum() for p in mine.parameters())  # a regulariser after forward
+    with pytest.raises(tidestore.TidestoreError, match="up_proj.weight"):
+        copy.deepcopy(w)
+    with pytest.raises(tidestore.TidestoreError, match="cannot be copied or pickled"):
+        copy.deepcopy(mine)
+    with pytest.raises(tidestore.TidestoreError, match="set_values"):
+        w.data = torch.zeros(128, 64)
+    with pytest.raises(tidestore.TidestoreError, match="up_proj.weight"):
+        w.data.normal_()
+    # Nothing was lost: the same loss backs and steps, and the next forward runs.
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(mine(input_ids=ids, labels=ids).loss)
+
+
 def test_a_step_before_the_backward_passes_is_refused(tmp_path):
     mine, opt = tidestore.offload(llama(), accumulation=2, chunk_elements=16384,
                                   nvme_dir=tmp_path)

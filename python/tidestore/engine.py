@@ -15,9 +15,10 @@ How a module meets its weights:
   tensor *over the store's memory* (no copy). A parameter held twice (a tied weight, a
   module called twice) is counted, not copied.
 - **After it runs** in forward they are released (the chunk may move again) and
-  ``param.data`` is an empty tensor. What autograd saved of them does not pin them: the
-  engine's saved-tensor hooks keep a token instead of the tensor, and backward acquires
-  the parameter again when it needs the value. In backward (and a checkpoint's
+  ``param.data`` is a stand-in (its shape over one NaN) whose values nothing may read:
+  code that tries is refused by name (``_guard.py``). What autograd saved of them does
+  not pin them: the engine's saved-tensor hooks keep a token instead of the tensor, and
+  backward acquires the parameter again when it needs the value. In backward (and a checkpoint's
   recompute) a parameter stays held until its module's backward has run, and never past
   the end of backward.
 - **Gradients** go to the store as they become final (a post-accumulate-grad hook),
@@ -52,6 +53,7 @@ from ._views import byte_view, dtype_name, parse_bytes, store_memory
 from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
 from ._shards import Shards, check_world, rank_file, world_meta, world_of
 from ._groups import StoreOptimizer, check_threads, check_torch_only, hyper_params
+from ._guard import guard, unguarded
 from .optim import closure_loss
 
 # The format named in an offloaded model's optimizer state dict (tidestore.AdamW's is
@@ -189,6 +191,7 @@ class Engine:
 
     # -- binding ---------------------------------------------------------------------
 
+    @unguarded
     def _bind(self, i):
         self._holds[i] += 1
         if self._shards is None:
@@ -218,12 +221,29 @@ class Engine:
 
     def _placeholder(self, i):
         """What a parameter is while not bound: its shape and dtype over one NaN (stride
-        0, no memory of its own). Code that reads it outside a module's forward gets
-        NaN, and writing it in place is refused by torch."""
+        0, no memory of its own). Code that reads its values outside a module's forward
+        is refused by the guard (``_guard.py``) before it computes with the NaN."""
         t = torch.full((), float("nan"), dtype=self._dtypes[i]).expand(self._shapes[i])
         self._stand_ins[i] = t.data_ptr()
         return t
 
+    def bound(self, i):
+        """Whether parameter ``i`` is bound to the store's memory now."""
+        return self._holds[i] > 0
+
+    def outside_forward(self, i, what):
+        """The error of a parameter read (``what``: the torch function) while it is a
+        stand-in (see ``_guard.py``)."""
+        mname = self._modules[self._owner[i]][0] if i in self._owner else None
+        module = f"`{mname or type(self.model).__name__}`" if mname is not None else "(none)"
+        change = ("change it with model.tidestore_engine.set_values" if what == "set data"
+                  else "read it inside that module's forward, or read its values with "
+                  "model.tidestore_engine.values / state_dict")
+        return (f"parameter `{self.names[i]}` used outside the forward of its module "
+                f"{module} (`{what}`): between forwards its values live in the store and "
+                f"the parameter is a stand-in that would compute with NaN; {change}")
+
+    @unguarded
     def _unbind(self, i, backward):
         p = self.params[i]
         if self._holds[i] == 1:
@@ -317,6 +337,7 @@ class Engine:
             return _map_tensors(out, _on_backward(lambda: self._module_backward_begins(key)))
         return hook
 
+    @unguarded
     def _check_unreferenced(self, mname, i):
         """After its forward nothing but the parameter may reference the store's memory
         it was bound to (autograd's saved tensors are tokens by then): a tensor a module
@@ -355,12 +376,14 @@ class Engine:
 
     # -- saved tensors ---------------------------------------------------------------
 
+    @unguarded
     def _pack(self, t):
         i = self._by_storage.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
         if i is None:
             return t
         return _Saved(i, t.size(), t.stride(), t.storage_offset())
 
+    @unguarded
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
             return saved
@@ -387,6 +410,7 @@ class Engine:
     # -- gradients and the step ------------------------------------------------------
 
     def _grad_hook(self, i):
+        @unguarded
         def hook(p):
             self._check_backward_due()
             g, p.grad = p.grad, None
@@ -452,6 +476,7 @@ class Engine:
 
     # -- bad input -------------------------------------------------------------------
 
+    @unguarded
     def _check_unchanged(self):
         params = list(self.model.parameters())
         if len(params) != len(self.params) or any(
@@ -578,6 +603,12 @@ class Engine:
         tell(None)
         tell(True)
         return files
+
+    def __reduce_ex__(self, protocol):
+        raise TidestoreError(
+            "a model handed to tidestore.offload cannot be copied or pickled: its "
+            "parameters live in the store; save it with model.save_pretrained, its "
+            "training state with the optimizer's state_dict")
 
     def stats(self):
         """The store's and the step loop's counters; with a process group, also the
@@ -863,8 +894,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     engine = Engine(model, core, params, [n for n, _ in named], accumulation, core.overlap,
                     shards)
     # The model's own storage is freed: from here its values are the store's.
+    engine_ref = weakref.ref(engine)
     for i, p in enumerate(params):
         p.data = engine._placeholder(i)
+        guard(p, engine_ref, i)
     if tmpdir is not None:
         weakref.finalize(engine, shutil.rmtree, tmpdir, True)
     model.tidestore_engine = engine
