@@ -279,6 +279,29 @@ def test_a_parameter_used_outside_its_modules_forward_is_refused_by_name(tmp_pat
     assert torch.isfinite(mine(input_ids=ids, labels=ids).loss)
 
 
+class _Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def test_a_step_without_a_parameters_gradient_names_it_and_training_goes_on(tmp_path):
+    model, opt = tidestore.offload(_Branches(), chunk_elements=16384, nvme_dir=tmp_path)
+    x = torch.randn(4, 8)
+    model(x, False).sum().backward()
+    with pytest.raises(tidestore.TidestoreError, match=r"`b.weight` was given.*freeze"):
+        opt.step()
+    for _ in range(2):  # not stuck: the next iterations step
+        model(x, True).sum().backward()
+        opt.step()
+    assert model.tidestore_engine.core.step_count() == 2
+
+
 def test_a_step_before_the_backward_passes_is_refused(tmp_path):
     mine, opt = tidestore.offload(llama(), accumulation=2, chunk_elements=16384,
                                   nvme_dir=tmp_path)

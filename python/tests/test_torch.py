@@ -279,6 +279,32 @@ def test_bad_parameters_are_refused(tmp_path):
                          {"params": m[2].parameters(), "weight_decay": 0.0}], nvme_dir=tmp_path)
 
 
+def test_an_overlapped_step_without_a_gradient_does_not_leave_the_optimizer_stuck(tmp_path):
+    """With overlap, a parameter that got no gradient is found at step(). Where nothing
+    was stepped yet (here: no backward at all) the iteration is dropped and training goes
+    on as if it had not been; where tensors were stepped during backward the step is half
+    made: refused until a checkpoint is loaded, then training goes on."""
+    data = batches(3)
+    x, _ = data[0]
+    ref = model()
+    train(ref, tidestore.AdamW(ref.parameters(), **HP, nvme_dir=tmp_path), data)
+    for partial, want in [(False, r"`param.0` was given.*abandoned"),
+                          (True, r"`param.4` was given.*4 tensors were stepped.*checkpoint")]:
+        m = model()
+        opt = tidestore.AdamW(m.parameters(), **HP, nvme_dir=tmp_path, overlap=True)
+        saved = opt.state_dict()
+        if partial:
+            m[2](torch.relu(m[0](x))).sum().backward()  # the last layer gets no gradient
+        with pytest.raises(tidestore.TidestoreError, match=want):
+            opt.step()
+        opt.zero_grad()
+        if partial:
+            opt.load_state_dict(saved)
+        train(m, opt, data)
+        for p, q in zip(ref.parameters(), m.parameters()):
+            assert torch.equal(p, q)
+
+
 def test_shape_change_and_missing_grad_change_nothing(tmp_path):
     m = model()
     opt = tidestore.AdamW(m.parameters(), nvme_dir=tmp_path)

@@ -470,9 +470,12 @@ class Engine:
         self._flush_scatters()
         if self._collectives is not None:
             self._collectives.end_iteration()
-        out = self.core.step()
-        self.micro = 0
-        return out
+        try:
+            return self.core.step()
+        finally:
+            # Stepped, or the iteration ended by the failure (a missing gradient drops
+            # it; a half-made step poisons the store until a checkpoint is loaded).
+            self.micro = 0
 
     # -- bad input -------------------------------------------------------------------
 

@@ -385,6 +385,9 @@ class AdamW(StoreOptimizer):
                 self._check_grad(i, p)
             self.last_step = self._core.step_given(self._given_grads())
         else:
+            # A step that fails ends the iteration all the same (a missing gradient
+            # drops it, see `StepLoop::abandon`): the next backward checks afresh.
+            self._checked = False
             if self._collectives is not None:
                 self._collectives.flush()  # the gradients the hooks left behind
             self.last_step = self._core.step()

@@ -214,8 +214,19 @@ fn a_non_finite_given_gradient_skips_the_step_and_a_bad_hand_over_changes_nothin
         "a refused hand-over changed the state"
     );
 
-    // The put gradient is still counted: the step goes on with the rest put.
-    for (i, g) in g.iter().enumerate().skip(1) {
+    // The put gradient is still counted: a step without the rest is abandoned (the
+    // iteration dropped, nothing stepped) and the next whole one goes on.
+    let e = t.step(&mut |_| {}).unwrap_err();
+    assert!(
+        e.to_string().contains("`p1` was given") && e.to_string().contains("abandoned"),
+        "{e}"
+    );
+    assert_eq!(state(&mut t), before, "an abandoned step changed the state");
+    assert!(
+        !t.grad_reported(0).unwrap(),
+        "the abandoned iteration's report was kept"
+    );
+    for (i, g) in g.iter().enumerate() {
         t.put_grad(i, Values::F32(g), true, true).unwrap();
     }
     t.step(&mut |_| {}).unwrap();

@@ -133,7 +133,7 @@ fn a_non_finite_gradient_is_not_stepped_at_once() {
         "a skipped step changed the state"
     );
     drop(t);
-    // After others were stepped: refused, naming why.
+    // After others were stepped: half made, the loop poisoned, naming why.
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), Overlap::Backward, Budget::AllChunks);
     let mut t = common::pattern_trainer(&cfg, &SHAPES);
@@ -144,9 +144,10 @@ fn a_non_finite_gradient_is_not_stepped_at_once() {
     assert!(!hand(&mut t, 0, &grad(0, 0, 21000)));
     assert_eq!(t.step_loop().stats().tensors_overlapped, 1);
     match t.step(&mut |_| {}) {
-        Err(TrainError::Protocol(m)) => assert!(m.contains("non-finite"), "{m}"),
-        other => panic!("expected a refusal, got {other:?}"),
+        Err(TrainError::Poisoned { reason }) => assert!(reason.contains("non-finite"), "{reason}"),
+        other => panic!("expected a poisoned loop, got {other:?}"),
     }
+    assert!(t.step_loop().is_poisoned());
 }
 
 #[test]

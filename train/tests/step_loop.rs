@@ -507,9 +507,18 @@ fn misuse_is_a_typed_error() {
         Err(TrainError::Protocol(_))
     ));
     match lp.finish(&mut store, &mut observe) {
-        Err(TrainError::Protocol(msg)) => assert!(msg.contains("w1"), "{msg}"),
+        Err(TrainError::Protocol(msg)) => {
+            assert!(msg.contains("w1") && msg.contains("abandoned"), "{msg}")
+        }
         other => panic!("expected a protocol error, got {other:?}"),
     }
+    // Nothing was stepped: the iteration was dropped, and a whole one steps.
+    assert!(!lp.is_poisoned());
+    for i in 0..SIZES.len() {
+        lp.grad_ready(TensorId(i as u32), 1.0).unwrap();
+    }
+    lp.finish(&mut store, &mut observe).unwrap();
+    assert_eq!(lp.step_count(), 1);
     // A tensor listed twice; a frozen tensor (no master/M/V).
     let cfg = StepConfig {
         hp: hp(),
@@ -582,21 +591,50 @@ fn a_skipped_step_drops_fp32_gradients_and_changes_nothing() {
     assert_eq!(store.stats().discarded_chunks, grad_chunks);
 }
 
+/// A step that some tensors took during backward and the rest cannot (a non-finite
+/// gradient after them, a gradient that never came) is half made: the loop is poisoned,
+/// refuses every call naming why, and `restore` (after a checkpoint) lifts it.
 #[test]
-fn a_non_finite_gradient_after_overlapped_steps_is_an_error() {
-    let (_d, mut store, lp) = small_loop(Overlap::Backward, None);
-    let mut lp = lp.unwrap();
-    let mut observe = |_: &ChunkStore| {};
-    // w5 and w4 fill the last chunks: their groups complete and are stepped.
-    for i in (0..SIZES.len()).rev() {
-        let sq = if i == 0 { f64::NAN } else { 1.0 };
-        lp.grad_ready(TensorId(i as u32), sq).unwrap();
-        lp.step_ready(&mut store, None, &mut observe).unwrap();
-    }
-    assert!(lp.stats().tensors_overlapped > 0);
-    match lp.finish(&mut store, &mut observe) {
-        Err(TrainError::Protocol(msg)) => assert!(msg.contains("non-finite"), "{msg}"),
-        other => panic!("expected a protocol error, got {other:?}"),
+fn a_half_made_overlapped_step_poisons_the_loop_until_restore() {
+    for missing in [false, true] {
+        let (_d, mut store, lp) = small_loop(Overlap::Backward, None);
+        let mut lp = lp.unwrap();
+        let mut observe = |_: &ChunkStore| {};
+        let state = lp.controller_state();
+        // w5 and w4 fill the last chunks: their groups complete and are stepped.
+        for i in (0..SIZES.len()).rev() {
+            let sq = if i == 0 { f64::NAN } else { 1.0 };
+            if !(missing && i == 0) {
+                lp.grad_ready(TensorId(i as u32), sq).unwrap();
+            }
+            lp.step_ready(&mut store, None, &mut observe).unwrap();
+        }
+        assert!(lp.stats().tensors_overlapped > 0);
+        let want = if missing {
+            "gradient of `w0` was reported"
+        } else {
+            "non-finite"
+        };
+        match lp.finish(&mut store, &mut observe) {
+            Err(TrainError::Poisoned { reason }) => {
+                assert!(
+                    reason.contains(want) && reason.contains("stepped during backward"),
+                    "{reason}"
+                )
+            }
+            other => panic!("expected a poisoned loop, got {other:?}"),
+        }
+        assert!(lp.is_poisoned());
+        assert!(matches!(
+            lp.grad_ready(TensorId(0), 1.0),
+            Err(TrainError::Poisoned { .. })
+        ));
+        lp.restore(state).unwrap();
+        for i in (0..SIZES.len()).rev() {
+            lp.grad_ready(TensorId(i as u32), 1.0).unwrap();
+        }
+        lp.finish(&mut store, &mut observe).unwrap();
+        assert_eq!(lp.step_count(), 1);
     }
 }
 

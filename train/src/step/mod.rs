@@ -42,8 +42,10 @@
 //! them the decision is known up front (step `n + 1`, gradients as they are), and
 //! overlapped steps are bit-identical to [`Overlap::Off`]. A non-finite gradient that
 //! arrives after tensors were stepped cannot be skipped any more: [`StepLoop::finish`]
-//! returns [`TrainError::Protocol`] naming it (bf16 training has no overflow to skip;
-//! such a gradient means the run diverged).
+//! poisons the loop, naming it (bf16 training has no overflow to skip; such a gradient
+//! means the run diverged). Likewise a step asked for before every gradient came
+//! ([`StepLoop::abandon`]): with nothing stepped yet the iteration is dropped and the
+//! next one starts anew; after overlapped steps the loop is poisoned.
 //!
 //! [`Overlap::Forward`] decides the step when every gradient is in, as [`Overlap::Off`]
 //! does, so it clips and skips alike; only when each tensor's update is made moves.
@@ -436,6 +438,35 @@ impl StepLoop {
         self.poisoned.is_some()
     }
 
+    /// Ends an iteration that cannot be finished (`what`: a gradient that never came).
+    /// With nothing stepped yet its reports are dropped and the next iteration starts
+    /// anew ([`TrainError::Protocol`]); after tensors were stepped during backward the
+    /// step is half made and the loop is poisoned ([`TrainError::Poisoned`]).
+    pub fn abandon(&mut self, what: &str) -> TrainError {
+        let overlapped = self.entries.iter().filter(|e| e.stepped).count();
+        if overlapped > 0 {
+            return self.half_made(format!(
+                "{what} after {overlapped} tensors were stepped during backward"
+            ));
+        }
+        self.new_iteration();
+        tracing::warn!(
+            what,
+            "step loop: iteration abandoned, its gradients dropped"
+        );
+        TrainError::Protocol(format!(
+            "{what}: the iteration is abandoned (its gradients dropped, nothing stepped); \
+             the next backward starts a new one"
+        ))
+    }
+
+    /// Poisons the loop after a step that some tensors took and others did not.
+    fn half_made(&mut self, reason: String) -> TrainError {
+        tracing::error!(%reason, "step loop: a step half made; poisoned until restore()");
+        self.poisoned = Some(reason.clone());
+        TrainError::Poisoned { reason }
+    }
+
     fn check_poisoned(&self) -> Result<()> {
         match &self.poisoned {
             Some(reason) => Err(TrainError::Poisoned {
@@ -526,10 +557,8 @@ impl StepLoop {
         self.check_poisoned()?;
         let given = self.given_by_entry(given)?;
         if let Some(e) = self.entries.iter().find(|e| !e.grad_final) {
-            return Err(TrainError::Protocol(format!(
-                "finish() before the gradient of `{}` was reported",
-                e.name
-            )));
+            let what = format!("finish() before the gradient of `{}` was reported", e.name);
+            return Err(self.abandon(&what));
         }
         let overlapped = self.entries.iter().filter(|e| e.stepped).count();
         // Without the finiteness check no norm counts: the step is applied as it is.
@@ -562,7 +591,7 @@ impl StepLoop {
                 }
                 r
             }
-            StepDecision::Skip { .. } if overlapped > 0 => Err(TrainError::Protocol(format!(
+            StepDecision::Skip { .. } if overlapped > 0 => Err(self.half_made(format!(
                 "a non-finite gradient arrived after {overlapped} tensors were stepped \
                  during backward; optimizer.overlap = \"backward\" cannot skip a step"
             ))),
@@ -780,9 +809,7 @@ impl StepLoop {
             None => self.entries[i].grad_consumed(store),
         });
         if let Err(e) = stepped {
-            let reason = format!("stepping `{}`: {e}", self.entries[i].name);
-            tracing::error!(%reason, "step loop: a tensor's step failed; poisoned until restore()");
-            self.poisoned = Some(reason);
+            self.half_made(format!("stepping `{}`: {e}", self.entries[i].name));
             return Err(e);
         }
         self.stats.tensors_stepped += 1;

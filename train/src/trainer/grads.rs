@@ -325,10 +325,19 @@ impl Trainer {
             .iter()
             .find(|e| e.spec.trainable && !e.reported)
         {
-            return Err(TrainError::Protocol(format!(
-                "step before the gradient of `{}` was given",
+            // The iteration cannot be finished: dropped (or, half stepped, poisoned),
+            // and the next one traced afresh.
+            let what = format!(
+                "step before the gradient of `{}` was given (a trainable tensor takes a \
+                 gradient every step: freeze one that gets none)",
                 e.spec.name
-            )));
+            );
+            let abandoned = self.step.abandon(&what);
+            self.entries.iter_mut().for_each(|e| e.reported = false);
+            self.reported = 0;
+            self.began_with_due = self.step.deferred() > 0;
+            self.store.end_iteration_retrace()?;
+            return Err(abandoned);
         }
         let outcome = self.step.finish_given(&mut self.store, observe, given);
         self.entries.iter_mut().for_each(|e| e.reported = false);
