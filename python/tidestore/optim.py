@@ -17,9 +17,12 @@ and out:
   The result is bit-identical to ``overlap=False``. It is refused with ``max_grad_norm``
   (clipping needs every gradient first) and needs one backward per step (no gradient
   accumulation over several backward passes). A step cannot be skipped once groups were
-  stepped during backward: a non-finite gradient that arrives after them makes the step
-  raise (``TidestoreError``, naming how many tensors were stepped) instead. The hooks
-  reach the optimizer weakly and go with it.
+  stepped during backward: a non-finite gradient that arrives after them, or a parameter
+  with no gradient at ``step()``, leaves the step half made, and it raises
+  (``TidestoreError``, naming the tensor and how many were stepped); the optimizer then
+  refuses to go on until a checkpoint is loaded (``load_state_dict``). With nothing
+  stepped yet, the iteration is dropped instead and the next one trains as usual. The
+  hooks reach the optimizer weakly and go with it.
 - **A CPU fp32 parameter is its own master copy** where the store keeps every chunk in
   host memory (no ``host_budget``): at construction its ``.data`` becomes a tensor over
   the master's memory in the store (the store never moves it; the tensor keeps the
