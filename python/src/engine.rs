@@ -283,6 +283,33 @@ impl EngineCore {
         })?)
     }
 
+    /// Whether [`EngineCore::step_given`] reads the gradients where the caller holds
+    /// them: the step runs in place in the host pool with no 16-bit copy to write (f32
+    /// precision, every chunk in RAM); else it would put them into the store first.
+    pub fn reads_given(&self) -> bool {
+        self.trainer.step_loop().reads_given()
+    }
+
+    /// The step with every parameter's whole gradient given here (elements of its
+    /// dtype; `None` for a frozen parameter), read where it is when
+    /// [`EngineCore::reads_given`] — no copy into the store — else put as by
+    /// [`EngineCore::put_grad`]; as [`EngineCore::step`] otherwise. Refused, with nothing
+    /// changed, for a missing or misshapen gradient, or after one was put.
+    pub fn step_given(&mut self, grads: &[Option<(&[u8], DType)>]) -> Result<Option<(f64, f64)>> {
+        if let Some(&i) = self.held().first() {
+            self.refuse_held(i, "the step with")?;
+        }
+        let values: Vec<Option<Values<'_>>> = grads
+            .iter()
+            .map(|g| g.map(|(bytes, dtype)| Values::Bytes { bytes, dtype }))
+            .collect();
+        let trainer = &mut self.trainer;
+        let outcome = timed(&mut self.times.optimizer_ns, || {
+            trainer.step_given(&values, &mut |_| {})
+        })?;
+        Ok(norm_and_clip(outcome.decision))
+    }
+
     /// Makes this core one rank of a data-parallel run that steps its shards (see
     /// [`tidestore_train::peers`]).
     pub fn set_norm_peers(&mut self, peers: Box<dyn tidestore_train::NormPeers>) {

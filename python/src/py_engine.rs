@@ -13,7 +13,7 @@ use tidestore_train::ranks::DEFAULT_AHEAD;
 use tidestore_train::{Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig};
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
-use crate::buffer::{parse_dtype, with_input};
+use crate::buffer::{parse_dtype, with_input, Bytes};
 use crate::engine::{EngineCore, Shard};
 use crate::error::{Error, Result};
 use crate::f32_bytes;
@@ -330,6 +330,37 @@ impl PyEngineCore {
     fn step(&mut self, py: Python<'_>) -> PyResult<Option<(f64, f64)>> {
         let core = self.core();
         Ok(py.allow_threads(|| core.step())?)
+    }
+
+    /// Whether `step_given` reads the gradients where they are (see
+    /// `EngineCore::reads_given` in Rust).
+    fn reads_given(&mut self) -> bool {
+        self.core().reads_given()
+    }
+
+    /// The step with every parameter's gradient given: per parameter in order a (uint8
+    /// buffer, dtype) pair, or None for a frozen one (see `EngineCore::step_given`).
+    fn step_given(
+        &mut self,
+        py: Python<'_>,
+        grads: Vec<Option<(Bound<'_, PyAny>, String)>>,
+    ) -> PyResult<Option<(f64, f64)>> {
+        let mut held = Vec::with_capacity(grads.len());
+        for (i, g) in grads.iter().enumerate() {
+            held.push(match g {
+                Some((buf, dtype)) => {
+                    let what = format!("{}.grad", self.name(i)?);
+                    Some((Bytes::new(buf, &what, false)?, parse_dtype("dtype", dtype)?))
+                }
+                None => None,
+            });
+        }
+        let views: Vec<Option<(&[u8], DType)>> = held
+            .iter()
+            .map(|g| g.as_ref().map(|(b, d)| (b.as_slice(), *d)))
+            .collect();
+        let core = self.core();
+        Ok(py.allow_threads(|| core.step_given(&views))?)
     }
 
     /// Gradients reported since the last step.

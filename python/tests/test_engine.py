@@ -206,6 +206,8 @@ def test_a_model_directory_is_imported_as_transformers_loads_it(tmp_path):
     want = torch_losses(ref, 3)
     mine, opt = tidestore.offload(tmp_path / "model", lr=1e-3, weight_decay=0.01,
                                   chunk_elements=16384, nvme_dir=tmp_path)
+    # Every chunk in RAM: torch's gradients are kept to the step and read there.
+    assert mine.tidestore_engine.core.reads_given()
     assert_close(want, engine_losses(mine, opt, 3))
 
 

@@ -25,7 +25,9 @@ How a module meets its weights:
   once the parameter is released: widened into the fp32 gradient (``precision="f32"``)
   or over the bf16 copy (``"bf16"``), their norm reported to the step loop; with
   ``overlap="backward"`` (or ``True``) the store steps each group as soon as its
-  gradients are final, during backward. ``param.grad`` stays ``None``.
+  gradients are final, during backward. Where the store steps in place in RAM (f32, no
+  host budget, one backward per step, no overlap) they are kept until the step instead,
+  which reads them where torch left them. ``param.grad`` stays ``None``.
 - **The step** (``optimizer.step()``) is the store's: clipping, the rest of the groups
   stepped where the store holds them, the iteration ended. With ``overlap="forward"``
   the step is decided there (clipping included) and each group is stepped in the next
@@ -179,6 +181,11 @@ class Engine:
         self._by_storage = {}  # data_ptr of a bound parameter's memory -> index
         self._bwd_holds = {}  # module key -> [indices held in backward]
         self._pending = {}  # index -> final gradient waiting for the release
+        # Where the store steps in place in RAM (f32, no host budget), one backward per
+        # step and no overlap: torch's gradients are kept until step() and read there
+        # (no copy into the store); index -> gradient.
+        self._given = ({} if shards is None and accumulation == 1 and overlap == "off"
+                       and core.reads_given() else None)
         self._callback_queued = False
         self._handles = []
         self._modules = {}  # key -> (module name, indices of its own parameters)
@@ -415,6 +422,9 @@ class Engine:
             self._check_backward_due()
             g, p.grad = p.grad, None
             self._queue_end_of_backward()
+            if self._given is not None:
+                self._given[i] = g
+                return
             self._pending[i] = g
             self._flush_grads()
         return hook
@@ -471,11 +481,31 @@ class Engine:
         if self._collectives is not None:
             self._collectives.end_iteration()
         try:
+            if self._given is not None:
+                return self._step_given()
             return self.core.step()
         finally:
             # Stepped, or the iteration ended by the failure (a missing gradient drops
             # it; a half-made step poisons the store until a checkpoint is loaded).
             self.micro = 0
+
+    def _step_given(self):
+        """The step with the gradients kept since backward, read where torch left them.
+        A trainable parameter without one: the others are put and the core's step
+        refuses it by name, dropping the iteration (as without kept gradients)."""
+        given, self._given = self._given, {}
+        for i, g in given.items():
+            if g.device.type != "cpu":
+                raise TidestoreError(
+                    f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+        if any(p.requires_grad and i not in given for i, p in enumerate(self.params)):
+            for i, g in given.items():
+                self._put_shard(i, g, True, True)
+            return self.core.step()
+        grads = [None] * len(self.params)
+        for i, g in given.items():
+            grads[i] = (byte_view(g.contiguous(), self.names[i] + ".grad"), dtype_name(g))
+        return self.core.step_given(grads)
 
     # -- bad input -------------------------------------------------------------------
 
