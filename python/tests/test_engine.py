@@ -98,6 +98,28 @@ def test_losses_equal_torch_with_the_weights_streamed_from_nvme(overlap, checkpo
         assert mine.tidestore_engine.core.overlap == "forward"
 
 
+def test_in_ram_kept_gradients_and_overlapped_steps_equal_torch_and_each_other(tmp_path):
+    """Every chunk in RAM: without overlap torch's gradients are kept to the step and
+    read there; with overlap they are put as they come and each group stepped when
+    complete. Both equal torch, and each other to the bit."""
+    base = llama()
+    want = torch_losses(copy.deepcopy(base), 10)
+    runs = {}
+    for overlap in (False, True):
+        mine, opt = tidestore.offload(copy.deepcopy(base), lr=1e-3, weight_decay=0.01,
+                                      chunk_elements=16384, overlap=overlap, nvme_dir=tmp_path)
+        eng = mine.tidestore_engine
+        assert eng.core.reads_given() and (eng._given is None) == overlap
+        got = engine_losses(mine, opt, 10)
+        assert_close(want, got)
+        stats = eng.core.stats()
+        assert stats["nvme_read_bytes"] == 0
+        assert (stats["tensors_overlapped"] > 0) == overlap
+        runs[overlap] = (got, [eng.values(i) for i in range(len(eng.names))])
+    assert runs[False][0] == runs[True][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+
+
 def test_stepping_in_the_next_forward_clips_bit_for_bit_as_after_backward(tmp_path):
     """overlap="forward" with clipping (every step clipped), a tied embedding and two
     micro-batches per step: the same losses and weights as overlap="off", bit for bit;
