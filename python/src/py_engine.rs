@@ -10,7 +10,9 @@ use std::sync::{Mutex, PoisonError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use tidestore_train::ranks::DEFAULT_AHEAD;
-use tidestore_train::{Budget, DType, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig};
+use tidestore_train::{
+    Budget, DType, DeviceChoice, HyperParams, Overlap, ParamSpec, Precision, TrainerConfig,
+};
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
 use crate::buffer::{parse_dtype, with_input, Bytes};
@@ -58,9 +60,18 @@ impl Keywords {
             check_finite: true,
             nvme_dir: self.nvme_dir,
         };
+        // A device budget asks for the simulated device standing in for a GPU (modules
+        // bound in its memory, the GPU's traffic exercised); without one nothing is
+        // placed there: modules are bound in the host pool, where the step writes, with
+        // no copy between two kinds of host memory (and no device working set to fit).
+        let device = match self.device_budget {
+            Some(_) => DeviceChoice::Sim,
+            None => DeviceChoice::Auto,
+        };
         Ok(TrainerConfig {
             precision: self.precision,
             device_budget: self.device_budget.map_or(Budget::Chunks(4), Budget::Bytes),
+            device,
             ..store.trainer_config(own_swap_dir(&store.nvme_dir))
         })
     }

@@ -326,6 +326,24 @@ def test_a_step_without_a_parameters_gradient_names_it_and_training_goes_on(tmp_
     assert model.tidestore_engine.core.step_count() == 2
 
 
+def test_without_a_device_budget_modules_are_bound_in_the_host_pool(tmp_path):
+    """The README's call (a host budget, no device budget, chunks searched) with
+    activation checkpointing: nothing stands in for a GPU, so no device working set has
+    to fit (a 4-chunk stand-in refused the recompute's at the first backward)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    base = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(base)
+    checkpointing_on(ref)
+    want = torch_losses(ref, 3)
+    mine, opt = tidestore.offload(base, lr=1e-3, weight_decay=0.01, host_budget="1GiB",
+                                  nvme_dir=tmp_path)
+    checkpointing_on(mine)
+    assert_close(want, engine_losses(mine, opt, 3))
+
+
 def test_a_step_before_the_backward_passes_is_refused(tmp_path):
     mine, opt = tidestore.offload(llama(), accumulation=2, chunk_elements=16384,
                                   nvme_dir=tmp_path)
