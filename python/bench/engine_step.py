@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--host-budget", default=None, help="tidestore host pool (default: all in RAM)")
     ap.add_argument("--chunk-elements", type=int, default=None, help="default: searched")
-    ap.add_argument("--device-budget", default=None, help="simulated device (default: 4 chunks)")
+    ap.add_argument("--device-budget", default=None,
+                    help="a simulated device standing in for a GPU (default: none)")
     ap.add_argument("--no-checkpointing", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

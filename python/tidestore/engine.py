@@ -826,7 +826,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     ``config``: a ``tidestore.toml`` whose sections decide the store (``train.precision``,
     ``[optimizer]``, ``[chunk]``, ``[device]``, ``[host]``, ``[nvme]``, ``[io]``); without
     it the keywords do (``host_budget``/``device_budget`` in bytes or '4GiB'; no
-    ``host_budget``: every chunk in RAM). ``accumulation``: backward passes per step.
+    ``host_budget``: every chunk in RAM; a ``device_budget`` puts a simulated device
+    standing in for a GPU between them and the modules, none binds them in the host
+    pool). ``accumulation``: backward passes per step.
     ``overlap``: ``False`` / ``"off"`` (the step after backward), ``True`` /
     ``"backward"`` (each group during backward; no clipping, ``accumulation=1``) or
     ``"forward"`` (decided after backward, clipping included; each group stepped in the
