@@ -283,11 +283,14 @@ impl EngineCore {
         })?)
     }
 
-    /// Whether [`EngineCore::step_given`] reads the gradients where the caller holds
-    /// them: the step runs in place in the host pool with no 16-bit copy to write (f32
-    /// precision, every chunk in RAM); else it would put them into the store first.
+    /// Whether the caller should keep its gradients to the step and hand them to
+    /// [`EngineCore::step_given`]: the step reads them where they are (in place in the
+    /// host pool, no 16-bit copy to write: f32 precision) and the host pool holds every
+    /// chunk, so what the caller keeps is memory a budget below the training state
+    /// would not have (there every gradient goes into the store as it comes, to be
+    /// spilled with the rest).
     pub fn reads_given(&self) -> bool {
-        self.trainer.step_loop().reads_given()
+        self.trainer.step_loop().reads_given() && self.trainer.host_pool_holds_every_chunk()
     }
 
     /// The step with every parameter's whole gradient given here (elements of its

@@ -87,6 +87,9 @@ def test_losses_equal_torch_with_the_weights_streamed_from_nvme(overlap, checkpo
     want = torch_losses(ref, 10)
     mine, opt = tidestore.offload(mine, lr=1e-3, weight_decay=0.01, chunk_elements=16384,
                                   host_budget=HOST, overlap=overlap, nvme_dir=tmp_path)
+    # A host budget below the state: every gradient goes into the store as it comes
+    # (kept to the step they would be memory the budget does not have).
+    assert not mine.tidestore_engine.core.reads_given()
     got = engine_losses(mine, opt, 10)
     assert_close(want, got)
     stats = mine.tidestore_engine.core.stats()

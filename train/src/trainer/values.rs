@@ -296,10 +296,9 @@ impl Trainer {
     /// the trainer lives, written by its steps and by [`Trainer::set_master`] /
     /// [`Trainer::load`].
     pub fn resident_master(&mut self, i: usize) -> Result<Option<Resident>> {
-        let plan = self.store.capacity_plan();
         let stays = self.precision == Precision::F32
             && self.step.place() == crate::step::StepPlace::Host
-            && plan.host_buffers >= plan.chunks;
+            && self.host_pool_holds_every_chunk();
         if !stays {
             return Ok(None);
         }
@@ -307,6 +306,14 @@ impl Trainer {
         self.resident = true;
         self.compute_place = Place::Host;
         Ok(Some(Resident { addr, len }))
+    }
+
+    /// Whether the host pool holds every chunk of the layout at once: nothing is ever
+    /// evicted to NVMe, and memory a front end keeps beside the store (its gradients
+    /// until the step, say) is not taken from a budget below the training state.
+    pub fn host_pool_holds_every_chunk(&self) -> bool {
+        let plan = self.store.capacity_plan();
+        plan.host_buffers >= plan.chunks
     }
 
     /// Runs `f` on trainable parameter `i`'s fp32 master copy, in place in the host
