@@ -191,14 +191,7 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
         .with_moments(cfg.moments);
     let chunk_elements = match cfg.chunk_elements {
         Some(c) => c,
-        None => {
-            let search = SearchConfig::new(cfg.io.block_bytes as u64)
-                .with_cap_factor(2)
-                .with_resident_chunks(u64::from(STEP_WORKING_SET_CHUNKS) + 1);
-            search_chunk_size(&tensors, &base, &search)?
-                .chosen
-                .chunk_elements
-        }
+        None => fitting_chunk_elements(&tensors, &base, cfg)?,
     };
     Layout::new(
         LayoutConfig {
@@ -215,6 +208,80 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
             }
         }
         e => TrainError::Store(e),
+    })
+}
+
+/// The searched chunk size, made smaller where a budget given in bytes could not hold
+/// what one moment uses at it (the search weighs waste against a working set, not
+/// against the budgets): searched again under a cap — the largest chunk the budgets
+/// allow (7/8 of the last choice where that is no smaller) — until the host's working set
+/// ([`STEP_WORKING_SET_CHUNKS`] slots and a staging buffer) and, on a device asked for
+/// by name, the device's fit, or no smaller size holds the largest tensor: then the
+/// store's own check at open names the bytes short, as before.
+fn fitting_chunk_elements(
+    tensors: &[TensorSpec],
+    base: &LayoutConfig,
+    cfg: &TrainerConfig,
+) -> Result<u64> {
+    let mut search = SearchConfig::new(cfg.io.block_bytes as u64)
+        .with_cap_factor(2)
+        .with_resident_chunks(u64::from(STEP_WORKING_SET_CHUNKS) + 1);
+    let mut chosen = search_chunk_size(tensors, base, &search)?
+        .chosen
+        .chunk_elements;
+    for _ in 0..16 {
+        let Some(cap) = budget_cap(tensors, base, chosen, cfg) else {
+            break; // fits
+        };
+        // The budgets' own cap, unless rounding left it no smaller than the last try.
+        let cap = if cap < chosen { cap } else { chosen / 8 * 7 };
+        search = search.with_max_chunk_elements(cap);
+        match search_chunk_size(tensors, base, &search) {
+            Ok(report) => chosen = report.chosen.chunk_elements,
+            Err(_) => break, // no smaller size holds the largest tensor
+        }
+        tracing::debug!(
+            chunk_elements = chosen,
+            "trainer: chunk size made to fit the budgets"
+        );
+    }
+    Ok(chosen)
+}
+
+/// `None` when chunks of `chunk_elements` leave the working sets inside the budgets
+/// given in bytes, else the largest chunk (in elements) the budgets allow at this
+/// layout's bytes per element. The device's budget counts only on a device asked for by
+/// name: `auto` without a GPU resizes its stand-in to what the layout needs (see
+/// [`Trainer::open`]).
+fn budget_cap(
+    tensors: &[TensorSpec],
+    base: &LayoutConfig,
+    chunk_elements: u64,
+    cfg: &TrainerConfig,
+) -> Option<u64> {
+    let config = LayoutConfig {
+        chunk_elements,
+        ..*base
+    };
+    // A layout refused here is refused at open, naming why.
+    let layout = Layout::new(config, tensors.to_vec()).ok()?;
+    let largest = layout.dense_chunk_bytes().into_iter().max().unwrap_or(0);
+    let slot_bytes = tidestore_io::align_up(largest as usize) as u64;
+    let n = u64::from(STEP_WORKING_SET_CHUNKS);
+    let mut max_slot = u64::MAX;
+    if let Budget::Bytes(b) = cfg.host_budget {
+        if (n + 1) * slot_bytes > b {
+            max_slot = b / (n + 1);
+        }
+    }
+    if let (DeviceChoice::Sim, Budget::Bytes(b)) = (cfg.device, cfg.device_budget) {
+        if device_working_set_bytes(&layout, STEP_WORKING_SET_CHUNKS) > b {
+            max_slot = max_slot.min(b / n);
+        }
+    }
+    (max_slot != u64::MAX).then(|| {
+        let bytes_per_element = largest.div_ceil(chunk_elements.max(1)).max(1);
+        max_slot / bytes_per_element
     })
 }
 
@@ -393,5 +460,40 @@ mod tests {
         assert_eq!(chosen.config().chunk_elements, 92_274_688);
         assert_eq!(by_waste.chosen.chunk_elements, 109_051_904);
         assert!(by_waste.chosen.waste_bytes < chosen.waste_bytes());
+    }
+
+    /// The 5 x 369 MB host floor of the search's choice above, and its 4-chunk device
+    /// working set, against budgets given in bytes: the chunk is made smaller until both
+    /// fit (still holding the 65.5M-element embedding), and a budget no chunk size can
+    /// meet leaves the search's choice for the store to refuse by name.
+    #[test]
+    fn budgets_in_bytes_bound_the_searched_chunk_size() {
+        let mut cfg = TrainerConfig::new(HyperParams::adamw(1e-5, (0.9, 0.999), 1e-8, 0.0), "/");
+        cfg.io.block_bytes = 16 << 20;
+        cfg.device = DeviceChoice::Sim;
+        let specs = llama_05b();
+        let gib = 1u64 << 30;
+        for (host, device) in [(gib + gib / 2, 4 * gib), (8 * gib, gib + gib / 8)] {
+            cfg.host_budget = Budget::Bytes(host);
+            cfg.device_budget = Budget::Bytes(device);
+            let chosen = layout(&specs, &cfg).unwrap();
+            let elements = chosen.config().chunk_elements;
+            assert!((65_536_000..92_274_688).contains(&elements), "{elements}");
+            let slot = chosen.dense_chunk_bytes().into_iter().max().unwrap();
+            assert!(5 * slot <= host, "host: 5 x {slot} > {host}");
+            let working = device_working_set_bytes(&chosen, STEP_WORKING_SET_CHUNKS);
+            assert!(working <= device, "device: {working} > {device}");
+        }
+        // Auto's stand-in is resized to the layout at open: its budget does not count.
+        cfg.device = DeviceChoice::Auto;
+        cfg.host_budget = Budget::Bytes(8 * gib);
+        let auto = layout(&specs, &cfg).unwrap();
+        assert_eq!(auto.config().chunk_elements, 92_274_688);
+        // Below what the embedding alone forces: the search's choice, refused at open.
+        cfg.host_budget = Budget::Bytes(gib);
+        assert_eq!(
+            layout(&specs, &cfg).unwrap().config().chunk_elements,
+            92_274_688
+        );
     }
 }
