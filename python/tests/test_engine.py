@@ -347,6 +347,25 @@ def test_without_a_device_budget_modules_are_bound_in_the_host_pool(tmp_path):
     assert_close(want, engine_losses(mine, opt, 3))
 
 
+def test_a_budget_a_moment_cannot_fit_names_the_module_and_parameter(tmp_path):
+    """A simulated device of 4 chunks opens (it holds the layout's working set) but the
+    checkpointed recompute needs more at once: the store's refusal says which module's
+    parameter was being bound."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    mine, _ = tidestore.offload(transformers.LlamaForCausalLM(cfg), host_budget="1GiB",
+                                device_budget=4 * 196608 * 4, chunk_elements=196608,
+                                nvme_dir=tmp_path)
+    checkpointing_on(mine)
+    ids = batches(1)[0]
+    with pytest.raises(tidestore.TidestoreError, match=r"binding parameter `model\.layers\.0\."
+                       r"mlp\.\w+\.weight` of module `model\.layers\.0\.mlp\.\w+`: moment \d+: "
+                       r"the chunks needed together take \d+ bytes but the tier holds"):
+        mine(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_a_step_before_the_backward_passes_is_refused(tmp_path):
     mine, opt = tidestore.offload(llama(), accumulation=2, chunk_elements=16384,
                                   nvme_dir=tmp_path)

@@ -200,9 +200,15 @@ class Engine:
 
     @unguarded
     def _bind(self, i):
-        self._holds[i] += 1
         if self._shards is None:
-            addr, nbytes, dtype = self.core.acquire(i)
+            try:
+                addr, nbytes, dtype = self.core.acquire(i)
+            except TidestoreError as e:
+                # The store's refusal (a budget its moment cannot fit, an I/O error)
+                # said of the module and parameter being bound; nothing was held.
+                raise type(e)(f"binding parameter `{self.names[i]}` of module "
+                              f"{self._module_name(i)}: {e}") from e
+        self._holds[i] += 1
         if self._holds[i] == 1:
             self._held += 1
             if self._shards is None:
@@ -238,11 +244,17 @@ class Engine:
         """Whether parameter ``i`` is bound to the store's memory now."""
         return self._holds[i] > 0
 
+    def _module_name(self, i):
+        """The first module that owns parameter ``i``, quoted (the root by its class)."""
+        if i not in self._owner:
+            return "(none)"
+        mname = self._modules[self._owner[i]][0]
+        return f"`{mname or type(self.model).__name__}`"
+
     def outside_forward(self, i, what):
         """The error of a parameter read (``what``: the torch function) while it is a
         stand-in (see ``_guard.py``)."""
-        mname = self._modules[self._owner[i]][0] if i in self._owner else None
-        module = f"`{mname or type(self.model).__name__}`" if mname is not None else "(none)"
+        module = self._module_name(i)
         change = ("change it with model.tidestore_engine.set_values" if what == "set data"
                   else "read it inside that module's forward, or read its values with "
                   "model.tidestore_engine.values / state_dict")
