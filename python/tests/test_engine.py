@@ -33,6 +33,16 @@ def llama(tie=False, seed=0):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def init_model_llama():
+    """The shape `tidestore init-model` writes by default (4 layers, hidden 256, GQA 8/4
+    heads, vocab 512): the README example's model, random."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(n)]
@@ -333,11 +343,7 @@ def test_without_a_device_budget_modules_are_bound_in_the_host_pool(tmp_path):
     """The README's call (a host budget, no device budget, chunks searched) with
     activation checkpointing: nothing stands in for a GPU, so no device working set has
     to fit (a 4-chunk stand-in refused the recompute's at the first backward)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
-    base = transformers.LlamaForCausalLM(cfg)
+    base = init_model_llama()
     ref = copy.deepcopy(base)
     checkpointing_on(ref)
     want = torch_losses(ref, 3)
@@ -351,11 +357,7 @@ def test_a_budget_a_moment_cannot_fit_names_the_module_and_parameter(tmp_path):
     """A simulated device of 4 chunks opens (it holds the layout's working set) but the
     checkpointed recompute needs more at once: the store's refusal says which module's
     parameter was being bound."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
-    mine, _ = tidestore.offload(transformers.LlamaForCausalLM(cfg), host_budget="1GiB",
+    mine, _ = tidestore.offload(init_model_llama(), host_budget="1GiB",
                                 device_budget=4 * 196608 * 4, chunk_elements=196608,
                                 nvme_dir=tmp_path)
     checkpointing_on(mine)
