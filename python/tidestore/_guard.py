@@ -5,7 +5,8 @@ its values live in the store). Code that reads it there — a weight used by the
 own ``forward`` outside the module that owns it, a regulariser summed over
 ``model.parameters()`` after the forward, ``copy.deepcopy(model)``, ``p.data.normal_()``
 — would compute with NaN, and the step would then skip the non-finite gradients: a
-wrong result with no error. So each handed-over parameter becomes an
+wrong result with no error. So each handed-over parameter (a plain ``nn.Parameter``;
+one of a subclass of its own keeps its class, unguarded) becomes an
 ``OffloadedParameter`` (still an ``nn.Parameter``), whose ``__torch_function__`` lets
 every torch function through while the engine has it bound, and outside of that only
 what reads no value (its shape, dtype, device, strides, ``grad``…): anything that would
@@ -98,7 +99,11 @@ def unguarded(method):
 
 def guard(param, engine_ref, index):
     """Makes ``param`` (parameter ``index`` of the engine behind the weak reference
-    ``engine_ref``) an ``OffloadedParameter``; its data is not touched."""
+    ``engine_ref``) an ``OffloadedParameter``; its data is not touched. A parameter of a
+    subclass of its own keeps its class (and goes unguarded): its behaviour is not ours
+    to replace."""
+    if type(param) is not torch.nn.Parameter:
+        return
     param.__class__ = OffloadedParameter
     param._tidestore_engine = engine_ref
     param._tidestore_index = index
