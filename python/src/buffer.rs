@@ -132,6 +132,12 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "object".into())
 }
 
+/// A gradient handed to a step: its buffer (`what` names it in errors) held for the
+/// call, with its dtype.
+pub fn held_grad(buf: &Bound<'_, PyAny>, dtype: &str, what: &str) -> Result<(Bytes, DType)> {
+    Ok((Bytes::new(buf, what, false)?, parse_dtype("dtype", dtype)?))
+}
+
 /// A dtype named as the Python layer names it (`float32`, `bfloat16`, `float16`).
 pub fn parse_dtype(what: &str, name: &str) -> Result<DType> {
     match name {

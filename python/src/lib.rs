@@ -31,7 +31,7 @@ use tidestore_train::{DType, HyperParams};
 
 use crate::adamw::{parse_states, AdamWCore, CoreConfig};
 use crate::aio::{AioConfig, Memory, Worker};
-use crate::buffer::{parse_dtype, with_input, Bytes};
+use crate::buffer::{held_grad, parse_dtype, with_input, Bytes};
 use crate::error::{ConfigError, Error, TidestoreError, TidestoreIoError};
 
 /// The other ranks' gradient norms through a Python callable (the step calls it with
@@ -221,8 +221,11 @@ impl PyAdamWCore {
     ) -> PyResult<Option<(f64, f64)>> {
         let mut held = Vec::with_capacity(grads.len());
         for (i, (buf, dtype)) in grads.iter().enumerate() {
-            let what = format!("{}.grad", adamw::param_name(i));
-            held.push((Bytes::new(buf, &what, false)?, parse_dtype("dtype", dtype)?));
+            held.push(held_grad(
+                buf,
+                dtype,
+                &format!("{}.grad", adamw::param_name(i)),
+            )?);
         }
         let views: Vec<(&[u8], DType)> = held.iter().map(|(b, d)| (b.as_slice(), *d)).collect();
         let core = self.core();

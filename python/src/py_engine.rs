@@ -15,7 +15,7 @@ use tidestore_train::{
 };
 
 use crate::adamw::{check_clip_and_dir, overlap_name, parse_overlap, parse_states, CoreConfig};
-use crate::buffer::{parse_dtype, with_input, Bytes};
+use crate::buffer::{held_grad, parse_dtype, with_input};
 use crate::engine::{EngineCore, Shard};
 use crate::error::{Error, Result};
 use crate::f32_bytes;
@@ -360,8 +360,7 @@ impl PyEngineCore {
         for (i, g) in grads.iter().enumerate() {
             held.push(match g {
                 Some((buf, dtype)) => {
-                    let what = format!("{}.grad", self.name(i)?);
-                    Some((Bytes::new(buf, &what, false)?, parse_dtype("dtype", dtype)?))
+                    Some(held_grad(buf, dtype, &format!("{}.grad", self.name(i)?))?)
                 }
                 None => None,
             });

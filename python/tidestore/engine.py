@@ -451,10 +451,13 @@ class Engine:
         for i in [i for i in self._pending if self._holds[i] == 0]:
             self._put_grad(i, self._pending.pop(i))
 
-    def _put_grad(self, i, g):
+    def _check_cpu_grad(self, i, g):
         if g.device.type != "cpu":
             raise TidestoreError(
                 f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+
+    def _put_grad(self, i, g):
+        self._check_cpu_grad(i, g)
         first = self.micro == 0
         last = self.micro == self.accumulation - 1
         if self._collectives is not None:
@@ -507,9 +510,7 @@ class Engine:
         refuses it by name, dropping the iteration (as without kept gradients)."""
         given, self._given = self._given, {}
         for i, g in given.items():
-            if g.device.type != "cpu":
-                raise TidestoreError(
-                    f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+            self._check_cpu_grad(i, g)
         if any(p.requires_grad and i not in given for i, p in enumerate(self.params)):
             for i, g in given.items():
                 self._put_shard(i, g, True, True)
