@@ -8,7 +8,9 @@
 //! 1. before a module runs, [`EngineCore::acquire`] each of its parameters: the store
 //!    accesses it where compute reads it and keeps it there ([`Trainer::lease`]); the
 //!    address, length and dtype it returns become a torch tensor over that memory
-//!    (no copy: numpy's array interface, then `torch.from_numpy`). Acquiring a parameter
+//!    (no copy: numpy's array interface, then `torch.from_numpy`; on a GPU device tier
+//!    the parameter is handed out of the device tier and becomes a CUDA tensor through
+//!    the CUDA array interface). Acquiring a parameter
 //!    that is already held (a tied weight, a module called twice) counts one more hold;
 //! 2. after the module, [`EngineCore::release`]: when the last hold goes, the lease ends
 //!    (`HoldAfterFwd` in forward, `HoldAfterBwd` in backward) and the chunk may move
@@ -57,21 +59,28 @@ struct Held {
     holds: u32,
 }
 
-/// Where a held parameter's elements are: address, bytes, element dtype.
+/// Where a held parameter's elements are: address, bytes, element dtype, and whether
+/// the address is host memory or a CUDA GPU's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Binding {
-    /// Address of the first element in this process.
+    /// Address of the first element: in this process, or on the GPU `gpu` names.
     pub addr: usize,
     /// Bytes of the parameter.
     pub len: usize,
     /// Element dtype (f32, or bf16 for a trainable parameter in bf16 precision).
     pub dtype: DType,
+    /// The CUDA ordinal of the GPU whose memory `addr` is in (unified addressing: one
+    /// address space with the host's); `None`: host memory.
+    pub gpu: Option<usize>,
 }
 
 /// One model's training state in a store (see the module doc).
 #[derive(Debug)]
 pub struct EngineCore {
     trainer: Trainer,
+    /// The GPU the store's device tier is, when it is one: compute reads parameters
+    /// there and they are bound as CUDA tensors.
+    gpu: Option<usize>,
     held: HashMap<usize, Held>,
     /// Time spent in the store and in the optimizer since open.
     times: Times,
@@ -106,13 +115,18 @@ impl EngineCore {
             path: cfg.swap_dir.display().to_string(),
             source,
         })?;
-        let trainer = Trainer::open(specs, cfg).inspect_err(|_| {
+        let mut trainer = Trainer::open(specs, cfg).inspect_err(|_| {
             // Nothing of the run is left: the store removes what it made.
             let _ = std::fs::remove_dir(&cfg.swap_dir);
         })?;
         unlink_swap(&trainer, Some(&cfg.swap_dir));
+        // On a GPU the modules compute there: parameters are handed out of the device
+        // tier, never through the host pool.
+        let gpu = trainer.device_is_gpu().then_some(cfg.gpu_ordinal);
+        trainer.set_compute_on_device(gpu.is_some());
         Ok(EngineCore {
             trainer,
+            gpu,
             held: HashMap::new(),
             times: Times::default(),
         })
@@ -145,20 +159,35 @@ impl EngineCore {
         }
         let lease = &self.held[&i].lease;
         let (view, dtype) = self.trainer.lease_view(lease)?;
-        let bytes = match view {
-            TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => b,
-            TensorView::Device(DeviceView::Cuda(_)) => {
-                return Err(Error::Protocol(format!(
-                    "`{}` is in GPU memory: this build binds parameters as CPU tensors",
-                    self.trainer.spec(i)?.name
-                )))
+        // The chunk is current where the view says (the store waited for its copy), so
+        // any stream may read it until the lease ends.
+        let (addr, len, gpu) = match view {
+            TensorView::Host(b) | TensorView::Device(DeviceView::Host(b)) => {
+                (b.as_ptr() as usize, b.len(), None)
+            }
+            TensorView::Device(DeviceView::Cuda(span)) => {
+                let Some(gpu) = self.gpu else {
+                    return Err(Error::Protocol(format!(
+                        "`{}` was handed out in GPU memory by a store whose device tier is \
+                         not a GPU",
+                        self.trainer.spec(i)?.name
+                    )));
+                };
+                (span.ptr() as usize, span.len_bytes(), Some(gpu))
             }
         };
         Ok(Binding {
-            addr: bytes.as_ptr() as usize,
-            len: bytes.len(),
+            addr,
+            len,
             dtype,
+            gpu,
         })
+    }
+
+    /// The CUDA ordinal of the GPU the store's device tier is (parameters are bound
+    /// there), or `None` where it is the simulation (bound in host memory).
+    pub fn gpu(&self) -> Option<usize> {
+        self.gpu
     }
 
     /// Drops one hold of parameter `i`; the last ends its lease (to `HoldAfterBwd` when
@@ -288,9 +317,11 @@ impl EngineCore {
     /// host pool, no 16-bit copy to write: f32 precision) and the host pool holds every
     /// chunk, so what the caller keeps is memory a budget below the training state
     /// would not have (there every gradient goes into the store as it comes, to be
-    /// spilled with the rest).
+    /// spilled with the rest). Never on a GPU: the gradients are torch's CUDA tensors.
     pub fn reads_given(&self) -> bool {
-        self.trainer.step_loop().reads_given() && self.trainer.host_pool_holds_every_chunk()
+        self.gpu.is_none()
+            && self.trainer.step_loop().reads_given()
+            && self.trainer.host_pool_holds_every_chunk()
     }
 
     /// The step with every parameter's whole gradient given here (elements of its
@@ -452,7 +483,11 @@ mod tests {
         let vals: Vec<u8> = (0..32).flat_map(|x| (x as f32).to_le_bytes()).collect();
         e.set_values(0, &vals, DType::F32).unwrap();
         let b = e.acquire(0).unwrap();
-        assert_eq!((b.len, b.dtype), (128, DType::F32));
+        // The simulated device: host memory, no GPU to compute on.
+        assert_eq!(
+            (b.len, b.dtype, b.gpu, e.gpu()),
+            (128, DType::F32, None, None)
+        );
         // A second hold (a tied weight) binds the same memory.
         assert_eq!(e.acquire(0).unwrap(), b);
         assert!(e.set_values(0, &vals, DType::F32).is_err());

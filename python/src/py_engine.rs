@@ -38,6 +38,8 @@ struct Keywords {
     nvme_dir: PathBuf,
     host_budget: Option<u64>,
     device_budget: Option<u64>,
+    /// The CUDA GPU the modules compute on (the device tier, `device_budget` of it).
+    gpu: Option<usize>,
     max_grad_norm: Option<f32>,
     overlap: Overlap,
     threads: usize,
@@ -60,18 +62,22 @@ impl Keywords {
             check_finite: true,
             nvme_dir: self.nvme_dir,
         };
-        // A device budget asks for the simulated device standing in for a GPU (modules
-        // bound in its memory, the GPU's traffic exercised); without one nothing is
-        // placed there: modules are bound in the host pool, where the step writes, with
-        // no copy between two kinds of host memory (and no device working set to fit).
-        let device = match self.device_budget {
-            Some(_) => DeviceChoice::Sim,
-            None => DeviceChoice::Auto,
+        // A GPU asked for is the device tier (where one can be opened: the caller
+        // checks that it was). Else a device budget asks for the simulated device
+        // standing in for a GPU (modules bound in its memory, the GPU's traffic
+        // exercised); without one nothing is placed there: modules are bound in the host
+        // pool, where the step writes, with no copy between two kinds of host memory (and
+        // no device working set to fit), and no GPU is opened even where there is one.
+        let device = match (self.gpu, self.device_budget) {
+            (Some(_), _) => DeviceChoice::Auto,
+            (None, Some(_)) => DeviceChoice::Sim,
+            (None, None) => DeviceChoice::Cpu,
         };
         Ok(TrainerConfig {
             precision: self.precision,
             device_budget: self.device_budget.map_or(Budget::Chunks(4), Budget::Bytes),
             device,
+            gpu_ordinal: self.gpu.unwrap_or(0),
             ..store.trainer_config(own_swap_dir(&store.nvme_dir))
         })
     }
@@ -136,8 +142,8 @@ impl PyEngineCore {
     #[new]
     #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
-        device_budget=None, max_grad_norm=None, overlap="off", threads=0, chunk_elements=None,
-        local_gpu=None, collectives_ahead=DEFAULT_AHEAD))]
+        device_budget=None, gpu=None, max_grad_norm=None, overlap="off", threads=0,
+        chunk_elements=None, local_gpu=None, collectives_ahead=DEFAULT_AHEAD))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -152,6 +158,7 @@ impl PyEngineCore {
         nvme_dir: Option<PathBuf>,
         host_budget: Option<u64>,
         device_budget: Option<u64>,
+        gpu: Option<usize>,
         max_grad_norm: Option<f32>,
         overlap: &str,
         threads: usize,
@@ -171,6 +178,7 @@ impl PyEngineCore {
                     })?,
                     host_budget,
                     device_budget,
+                    gpu,
                     max_grad_norm,
                     overlap: parse_overlap(overlap)?,
                     threads,
@@ -243,11 +251,25 @@ impl PyEngineCore {
         Ok(d)
     }
 
-    /// Holds parameter `i` for compute: (address, bytes, dtype name) of its elements.
-    fn acquire(&mut self, py: Python<'_>, i: usize) -> PyResult<(usize, usize, &'static str)> {
+    /// Holds parameter `i` for compute: (address, bytes, dtype name, GPU) of its
+    /// elements; GPU: the CUDA ordinal whose memory the address is in, `None` for host
+    /// memory.
+    #[allow(clippy::type_complexity)]
+    fn acquire(
+        &mut self,
+        py: Python<'_>,
+        i: usize,
+    ) -> PyResult<(usize, usize, &'static str, Option<usize>)> {
         let core = self.core();
         let b = py.allow_threads(|| core.acquire(i))?;
-        Ok((b.addr, b.len, torch_name(b.dtype)))
+        Ok((b.addr, b.len, torch_name(b.dtype), b.gpu))
+    }
+
+    /// The CUDA ordinal of the GPU the store's device tier is, where modules then
+    /// compute (parameters bound as CUDA tensors); `None`: the CPU.
+    #[getter]
+    fn gpu(&mut self) -> Option<usize> {
+        self.core().gpu()
     }
 
     /// Drops one hold of parameter `i`; returns the holds left.

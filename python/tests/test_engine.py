@@ -635,3 +635,43 @@ def test_a_backward_beyond_the_accumulation_is_refused_and_the_step_goes_on(chec
 def test_engines_without_an_nvme_dir_keep_their_checkpoints_apart():
     (_, a), (_, b) = tidestore.offload(llama()), tidestore.offload(llama(seed=1))
     assert a.checkpoint_path != b.checkpoint_path
+
+
+def test_where_the_model_computes_is_the_cpu_or_a_gpu_the_store_opens(tmp_path):
+    """``device=`` names the CPU (the default) or a CUDA GPU torch sees; with a config
+    file the file's ``[device]`` decides. Each refusal comes before the model is touched
+    (its parameters keep their values, no engine is attached)."""
+    model = llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="neither the CPU nor a CUDA GPU"):
+        tidestore.offload(model, device="meta", nvme_dir=tmp_path)
+    with pytest.raises(ValueError, match="not a torch device"):
+        tidestore.offload(model, device="gpu0", nvme_dir=tmp_path)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'[nvme]\ndir = "{tmp_path}"\n')
+    with pytest.raises(ValueError, match=r"the file's \[device\] decides"):
+        tidestore.offload(model, config=cfg, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(tidestore.TidestoreError, match="torch sees no CUDA GPU"):
+            tidestore.offload(model, device="cuda", nvme_dir=tmp_path)
+    assert not hasattr(model, "tidestore_engine")
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+    want = torch_losses(copy.deepcopy(model), 2)
+    mine, opt = tidestore.offload(model, device=torch.device("cpu"), lr=1e-3,
+                                  weight_decay=0.01, nvme_dir=tmp_path)
+    assert mine.tidestore_engine.device == torch.device("cpu")
+    assert mine.tidestore_engine.core.gpu is None
+    assert_close(want, engine_losses(mine, opt, 2))
+
+
+def test_a_refused_hand_over_leaves_no_directory_behind():
+    import glob
+    import os
+    import tempfile
+
+    made = os.path.join(tempfile.gettempdir(), "tidestore-engine-*")
+    before = set(glob.glob(made))
+    with pytest.raises(tidestore.ConfigError, match="chunk_elements"):
+        tidestore.offload(llama(), chunk_elements=1000)
+    assert set(glob.glob(made)) <= before

@@ -92,9 +92,31 @@ class _StoreMemory:
             "version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (addr, False)}
 
 
-def store_memory(core, addr, nbytes):
-    """A uint8 CPU torch tensor over ``nbytes`` of ``core``'s store at ``addr`` (no copy);
+class _GpuStoreMemory:
+    """The CUDA array interface (numba's, which torch reads) of ``nbytes`` of a store's
+    GPU memory at device address ``addr``; it references the Rust core that owns the
+    store. No ``stream`` key: the store hands memory out only once its copy is done, so
+    any stream may read it."""
+
+    __slots__ = ("__cuda_array_interface__", "_core")
+
+    def __init__(self, core, addr, nbytes):
+        self._core = core
+        self.__cuda_array_interface__ = {
+            "version": 2, "shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+            "strides": None}
+
+
+def store_memory(core, addr, nbytes, gpu=None):
+    """A uint8 torch tensor over ``nbytes`` of ``core``'s store at ``addr`` (no copy): a
+    CPU tensor, or with ``gpu`` (a CUDA ordinal) a tensor on that GPU over its memory;
     it keeps ``core`` alive."""
     import torch
 
-    return torch.from_numpy(np.asarray(_StoreMemory(core, addr, nbytes)))
+    if gpu is None:
+        return torch.from_numpy(np.asarray(_StoreMemory(core, addr, nbytes)))
+    t = torch.as_tensor(_GpuStoreMemory(core, addr, nbytes), device=f"cuda:{gpu}")
+    if t.data_ptr() != addr:
+        raise RuntimeError(f"torch copied the store's GPU memory at {addr:#x} instead of "
+                           "viewing it")
+    return t

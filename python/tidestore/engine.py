@@ -4,15 +4,17 @@ Every parameter of the model becomes a tensor of a tidestore store (registered i
 model's parameter order, which for the models people fine-tune is forward order; the
 first iteration traces the real order and the later ones prefetch and evict by it):
 its values, fp32 master, Adam M and V live in chunks in the host pool and in a swap
-file on NVMe (and on the simulated device where a config asks for it, ``device.kind =
-"sim"``: a stand-in for a GPU), so the model never has to fit in memory.
+file on NVMe (and on a device tier: the GPU the modules compute on with
+``device="cuda"``, or the simulated device standing in for one, ``device_budget`` /
+``device.kind = "sim"``), so the model never has to fit in memory.
 Buffers stay torch's.
 
 How a module meets its weights:
 
 - **Before it runs** (forward, and the recompute of activation checkpointing) each of
   its own parameters is acquired from the store and ``param.data`` becomes a torch
-  tensor *over the store's memory* (no copy). A parameter held twice (a tied weight, a
+  tensor *over the store's memory* (no copy; on a GPU a CUDA tensor over the device
+  tier's memory, which the GPU has finished reading before the last hold is released). A parameter held twice (a tied weight, a
   module called twice) is counted, not copied.
 - **After it runs** in forward they are released (the chunk may move again) and
   ``param.data`` is a stand-in (its shape over one NaN) whose values nothing may read:
@@ -157,9 +159,14 @@ def _in_backward():
 class Engine:
     """The hooks and the store of one offloaded model (see the module doc)."""
 
-    def __init__(self, model, core, params, names, accumulation, overlap, shards=None):
+    def __init__(self, model, core, params, names, accumulation, overlap, shards=None,
+                 device=None):
         self.model = model
         self.core = core
+        # Where the modules compute: the CPU, or the GPU that is the store's device tier
+        # (parameters bound as CUDA tensors over its memory).
+        self.device = torch.device("cpu") if device is None else device
+        self._cuda = self.device.type == "cuda"
         self._shards = shards  # with a process group: this rank's shards of every parameter
         self.params = params  # index -> Parameter
         self.names = names  # index -> name
@@ -202,7 +209,7 @@ class Engine:
     def _bind(self, i):
         if self._shards is None:
             try:
-                addr, nbytes, dtype = self.core.acquire(i)
+                addr, nbytes, dtype, gpu = self.core.acquire(i)
             except TidestoreError as e:
                 # The store's refusal (a budget its moment cannot fit, an I/O error)
                 # said of the module and parameter being bound; nothing was held.
@@ -212,7 +219,7 @@ class Engine:
         if self._holds[i] == 1:
             self._held += 1
             if self._shards is None:
-                mem = store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype])
+                mem = store_memory(self.core, addr, nbytes, gpu).view(_TORCH_DTYPES[dtype])
             else:
                 # Every rank binds in the same order (the same model, the same hooks);
                 # the parameter is bound to its gathered copy, the store's lease ended.
@@ -226,17 +233,19 @@ class Engine:
         """A copy of this rank's shard of parameter ``key[0]``: one access of the store
         (its lease ended as the bind's would end, in backward when ``key[1]``)."""
         i, backward = key
-        addr, nbytes, dtype = self.core.acquire(i)
+        addr, nbytes, dtype, gpu = self.core.acquire(i)
         try:
-            return store_memory(self.core, addr, nbytes).view(_TORCH_DTYPES[dtype]).clone()
+            return store_memory(self.core, addr, nbytes, gpu).view(_TORCH_DTYPES[dtype]).clone()
         finally:
+            self._reads_done()
             self.core.release(i, backward)
 
     def _placeholder(self, i):
         """What a parameter is while not bound: its shape and dtype over one NaN (stride
         0, no memory of its own). Code that reads its values outside a module's forward
         is refused by the guard (``_guard.py``) before it computes with the NaN."""
-        t = torch.full((), float("nan"), dtype=self._dtypes[i]).expand(self._shapes[i])
+        t = torch.full((), float("nan"), dtype=self._dtypes[i],
+                       device=self.device).expand(self._shapes[i])
         self._stand_ins[i] = t.data_ptr()
         return t
 
@@ -270,12 +279,21 @@ class Engine:
             p.data = self._placeholder(i)
         self._holds[i] -= 1
         if self._shards is None:
+            if self._holds[i] == 0:
+                self._reads_done()
             left = self.core.release(i, backward)
             assert left == self._holds[i], "the core's holds and the engine's disagree"
         if self._holds[i] == 0:
             self._held -= 1
             if self._pending:
                 self._flush_grads()
+
+    def _reads_done(self):
+        """On a GPU, waits until every kernel queued on it has run: the last lease of a
+        parameter ends next, after which the store may move its chunk or copy another
+        one over its memory, and torch's kernels reading it run asynchronously."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
 
     # -- module hooks ----------------------------------------------------------------
 
@@ -397,7 +415,8 @@ class Engine:
 
     @unguarded
     def _pack(self, t):
-        i = self._by_storage.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        i = (self._by_storage.get(t.untyped_storage().data_ptr())
+             if t.device == self.device else None)
         if i is None:
             return t
         return _Saved(i, t.size(), t.stride(), t.storage_offset())
@@ -451,13 +470,17 @@ class Engine:
         for i in [i for i in self._pending if self._holds[i] == 0]:
             self._put_grad(i, self._pending.pop(i))
 
-    def _check_cpu_grad(self, i, g):
-        if g.device.type != "cpu":
+    def _host_grad(self, i, g):
+        """The gradient ``g`` of parameter ``i`` where the store takes it, in host memory:
+        as it is on the CPU, copied from the GPU the model computes on."""
+        if g.device != self.device:
             raise TidestoreError(
-                f"the gradient of `{self.names[i]}` is on {g.device}: this build trains on the CPU")
+                f"the gradient of `{self.names[i]}` is on {g.device}: the model computes on "
+                f"{self.device}")
+        return g.to("cpu") if self._cuda else g
 
     def _put_grad(self, i, g):
-        self._check_cpu_grad(i, g)
+        g = self._host_grad(i, g)
         first = self.micro == 0
         last = self.micro == self.accumulation - 1
         if self._collectives is not None:
@@ -510,7 +533,7 @@ class Engine:
         refuses it by name, dropping the iteration (as without kept gradients)."""
         given, self._given = self._given, {}
         for i, g in given.items():
-            self._check_cpu_grad(i, g)
+            self._host_grad(i, g)
         if any(p.requires_grad and i not in given for i, p in enumerate(self.params)):
             for i, g in given.items():
                 self._put_shard(i, g, True, True)
@@ -534,7 +557,7 @@ class Engine:
                 + (f" (new: {new[:5]})" if new else " (a parameter was removed)")
                 + ": hand the changed model over again")
         for i, p in enumerate(self.params):
-            if p.device.type != "cpu" or (self._holds[i] == 0
+            if p.device != self.device or (self._holds[i] == 0
                                            and p.data_ptr() != self._stand_ins[i]):
                 raise TidestoreError(
                     f"parameter `{self.names[i]}` was moved or replaced outside tidestore "
@@ -546,7 +569,7 @@ class Engine:
         a conversion that changes nothing passes (transformers' Trainer moves the model
         to the CPU it is on); one that would move or convert the parameters is refused
         before anything is allocated."""
-        probe = torch.zeros(1)
+        probe = torch.zeros(1, device=self.device)
         out = fn(probe)
         if out.device == probe.device and out.dtype == probe.dtype:
             return self.model
@@ -811,6 +834,54 @@ def _settings_of(config):
     return "\n".join(lines)
 
 
+def _gpu_of(device, config):
+    """The CUDA ordinal ``offload``'s ``device`` names, ``None`` for the CPU."""
+    if device is None:
+        return None
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
+    if config is not None:
+        raise ValueError(f"device={device!r} with a config file: the file's [device] decides "
+                         "where the model computes (kind = \"cuda\" for the GPU)")
+    if d.type == "cpu":
+        return None
+    if d.type != "cuda":
+        raise ValueError(f"device: {d} is neither the CPU nor a CUDA GPU")
+    if not torch.cuda.is_available():
+        raise TidestoreError(f"device={device!r}: torch sees no CUDA GPU "
+                             "(torch.cuda.is_available() is False)")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def _compute_device(core, gpu, shards):
+    """Where the modules of an engine over ``core`` compute: the GPU that is its store's
+    device tier, else the CPU. A GPU asked for (``gpu``) that the store could not open
+    is refused, as is a GPU under a process group."""
+    if gpu is not None and core.gpu is None:
+        raise TidestoreError(
+            f"device='cuda:{gpu}': the store could not open that GPU (this tidestore was "
+            "built without its `cuda` feature, or libcuda was not found; its log says "
+            "which): the model would compute on the CPU")
+    if core.gpu is None:
+        return torch.device("cpu")
+    if shards is not None:
+        raise TidestoreError(
+            f"the config's device tier is GPU {core.gpu}: under a process group the model "
+            "computes on the CPU in this version; set device.kind = \"sim\"")
+    return torch.device("cuda", core.gpu)
+
+
+def _buffers_to(model, device):
+    """Moves the model's buffers (rotary frequencies, norms' running statistics) to
+    ``device``, where its modules compute; its parameters are the store's."""
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+
+
 def _check_accumulation(overlap, accumulation):
     if overlap == "backward" and accumulation > 1:
         raise ValueError("overlap steps each group when its gradient is final: "
@@ -829,7 +900,7 @@ def _overlap_name(overlap):
 
 def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
             weight_decay=1e-2, states="fp32", nvme_dir=None, host_budget=None,
-            device_budget=None, max_grad_norm=None, overlap=False, threads=0,
+            device_budget=None, device=None, max_grad_norm=None, overlap=False, threads=0,
             chunk_elements=None, accumulation=1, checkpoint_path=None, process_group=None,
             collectives_ahead=DEFAULT_AHEAD, **torch_only):
     """Hands ``model`` (a ``torch.nn.Module``, or a Hugging Face model directory that is
@@ -841,7 +912,13 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     it the keywords do (``host_budget``/``device_budget`` in bytes or '4GiB'; no
     ``host_budget``: every chunk in RAM; a ``device_budget`` puts a simulated device
     standing in for a GPU between them and the modules, none binds them in the host
-    pool). ``accumulation``: backward passes per step.
+    pool). ``device``: where the modules compute — ``None`` / ``"cpu"``, or a CUDA GPU
+    (``"cuda"``, ``"cuda:1"``, a ``torch.device``): that GPU is then the store's device
+    tier, ``device_budget`` of its memory (default: half of what is free on it), and each
+    module's parameters are bound as CUDA tensors over the store's GPU memory (no copy),
+    its buffers moved there; gradients come to the store through host memory. With
+    ``config``, the file's ``[device]`` decides instead (``kind = "cuda"`` on a machine
+    with a GPU: the modules compute there). ``accumulation``: backward passes per step.
     ``overlap``: ``False`` / ``"off"`` (the step after backward), ``True`` /
     ``"backward"`` (each group during backward; no clipping, ``accumulation=1``) or
     ``"forward"`` (decided after backward, clipping included; each group stepped in the
@@ -890,9 +967,11 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     named = list(model.named_parameters())
     if not named:
         raise ValueError("model: it has no parameters")
+    gpu = _gpu_of(device, config)
     for n, p in named:
-        if p.device.type not in ("cpu", "meta"):
-            raise ValueError(f"parameter `{n}` is on {p.device}: hand the model over on the CPU")
+        if p.device.type not in ("cpu", "meta", "cuda"):
+            raise ValueError(f"parameter `{n}` is on {p.device}: hand the model over on the "
+                             "CPU or a CUDA GPU")
         if dtype_name(p) not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"parameter `{n}`: dtype {p.dtype} is not a float type")
     specs = [(n, list(p.shape), bool(p.requires_grad)) for n, p in named]
@@ -912,35 +991,48 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         # Beside the temporary directory, which goes with the engine (a state_dict's
         # file must outlive it), and named after it: one per engine.
         default_checkpoint = tmpdir + ".safetensors"
-    kw = {}
-    if config is None:
-        kw = dict(precision=precision, lr=lr, betas=tuple(betas), eps=eps,
-                  weight_decay=weight_decay, states=states, nvme_dir=nvme_dir,
-                  host_budget=parse_bytes(host_budget, "host_budget"),
-                  device_budget=parse_bytes(device_budget, "device_budget"),
-                  max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
-                  chunk_elements=chunk_elements, collectives_ahead=collectives_ahead)
-    if config is not None and process_group is not None and torch.cuda.is_available():
-        # Each rank's store on its own GPU (the one torch computes on), unless the file
-        # names one in device.ordinal.
-        kw["local_gpu"] = torch.cuda.current_device()
-    core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
-    _check_accumulation(core.overlap, accumulation)  # (a config file's overlap)
-    if source_dir is not None and shards is not None:
-        # The Rust importer reads each tensor whole and keeps this rank's shard of it.
-        core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],
-                        rank=shards.rank, world=shards.world)
-    elif source_dir is not None:
-        core.import_dir(source_dir)
-    else:
-        for i, (n, p) in enumerate(named):
-            t = p.detach().contiguous() if shards is None else shards.values(i, p)
-            core.set_values(i, byte_view(t, n), dtype_name(t))
-    if shards is not None:
-        core.set_norm_peers(shards.sum_sq_norm)
-    params = [p for _, p in named]
-    engine = Engine(model, core, params, [n for n, _ in named], accumulation, core.overlap,
-                    shards)
+    try:
+        kw = {}
+        if config is None:
+            if gpu is not None and device_budget is None:
+                device_budget = torch.cuda.mem_get_info(gpu)[0] // 2
+            kw = dict(precision=precision, lr=lr, betas=tuple(betas), eps=eps,
+                      weight_decay=weight_decay, states=states, nvme_dir=nvme_dir,
+                      host_budget=parse_bytes(host_budget, "host_budget"),
+                      device_budget=parse_bytes(device_budget, "device_budget"),
+                      gpu=gpu, max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
+                      chunk_elements=chunk_elements, collectives_ahead=collectives_ahead)
+        if config is not None and process_group is not None and torch.cuda.is_available():
+            # Each rank's store on its own GPU (the one torch computes on), unless the file
+            # names one in device.ordinal.
+            kw["local_gpu"] = torch.cuda.current_device()
+        core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
+        _check_accumulation(core.overlap, accumulation)  # (a config file's overlap)
+        compute = _compute_device(core, gpu, shards)
+        for n, p in named:
+            if p.device.type == "cuda" and p.device != compute:
+                raise ValueError(f"parameter `{n}` is on {p.device}, the model computes on "
+                                 f"{compute}: hand it over on the CPU or that device")
+        if source_dir is not None and shards is not None:
+            # The Rust importer reads each tensor whole and keeps this rank's shard of it.
+            core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],
+                            rank=shards.rank, world=shards.world)
+        elif source_dir is not None:
+            core.import_dir(source_dir)
+        else:
+            for i, (n, p) in enumerate(named):
+                t = p.detach().to("cpu").contiguous() if shards is None else shards.values(i, p)
+                core.set_values(i, byte_view(t, n), dtype_name(t))
+        if shards is not None:
+            core.set_norm_peers(shards.sum_sq_norm)
+        params = [p for _, p in named]
+        engine = Engine(model, core, params, [n for n, _ in named], accumulation, core.overlap,
+                        shards, compute)
+    except BaseException:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, True)  # nothing of a refused hand-over is left
+        raise
+    _buffers_to(model, compute)
     # The model's own storage is freed: from here its values are the store's.
     engine_ref = weakref.ref(engine)
     for i, p in enumerate(params):

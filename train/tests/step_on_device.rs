@@ -180,6 +180,28 @@ fn auto_on_the_simulated_device_steps_in_the_host_pool_and_a_short_budget_is_ref
     }
 }
 
+/// `DeviceChoice::Cpu` (a front end that computes on the CPU by choice: the PyTorch
+/// engine without `device="cuda"`) opens no GPU, even in a `cuda` build on a machine
+/// with one: what `Auto` leaves without a GPU, never read by compute, nothing crossing,
+/// the stand-in's state.
+#[test]
+fn a_trainer_asked_for_the_cpu_opens_no_gpu_and_trains_as_the_stand_in() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut stand_in = open(&config(da.path(), Precision::F32, StepDevice::Cpu));
+    let mut cfg = config(db.path(), Precision::F32, StepDevice::Cpu);
+    cfg.device = DeviceChoice::Cpu;
+    cfg.device_budget = Budget::Bytes(8192);
+    let mut cpu = open(&cfg);
+    assert_eq!(cpu.store().device().kind(), DeviceKind::Sim);
+    assert!(!cpu.device_is_gpu() && !cpu.compute_reads_device());
+    for k in 0..4 {
+        iteration(&mut stand_in, k, Hand::Put);
+        iteration(&mut cpu, k, Hand::Put);
+    }
+    assert_eq!(crossed(&cpu), 0, "the device was used: {:?}", cpu.stats());
+    assert_eq!(state(&mut stand_in), state(&mut cpu));
+}
+
 #[test]
 fn a_simulation_left_without_a_gpu_is_not_read_by_compute_and_trains_as_the_stand_in() {
     for precision in [Precision::F32, Precision::Bf16] {

@@ -94,6 +94,11 @@ pub enum DeviceChoice {
     /// The CUDA GPU where one is present (a build with the `cuda` feature), else the
     /// simulation, logged.
     Auto,
+    /// No GPU, even in a `cuda` build on a machine with one: compute and the step are
+    /// the CPU's, and the device tier is what [`DeviceChoice::Auto`] leaves where no GPU
+    /// is found (a simulation holding only the step's working set, which compute does
+    /// not read). For a front end that computes on the CPU by choice.
+    Cpu,
 }
 
 /// Where the optimizer step runs ([`TrainerConfig::step_device`]).

@@ -230,7 +230,7 @@ impl Trainer {
     }
 
     /// Counters of the store and the step loop, by name: NVMe bytes read and written,
-    /// the host budget (bytes, buffers), the chunk size, whether the step runs in place,
+    /// bytes copied between the host pool and the device tier, the host budget (bytes, buffers), the chunk size, whether the step runs in place,
     /// steps applied, tensors stepped during backward and in the next forward, host
     /// evictions; per list of the
     /// optimizer state (master, M, V), the bytes the store keeps of it (used prefixes of
@@ -241,6 +241,8 @@ impl Trainer {
         let mut counters = std::collections::BTreeMap::from([
             ("nvme_read_bytes", s.nvme_to_host_bytes),
             ("nvme_written_bytes", s.host_to_nvme_bytes),
+            ("host_to_device_bytes", s.host_to_device_bytes),
+            ("device_to_host_bytes", s.device_to_host_bytes),
             ("host_budget_bytes", plan.host_buffers * plan.slot_bytes),
             ("host_buffers", plan.host_buffers),
             ("chunk_elements", self.store.layout().chunk_elements()),

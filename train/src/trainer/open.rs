@@ -45,7 +45,8 @@ impl Trainer {
         } else {
             StepPlace::Host
         };
-        if cfg.device == DeviceChoice::Auto && device.kind() == DeviceKind::Sim && !on_device {
+        let left_over = matches!(cfg.device, DeviceChoice::Auto | DeviceChoice::Cpu);
+        if left_over && device.kind() == DeviceKind::Sim && !on_device {
             // The simulation left where no GPU was found holds nothing while the step is
             // in the host pool (compute reads there too, `Trainer::compute_place_for`):
             // its budget is what the store's capacity check asks, not the one given.
@@ -274,7 +275,14 @@ fn budget_cap(
             max_slot = b / (n + 1);
         }
     }
-    if let (DeviceChoice::Sim, Budget::Bytes(b)) = (cfg.device, cfg.device_budget) {
+    // The device budget bounds a device that holds chunks: the simulation asked for, and
+    // a GPU where a `cuda` build may open one (Auto's stand-in is resized at open).
+    let holds_chunks = match cfg.device {
+        DeviceChoice::Sim => true,
+        DeviceChoice::Auto => cfg!(feature = "cuda"),
+        DeviceChoice::Cpu => false,
+    };
+    if let (true, Budget::Bytes(b)) = (holds_chunks, cfg.device_budget) {
         if device_working_set_bytes(&layout, STEP_WORKING_SET_CHUNKS) > b {
             max_slot = max_slot.min(b / n);
         }
@@ -484,11 +492,16 @@ mod tests {
             let working = device_working_set_bytes(&chosen, STEP_WORKING_SET_CHUNKS);
             assert!(working <= device, "device: {working} > {device}");
         }
-        // Auto's stand-in is resized to the layout at open: its budget does not count.
-        cfg.device = DeviceChoice::Auto;
+        // No GPU asked for: the stand-in is resized to the layout at open, its budget
+        // does not count (nor Auto's, where no build can open a GPU).
         cfg.host_budget = Budget::Bytes(8 * gib);
-        let auto = layout(&specs, &cfg).unwrap();
-        assert_eq!(auto.config().chunk_elements, 92_274_688);
+        for choice in [DeviceChoice::Cpu, DeviceChoice::Auto] {
+            cfg.device = choice;
+            let elements = layout(&specs, &cfg).unwrap().config().chunk_elements;
+            let bounded = choice == DeviceChoice::Auto && cfg!(feature = "cuda");
+            assert_eq!(elements == 92_274_688, !bounded, "{choice:?}: {elements}");
+        }
+        cfg.device = DeviceChoice::Auto;
         // Below what the embedding alone forces: the search's choice, refused at open.
         cfg.host_budget = Budget::Bytes(gib);
         assert_eq!(

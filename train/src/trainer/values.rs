@@ -267,6 +267,11 @@ impl Trainer {
         self.compute_place == Place::Device
     }
 
+    /// Whether the store's device tier is a CUDA GPU (else the simulation).
+    pub fn device_is_gpu(&self) -> bool {
+        self.store.device().kind() == DeviceKind::Cuda
+    }
+
     /// Where compute reads parameters, `on_device` when a front end computes on the GPU.
     /// A simulated device that stands in for a GPU (`DeviceChoice::Sim`, a caller's own
     /// store) is read as a GPU would be, so the GPU's traffic is exercised and measured on
