@@ -370,6 +370,16 @@ impl EngineCore {
         Ok(norm_and_clip(outcome.decision))
     }
 
+    /// Drops the iteration under way (`what`: why — a backward that raised half way):
+    /// the gradients put so far are dropped, nothing is stepped (see
+    /// [`Trainer::abandon_iteration`]). Every parameter must be released.
+    pub fn abandon_iteration(&mut self, what: &str) -> Result<()> {
+        if let Some(&i) = self.held().first() {
+            self.refuse_held(i, "dropping the iteration with")?;
+        }
+        Ok(self.trainer.abandon_iteration(what)?)
+    }
+
     /// Gradients reported in this iteration.
     pub fn reported(&self) -> usize {
         self.trainer.reported()

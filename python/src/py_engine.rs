@@ -365,6 +365,13 @@ impl PyEngineCore {
         Ok(py.allow_threads(|| core.step())?)
     }
 
+    /// Drops the iteration under way (`what`: why): its gradients dropped, nothing
+    /// stepped; a `TidestoreError` (poisoned) where tensors were stepped during backward.
+    fn abandon_iteration(&mut self, py: Python<'_>, what: &str) -> PyResult<()> {
+        let core = self.core();
+        Ok(py.allow_threads(|| core.abandon_iteration(what))?)
+    }
+
     /// Whether `step_given` reads the gradients where they are (see
     /// `EngineCore::reads_given` in Rust).
     fn reads_given(&mut self) -> bool {

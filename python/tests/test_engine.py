@@ -675,3 +675,82 @@ def test_a_refused_hand_over_leaves_no_directory_behind():
     with pytest.raises(tidestore.ConfigError, match="chunk_elements"):
         tidestore.offload(llama(), chunk_elements=1000)
     assert set(glob.glob(made)) <= before
+
+
+def run_with_a_raising_backward(model, opt, data, accumulation, bad_step, engine=None):
+    """Per-step losses, where the last backward pass of step ``bad_step`` raises half
+    way (a hook on the first layer's MLP): the user catches it, zeroes the gradients
+    and goes on to the next step's batches (that step's loss is None)."""
+    out = []
+    for s in range(len(data) // accumulation):
+        total = 0.0
+        try:
+            for k, ids in enumerate(data[s * accumulation:(s + 1) * accumulation]):
+                hook = None
+                if s == bad_step and k == accumulation - 1:
+                    def fail(module, grad_output):
+                        raise RuntimeError("a bad batch")
+                    inner = model.model if hasattr(model, "model") else model
+                    hook = inner.layers[0].mlp.register_full_backward_pre_hook(fail)
+                try:
+                    loss = model(input_ids=ids, labels=ids).loss / accumulation
+                    loss.backward()
+                finally:
+                    if hook is not None:
+                        hook.remove()
+                total += loss.item()
+            opt.step()
+            out.append(total)
+        except RuntimeError as e:
+            assert "a bad batch" in str(e)
+            out.append(None)
+        opt.zero_grad()
+        if engine is not None and s != bad_step:
+            assert engine.core.held() == [], "a parameter left held"
+    return out
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_backward_that_raised_drops_its_iteration_and_training_goes_on(accumulation,
+                                                                        tmp_path):
+    """The gradients a raised backward (and the accumulation's passes before it) put
+    into the store are dropped with the iteration at the next forward; the losses go on
+    as torch's do when that step's batches are skipped, with the weights streamed from
+    NVMe."""
+    base = llama()
+    data = batches(4 * accumulation)
+    ref = copy.deepcopy(base)
+    want = run_with_a_raising_backward(
+        ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False),
+        data, accumulation, 1)
+    mine, opt = tidestore.offload(copy.deepcopy(base), lr=1e-3, weight_decay=0.01,
+                                  chunk_elements=16384, host_budget=HOST,
+                                  accumulation=accumulation, nvme_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match="backward pass raised"):
+        got = run_with_a_raising_backward(mine, opt, data, accumulation, 1,
+                                          mine.tidestore_engine)
+    assert want[1] is None and got[1] is None
+    assert_close([x for x in want if x is not None], [x for x in got if x is not None])
+
+
+def test_after_a_raised_backward_bf16_weights_are_weights_and_a_step_is_refused(tmp_path):
+    """bf16: gradients are written over the weights' 16-bit copy; a raised backward's
+    are undone from the master (the same batch gives the same loss again). A step right
+    after it is refused by name, and the iteration after that trains."""
+    mine, opt = tidestore.offload(llama(), precision="bf16", chunk_elements=16384,
+                                  nvme_dir=tmp_path)
+    ids = batches(1)[0]
+    with torch.no_grad():
+        before = mine(input_ids=ids, labels=ids).loss.item()
+    hook = mine.model.layers[0].mlp.register_full_backward_pre_hook(
+        lambda m, g: (_ for _ in ()).throw(RuntimeError("a bad batch")))
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        mine(input_ids=ids, labels=ids).loss.backward()
+    hook.remove()
+    with pytest.raises(tidestore.TidestoreError, match="backward pass that raised"):
+        opt.step()
+    with torch.no_grad():
+        assert mine(input_ids=ids, labels=ids).loss.item() == before
+    mine(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert mine.tidestore_engine.core.step_count() == 1

@@ -47,6 +47,7 @@ import copy
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 
 import torch
@@ -319,6 +320,11 @@ class Engine:
 
     def _root_pre(self, module, args):
         self._check_unchanged()
+        if self._backward_raised():
+            self._drop_raised_backward()
+            warnings.warn("tidestore: the last backward pass raised before its end; its "
+                          "iteration was dropped (the gradients it and the passes before it "
+                          "made, nothing stepped)", RuntimeWarning, stacklevel=2)
         if self._saved_hooks is not None and not _in_backward():
             self._abandoned_forward()
         if self._saved_hooks is None and not _in_backward():
@@ -334,6 +340,27 @@ class Engine:
         for i, holds in enumerate(self._holds):
             for _ in range(holds):
                 self._unbind(i, False)
+
+    def _backward_raised(self):
+        """Whether a backward pass raised before its end: the end-of-backward callback
+        it queued never ran (autograd drops a failed pass's callbacks)."""
+        return self._callback_queued and not _in_backward()
+
+    def _drop_raised_backward(self):
+        """After a backward pass that raised: what it held is released, the gradients it
+        and the accumulation's passes before it made are dropped with the iteration
+        (nothing is stepped; the core refuses, poisoned, where groups were already
+        stepped during backward), so the next pass starts a new iteration."""
+        self._callback_queued = False
+        self._pending.clear()
+        if self._given is not None:
+            self._given = {}
+        for key in list(self._bwd_holds):
+            for i in self._bwd_holds.pop(key):
+                self._unbind(i, True)
+        self._flush_scatters()
+        self.micro = 0
+        self.core.abandon_iteration("a backward pass raised before its end")
 
     def _root_post(self, module, args, out):
         if self._saved_hooks is not None:
@@ -508,6 +535,12 @@ class Engine:
             self.core.step_ready()
 
     def step(self):
+        if self._backward_raised():
+            self._drop_raised_backward()
+            raise TidestoreError(
+                "step after a backward pass that raised before its end: its iteration was "
+                "dropped (the gradients it and the passes before it made, nothing stepped); "
+                "run the forward and backward passes again")
         if self.micro != self.accumulation:
             raise TidestoreError(
                 f"step after {self.micro} backward pass(es); the engine was set up with "
@@ -926,7 +959,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     After the call the model's own parameter storage is freed: its values are the store's.
     The hyper-parameters default to ``torch.optim.AdamW``'s and are the optimizer's
     ``param_groups``' at each step (see ``_groups.py``). A forward that raised (a bad
-    batch) releases what it held at the next forward, so training goes on.
+    batch) releases what it held at the next forward, so training goes on; so does a
+    backward that raised, whose iteration is dropped there (the gradients of that step's
+    passes discarded, nothing stepped; a warning says so, and ``step()`` before it is
+    refused).
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``group.WORLD``; launch with
     ``torchrun``): every parameter is sharded over the group's ranks as

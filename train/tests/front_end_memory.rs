@@ -283,3 +283,52 @@ fn the_finiteness_check_cannot_be_off_with_clipping() {
         "{e}"
     );
 }
+
+/// bf16: a gradient is written over its parameter's 16-bit copy. An iteration dropped
+/// after some were — a step without the rest, a backward that raised half way
+/// (`Trainer::abandon_iteration`) — casts those copies anew from the master, so the
+/// next forward reads parameters, not gradients; the whole iteration after it steps as
+/// the first would have.
+#[test]
+fn an_abandoned_iteration_leaves_bf16_parameters_not_gradients() {
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut t = open_as(da.path(), Budget::AllChunks, Precision::Bf16);
+    let mut clean = open_as(db.path(), Budget::AllChunks, Precision::Bf16);
+    let params = |t: &mut Trainer| -> Vec<Vec<f32>> {
+        (0..SHAPES.len())
+            .map(|i| t.fetch(i, TensorState::HoldAfterFwd).unwrap())
+            .collect()
+    };
+    let before = params(&mut t);
+    let g = grads(0);
+    t.put_grad(0, Values::F32(&g[0]), true, true).unwrap();
+    assert_ne!(
+        params(&mut t)[0],
+        before[0],
+        "the gradient lies over the copy"
+    );
+    let e = t.step(&mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("abandoned"), "{e}");
+    assert_eq!(
+        params(&mut t),
+        before,
+        "a missing gradient left gradients as weights"
+    );
+    t.put_grad(1, Values::F32(&g[1]), true, true).unwrap();
+    t.put_grad(2, Values::F32(&g[2]), true, true).unwrap();
+    t.abandon_iteration("a backward raised").unwrap();
+    assert_eq!(
+        params(&mut t),
+        before,
+        "a dropped iteration left gradients as weights"
+    );
+    assert!(!t.grad_reported(1).unwrap());
+    for tr in [&mut t, &mut clean] {
+        for (i, g) in g.iter().enumerate() {
+            tr.put_grad(i, Values::F32(g), true, true).unwrap();
+        }
+        tr.step(&mut |_| {}).unwrap();
+    }
+    assert_eq!(state(&mut t), state(&mut clean));
+    assert_eq!(params(&mut t), params(&mut clean));
+}

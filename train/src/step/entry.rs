@@ -82,9 +82,14 @@ impl Entry {
     /// (`Grads`) becomes FREE, and once its chunk's every gradient is, the store drops
     /// the chunk unwritten — no write-back after the step, no read before the next
     /// backward overwrites it. A gradient over the 16-bit copy now holds parameters.
+    /// A gradient never written this iteration (one an abandoned iteration did not
+    /// reach) is FREE already and stays so.
     pub(super) fn grad_consumed(&self, store: &mut ChunkStore) -> Result<()> {
         if let GradPlace::InGrads { .. } = self.spec.grad {
-            store.set_state(self.spec.tensor, ListKind::Grads, TensorState::Free)?;
+            let (tensor, list) = (self.spec.tensor, ListKind::Grads);
+            if !matches!(store.state(tensor, list), None | Some(TensorState::Free)) {
+                store.set_state(tensor, list, TensorState::Free)?;
+            }
         }
         Ok(())
     }

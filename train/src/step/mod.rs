@@ -438,16 +438,28 @@ impl StepLoop {
         self.poisoned.is_some()
     }
 
-    /// Ends an iteration that cannot be finished (`what`: a gradient that never came).
-    /// With nothing stepped yet its reports are dropped and the next iteration starts
-    /// anew ([`TrainError::Protocol`]); after tensors were stepped during backward the
-    /// step is half made and the loop is poisoned ([`TrainError::Poisoned`]).
-    pub fn abandon(&mut self, what: &str) -> TrainError {
+    /// Ends an iteration that cannot be finished (`what`: a gradient that never came, a
+    /// backward that raised). With nothing stepped yet its gradients and reports are
+    /// dropped as a skipped step's are (a 16-bit copy a gradient was written over cast
+    /// anew from the master) and the next iteration starts anew
+    /// ([`TrainError::Protocol`]); after tensors were stepped during backward the step
+    /// is half made and the loop is poisoned ([`TrainError::Poisoned`]).
+    pub fn abandon(
+        &mut self,
+        store: &mut ChunkStore,
+        observe: Observer<'_>,
+        what: &str,
+    ) -> TrainError {
         let overlapped = self.entries.iter().filter(|e| e.stepped).count();
         if overlapped > 0 {
             return self.half_made(format!(
                 "{what} after {overlapped} tensors were stepped during backward"
             ));
+        }
+        // As a skipped step: the gradients written so far are dropped, and a 16-bit copy
+        // a gradient was written over is cast anew from the unchanged master.
+        if let Err(e) = self.consume_grads(store, observe, &[]) {
+            return self.half_made(format!("{what}; dropping its gradients failed: {e}"));
         }
         self.new_iteration();
         tracing::warn!(
@@ -558,7 +570,7 @@ impl StepLoop {
         let given = self.given_by_entry(given)?;
         if let Some(e) = self.entries.iter().find(|e| !e.grad_final) {
             let what = format!("finish() before the gradient of `{}` was reported", e.name);
-            return Err(self.abandon(&what));
+            return Err(self.abandon(store, observe, &what));
         }
         let overlapped = self.entries.iter().filter(|e| e.stepped).count();
         // Without the finiteness check no norm counts: the step is applied as it is.

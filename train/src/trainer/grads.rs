@@ -314,6 +314,29 @@ impl Trainer {
         Ok(())
     }
 
+    /// Drops the iteration under way (`what`: why it cannot be finished — a backward
+    /// that raised half way, say): the gradients written and reported so far are
+    /// dropped, nothing is stepped, and the next iteration is traced afresh. `Ok` when
+    /// training goes on; [`TrainError::Poisoned`] where tensors were already stepped
+    /// during backward (the step is half made: load a checkpoint).
+    pub fn abandon_iteration(&mut self, what: &str) -> Result<()> {
+        match self.abandon(&mut |_| {}, what)? {
+            e @ TrainError::Poisoned { .. } => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Abandons the iteration (see [`Trainer::abandon_iteration`]); returns the error
+    /// that says so.
+    fn abandon(&mut self, observe: Observer<'_>, what: &str) -> Result<TrainError> {
+        let abandoned = self.step.abandon(&mut self.store, observe, what);
+        self.entries.iter_mut().for_each(|e| e.reported = false);
+        self.reported = 0;
+        self.began_with_due = self.step.deferred() > 0;
+        self.store.end_iteration_retrace()?;
+        Ok(abandoned)
+    }
+
     /// [`Trainer::finish_step`], the gradients of `given` read where they are.
     fn finish_given(
         &mut self,
@@ -332,12 +355,7 @@ impl Trainer {
                  gradient every step: freeze one that gets none)",
                 e.spec.name
             );
-            let abandoned = self.step.abandon(&what);
-            self.entries.iter_mut().for_each(|e| e.reported = false);
-            self.reported = 0;
-            self.began_with_due = self.step.deferred() > 0;
-            self.store.end_iteration_retrace()?;
-            return Err(abandoned);
+            return Err(self.abandon(observe, &what)?);
         }
         let outcome = self.step.finish_given(&mut self.store, observe, given);
         self.entries.iter_mut().for_each(|e| e.reported = false);
