@@ -14,8 +14,8 @@ How a module meets its weights:
 - **Before it runs** (forward, and the recompute of activation checkpointing) each of
   its own parameters is acquired from the store and ``param.data`` becomes a torch
   tensor *over the store's memory* (no copy; on a GPU a CUDA tensor over the device
-  tier's memory, which the GPU has finished reading before the last hold is released). A parameter held twice (a tied weight, a
-  module called twice) is counted, not copied.
+  tier's memory, which the GPU has finished reading before the last hold is released).
+  A parameter held twice (a tied weight, a module called twice) is counted, not copied.
 - **After it runs** in forward they are released (the chunk may move again) and
   ``param.data`` is a stand-in (its shape over one NaN) whose values nothing may read:
   code that tries is refused by name (``_guard.py``). What autograd saved of them does
@@ -906,6 +906,23 @@ def _compute_device(core, gpu, shards):
     return torch.device("cuda", core.gpu)
 
 
+def _values_in(core, named, source_dir, shards):
+    """The model's values into the store: imported from its directory by the Rust
+    importer (which reads each tensor whole and, under a process group, keeps this
+    rank's shard of it), or copied from its parameters in memory."""
+    if source_dir is not None and shards is not None:
+        core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],
+                        rank=shards.rank, world=shards.world)
+    elif source_dir is not None:
+        core.import_dir(source_dir)
+    else:
+        for i, (n, p) in enumerate(named):
+            t = p.detach().to("cpu").contiguous() if shards is None else shards.values(i, p)
+            core.set_values(i, byte_view(t, n), dtype_name(t))
+    if shards is not None:
+        core.set_norm_peers(shards.sum_sq_norm)
+
+
 def _buffers_to(model, device):
     """Moves the model's buffers (rotary frequencies, norms' running statistics) to
     ``device``, where its modules compute; its parameters are the store's."""
@@ -1049,18 +1066,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
             if p.device.type == "cuda" and p.device != compute:
                 raise ValueError(f"parameter `{n}` is on {p.device}, the model computes on "
                                  f"{compute}: hand it over on the CPU or that device")
-        if source_dir is not None and shards is not None:
-            # The Rust importer reads each tensor whole and keeps this rank's shard of it.
-            core.import_dir(source_dir, shapes=[list(p.shape) for _, p in named],
-                            rank=shards.rank, world=shards.world)
-        elif source_dir is not None:
-            core.import_dir(source_dir)
-        else:
-            for i, (n, p) in enumerate(named):
-                t = p.detach().to("cpu").contiguous() if shards is None else shards.values(i, p)
-                core.set_values(i, byte_view(t, n), dtype_name(t))
-        if shards is not None:
-            core.set_norm_peers(shards.sum_sq_norm)
+        _values_in(core, named, source_dir, shards)
         params = [p for _, p in named]
         engine = Engine(model, core, params, [n for n, _ in named], accumulation, core.overlap,
                         shards, compute)
