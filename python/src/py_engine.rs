@@ -98,14 +98,35 @@ fn parse_precision(s: &str) -> Result<Precision> {
 /// line and column); the swap directory under its `nvme.dir`. `local_gpu`: the CUDA
 /// device of this process's rank (torch's current one under a process group), which
 /// `device.ordinal = "auto"` resolves to.
+/// `cpu_only` (a model that computes on the CPU whatever the machine has: under a
+/// process group): `device.kind = "auto"` opens no GPU, and `"cuda"` is refused.
 /// Also returns its `train.collectives_ahead`.
-fn config_file(path: &std::path::Path, local_gpu: Option<usize>) -> Result<(TrainerConfig, usize)> {
+fn config_file(
+    path: &std::path::Path,
+    local_gpu: Option<usize>,
+    cpu_only: bool,
+) -> Result<(TrainerConfig, usize)> {
+    use tidestore::config::DeviceKindName;
     let mut cfg = tidestore::config::Config::load(path)?;
     let gpu = cfg.device.ordinal.resolve(local_gpu);
     cfg.device.ordinal = tidestore::config::GpuOrdinal::Index(gpu);
     let swap = own_swap_dir(cfg.nvme_dir()?);
     let ahead = cfg.train.collectives_ahead as usize;
-    Ok((cfg.trainer_config(swap)?, ahead))
+    let mut tc = cfg.trainer_config(swap)?;
+    if cpu_only {
+        match cfg.device.kind {
+            DeviceKindName::Sim => {}
+            DeviceKindName::Auto => tc.device = DeviceChoice::Cpu,
+            DeviceKindName::Cuda => {
+                return Err(Error::bad(
+                    "device.kind",
+                    "\"cuda\": under a process group the model computes on the CPU in this \
+                     version (use \"auto\" or \"sim\")",
+                ))
+            }
+        }
+    }
+    Ok((tc, ahead))
 }
 
 /// `tidestore._tidestore.EngineCore`: see [`crate::engine`].
@@ -143,7 +164,7 @@ impl PyEngineCore {
     #[pyo3(signature = (params, *, config=None, precision="f32", lr=1e-3, betas=(0.9, 0.999),
         eps=1e-8, weight_decay=0.0, states="fp32", nvme_dir=None, host_budget=None,
         device_budget=None, gpu=None, max_grad_norm=None, overlap="off", threads=0,
-        chunk_elements=None, local_gpu=None, collectives_ahead=DEFAULT_AHEAD))]
+        chunk_elements=None, local_gpu=None, cpu_only=false, collectives_ahead=DEFAULT_AHEAD))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -164,10 +185,11 @@ impl PyEngineCore {
         threads: usize,
         chunk_elements: Option<u64>,
         local_gpu: Option<usize>,
+        cpu_only: bool,
         collectives_ahead: usize,
     ) -> PyResult<Self> {
         let (tc, collectives_ahead) = match config {
-            Some(path) => config_file(&path, local_gpu)?,
+            Some(path) => config_file(&path, local_gpu, cpu_only)?,
             None => (
                 Keywords {
                     precision: parse_precision(precision)?,

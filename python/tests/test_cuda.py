@@ -33,16 +33,7 @@ import tidestore  # noqa: E402
 def losses(device, make_opt, steps=5):
     torch.manual_seed(0)
     model = dist_worker.model_of("llama", False).to(device)
-    opt = make_opt(model.parameters())
-    out = []
-    for batch in dist_worker.data(steps):
-        ids = batch.to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return train(model, make_opt(model.parameters()), device, steps)
 
 
 def test_a_tiny_llama_on_cuda_trains_as_torch_adamw_there_and_as_on_the_cpu(tmp_path):
@@ -56,6 +47,8 @@ def test_a_tiny_llama_on_cuda_trains_as_torch_adamw_there_and_as_on_the_cpu(tmp_
 
 
 def train(model, opt, device, steps=5):
+    """Per-step losses of ``steps`` steps on ``device``; an offloaded model must leave
+    no parameter held after a step."""
     out = []
     for batch in dist_worker.data(steps):
         ids = batch.to(device)

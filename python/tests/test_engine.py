@@ -199,6 +199,23 @@ def test_a_config_files_gpu_is_its_ordinal_or_the_ranks_local_one(tmp_path):
         core("-1")
 
 
+def test_ranks_compute_on_the_cpu_whatever_the_config_file_says(tmp_path):
+    """Under a process group (``cpu_only``) a config file's ``device.kind = "auto"``
+    opens no GPU, even on a machine with one, and ``"cuda"`` is refused by key."""
+    from tidestore._tidestore import EngineCore
+
+    def core(kind):
+        cfg = tmp_path / f"{kind}.toml"
+        cfg.write_text(f'[nvme]\ndir = "{tmp_path}"\n[device]\nkind = "{kind}"\n'
+                       'budget = "16MiB"\n[host]\nbudget = "64MiB"\n')
+        return EngineCore([("w", [4, 4], True)], config=str(cfg), cpu_only=True)
+
+    assert core("auto").gpu is None
+    assert core("sim").gpu is None
+    with pytest.raises(tidestore.ConfigError, match=r"device\.kind.*process group"):
+        core("cuda")
+
+
 def test_tied_embeddings_and_accumulation(tmp_path):
     base = llama(tie=True)
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)

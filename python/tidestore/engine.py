@@ -888,22 +888,16 @@ def _gpu_of(device, config):
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
-def _compute_device(core, gpu, shards):
+def _compute_device(core, gpu):
     """Where the modules of an engine over ``core`` compute: the GPU that is its store's
     device tier, else the CPU. A GPU asked for (``gpu``) that the store could not open
-    is refused, as is a GPU under a process group."""
+    is refused."""
     if gpu is not None and core.gpu is None:
         raise TidestoreError(
             f"device='cuda:{gpu}': the store could not open that GPU (this tidestore was "
             "built without its `cuda` feature, or libcuda was not found; its log says "
             "which): the model would compute on the CPU")
-    if core.gpu is None:
-        return torch.device("cpu")
-    if shards is not None:
-        raise TidestoreError(
-            f"the config's device tier is GPU {core.gpu}: under a process group the model "
-            "computes on the CPU in this version; set device.kind = \"sim\"")
-    return torch.device("cuda", core.gpu)
+    return torch.device("cpu") if core.gpu is None else torch.device("cuda", core.gpu)
 
 
 def _values_in(core, named, source_dir, shards):
@@ -967,8 +961,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     tier, ``device_budget`` of its memory (default: half of what is free on it), and each
     module's parameters are bound as CUDA tensors over the store's GPU memory (no copy),
     its buffers moved there; gradients come to the store through host memory. With
-    ``config``, the file's ``[device]`` decides instead (``kind = "cuda"`` on a machine
-    with a GPU: the modules compute there). ``accumulation``: backward passes per step.
+    ``config``, the file's ``[device]`` decides instead (``kind = "auto"``, the default,
+    or ``"cuda"`` on a machine with a GPU: the modules compute there). Under a process
+    group the ranks compute on the CPU. ``accumulation``: backward passes per step.
     ``overlap``: ``False`` / ``"off"`` (the step after backward), ``True`` /
     ``"backward"`` (each group during backward; no clipping, ``accumulation=1``) or
     ``"forward"`` (decided after backward, clipping included; each group stepped in the
@@ -989,9 +984,10 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     released; gradients are reduce-scattered (the ranks' average) into the store; the
     ranks' norms are summed for the step. The model is handed over in memory on every
     rank (rank 0's values are taken), or each rank imports its shards of a model
-    directory (the importer reads one tensor at a time). A config file's GPU device tier
-    opens torch's current CUDA device on each rank (``device.ordinal = "auto"``) unless
-    the file names one. With ``config``, the ranks' files
+    directory (the importer reads one tensor at a time). The ranks compute on the CPU
+    and open no GPU (a config file's ``device.kind = "cuda"`` is refused; its
+    ``device.ordinal = "auto"`` names each rank's current CUDA device). With ``config``,
+    the ranks' files
     must say the same (checked at start); each rank's swap file is its own under
     ``nvme.dir``. ``save_pretrained`` is a collective: rank 0 writes the directory, each
     tensor gathered from the ranks' shards as it is written. ``collectives_ahead`` (a
@@ -1021,6 +1017,9 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     if not named:
         raise ValueError("model: it has no parameters")
     gpu = _gpu_of(device, config)
+    if gpu is not None and process_group is not None:
+        raise ValueError(f"device={device!r} with a process group: the ranks compute on the "
+                         "CPU in this version")
     for n, p in named:
         if p.device.type not in ("cpu", "meta", "cuda"):
             raise ValueError(f"parameter `{n}` is on {p.device}: hand the model over on the "
@@ -1055,13 +1054,15 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
                       device_budget=parse_bytes(device_budget, "device_budget"),
                       gpu=gpu, max_grad_norm=max_grad_norm, overlap=overlap, threads=threads,
                       chunk_elements=chunk_elements, collectives_ahead=collectives_ahead)
-        if config is not None and process_group is not None and torch.cuda.is_available():
-            # Each rank's store on its own GPU (the one torch computes on), unless the file
-            # names one in device.ordinal.
-            kw["local_gpu"] = torch.cuda.current_device()
+        if config is not None and process_group is not None:
+            # The ranks compute on the CPU: no GPU is opened (device.kind = "cuda" is
+            # refused); device.ordinal = "auto" names each rank's current CUDA device.
+            kw["cpu_only"] = True
+            if torch.cuda.is_available():
+                kw["local_gpu"] = torch.cuda.current_device()
         core = EngineCore(specs, config=os.fspath(config) if config is not None else None, **kw)
         _check_accumulation(core.overlap, accumulation)  # (a config file's overlap)
-        compute = _compute_device(core, gpu, shards)
+        compute = _compute_device(core, gpu)
         for n, p in named:
             if p.device.type == "cuda" and p.device != compute:
                 raise ValueError(f"parameter `{n}` is on {p.device}, the model computes on "
