@@ -97,3 +97,23 @@ def test_an_offloaded_llama_computes_on_the_gpu_as_torch_there_and_the_engine_on
     assert all(b.device.type == "cuda" for b in model.buffers())
     with pytest.raises(tidestore.TidestoreError, match="converting a model"):
         model.to("cpu")
+
+
+def test_adamw_on_cuda_moves_parameters_through_pinned_buffers(tmp_path):
+    """Gradients come down and new values go up through one pinned host buffer per
+    parameter on a side stream: read on the compute stream right after ``step()``
+    returns, the parameters on the GPU hold the store's master copies."""
+    torch.manual_seed(0)
+    model = dist_worker.model_of("llama", False).to("cuda")
+    opt = tidestore.AdamW(model.parameters(), lr=1e-2, nvme_dir=tmp_path)
+    assert opt._staging is not None
+    assert all(b.is_pinned() for b in opt._staging._bufs if b is not None)
+    ids = dist_worker.data(1)[0].to("cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = [p.detach().cpu() for p in model.parameters()]
+    opt.step()
+    after = [p.detach().cpu() for p in model.parameters()]  # on the compute stream
+    for i, (b, a) in enumerate(zip(before, after)):
+        master = torch.frombuffer(bytearray(opt._core.master(i)), dtype=torch.float32)
+        assert torch.equal(master.view(a.shape).to(a.dtype), a), f"parameter {i}"
+        assert not torch.equal(b, a), f"parameter {i} was not stepped"

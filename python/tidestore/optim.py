@@ -7,10 +7,12 @@ store: a host-memory pool of ``host_budget`` bytes, the rest in a swap file in
 steps it with tidestore's SIMD AdamW (``AdamWCore``); this class only moves tensors in
 and out:
 
-- ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it is copied
-  to the CPU first) is handed to the core, which reads it where it is when the store
-  steps in RAM (no copy into the store; else it is copied in), steps, and each
-  parameter receives its new master copy rounded to its dtype, in place.
+- ``step()``: every parameter's ``.grad`` (fp32, bf16 or fp16; on the GPU it comes down
+  into a pinned host buffer of the parameter's own, on a side stream, ``_staging.py``) is
+  handed to the core, which reads it where it is when the store steps in RAM (no copy
+  into the store; else it is copied in), steps, and each parameter receives its new
+  master copy rounded to its dtype, in place (on the GPU through the same buffer, the
+  upload asynchronous: the compute stream waits for it on the GPU).
 - ``overlap=True``: a ``register_post_accumulate_grad_hook`` hands each gradient over as
   soon as backward has finished it, and the core steps every group whose gradients are
   all final while backward goes on; ``step()`` steps the rest and writes parameters back.
@@ -103,6 +105,7 @@ from ._tidestore import AdamWCore, TidestoreError
 from ._ahead import DEFAULT_AHEAD, Overlapped, check_ahead
 from ._groups import StoreOptimizer, check_threads, check_torch_only, hyper_params
 from ._shards import Shards, check_world, rank_file, world_meta
+from ._staging import GpuStaging
 from ._views import FLOAT_DTYPES, byte_view, dtype_name, parse_bytes, store_memory
 
 __all__ = ["AdamW"]
@@ -207,6 +210,10 @@ class AdamW(StoreOptimizer):
         if self._shards is not None:
             self._core.set_norm_peers(self._shards.sum_sq_norm)
         self._applied = hp
+        # Parameters on a GPU move through pinned buffers on a side stream (one rank's
+        # whole parameters: not under a process group, whose collectives stage them).
+        self._staging = (GpuStaging(self._params) if self._shards is None and any(
+            p.device.type == "cuda" for p in self._params) else None)
         # Per parameter, the address of the store's memory its .data is bound to (None:
         # copied; see the module doc).
         self._adopted = [None] * len(self._params)
@@ -323,6 +330,8 @@ class AdamW(StoreOptimizer):
                                       lambda i, g, _first, _last: self._put_shard(i, g))
 
     def _put_shard(self, i, g):
+        if self._staging is not None and self._staging.covers(i, g):
+            g = self._staging.down([(i, g)])[0]
         self._core.put_grad(i, self._cpu_view(g), dtype_name(g))
 
     def _given_grads(self):
@@ -330,8 +339,14 @@ class AdamW(StoreOptimizer):
         left it, or this rank's shard of the ranks' average (up to
         ``collectives_ahead`` reduce-scatters in flight)."""
         if self._collectives is None:
-            # Read where torch left them (copied in only where the store cannot).
-            return [(self._cpu_view(p.grad), dtype_name(p.grad)) for p in self._params]
+            # Read where torch left them (copied in only where the store cannot); on a
+            # GPU, from the staging buffers they came down into.
+            grads = [p.grad.detach() for p in self._params]
+            if self._staging is not None:
+                down = [(i, g) for i, g in enumerate(grads) if self._staging.covers(i, g)]
+                for (i, _), buf in zip(down, self._staging.down(down)):
+                    grads[i] = buf
+            return [(self._cpu_view(g), dtype_name(g)) for g in grads]
         grads = []
 
         def take(_i, g, _first, _last):
@@ -342,6 +357,7 @@ class AdamW(StoreOptimizer):
         return grads
 
     def _write_back(self):
+        up = []
         for i, p in enumerate(self._params):
             if self._bound(i):
                 continue
@@ -356,12 +372,21 @@ class AdamW(StoreOptimizer):
                 continue
             if p.device.type == "cpu":
                 self._core.read_param(i, byte_view(p.detach(), f"parameter {i}", writable=True), dt)
+            elif self._staging is not None and self._staging.covers(i, p):
+                buf = self._staging.buffer(i)
+                self._core.read_param(i, byte_view(buf, f"parameter {i}", writable=True), dt)
+                up.append((i, p))
+                continue
             else:
                 tmp = torch.empty(p.shape, dtype=p.dtype, device="cpu")
                 self._core.read_param(i, byte_view(tmp, f"parameter {i}", writable=True), dt)
                 with torch.no_grad():
                     p.copy_(tmp)
             self._written(i, p)
+        if up:
+            self._staging.up(up)
+            for i, p in up:
+                self._written(i, p)
         if self._collectives is not None:
             self._collectives.flush()
 
@@ -485,6 +510,7 @@ class AdamW(StoreOptimizer):
         _remove_hooks(self._hooks)
         _unbind(self._params, self._adopted)
         self._core = _Closed()
+        self._staging = None
 
     def stats(self):
         """The store's and the step loop's counters (NVMe bytes moved, host buffers...);
