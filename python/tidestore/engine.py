@@ -186,6 +186,15 @@ class Engine:
         bf16 = core.precision == "bf16"
         self._dtypes = [torch.bfloat16 if bf16 and p.requires_grad else torch.float32
                         for p in params]
+        # On a GPU, one pinned host buffer of the largest gradient's bytes: each
+        # gradient comes down into it (DMA, not a copy staged by the driver) and goes
+        # into the store from it before the next one does.
+        self._grad_buf = None
+        if self._cuda:
+            largest = max((torch.Size(s).numel() * d.itemsize for s, d, p in
+                           zip(self._shapes, self._dtypes, params) if p.requires_grad),
+                          default=0)
+            self._grad_buf = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
         self._by_storage = {}  # data_ptr of a bound parameter's memory -> index
         self._bwd_holds = {}  # module key -> [indices held in backward]
         self._pending = {}  # index -> final gradient waiting for the release
@@ -499,12 +508,20 @@ class Engine:
 
     def _host_grad(self, i, g):
         """The gradient ``g`` of parameter ``i`` where the store takes it, in host memory:
-        as it is on the CPU, copied from the GPU the model computes on."""
+        as it is on the CPU; from the GPU the model computes on, copied into the pinned
+        buffer (valid until the next gradient comes down)."""
         if g.device != self.device:
             raise TidestoreError(
                 f"the gradient of `{self.names[i]}` is on {g.device}: the model computes on "
                 f"{self.device}")
-        return g.to("cpu") if self._cuda else g
+        if not self._cuda:
+            return g
+        nbytes = g.numel() * g.element_size()
+        if nbytes > self._grad_buf.numel():
+            return g.to("cpu")  # (a dtype wider than the parameter's)
+        out = self._grad_buf[:nbytes].view(g.dtype).view(g.shape)
+        out.copy_(g)  # synchronous: the host waits for the copy
+        return out
 
     def _put_grad(self, i, g):
         g = self._host_grad(i, g)
@@ -960,7 +977,7 @@ def offload(model, config=None, *, precision="f32", lr=1e-3, betas=(0.9, 0.999),
     (``"cuda"``, ``"cuda:1"``, a ``torch.device``): that GPU is then the store's device
     tier, ``device_budget`` of its memory (default: half of what is free on it), and each
     module's parameters are bound as CUDA tensors over the store's GPU memory (no copy),
-    its buffers moved there; gradients come to the store through host memory. With
+    its buffers moved there; gradients come to the store through a pinned host buffer. With
     ``config``, the file's ``[device]`` decides instead (``kind = "auto"``, the default,
     or ``"cuda"`` on a machine with a GPU: the modules compute there). Under a process
     group the ranks compute on the CPU. ``accumulation``: backward passes per step.
