@@ -727,13 +727,14 @@ def run_with_a_raising_backward(model, opt, data, accumulation, bad_step, engine
     return out
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_a_backward_that_raised_drops_its_iteration_and_training_goes_on(accumulation,
-                                                                        tmp_path):
+@pytest.mark.parametrize("accumulation,overlap", [(1, False), (2, False), (1, "forward")])
+def test_a_backward_that_raised_drops_its_iteration_and_training_goes_on(
+        accumulation, overlap, tmp_path):
     """The gradients a raised backward (and the accumulation's passes before it) put
     into the store are dropped with the iteration at the next forward; the losses go on
     as torch's do when that step's batches are skipped, with the weights streamed from
-    NVMe."""
+    NVMe (with ``overlap="forward"`` the last step's groups, stepped in the raised
+    pass's forward, stay stepped)."""
     base = llama()
     data = batches(4 * accumulation)
     ref = copy.deepcopy(base)
@@ -741,7 +742,7 @@ def test_a_backward_that_raised_drops_its_iteration_and_training_goes_on(accumul
         ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False),
         data, accumulation, 1)
     mine, opt = tidestore.offload(copy.deepcopy(base), lr=1e-3, weight_decay=0.01,
-                                  chunk_elements=16384, host_budget=HOST,
+                                  chunk_elements=16384, host_budget=HOST, overlap=overlap,
                                   accumulation=accumulation, nvme_dir=tmp_path)
     with pytest.warns(RuntimeWarning, match="backward pass raised"):
         got = run_with_a_raising_backward(mine, opt, data, accumulation, 1,
@@ -771,3 +772,28 @@ def test_after_a_raised_backward_bf16_weights_are_weights_and_a_step_is_refused(
     mine(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     assert mine.tidestore_engine.core.step_count() == 1
+
+
+def test_a_backward_that_raised_after_overlapped_steps_stops_until_a_checkpoint_loads(
+        tmp_path):
+    """With ``overlap=True`` groups are stepped during backward: a pass that raised after
+    some were leaves the step half made. The next forward says so (nothing trains on
+    half-stepped weights); loading the last checkpoint goes on from before it, as torch
+    does when that step's batch is skipped."""
+    base = llama()
+    data = batches(4)
+    ref = copy.deepcopy(base)
+    want = run_with_a_raising_backward(
+        ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, foreach=False),
+        data, 1, 1)
+    mine, opt = tidestore.offload(copy.deepcopy(base), lr=1e-3, weight_decay=0.01,
+                                  chunk_elements=16384, overlap=True, nvme_dir=tmp_path)
+    got = run_with_a_raising_backward(mine, opt, data[:1], 1, None, mine.tidestore_engine)
+    saved = opt.state_dict()
+    assert run_with_a_raising_backward(mine, opt, data[1:2], 1, 0) == [None]
+    with pytest.raises(tidestore.TidestoreError, match="stepped during backward"):
+        mine(input_ids=data[2], labels=data[2])
+    opt.load_state_dict(saved)
+    got += [None] + run_with_a_raising_backward(mine, opt, data[2:], 1, None,
+                                                mine.tidestore_engine)
+    assert_close([x for x in want if x is not None], [x for x in got if x is not None])
