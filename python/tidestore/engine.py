@@ -583,7 +583,7 @@ class Engine:
         refuses it by name, dropping the iteration (as without kept gradients)."""
         given, self._given = self._given, {}
         for i, g in given.items():
-            self._host_grad(i, g)
+            self._host_grad(i, g)  # (its device checked; on the CPU it is ``g``)
         if any(p.requires_grad and i not in given for i, p in enumerate(self.params)):
             for i, g in given.items():
                 self._put_shard(i, g, True, True)

@@ -330,8 +330,7 @@ impl Trainer {
     /// that says so.
     fn abandon(&mut self, observe: Observer<'_>, what: &str) -> Result<TrainError> {
         let abandoned = self.step.abandon(&mut self.store, observe, what);
-        self.entries.iter_mut().for_each(|e| e.reported = false);
-        self.reported = 0;
+        self.clear_reports();
         self.began_with_due = self.step.deferred() > 0;
         self.store.end_iteration_retrace()?;
         Ok(abandoned)
@@ -358,9 +357,14 @@ impl Trainer {
             return Err(self.abandon(observe, &what)?);
         }
         let outcome = self.step.finish_given(&mut self.store, observe, given);
+        self.clear_reports();
+        outcome
+    }
+
+    /// No gradient reported: the iteration was stepped or dropped.
+    fn clear_reports(&mut self) {
         self.entries.iter_mut().for_each(|e| e.reported = false);
         self.reported = 0;
-        outcome
     }
 
     /// Ends the store's iteration (the first one is the warm-up trace). An iteration

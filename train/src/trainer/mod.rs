@@ -230,9 +230,9 @@ impl Trainer {
     }
 
     /// Counters of the store and the step loop, by name: NVMe bytes read and written,
-    /// bytes copied between the host pool and the device tier, the host budget (bytes, buffers), the chunk size, whether the step runs in place,
-    /// steps applied, tensors stepped during backward and in the next forward, host
-    /// evictions; per list of the
+    /// bytes copied between the host pool and the device tier, the host budget (bytes,
+    /// buffers), the chunk size, whether the step runs in place, steps applied, tensors
+    /// stepped during backward and in the next forward, host evictions; per list of the
     /// optimizer state (master, M, V), the bytes the store keeps of it (used prefixes of
     /// its chunks, page-rounded) and (where counted) its NVMe traffic.
     pub fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {

@@ -216,8 +216,8 @@ fn layout(specs: &[ParamSpec], cfg: &TrainerConfig) -> Result<Layout> {
 /// what one moment uses at it (the search weighs waste against a working set, not
 /// against the budgets): searched again under a cap — the largest chunk the budgets
 /// allow (7/8 of the last choice where that is no smaller) — until the host's working set
-/// ([`STEP_WORKING_SET_CHUNKS`] slots and a staging buffer) and, on a device asked for
-/// by name, the device's fit, or no smaller size holds the largest tensor: then the
+/// ([`STEP_WORKING_SET_CHUNKS`] slots and a staging buffer) and, on a device that holds
+/// chunks, the device's fit, or no smaller size holds the largest tensor: then the
 /// store's own check at open names the bytes short, as before.
 fn fitting_chunk_elements(
     tensors: &[TensorSpec],
@@ -251,8 +251,9 @@ fn fitting_chunk_elements(
 
 /// `None` when chunks of `chunk_elements` leave the working sets inside the budgets
 /// given in bytes, else the largest chunk (in elements) the budgets allow at this
-/// layout's bytes per element. The device's budget counts only on a device asked for by
-/// name: `auto` without a GPU resizes its stand-in to what the layout needs (see
+/// layout's bytes per element. The device's budget counts only on a device that holds
+/// chunks — the simulation asked for, or a GPU a `cuda` build may open — not where the
+/// stand-in left without a GPU is resized to what the layout needs (see
 /// [`Trainer::open`]).
 fn budget_cap(
     tensors: &[TensorSpec],
@@ -275,8 +276,6 @@ fn budget_cap(
             max_slot = b / (n + 1);
         }
     }
-    // The device budget bounds a device that holds chunks: the simulation asked for, and
-    // a GPU where a `cuda` build may open one (Auto's stand-in is resized at open).
     let holds_chunks = match cfg.device {
         DeviceChoice::Sim => true,
         DeviceChoice::Auto => cfg!(feature = "cuda"),
