@@ -125,6 +125,35 @@ pub(crate) struct LayerSaved {
     mlp: [ProjSaved; 3],
 }
 
+impl LayerSaved {
+    /// The bytes its tensors take, each counted once however many of its fields share
+    /// it (the projections of one input do).
+    pub(crate) fn bytes(&self) -> u64 {
+        let projs = self.qkv.iter().chain([&self.o_proj]).chain(&self.mlp);
+        let saved = projs.flat_map(|p| std::iter::once(&p.x).chain(&p.low));
+        let pre = self.qk_pre.iter().flat_map(|(q, k)| [q, k]);
+        let own = [
+            &self.x,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.cos,
+            &self.sin,
+            &self.p,
+            &self.x_mid,
+            &self.gate,
+            &self.up,
+        ];
+        let mut seen = std::collections::HashSet::new();
+        own.into_iter()
+            .chain(pre)
+            .chain(saved)
+            .filter(|t| seen.insert(t.id()))
+            .map(crate::llama::tensor_bytes)
+            .sum()
+    }
+}
+
 /// Queries, keys and values with their projections' saved values, and q and k before
 /// their per-head norms.
 type QkvOut = (Vec<(Tensor, ProjSaved)>, Vec<Tensor>);

@@ -24,6 +24,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use tidestore_train::hf::{Family, Rope};
+use tidestore_train::SavedInputs;
 
 use crate::error::{Error, Result};
 use crate::gpt::Rng;
@@ -357,21 +358,62 @@ impl Llama {
     /// A lower bound of the memory the layer-streamed trainer's activations take at
     /// once where the blocks compute, for micro-batches of `batch × time` of which
     /// `kept` have their block inputs saved at a time (all of a step's with the
-    /// vertical order, one with the horizontal): every block's saved input in f32, plus
-    /// the larger of one layer's attention scores with their softmax and its gradient
-    /// (`3 · batch · heads · time² · 4` bytes) and the head's logits with the two
-    /// tensors of their size the log-softmax makes while they are alive
-    /// (`HEAD_COPIES · rows · vocab · 4`, for the rows of one block of
-    /// [`Llama::head_chunk_rows`]). A lower bound: the blocks' other intermediates and
-    /// the allocator's slack come on top.
-    pub fn activation_bytes_at_least(&self, batch: usize, time: usize, kept: usize) -> u64 {
+    /// vertical order, one with the horizontal): every block's saved input (the tokens,
+    /// then f32 hidden states; with `saved_inputs` in host memory, one per kept
+    /// micro-batch and one brought back for a backward), plus the larger of a decoder
+    /// layer's
+    /// [`Llama::block_working_bytes`] and the head's with the last layer's attention
+    /// probabilities and MLP activations, kept from its forward for its backward right
+    /// after the head's. A lower bound: the blocks' other intermediates, their
+    /// parameters' gradients and the allocator's slack come on top.
+    pub fn activation_bytes_at_least(
+        &self,
+        batch: usize,
+        time: usize,
+        kept: usize,
+        saved_inputs: SavedInputs,
+    ) -> u64 {
         let c = &self.cfg;
         let (b, t) = (batch as u64, time as u64);
-        let saved = (c.layers as u64 + 1) * b * t * c.hidden as u64 * 4 * kept as u64;
-        let scores = 3 * b * c.heads as u64 * t * t * 4;
-        let rows = (b * t).min(self.head_chunk_rows as u64);
-        let logits = HEAD_COPIES * rows * c.vocab as u64 * 4;
-        saved + scores.max(logits)
+        let (tokens, hidden) = (b * t * 4, b * t * c.hidden as u64 * 4);
+        let saved = match saved_inputs {
+            SavedInputs::Compute => (tokens + (c.layers as u64 + 1) * hidden) * kept as u64,
+            // The inputs the next block reads, and one brought back for a backward.
+            SavedInputs::Host => (kept as u64 + 1) * hidden,
+        };
+        let head = self.blocks() - 1;
+        let mut at_head = self.block_working_bytes(head, batch, time);
+        if c.layers > 0 {
+            // The last layer's forward values, kept for its backward after the head's.
+            at_head += b * c.heads as u64 * t * t * 4 + 2 * b * t * c.intermediate as u64 * 4;
+        }
+        let in_layer = if c.layers > 0 {
+            self.block_working_bytes(1, batch, time)
+        } else {
+            0
+        };
+        saved + at_head.max(in_layer)
+    }
+
+    /// What one micro-batch of `batch × time` allocates at least in block `block` beyond
+    /// its input and what the driver holds (`tidestore_train::Blocks::working_bytes`):
+    /// the embedding its output; a decoder layer its output and its attention scores
+    /// with their softmax and its gradient (`3 · batch · heads · time² · 4` bytes); the
+    /// head its logits with the two tensors of their size the log-softmax makes while
+    /// they are alive (`HEAD_COPIES · rows · vocab · 4`, for the rows of one block of
+    /// [`Llama::head_chunk_rows`]).
+    pub fn block_working_bytes(&self, block: usize, batch: usize, time: usize) -> u64 {
+        let c = &self.cfg;
+        let (b, t) = (batch as u64, time as u64);
+        let output = b * t * c.hidden as u64 * 4;
+        if block == 0 {
+            output
+        } else if block + 1 >= self.blocks() {
+            let rows = (b * t).min(self.head_chunk_rows as u64);
+            HEAD_COPIES * rows * c.vocab as u64 * 4
+        } else {
+            output + 3 * b * c.heads as u64 * t * t * 4
+        }
     }
 
     /// Logits of `tokens` `(batch, time)` as one graph.
@@ -468,6 +510,11 @@ pub(crate) fn rope_tables(
 
 /// `(t, t)`: 0 where query `i` sees key `j` (`j ≤ i`, and `i - j < w` with a sliding
 /// window of `w`), a large negative number elsewhere.
+/// The bytes `t`'s elements take.
+pub(crate) fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
 pub(crate) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..t)

@@ -165,6 +165,30 @@ impl Blocks for Llama {
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         Ok((a + b)?)
     }
+
+    fn tensor_bytes(&self, t: &Tensor) -> u64 {
+        crate::llama::tensor_bytes(t)
+    }
+
+    fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.to_device(&candle_core::Device::Cpu)?)
+    }
+
+    fn to_place_of(&self, t: &Tensor, like: &Tensor) -> Result<Tensor> {
+        Ok(t.to_device(like.device())?)
+    }
+
+    fn kept_bytes(&self, kept: &KeptLayer) -> u64 {
+        kept.0.bytes()
+    }
+
+    /// From the input's `(batch, time)` (tokens) or `(batch, time, hidden)`.
+    fn working_bytes(&self, block: usize, input: &Tensor) -> u64 {
+        match input.dims() {
+            [b, t] | [b, t, _] => self.block_working_bytes(block, *b, *t),
+            _ => 0,
+        }
+    }
 }
 
 /// A decoder layer's forward values, kept for a backward that follows at once
@@ -250,6 +274,11 @@ impl BlockParams<Llama> for TideParams {
 
     fn put_grad(&mut self, name: &str, grad: &Tensor, first: bool, last: bool) -> Result<()> {
         self.put_grad_tensor(name, grad, first, last)
+    }
+
+    fn hold_activations(&mut self, bytes: u64) -> Result<()> {
+        self.trainer_mut().hold_activations(bytes);
+        Ok(())
     }
 
     fn step(&mut self) -> Result<StepDecision> {

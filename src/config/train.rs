@@ -58,6 +58,28 @@ impl MicroBatchOrderName {
     }
 }
 
+/// `train.saved_inputs`: where the block inputs kept for backward wait.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SavedInputsName {
+    /// Where the blocks compute (on a GPU, its memory).
+    #[default]
+    Device,
+    /// In host memory, copied back for each block's backward: the GPU holds only the
+    /// inputs the next block reads (long sequences).
+    Host,
+}
+
+impl SavedInputsName {
+    /// The train crate's place.
+    pub fn place(self) -> tidestore_train::SavedInputs {
+        match self {
+            SavedInputsName::Device => tidestore_train::SavedInputs::Compute,
+            SavedInputsName::Host => tidestore_train::SavedInputs::Host,
+        }
+    }
+}
+
 /// `train.export_dtype`: the dtype of the exported weights.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -128,6 +150,8 @@ pub struct TrainSection {
     pub accumulation: u32,
     /// How the micro-batches meet the blocks.
     pub micro_batch_order: MicroBatchOrderName,
+    /// Where the block inputs kept for backward wait.
+    pub saved_inputs: SavedInputsName,
     /// The learning-rate schedule.
     pub schedule: Schedule,
     /// Steps of linear warm-up from 0.
@@ -184,6 +208,7 @@ impl Default for TrainSection {
             micro_batch: 4,
             accumulation: 1,
             micro_batch_order: MicroBatchOrderName::Vertical,
+            saved_inputs: SavedInputsName::Device,
             schedule: Schedule::Constant,
             warmup_steps: 0,
             mode: TrainMode::Full,

@@ -136,7 +136,6 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
-    /// A simulated device of `cfg.sim_total_bytes` (default: the budget).
     /// A simulated device of `cfg.sim_total_bytes` (default: the budget), with a slab of
     /// `cfg.slab_bytes` (default: all of it).
     pub fn new(cfg: &DeviceConfig) -> Result<Self> {

@@ -33,8 +33,20 @@
 //! (bit-identical); a parameter used by several blocks is summed in another order
 //! (within fp32 rounding). With one micro-batch the two are the same computation.
 //!
-//! Block inputs stay in the framework's memory (`batch · time · hidden` each, one per
-//! block and micro-batch); they are not spilled to the store.
+//! Block inputs (`batch · time · hidden` each, one per block and micro-batch) stay in
+//! the framework's memory, not in the store, where [`SavedInputs`] says: where the
+//! blocks compute, or in host memory ([`SavedInputs::Host`], for long sequences on a
+//! GPU), copied there once the block that read it is done and back for its backward;
+//! the compute device then holds only the inputs the next block reads.
+//!
+//! **Activations are non-model memory where the blocks compute.** Before each block's
+//! forward and backward the driver tells the source what the activations take then
+//! ([`BlockParams::hold_activations`]): the saved inputs and the gradients flowing
+//! back, by their sizes ([`Blocks::tensor_bytes`]), what a forward kept for the
+//! backward after it ([`Blocks::kept_bytes`]), and what the block about to run
+//! allocates on top ([`Blocks::working_bytes`]); 0 once backward is done. A store on a
+//! device that cannot measure them (the simulation) counts them against its tidal
+//! budget, so chunks never take the memory the blocks need.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -149,6 +161,41 @@ pub trait Blocks {
 
     /// `a + b`: a tied parameter's gradients of two blocks summed.
     fn add(&self, a: &Self::Tensor, b: &Self::Tensor) -> Result<Self::Tensor, Self::Error>;
+
+    /// The bytes `t`'s elements take.
+    fn tensor_bytes(&self, t: &Self::Tensor) -> u64;
+
+    /// `t` copied to host memory, for a saved input that waits there
+    /// ([`SavedInputs::Host`]). The default: `t` itself (a framework computing there).
+    fn to_host(&self, t: &Self::Tensor) -> Result<Self::Tensor, Self::Error> {
+        Ok(t.clone())
+    }
+
+    /// `t` copied to where `like` is (where the blocks compute). The default: `t`
+    /// itself.
+    fn to_place_of(
+        &self,
+        t: &Self::Tensor,
+        like: &Self::Tensor,
+    ) -> Result<Self::Tensor, Self::Error> {
+        let _ = like;
+        Ok(t.clone())
+    }
+
+    /// The bytes a [`Blocks::forward_keeping`] kept take. The default: none.
+    fn kept_bytes(&self, kept: &Self::Kept) -> u64 {
+        let _ = kept;
+        0
+    }
+
+    /// What one micro-batch's forward or backward of block `block` from `input`
+    /// allocates at once beyond its input and what the driver holds (its intermediates,
+    /// its output, its parameters' gradients): an estimate the framework's side makes
+    /// from the shapes. The default: none.
+    fn working_bytes(&self, block: usize, input: &Self::Tensor) -> u64 {
+        let _ = (block, input);
+        0
+    }
 }
 
 /// A block's output and what its forward kept ([`Blocks::forward_keeping`]).
@@ -208,8 +255,45 @@ pub trait BlockParams<B: Blocks + ?Sized> {
         Ok(())
     }
 
+    /// The activations take `bytes` where the blocks compute from now on (see the
+    /// module doc): the driver calls it before each block's forward and backward, and
+    /// with 0 after backward. The default ignores it.
+    fn hold_activations(&mut self, bytes: u64) -> Result<(), B::Error> {
+        let _ = bytes;
+        Ok(())
+    }
+
     /// The optimizer step, after the last micro-batch.
     fn step(&mut self) -> Result<StepDecision, B::Error>;
+}
+
+/// Where the block inputs kept for backward wait (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SavedInputs {
+    /// Where the blocks compute.
+    #[default]
+    Compute,
+    /// In host memory ([`Blocks::to_host`]), brought back for the block's backward
+    /// ([`Blocks::to_place_of`]).
+    Host,
+}
+
+/// How a step's micro-batches meet the blocks, and where their saved inputs wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockSchedule {
+    /// The micro-batches' order.
+    pub order: MicroBatchOrder,
+    /// Where the saved block inputs wait.
+    pub saved_inputs: SavedInputs,
+}
+
+impl From<MicroBatchOrder> for BlockSchedule {
+    fn from(order: MicroBatchOrder) -> Self {
+        BlockSchedule {
+            order,
+            saved_inputs: SavedInputs::Compute,
+        }
+    }
 }
 
 /// How micro-batches meet the blocks (see the module doc).
@@ -308,6 +392,10 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for Timed<'_
         r
     }
 
+    fn hold_activations(&mut self, bytes: u64) -> Result<(), B::Error> {
+        self.params.hold_activations(bytes)
+    }
+
     fn step(&mut self) -> Result<StepDecision, B::Error> {
         self.params.step()
     }
@@ -326,12 +414,14 @@ fn first_use<B: Blocks + ?Sized>(model: &B) -> HashMap<String, usize> {
 }
 
 /// One training step of `model` over `batches` (micro-batches of inputs and targets),
-/// layer-streamed through `params`, micro-batches in `order` (see the module doc).
+/// layer-streamed through `params`, micro-batches and saved inputs as `schedule` says
+/// (a [`MicroBatchOrder`] alone keeps the inputs where the blocks compute; see the
+/// module doc).
 pub fn train_step<B, P>(
     params: &mut P,
     model: &B,
     batches: &[(B::Tensor, B::Tensor)],
-    order: MicroBatchOrder,
+    schedule: impl Into<BlockSchedule>,
 ) -> Result<StreamedStep, B::Error>
 where
     B: Blocks + ?Sized,
@@ -356,12 +446,17 @@ where
     };
     let parts = batches.len();
     let scale = 1.0 / parts as f64;
+    let BlockSchedule {
+        order,
+        saved_inputs: saved,
+    } = schedule.into();
     let loss_sum = match order {
         MicroBatchOrder::Vertical => {
             let whole = Part {
                 first: true,
                 last: true,
                 scale,
+                saved,
             };
             passes(&mut timed, model, batches, &first, whole)?
         }
@@ -374,6 +469,7 @@ where
                     first: k == 0,
                     last: k + 1 == parts,
                     scale,
+                    saved,
                 };
                 loss_sum += passes(&mut timed, model, std::slice::from_ref(batch), &first, part)?;
             }
@@ -394,13 +490,23 @@ where
     })
 }
 
-/// Which micro-batch of the step, and its loss factor.
+/// Which micro-batch of the step, its loss factor, and where saved inputs wait.
 #[derive(Debug, Clone, Copy)]
 struct Part {
     first: bool,
     last: bool,
     scale: f64,
+    saved: SavedInputs,
 }
+
+/// A block input kept for backward, and whether it waits in host memory.
+struct Saved<T> {
+    t: T,
+    on_host: bool,
+}
+
+/// Per micro-batch, the inputs of the blocks it went through.
+type SavedInputsOf<T> = Vec<Vec<Saved<T>>>;
 
 /// Gradients of one block's backward: summed into `pending` for parameters an earlier
 /// block uses too, put for the others.
@@ -494,6 +600,10 @@ impl<B: Blocks + ?Sized, P: BlockParams<B> + ?Sized> BlockParams<B> for BlockCac
         self.params.put_grad(name, grad, first, last)
     }
 
+    fn hold_activations(&mut self, bytes: u64) -> Result<(), B::Error> {
+        self.params.hold_activations(bytes)
+    }
+
     fn step(&mut self) -> Result<StepDecision, B::Error> {
         self.params.step()
     }
@@ -517,21 +627,41 @@ where
     // Forward: per micro-batch, the input of every block (the checkpoints). The last
     // block before the head keeps its last micro-batch's activations: its backward
     // comes right after the head's, and needs no recompute then.
-    let mut inputs: Vec<Vec<B::Tensor>> = batches.iter().map(|(t, _)| vec![t.clone()]).collect();
+    let mut inputs: SavedInputsOf<B::Tensor> = batches
+        .iter()
+        .map(|(t, _)| {
+            vec![Saved {
+                t: t.clone(),
+                on_host: false,
+            }]
+        })
+        .collect();
     let last = batches.len() - 1;
     let mut kept: Option<B::Kept> = None;
     for b in 0..head {
         params.step_deferred(&model.block_params(b))?;
         let mut cache = BlockCache::<B, P>::new(&mut *params);
-        let done = inputs.iter_mut().enumerate().try_for_each(|(k, x)| {
+        let done = (0..inputs.len()).try_for_each(|k| {
+            let held = live_bytes(model, &inputs, &[], None);
+            cache.hold_activations(held + model.working_bytes(b, &inputs[k][b].t))?;
+            let x = &mut inputs[k];
             let y = if b + 1 == head && k == last {
-                let (y, keep) = model.forward_keeping(b, &mut cache, &x[b])?;
+                let (y, keep) = model.forward_keeping(b, &mut cache, &x[b].t)?;
                 kept = keep;
                 y
             } else {
-                model.forward(b, &mut cache, &x[b])?
+                model.forward(b, &mut cache, &x[b].t)?
             };
-            x.push(y);
+            if part.saved == SavedInputs::Host {
+                x[b] = Saved {
+                    t: model.to_host(&x[b].t)?,
+                    on_host: true,
+                };
+            }
+            x.push(Saved {
+                t: y,
+                on_host: false,
+            });
             Ok(())
         });
         cache.finish(done)?;
@@ -547,12 +677,18 @@ where
         let mut cache = BlockCache::<B, P>::new(&mut *params);
         let (ins, ups) = (&mut inputs, &mut upstream);
         let keep = if b + 1 == head { kept.take() } else { None };
-        let done = block_backward(&mut cache, model, b, batches, (ins, keep), ups, part.scale);
+        let flowing = Flowing {
+            scale: part.scale,
+            pending_bytes: pending.values().map(|g| model.tensor_bytes(g)).sum(),
+            kept_before: if b == head { kept.as_ref() } else { None },
+        };
+        let done = block_backward(&mut cache, model, b, batches, (ins, keep), ups, flowing);
         let (sums, loss) = cache.finish(done)?;
         loss_sum += loss;
         put_block_grads(params, model, sums, b, first, &mut pending, part)?;
         params.step_early()?;
     }
+    params.hold_activations(0)?;
     if let Some(name) = pending.keys().next() {
         return Err(TrainError::Protocol(format!(
             "the gradient of `{name}` was left pending after the first block"
@@ -565,20 +701,48 @@ where
 /// Tensors by parameter name, in the order the block gave them.
 type Named<T> = Vec<(String, T)>;
 
+/// The bytes the driver holds where the blocks compute: the saved `inputs` not waiting
+/// in host memory, the `upstream` gradients and what a forward `kept`.
+fn live_bytes<B: Blocks + ?Sized>(
+    model: &B,
+    inputs: &SavedInputsOf<B::Tensor>,
+    upstream: &[Option<B::Tensor>],
+    kept: Option<&B::Kept>,
+) -> u64 {
+    let there = inputs.iter().flatten().filter(|s| !s.on_host);
+    let saved: u64 = there.map(|s| model.tensor_bytes(&s.t)).sum();
+    let flowing: u64 = upstream
+        .iter()
+        .flatten()
+        .map(|g| model.tensor_bytes(g))
+        .sum();
+    saved + flowing + kept.map_or(0, |k| model.kept_bytes(k))
+}
+
+/// What a block's backward is given beside its inputs and upstream gradients: the
+/// loss's factor, and for the activations' count the bytes of the tied gradients
+/// pending from later blocks and what a forward kept for the block after this one.
+struct Flowing<'a, K> {
+    scale: f64,
+    pending_bytes: u64,
+    kept_before: Option<&'a K>,
+}
+
 /// Block `b`'s backward for every micro-batch, its parameters from `cache`, from its
 /// saved input (popped from `inputs`; the last micro-batch's from what its forward
 /// `kept`, where it kept something) and `upstream` (replaced by the gradient of the
-/// block's input), the loss times `scale`: its parameters' gradients summed over the
-/// micro-batches in first-seen order, and the sum of the micro-batches' losses (the
-/// last block's; 0 for the others).
+/// block's input), the loss times `flowing.scale`: its parameters' gradients summed
+/// over the micro-batches in first-seen order, and the sum of the micro-batches' losses
+/// (the last block's; 0 for the others). Before each micro-batch it tells `cache` what
+/// the activations take.
 fn block_backward<B, P>(
     cache: &mut BlockCache<'_, B, P>,
     model: &B,
     b: usize,
     batches: &[(B::Tensor, B::Tensor)],
-    (inputs, mut kept): (&mut [Vec<B::Tensor>], Option<B::Kept>),
+    (inputs, mut kept): (&mut SavedInputsOf<B::Tensor>, Option<B::Kept>),
     upstream: &mut [Option<B::Tensor>],
-    scale: f64,
+    flowing: Flowing<'_, B::Kept>,
 ) -> Result<(Named<B::Tensor>, f32), B::Error>
 where
     B: Blocks + ?Sized,
@@ -587,11 +751,36 @@ where
     let mut sums: Vec<(String, B::Tensor)> = Vec::new();
     let mut loss_sum = 0.0;
     for (k, (_, targets)) in batches.iter().enumerate() {
-        let input = inputs[k].pop().ok_or_else(|| {
+        // The input about to be popped is alive until its backward is done.
+        let held = live_bytes(
+            model,
+            inputs,
+            upstream,
+            kept.as_ref().or(flowing.kept_before),
+        ) + flowing.pending_bytes;
+        let (working, back) = match inputs[k].last() {
+            // Brought back from host memory, the input is there too.
+            Some(x) if x.on_host => (
+                model.working_bytes(b, &x.t) + model.tensor_bytes(&x.t),
+                true,
+            ),
+            Some(x) => (model.working_bytes(b, &x.t), false),
+            None => (0, false),
+        };
+        cache.hold_activations(held + working)?;
+        let saved = inputs[k].pop().ok_or_else(|| {
             TrainError::Protocol(format!("block {b}: its saved input is missing"))
         })?;
+        let input = if back {
+            model.to_place_of(&saved.t, targets)?
+        } else {
+            saved.t
+        };
         let up = match &upstream[k] {
-            None => Upstream::Loss { targets, scale },
+            None => Upstream::Loss {
+                targets,
+                scale: flowing.scale,
+            },
             Some(g) => Upstream::Grad(g),
         };
         let keep = if k + 1 == batches.len() {
@@ -742,6 +931,19 @@ mod tests {
         fn add(&self, a: &Vec<f64>, b: &Vec<f64>) -> Result<Vec<f64>, TrainError> {
             Ok(a.iter().zip(b).map(|(x, y)| x + y).collect())
         }
+
+        fn tensor_bytes(&self, t: &Vec<f64>) -> u64 {
+            8 * t.len() as u64
+        }
+
+        fn kept_bytes(&self, kept: &Vec<f64>) -> u64 {
+            8 * kept.len() as u64
+        }
+
+        /// 1000 bytes per block number, counted from 1: told apart from what is held.
+        fn working_bytes(&self, block: usize, _input: &Vec<f64>) -> u64 {
+            1000 * (block as u64 + 1)
+        }
     }
 
     #[derive(Debug, Default)]
@@ -759,6 +961,8 @@ mod tests {
         made: usize,
         ended: usize,
         most_live: usize,
+        /// What the driver said the activations take, in order.
+        held: Vec<u64>,
     }
 
     /// The value of weight `name`.
@@ -813,6 +1017,11 @@ mod tests {
             let e = self.grads.entry(name.into()).or_default();
             e.0 = if first { g[0] } else { e.0 + g[0] };
             e.1 += 1;
+            Ok(())
+        }
+
+        fn hold_activations(&mut self, bytes: u64) -> Result<(), TrainError> {
+            self.held.push(bytes);
             Ok(())
         }
 
@@ -953,6 +1162,80 @@ mod tests {
                     assert_eq!(g.to_bits(), gv.to_bits(), "{name}");
                 }
             }
+        }
+    }
+
+    /// Before each block runs for each micro-batch, the driver counts what it holds
+    /// (saved inputs, gradients flowing back, what a forward kept, a tied gradient
+    /// pending for block 0; every toy tensor 16 bytes, a gradient of one weight 8)
+    /// plus the block's working bytes, and 0 once backward is done. Two micro-batches
+    /// in vertical order, worked out by hand; in horizontal order each pass holds one
+    /// micro-batch's, as vertical order with one does.
+    #[test]
+    fn the_activations_held_are_counted_before_every_block() {
+        let (v, _) = run(MicroBatchOrder::Vertical, 2);
+        #[rustfmt::skip]
+        let expected = [
+            // Forward: two tokens, then each block's outputs pile up.
+            32 + 1000, 48 + 1000, 64 + 2000, 80 + 2000,
+            96 + 3000, 112 + 3000, 128 + 4000, 144 + 4000,
+            // The head: ten inputs and the last block's kept input; then one input
+            // popped, one gradient flowing.
+            176 + 5000, 176 + 5000,
+            // Block 3 backs from the kept input for the last micro-batch.
+            176 + 4000, 160 + 4000,
+            // w0's gradient (8 bytes) pends from block 3 until block 0.
+            136 + 3000, 120 + 3000, 104 + 2000, 88 + 2000,
+            // Block 0 gives no input gradient: its micro-batch's flow ends.
+            72 + 1000, 40 + 1000,
+            0,
+        ];
+        assert_eq!(v.held, expected);
+        let (one, _) = run(MicroBatchOrder::Vertical, 1);
+        let (h, _) = run(MicroBatchOrder::Horizontal, 2);
+        let peak = |c: &Counting| c.held.iter().copied().max().unwrap();
+        assert_eq!(h.held.len(), 2 * one.held.len());
+        assert_eq!(peak(&h), peak(&one));
+        assert!(peak(&v) > peak(&h));
+    }
+
+    /// With the saved inputs in host memory, the compute device holds only the inputs
+    /// the next block reads, and an input brought back for its block's backward; the
+    /// losses and gradients are those of inputs kept where the blocks compute, bit for
+    /// bit. Worked out by hand as above.
+    #[test]
+    fn saved_inputs_in_host_memory_leave_the_device_the_frontier() {
+        let chain = Chain {
+            blocks: 5,
+            fails: None,
+            kept: Default::default(),
+        };
+        let mut p = Counting::default();
+        let schedule = BlockSchedule {
+            order: MicroBatchOrder::Vertical,
+            saved_inputs: SavedInputs::Host,
+        };
+        let loss = train_step(&mut p, &chain, &batches(2), schedule)
+            .unwrap()
+            .loss;
+        #[rustfmt::skip]
+        let expected = [
+            // Forward: each micro-batch's input to the block about to run.
+            32 + 1000, 32 + 1000, 32 + 2000, 32 + 2000,
+            32 + 3000, 32 + 3000, 32 + 4000, 32 + 4000,
+            // The head reads the last inputs where they are, beside the kept one.
+            48 + 5000, 48 + 5000,
+            // Then each input is brought back (16) beside the flowing gradients.
+            64 + 4000, 64 + 4000,
+            56 + 3000, 56 + 3000, 56 + 2000, 56 + 2000,
+            56 + 1000, 40 + 1000,
+            0,
+        ];
+        assert_eq!(p.held, expected);
+        let (c, compute_loss) = run(MicroBatchOrder::Vertical, 2);
+        assert_eq!(loss.to_bits(), compute_loss.to_bits());
+        for (name, (g, _)) in &c.grads {
+            assert_eq!(g.to_bits(), p.grads[name].0.to_bits(), "{name}");
         }
     }
 

@@ -35,8 +35,8 @@ pub mod step;
 pub mod trainer;
 
 pub use blocks::{
-    train_step, BlockGrads, BlockParams, Blocks, Loan, MicroBatchOrder, StepTimes, StreamedStep,
-    Upstream,
+    train_step, BlockGrads, BlockParams, BlockSchedule, Blocks, Loan, MicroBatchOrder, SavedInputs,
+    StepTimes, StreamedStep, Upstream,
 };
 pub use checkpoint::{CheckpointState, FileTensor, CHECKPOINT_FORMAT};
 pub use checkpoint_dir::CheckpointDir;

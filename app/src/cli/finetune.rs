@@ -339,12 +339,14 @@ fn print(r: &FinetuneReport) {
     );
     let (dev, host, nvme) = r.peak_tier_bytes;
     out!(
-        "NVMe: read {}, written {}; peak per tier: device {}, host {}, nvme {}; peak RSS {}",
+        "NVMe: read {}, written {}; peak per tier: device {}, host {}, nvme {}; peak \
+         activations {}; peak RSS {}",
         human_bytes(r.nvme_bytes.0),
         human_bytes(r.nvme_bytes.1),
         human_bytes(dev),
         human_bytes(host),
         human_bytes(nvme),
+        human_bytes(r.activation_peak_bytes),
         r.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
     print_ranks(r);

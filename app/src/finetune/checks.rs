@@ -366,8 +366,8 @@ mod tests {
 
     /// A device budget that leaves the activations no room on the GPU is a config
     /// error naming `device.budget` and the bytes short, before step 1; the bound is
-    /// the model's (saved block inputs per kept micro-batch, plus the larger of one
-    /// layer's attention scores and the head's logits).
+    /// the model's (saved block inputs per kept micro-batch, plus the larger of what a
+    /// layer and the head allocate).
     #[test]
     fn a_slab_that_leaves_the_activations_no_room_is_refused() {
         use tidestore_candle::llama::{Llama, LlamaConfig};
@@ -389,10 +389,16 @@ mod tests {
             lora: None,
         })
         .unwrap();
-        // Saved inputs 5 · 4 · 128 · 256 · 4 per micro-batch; scores 3 · 4 · 8 · 128² · 4
-        // exceed the logits 2 · 4 · 128 · 512 · 4.
-        let need = model.activation_bytes_at_least(4, 128, 2);
-        assert_eq!(need, 2 * 5 * 4 * 128 * 256 * 4 + 3 * 4 * 8 * 128 * 128 * 4);
+        // Saved per micro-batch: the tokens 4 · 128 · 4 and five hidden states
+        // 4 · 128 · 256 · 4. At the head, its logits (HEAD_COPIES) 3 · 4 · 128 · 512 · 4
+        // with the last layer's probabilities 4 · 8 · 128² · 4 and MLP activations
+        // 2 · 4 · 128 · 704 · 4 exceed a layer's output 4 · 128 · 256 · 4 with its scores
+        // 3 · 4 · 8 · 128² · 4.
+        let need =
+            model.activation_bytes_at_least(4, 128, 2, tidestore_train::SavedInputs::Compute);
+        let head = 3 * 4 * 128 * 512 * 4 + 4 * 8 * 128 * 128 * 4 + 2 * 4 * 128 * 704 * 4;
+        assert!(head > 4 * 128 * 256 * 4 + 3 * 4 * 8 * 128 * 128 * 4);
+        assert_eq!(need, 2 * (4 * 128 * 4 + 5 * 4 * 128 * 256 * 4) + head);
         let gib = 1u64 << 30;
         check_activation_room(&cfg, 80 * gib, need, need).unwrap();
         let e = check_activation_room(&cfg, 80 * gib, need - 4096, need).unwrap_err();

@@ -39,7 +39,9 @@ use serde::Serialize;
 use tidestore_candle::{checkpoint, train_step, TideConfig, TideParams};
 use tidestore_chunk::{ListKind, StoreStats};
 use tidestore_optimizer::StepDecision;
-use tidestore_train::{CheckpointDir, OverlapStats, Ranks, SentBytes, TrainError};
+use tidestore_train::{
+    BlockSchedule, CheckpointDir, OverlapStats, Ranks, SavedInputs, SentBytes, TrainError,
+};
 
 use crate::error::{Error, Result};
 use crate::scratch::{self, Scratch};
@@ -144,6 +146,9 @@ pub struct FinetuneReport {
     pub state_bytes: std::collections::BTreeMap<&'static str, u64>,
     /// Most bytes in use per tier over the run: device, host, NVMe.
     pub peak_tier_bytes: (u64, u64, u64),
+    /// Most bytes the blocks' activations took at once where they compute, as the
+    /// layer-streamed driver counts them (see `tidestore_train::Blocks::working_bytes`).
+    pub activation_peak_bytes: u64,
     /// Peak resident memory of the process (`VmHWM`), where the OS reports it.
     pub peak_rss_bytes: Option<u64>,
     /// A data-parallel run's ranks (`None`: one process); the tier and NVMe figures
@@ -247,6 +252,7 @@ impl FinetuneReport {
             nvme_bytes_by_list: Default::default(),
             state_bytes: Default::default(),
             peak_tier_bytes: (0, 0, 0),
+            activation_peak_bytes: 0,
             peak_rss_bytes: None,
             data_parallel: None,
         }
@@ -264,6 +270,7 @@ impl FinetuneReport {
                 .collect();
         }
         self.state_bytes = params.trainer().counters();
+        self.activation_peak_bytes = self.state_bytes["activation_peak_bytes"];
         self.state_bytes
             .retain(|k, _| matches!(*k, "master_bytes" | "m_bytes" | "v_bytes"));
         self.peak_tier_bytes = (st.device.peak_bytes, st.host.peak_bytes, st.nvme.peak_bytes);
@@ -433,11 +440,13 @@ fn host_activation_room(cfg: &Config, loaded: &model::Loaded) -> Result<()> {
         tracing::debug!("MemAvailable unknown: the activations are not checked against memory");
         return Ok(());
     };
-    checks::check_host_activation_room(cfg, available, activation_need(cfg, loaded))
+    let need = activation_need(cfg, loaded, SavedInputs::Compute);
+    checks::check_host_activation_room(cfg, available, need)
 }
 
-/// The lower bound of the blocks' activations for this run's micro-batches.
-fn activation_need(cfg: &Config, loaded: &model::Loaded) -> u64 {
+/// The lower bound of the blocks' activations for this run's micro-batches where they
+/// compute, the saved inputs `saved` (on the CPU every one is in host memory anyway).
+fn activation_need(cfg: &Config, loaded: &model::Loaded, saved: SavedInputs) -> u64 {
     let t = &cfg.train;
     let kept = match t.micro_batch_order {
         tidestore::config::MicroBatchOrderName::Vertical => t.accumulation,
@@ -447,13 +456,17 @@ fn activation_need(cfg: &Config, loaded: &model::Loaded) -> u64 {
         t.micro_batch as usize,
         t.sequence as usize,
         kept as usize,
+        saved,
     )
 }
 
 /// The store for `loaded`'s parameters (this rank's shards of them, with `ranks`); a
 /// budget too small is explained against the config.
 fn open_params(cfg: &Config, loaded: &model::Loaded, ranks: Option<Ranks>) -> Result<TideParams> {
-    let (specs, tide) = (loaded.model.specs(), tide_config(cfg)?);
+    let (specs, mut tide) = (loaded.model.specs(), tide_config(cfg)?);
+    // A simulated device standing in for a GPU has the activations' room beside the
+    // budget, as `device.sim_memory = "auto"` gives the bench's.
+    tide.sim_activation_bytes = activation_need(cfg, loaded, cfg.train.saved_inputs.place());
     let opened = match ranks {
         Some(r) => {
             let r = r.with_ahead(cfg.train.collectives_ahead as usize);
@@ -478,7 +491,8 @@ fn activation_room(cfg: &Config, loaded: &model::Loaded, params: &TideParams) ->
     let beside_slab = total
         .saturating_sub(device.slab_bytes())
         .saturating_sub(device.non_model_bytes()?);
-    checks::check_activation_room(cfg, total, beside_slab, activation_need(cfg, loaded))
+    let need = activation_need(cfg, loaded, cfg.train.saved_inputs.place());
+    checks::check_activation_room(cfg, total, beside_slab, need)
 }
 
 /// The prefix of a finetune run's swap directory in `nvme.dir`: `finetune.PID`.
@@ -628,7 +642,11 @@ fn one_step(
         loss_tokens += n;
         batches.push(batch);
     }
-    let mut s = train_step(params, &loaded.model, &batches, t.micro_batch_order.order())?;
+    let schedule = BlockSchedule {
+        order: t.micro_batch_order.order(),
+        saved_inputs: t.saved_inputs.place(),
+    };
+    let mut s = train_step(params, &loaded.model, &batches, schedule)?;
     (s.loss, loss_tokens) = ranked::across_ranks(s.loss, loss_tokens, params.ranks())?;
     if !s.loss.is_finite() || matches!(s.decision, StepDecision::Skip { .. }) {
         let tensor = params.trainer().step_loop().last_skip_tensor();

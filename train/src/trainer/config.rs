@@ -146,6 +146,11 @@ pub struct TrainerConfig {
     pub host_budget: Budget,
     /// Which device tier.
     pub device: DeviceChoice,
+    /// The simulated device's memory beside the device budget: what compute's
+    /// activations may take there ([`crate::Trainer::hold_activations`]) while chunks
+    /// fill the budget, as a GPU has memory beyond the budget given to chunks. 0 (the
+    /// default): the simulated device is the budget, and activations take from it.
+    pub sim_activation_bytes: u64,
     /// The CUDA GPU the device tier (and a GPU step) opens, when it is a GPU.
     pub gpu_ordinal: usize,
     /// Directory of the swap file. Every open starts fresh: chunks an earlier run left
@@ -178,6 +183,7 @@ impl TrainerConfig {
             device_budget: Budget::Chunks(4),
             host_budget: Budget::Chunks(5),
             device: DeviceChoice::Auto,
+            sim_activation_bytes: 0,
             gpu_ordinal: 0,
             swap_dir: swap_dir.into(),
             io: IoConfig {

@@ -113,6 +113,8 @@ pub struct Trainer {
     /// The iteration in progress began with steps due from the last one
     /// (`Overlap::Forward`; see [`Trainer::end_iteration`]).
     began_with_due: bool,
+    /// The most compute's activations took ([`Trainer::hold_activations`]).
+    activation_peak_bytes: u64,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -232,7 +234,8 @@ impl Trainer {
     /// Counters of the store and the step loop, by name: NVMe bytes read and written,
     /// bytes copied between the host pool and the device tier, the host budget (bytes,
     /// buffers), the chunk size, whether the step runs in place, steps applied, tensors
-    /// stepped during backward and in the next forward, host evictions; per list of the
+    /// stepped during backward and in the next forward, host evictions, the most compute's
+    /// activations took ([`Trainer::hold_activations`]); per list of the
     /// optimizer state (master, M, V), the bytes the store keeps of it (used prefixes of
     /// its chunks, page-rounded) and (where counted) its NVMe traffic.
     pub fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
@@ -251,6 +254,7 @@ impl Trainer {
             ("tensors_overlapped", self.step.stats().tensors_overlapped),
             ("tensors_deferred", self.step.stats().tensors_deferred),
             ("host_evictions", s.host_evictions),
+            ("activation_peak_bytes", self.activation_peak_bytes),
         ]);
         // What each rank of a data-parallel run holds and moves of its shards.
         let layout = self.store.layout();

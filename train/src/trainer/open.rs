@@ -135,6 +135,7 @@ impl Trainer {
             swap_path,
             reported: 0,
             began_with_due: false,
+            activation_peak_bytes: 0,
         };
         // Compute reads host-addressable memory until a front end computing on the GPU
         // says otherwise (`Trainer::set_compute_on_device`).
@@ -390,6 +391,9 @@ fn optimizer(
 fn open_device(cfg: &TrainerConfig, budget_bytes: u64) -> Result<(Device, usize)> {
     let mut dcfg = DeviceConfig::new(budget_bytes);
     dcfg.ordinal = cfg.gpu_ordinal;
+    // The chunks' slab is the budget, as on a GPU; the activations' room is beside it.
+    dcfg.sim_total_bytes = Some(budget_bytes.saturating_add(cfg.sim_activation_bytes));
+    dcfg.slab_bytes = Some(budget_bytes);
     let device = match cfg.device {
         DeviceChoice::Auto if cfg!(feature = "cuda") => Device::auto(&dcfg),
         _ => Device::sim(&dcfg),

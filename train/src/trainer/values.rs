@@ -272,6 +272,18 @@ impl Trainer {
         self.store.device().kind() == DeviceKind::Cuda
     }
 
+    /// Compute's activations take `bytes` where it runs from now on. Where compute
+    /// reads the simulated device, which stands in for a GPU, they are that device's
+    /// non-model memory: reported to the store, whose tide leaves them room. On a GPU
+    /// the store measures what candle allocates instead, and where compute reads the
+    /// host pool they are host memory: neither reports.
+    pub fn hold_activations(&mut self, bytes: u64) {
+        self.activation_peak_bytes = self.activation_peak_bytes.max(bytes);
+        if self.store.device().kind() == DeviceKind::Sim && self.compute_reads_device() {
+            self.store.report_non_model_bytes(bytes);
+        }
+    }
+
     /// Where compute reads parameters, `on_device` when a front end computes on the GPU.
     /// A simulated device that stands in for a GPU (`DeviceChoice::Sim`, a caller's own
     /// store) is read as a GPU would be, so the GPU's traffic is exercised and measured on
