@@ -8,85 +8,11 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use common::*;
-use tidestore_candle::{train_step, Llama, Precision, TideParams};
+use tidestore_candle::{train_step, Precision, TideParams};
 use tidestore_train::MicroBatchOrder::{Horizontal, Vertical};
-use tidestore_train::{BlockParams, BlockSchedule, DeviceChoice, Loan, SavedInputs, StepDecision};
-
-/// What the store showed at every parameter the blocks asked for.
-#[derive(Debug, Default, Clone, Copy)]
-struct Seen {
-    /// The most non-model bytes reported.
-    peak_reported: u64,
-    /// The lowest device budget for chunks (the tide).
-    lowest_tide: u64,
-    /// Accesses where the chunks in use and the reported bytes exceeded the device.
-    over: usize,
-}
-
-/// `TideParams` as the driver sees it, recording [`Seen`] at each fetch and loan;
-/// `counts: false` drops what the driver says the activations take.
-struct Watching<'a> {
-    p: &'a mut TideParams,
-    counts: bool,
-    device_bytes: u64,
-    seen: Seen,
-}
-
-impl Watching<'_> {
-    fn look(&mut self) {
-        let store = self.p.trainer().store();
-        let reported = store.device().non_model_reported_bytes();
-        let s = &mut self.seen;
-        s.peak_reported = s.peak_reported.max(reported);
-        s.lowest_tide = s.lowest_tide.min(store.device_budget_bytes());
-        s.over += usize::from(store.stats().device.used_bytes + reported > self.device_bytes);
-    }
-}
-
-impl BlockParams<Llama> for Watching<'_> {
-    fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
-        let t = BlockParams::<Llama>::fetch(self.p, name, backward)?;
-        self.look();
-        Ok(t)
-    }
-
-    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
-        let loan = self.p.lend(name, backward)?;
-        self.look();
-        Ok(loan)
-    }
-
-    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
-        self.p.lent(loan)
-    }
-
-    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
-        self.p.end_loans()
-    }
-
-    fn put_grad(
-        &mut self,
-        name: &str,
-        grad: &Tensor,
-        first: bool,
-        last: bool,
-    ) -> tidestore_candle::Result<()> {
-        BlockParams::<Llama>::put_grad(self.p, name, grad, first, last)
-    }
-
-    fn hold_activations(&mut self, bytes: u64) -> tidestore_candle::Result<()> {
-        if self.counts {
-            BlockParams::<Llama>::hold_activations(self.p, bytes)?;
-        }
-        Ok(())
-    }
-
-    fn step(&mut self) -> tidestore_candle::Result<StepDecision> {
-        BlockParams::<Llama>::step(self.p)
-    }
-}
+use tidestore_train::{BlockSchedule, DeviceChoice, SavedInputs};
 
 /// Three steps of the small LLaMA, 2 micro-batches as `schedule` says, on a simulated
 /// device of a 4-chunk budget plus `beside` bytes; the losses, what the last two steps
@@ -106,22 +32,16 @@ fn train(
     let budget = p.trainer().store().device_budget_bytes();
     assert_eq!(device_bytes, budget + beside);
     let data = batches();
-    let mut w = Watching {
-        p: &mut p,
-        counts,
-        device_bytes,
-        seen: Seen::default(),
-    };
+    let mut w = Through::new(&mut p, true);
+    w.counts = counts;
+    w.device_bytes = device_bytes;
     let mut losses = Vec::new();
     for step in 0..3 {
         let mb: Vec<_> = (0..2)
             .map(|k| data.get(2 * step + k, &Device::Cpu).unwrap())
             .collect();
         if step == 1 {
-            w.seen = Seen {
-                lowest_tide: u64::MAX,
-                ..Seen::default()
-            };
+            w.seen = Seen::default();
         }
         losses.push(train_step(&mut w, &model, &mb, schedule).unwrap().loss);
     }

@@ -8,78 +8,13 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use candle_core::{Device, Tensor};
 use common::*;
 use tidestore_candle::{
     train_step, InMemory, Llama, ParamSource, ParamSpec, Precision, TideParams,
 };
 use tidestore_train::MicroBatchOrder::{self, Horizontal, Vertical};
-use tidestore_train::{BlockParams, Loan, Overlap, StepDecision};
-
-/// `TideParams` as the driver sees it, lending (or not, `lend: false`: every parameter
-/// copied into a candle tensor) and counting its loans; its step first reads the
-/// gradients of `names` (the step consumes them).
-struct Through<'a> {
-    p: &'a mut TideParams,
-    lend: bool,
-    loans: usize,
-    names: Vec<String>,
-    grads: HashMap<String, Vec<f32>>,
-}
-
-impl<'a> Through<'a> {
-    fn new(p: &'a mut TideParams, lend: bool) -> Self {
-        Through {
-            p,
-            lend,
-            loans: 0,
-            names: Vec::new(),
-            grads: HashMap::new(),
-        }
-    }
-}
-
-impl BlockParams<Llama> for Through<'_> {
-    fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
-        BlockParams::<Llama>::fetch(self.p, name, backward)
-    }
-
-    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
-        if !self.lend {
-            return Ok(None);
-        }
-        let loan = self.p.lend(name, backward)?;
-        self.loans += usize::from(loan.is_some());
-        Ok(loan)
-    }
-
-    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
-        self.p.lent(loan)
-    }
-
-    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
-        self.p.end_loans()
-    }
-
-    fn put_grad(
-        &mut self,
-        name: &str,
-        grad: &Tensor,
-        first: bool,
-        last: bool,
-    ) -> tidestore_candle::Result<()> {
-        BlockParams::<Llama>::put_grad(self.p, name, grad, first, last)
-    }
-
-    fn step(&mut self) -> tidestore_candle::Result<StepDecision> {
-        for name in &self.names {
-            self.grads.insert(name.clone(), self.p.grad_values(name)?);
-        }
-        BlockParams::<Llama>::step(self.p)
-    }
-}
+use tidestore_train::{Overlap, StepDecision};
 
 /// `init` in a new `TideParams` (the test config at `precision`, `overlap`), in a
 /// temporary directory that lives as long as the first value.

@@ -1040,7 +1040,7 @@ mod tests {
             .collect()
     }
 
-    fn run_with(order: MicroBatchOrder, parts: usize, lends: bool) -> (Counting, f32) {
+    fn run_with(schedule: impl Into<BlockSchedule>, parts: usize, lends: bool) -> (Counting, f32) {
         let chain = Chain {
             blocks: 5,
             fails: None,
@@ -1050,7 +1050,7 @@ mod tests {
             lends,
             ..Counting::default()
         };
-        let s = train_step(&mut p, &chain, &batches(parts), order).unwrap();
+        let s = train_step(&mut p, &chain, &batches(parts), schedule).unwrap();
         (p, s.loss)
     }
 
@@ -1205,19 +1205,11 @@ mod tests {
     /// bit. Worked out by hand as above.
     #[test]
     fn saved_inputs_in_host_memory_leave_the_device_the_frontier() {
-        let chain = Chain {
-            blocks: 5,
-            fails: None,
-            kept: Default::default(),
-        };
-        let mut p = Counting::default();
         let schedule = BlockSchedule {
             order: MicroBatchOrder::Vertical,
             saved_inputs: SavedInputs::Host,
         };
-        let loss = train_step(&mut p, &chain, &batches(2), schedule)
-            .unwrap()
-            .loss;
+        let (p, loss) = run_with(schedule, 2, false);
         #[rustfmt::skip]
         let expected = [
             // Forward: each micro-batch's input to the block about to run.

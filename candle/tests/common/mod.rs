@@ -2,7 +2,9 @@
 //! with candle's AdamW in memory and through tidestore.
 #![allow(dead_code)]
 
-use candle_core::Device;
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use tidestore_candle::{
     Batches, Budget, Gpt, GptConfig, InMemory, Llama, LlamaConfig, LlamaLora, LoraConfig,
@@ -10,6 +12,7 @@ use tidestore_candle::{
 };
 use tidestore_train::IoConfig;
 use tidestore_train::MomentForm;
+use tidestore_train::{BlockParams, Loan, StepDecision};
 use tidestore_train::{HyperParams, Mode};
 
 pub const TEXT: &[u8] = include_bytes!("../../../examples/data/genesis-kjv.txt");
@@ -155,4 +158,116 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
         .fold(0.0, f32::max)
+}
+
+/// What the store showed at every parameter the blocks asked for ([`Through`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Seen {
+    /// The most non-model bytes reported to the device.
+    pub peak_reported: u64,
+    /// The lowest device budget for chunks (the tide).
+    pub lowest_tide: u64,
+    /// Accesses where the chunks in use and the reported bytes exceeded the device.
+    pub over: usize,
+}
+
+impl Default for Seen {
+    fn default() -> Self {
+        Seen {
+            peak_reported: 0,
+            lowest_tide: u64::MAX,
+            over: 0,
+        }
+    }
+}
+
+/// `TideParams` as the driver sees it, lending (or not, `lend: false`: every parameter
+/// copied into a candle tensor) and counting its loans; telling the store what the
+/// activations take (or not, `counts: false`) and recording what it showed at every
+/// fetch and loan ([`Seen`], against a device of `device_bytes`); its step first reads
+/// the gradients of `names` (the step consumes them).
+pub struct Through<'a> {
+    pub p: &'a mut TideParams,
+    pub lend: bool,
+    pub loans: usize,
+    pub names: Vec<String>,
+    pub grads: HashMap<String, Vec<f32>>,
+    pub counts: bool,
+    pub device_bytes: u64,
+    pub seen: Seen,
+}
+
+impl<'a> Through<'a> {
+    pub fn new(p: &'a mut TideParams, lend: bool) -> Self {
+        Through {
+            p,
+            lend,
+            loans: 0,
+            names: Vec::new(),
+            grads: HashMap::new(),
+            counts: true,
+            device_bytes: u64::MAX,
+            seen: Seen::default(),
+        }
+    }
+
+    fn look(&mut self) {
+        let store = self.p.trainer().store();
+        let reported = store.device().non_model_reported_bytes();
+        let s = &mut self.seen;
+        s.peak_reported = s.peak_reported.max(reported);
+        s.lowest_tide = s.lowest_tide.min(store.device_budget_bytes());
+        let used = store.stats().device.used_bytes;
+        s.over += usize::from(used.saturating_add(reported) > self.device_bytes);
+    }
+}
+
+impl BlockParams<Llama> for Through<'_> {
+    fn fetch(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Tensor> {
+        let t = BlockParams::<Llama>::fetch(self.p, name, backward)?;
+        self.look();
+        Ok(t)
+    }
+
+    fn lend(&mut self, name: &str, backward: bool) -> tidestore_candle::Result<Option<Loan>> {
+        if !self.lend {
+            return Ok(None);
+        }
+        let loan = self.p.lend(name, backward)?;
+        self.loans += usize::from(loan.is_some());
+        self.look();
+        Ok(loan)
+    }
+
+    fn lent(&self, loan: &Loan) -> tidestore_candle::Result<&[f32]> {
+        self.p.lent(loan)
+    }
+
+    fn end_loans(&mut self) -> tidestore_candle::Result<()> {
+        self.p.end_loans()
+    }
+
+    fn put_grad(
+        &mut self,
+        name: &str,
+        grad: &Tensor,
+        first: bool,
+        last: bool,
+    ) -> tidestore_candle::Result<()> {
+        BlockParams::<Llama>::put_grad(self.p, name, grad, first, last)
+    }
+
+    fn hold_activations(&mut self, bytes: u64) -> tidestore_candle::Result<()> {
+        if self.counts {
+            BlockParams::<Llama>::hold_activations(self.p, bytes)?;
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> tidestore_candle::Result<StepDecision> {
+        for name in &self.names {
+            self.grads.insert(name.clone(), self.p.grad_values(name)?);
+        }
+        BlockParams::<Llama>::step(self.p)
+    }
 }
