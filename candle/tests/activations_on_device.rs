@@ -124,3 +124,53 @@ fn saved_inputs_in_host_memory_are_not_the_devices() {
     );
     assert_eq!(h.over, 0);
 }
+
+/// Activations beyond the traced ones (micro-batches twice as long after the first
+/// step, which traced the schedule) still find room: the tide never rises above what
+/// the device has beside the activations now, so chunks and activations never exceed
+/// the device (chunks the trace let stay were once left there, over it); where no room
+/// is left for the working set, the step fails with the store's typed error instead.
+#[test]
+fn activations_beyond_the_traced_ones_still_find_room() {
+    let model = llama(false, false);
+    let run = |beside: u64| -> tidestore_candle::Result<Seen> {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tide_config(dir.path(), Precision::F32);
+        cfg.device = DeviceChoice::Sim;
+        cfg.sim_activation_bytes = beside;
+        let mut p = TideParams::open(&model.init(3), &cfg, &Device::Cpu)?;
+        let mut w = Through::new(&mut p, true);
+        w.device_bytes =
+            w.p.trainer()
+                .store()
+                .device()
+                .mem_info()
+                .unwrap()
+                .total_bytes;
+        for (step, ctx) in [(0, 8), (1, 16), (2, 16)] {
+            let data = tidestore_candle::Batches::new(TEXT[..20_000].to_vec(), 4, ctx, 7)?;
+            let mb = (0..2)
+                .map(|k| data.get(2 * step + k, &Device::Cpu))
+                .collect::<tidestore_candle::Result<Vec<_>>>()?;
+            train_step(&mut w, &model, &mb, Vertical)?;
+        }
+        Ok(w.seen)
+    };
+    let roomy = run(1 << 20).unwrap();
+    let budget = 4 * 64 * 1024;
+    // Room beside the budget for the short micro-batches' activations, not the long ones'.
+    let beside = roomy.peak_reported - budget / 2;
+    let tight = run(beside).unwrap();
+    assert_eq!(tight.over, 0, "{tight:?}");
+    assert!(tight.lowest_tide < budget / 2 + 4096, "{tight:?}");
+    let e = run(roomy.peak_reported - budget).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            tidestore_candle::Error::Train(tidestore_train::TrainError::Store(
+                tidestore_train::ChunkError::WorkingSetTooLarge { .. }
+            ))
+        ),
+        "{e:?}"
+    );
+}

@@ -427,16 +427,7 @@ where
     B: Blocks + ?Sized,
     P: BlockParams<B> + ?Sized,
 {
-    if batches.is_empty() {
-        return Err(TrainError::Config {
-            key: "batches",
-            reason: "a step needs at least one micro-batch".into(),
-        }
-        .into());
-    }
-    if model.block_count() == 0 {
-        return Err(TrainError::Protocol("the model has no blocks".into()).into());
-    }
+    check_step(model, batches)?;
     let started = Instant::now();
     let first = first_use(model);
     let mut timed = Timed {
@@ -490,6 +481,24 @@ where
     })
 }
 
+/// Refuses a step without micro-batches or of a model without blocks.
+fn check_step<B: Blocks + ?Sized>(
+    model: &B,
+    batches: &[(B::Tensor, B::Tensor)],
+) -> Result<(), B::Error> {
+    if batches.is_empty() {
+        return Err(TrainError::Config {
+            key: "batches",
+            reason: "a step needs at least one micro-batch".into(),
+        }
+        .into());
+    }
+    if model.block_count() == 0 {
+        return Err(TrainError::Protocol("the model has no blocks".into()).into());
+    }
+    Ok(())
+}
+
 /// Which micro-batch of the step, its loss factor, and where saved inputs wait.
 #[derive(Debug, Clone, Copy)]
 struct Part {
@@ -507,6 +516,13 @@ struct Saved<T> {
 
 /// Per micro-batch, the inputs of the blocks it went through.
 type SavedInputsOf<T> = Vec<Vec<Saved<T>>>;
+
+/// What a forward pass leaves for backward: the saved inputs, and what the block
+/// before the head kept.
+type Forwarded<B> = (
+    SavedInputsOf<<B as Blocks>::Tensor>,
+    Option<<B as Blocks>::Kept>,
+);
 
 /// Gradients of one block's backward: summed into `pending` for parameters an earlier
 /// block uses too, put for the others.
@@ -624,48 +640,7 @@ where
     P: BlockParams<B>,
 {
     let head = model.block_count() - 1;
-    // Forward: per micro-batch, the input of every block (the checkpoints). The last
-    // block before the head keeps its last micro-batch's activations: its backward
-    // comes right after the head's, and needs no recompute then.
-    let mut inputs: SavedInputsOf<B::Tensor> = batches
-        .iter()
-        .map(|(t, _)| {
-            vec![Saved {
-                t: t.clone(),
-                on_host: false,
-            }]
-        })
-        .collect();
-    let last = batches.len() - 1;
-    let mut kept: Option<B::Kept> = None;
-    for b in 0..head {
-        params.step_deferred(&model.block_params(b))?;
-        let mut cache = BlockCache::<B, P>::new(&mut *params);
-        let done = (0..inputs.len()).try_for_each(|k| {
-            let held = live_bytes(model, &inputs, &[], None);
-            cache.hold_activations(held + model.working_bytes(b, &inputs[k][b].t))?;
-            let x = &mut inputs[k];
-            let y = if b + 1 == head && k == last {
-                let (y, keep) = model.forward_keeping(b, &mut cache, &x[b].t)?;
-                kept = keep;
-                y
-            } else {
-                model.forward(b, &mut cache, &x[b].t)?
-            };
-            if part.saved == SavedInputs::Host {
-                x[b] = Saved {
-                    t: model.to_host(&x[b].t)?,
-                    on_host: true,
-                };
-            }
-            x.push(Saved {
-                t: y,
-                on_host: false,
-            });
-            Ok(())
-        });
-        cache.finish(done)?;
-    }
+    let (mut inputs, mut kept) = forward_pass(params, model, batches, part.saved)?;
     let mut pending: HashMap<String, B::Tensor> = HashMap::new();
     let mut upstream: Vec<Option<B::Tensor>> = vec![None; batches.len()];
     let mut loss_sum = 0.0;
@@ -698,8 +673,108 @@ where
     Ok(loss_sum)
 }
 
+/// The forward pass of [`passes`]: per micro-batch, the input of every block (the
+/// checkpoints; where `saved` says, each moved to host memory once its block is done),
+/// and what the last block before the head kept of its last micro-batch's activations
+/// (its backward comes right after the head's, and needs no recompute then).
+fn forward_pass<B, P>(
+    params: &mut P,
+    model: &B,
+    batches: &[(B::Tensor, B::Tensor)],
+    saved: SavedInputs,
+) -> Result<Forwarded<B>, B::Error>
+where
+    B: Blocks + ?Sized,
+    P: BlockParams<B>,
+{
+    let head = model.block_count() - 1;
+    let on_compute = |t: B::Tensor| Saved { t, on_host: false };
+    let mut inputs: SavedInputsOf<B::Tensor> = batches
+        .iter()
+        .map(|(t, _)| vec![on_compute(t.clone())])
+        .collect();
+    let last = batches.len() - 1;
+    let mut kept: Option<B::Kept> = None;
+    for b in 0..head {
+        params.step_deferred(&model.block_params(b))?;
+        let mut cache = BlockCache::<B, P>::new(&mut *params);
+        let done = (0..inputs.len()).try_for_each(|k| {
+            let held = live_bytes(model, &inputs, &[], None);
+            cache.hold_activations(held + model.working_bytes(b, &inputs[k][b].t))?;
+            let x = &mut inputs[k];
+            let y = if b + 1 == head && k == last {
+                let (y, keep) = model.forward_keeping(b, &mut cache, &x[b].t)?;
+                kept = keep;
+                y
+            } else {
+                model.forward(b, &mut cache, &x[b].t)?
+            };
+            if saved == SavedInputs::Host {
+                x[b] = Saved {
+                    t: model.to_host(&x[b].t)?,
+                    on_host: true,
+                };
+            }
+            x.push(on_compute(y));
+            Ok(())
+        });
+        cache.finish(done)?;
+    }
+    Ok((inputs, kept))
+}
+
 /// Tensors by parameter name, in the order the block gave them.
 type Named<T> = Vec<(String, T)>;
+
+/// Block `b`'s saved input for one micro-batch, popped from `saved` (this micro-batch's
+/// inputs) and brought back where `like` is when it waits in host memory, after telling
+/// `cache` what the activations take then: `held` by the driver, and what the block
+/// allocates (and the input brought back, where it is).
+fn take_saved<B, P>(
+    cache: &mut BlockCache<'_, B, P>,
+    model: &B,
+    b: usize,
+    saved: &mut Vec<Saved<B::Tensor>>,
+    held: u64,
+    like: &B::Tensor,
+) -> Result<B::Tensor, B::Error>
+where
+    B: Blocks + ?Sized,
+    P: BlockParams<B> + ?Sized,
+{
+    let working = saved.last().map_or(0, |x| {
+        let back = if x.on_host {
+            model.tensor_bytes(&x.t)
+        } else {
+            0
+        };
+        model.working_bytes(b, &x.t) + back
+    });
+    cache.hold_activations(held + working)?;
+    let x = saved
+        .pop()
+        .ok_or_else(|| TrainError::Protocol(format!("block {b}: its saved input is missing")))?;
+    if x.on_host {
+        model.to_place_of(&x.t, like)
+    } else {
+        Ok(x.t)
+    }
+}
+
+/// `grads` added to `sums` by name, new names appended in order.
+fn add_to<B: Blocks + ?Sized>(
+    model: &B,
+    sums: &mut Named<B::Tensor>,
+    grads: Named<B::Tensor>,
+) -> Result<(), B::Error> {
+    for (name, g) in grads {
+        match sums.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, sum)) => *sum = model.add(sum, &g)?,
+            None => sums.push((name, g)),
+        }
+    }
+    Ok(())
+}
 
 /// The bytes the driver holds where the blocks compute: the saved `inputs` not waiting
 /// in host memory, the `upstream` gradients and what a forward `kept`.
@@ -752,30 +827,9 @@ where
     let mut loss_sum = 0.0;
     for (k, (_, targets)) in batches.iter().enumerate() {
         // The input about to be popped is alive until its backward is done.
-        let held = live_bytes(
-            model,
-            inputs,
-            upstream,
-            kept.as_ref().or(flowing.kept_before),
-        ) + flowing.pending_bytes;
-        let (working, back) = match inputs[k].last() {
-            // Brought back from host memory, the input is there too.
-            Some(x) if x.on_host => (
-                model.working_bytes(b, &x.t) + model.tensor_bytes(&x.t),
-                true,
-            ),
-            Some(x) => (model.working_bytes(b, &x.t), false),
-            None => (0, false),
-        };
-        cache.hold_activations(held + working)?;
-        let saved = inputs[k].pop().ok_or_else(|| {
-            TrainError::Protocol(format!("block {b}: its saved input is missing"))
-        })?;
-        let input = if back {
-            model.to_place_of(&saved.t, targets)?
-        } else {
-            saved.t
-        };
+        let kept_now = kept.as_ref().or(flowing.kept_before);
+        let held = live_bytes(model, inputs, upstream, kept_now) + flowing.pending_bytes;
+        let input = take_saved(cache, model, b, &mut inputs[k], held, targets)?;
         let up = match &upstream[k] {
             None => Upstream::Loss {
                 targets,
@@ -797,12 +851,7 @@ where
                 .loss
                 .ok_or_else(|| TrainError::Protocol("the last block gave no loss".into()))?;
         }
-        for (name, g) in grads.params {
-            match sums.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, sum)) => *sum = model.add(sum, &g)?,
-                None => sums.push((name, g)),
-            }
-        }
+        add_to(model, &mut sums, grads.params)?;
         upstream[k] = match grads.input {
             Some(g) => Some(g),
             None if b > 0 => {

@@ -85,7 +85,9 @@ impl ChunkStore {
         let DeviceBytes { total, slab } = self.device_bytes;
         let now = self.device_bytes.beside(non_model, st.margin_bytes);
         let cap = match phase {
-            Phase::ForwardBackward => st.device_budget_bytes.min(match s {
+            // The schedule's tide, never above what the device has beside the non-model
+            // memory now (more than the trace saw: longer micro-batches, say).
+            Phase::ForwardBackward => st.device_budget_bytes.min(now).min(match s {
                 Some(s) => s.tidal_budget_bytes(total, moment, st.window, st.margin_bytes),
                 None => now,
             }),
