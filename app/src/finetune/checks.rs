@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use tidestore_train::hf;
 
 use crate::error::{Error, Result};
-use tidestore::config::{as_toml, CompressionName, Config, DeviceKindName, Size};
+use tidestore::config::{as_toml, CompressionName, Config, DeviceKindName, SavedInputsName, Size};
 
 const COMMAND: &str = "tidestore finetune";
 
@@ -106,12 +106,19 @@ pub fn check_activation_room(cfg: &Config, total: u64, beside_slab: u64, need: u
         return Ok(());
     }
     let h = tidestore::config::human_bytes;
+    let or_host = match cfg.train.saved_inputs {
+        SavedInputsName::Device => {
+            ", or keep the saved block inputs in host memory \
+                                    (train.saved_inputs = \"host\")"
+        }
+        SavedInputsName::Host => "",
+    };
     Err(Error::config(
         "device.budget",
         format!(
             "{}: the chunk slab leaves {} of the GPU's {} free beside it, but the blocks' \
              activations take at least {}, {} short; lower device.budget, \
-             train.micro_batch or train.sequence",
+             train.micro_batch or train.sequence{or_host}",
             cfg.device.budget,
             h(beside_slab),
             h(total),
@@ -149,12 +156,13 @@ fn activations(cfg: &Config, need: u64) -> String {
     let t = &cfg.train;
     format!(
         "{} (train.micro_batch = {}, train.sequence = {}, train.accumulation = {}, \
-         train.micro_batch_order = {})",
+         train.micro_batch_order = {}, train.saved_inputs = {})",
         tidestore::config::human_bytes(need),
         t.micro_batch,
         t.sequence,
         t.accumulation,
-        as_toml(&t.micro_batch_order)
+        as_toml(&t.micro_batch_order),
+        as_toml(&t.saved_inputs)
     )
 }
 
@@ -405,7 +413,9 @@ mod tests {
         assert_eq!(e.key(), Some("device.budget"));
         let text = e.to_string();
         assert!(
-            text.contains("4.00 KiB short") && text.contains("vertical"),
+            text.contains("4.00 KiB short")
+                && text.contains("vertical")
+                && text.contains("train.saved_inputs = \"host\""),
             "{text}"
         );
     }
