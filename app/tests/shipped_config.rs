@@ -119,6 +119,7 @@ fn shipped_config_sets_and_documents_every_key() {
                 "micro_batch",
                 "accumulation",
                 "micro_batch_order",
+                "saved_inputs",
                 "schedule",
                 "warmup_steps",
                 "mode",

@@ -361,11 +361,10 @@ impl Llama {
     /// vertical order, one with the horizontal): every block's saved input (the tokens,
     /// then f32 hidden states; with `saved_inputs` in host memory, one per kept
     /// micro-batch and one brought back for a backward), plus the larger of a decoder
-    /// layer's
-    /// [`Llama::block_working_bytes`] and the head's with the last layer's attention
-    /// probabilities and MLP activations, kept from its forward for its backward right
-    /// after the head's. A lower bound: the blocks' other intermediates, their
-    /// parameters' gradients and the allocator's slack come on top.
+    /// layer's [`Llama::block_working_bytes`] and the head's with the last layer's
+    /// attention probabilities and MLP activations, kept from its forward for its
+    /// backward right after the head's. A lower bound: the blocks' other intermediates,
+    /// their parameters' gradients and the allocator's slack come on top.
     pub fn activation_bytes_at_least(
         &self,
         batch: usize,
@@ -508,13 +507,13 @@ pub(crate) fn rope_tables(
     Ok(((cos * f)?, (sin * f)?))
 }
 
-/// `(t, t)`: 0 where query `i` sees key `j` (`j ≤ i`, and `i - j < w` with a sliding
-/// window of `w`), a large negative number elsewhere.
 /// The bytes `t`'s elements take.
 pub(crate) fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
+/// `(t, t)`: 0 where query `i` sees key `j` (`j ≤ i`, and `i - j < w` with a sliding
+/// window of `w`), a large negative number elsewhere.
 pub(crate) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> Result<Tensor> {
     let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..t)
