@@ -50,14 +50,14 @@ pub use step::{
     StepTensor,
 };
 pub use trainer::{
-    decide_step_place, decode_moment, Budget, DeviceChoice, Lease, NvmeTraffic, ParamSpec,
-    Precision, Resident, StepDevice, StepNeeds, Trainer, TrainerConfig, Values,
+    decide_step_place, decode_moment, Budget, DeviceChoice, DeviceShare, Lease, NvmeTraffic,
+    ParamSpec, Precision, Resident, StepDevice, StepNeeds, Trainer, TrainerConfig, Values,
 };
 
 /// The store's vocabulary a front end needs: element types, moment forms, list roles,
-/// tensor states, the store's counters and errors, and the I/O settings of a swap file.
+/// tensor numbers and states, the store's counters and errors, and the I/O settings of a swap file.
 pub use tidestore_chunk::{
-    typed, ChunkError, DType, ListKind, MomentForm, StoreStats, TensorState, TensorView,
+    typed, ChunkError, DType, ListKind, MomentForm, StoreStats, TensorId, TensorState, TensorView,
     TensorViewMut,
 };
 pub use tidestore_io::IoConfig;

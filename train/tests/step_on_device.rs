@@ -157,6 +157,68 @@ fn with_every_chunk_on_the_device_an_iteration_moves_nothing_between_host_and_de
     }
 }
 
+/// A split step (`Trainer::split_step`: parameter 2 on the device, 0 and 1, whose
+/// chunks they share, in the host pool) trains bit for bit as either whole step, in f32
+/// and bf16, gradients put or written through their views (each where its own step
+/// reads it); with every chunk on the device, an iteration after the first moves fewer
+/// bytes between host and device than the host step — parameter 2's stay. Refused:
+/// parameter 0 alone (its chunks are 1's too), splitting mid-iteration, and a step on
+/// the device already.
+#[test]
+fn a_split_step_trains_bit_for_bit_and_moves_only_the_host_tensors() {
+    for precision in [Precision::F32, Precision::Bf16] {
+        for hand in [Hand::Put, Hand::View] {
+            let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+            let mut host = open(&config(dirs[0].path(), precision, StepDevice::Cpu));
+            let mut dev = open(&config(dirs[1].path(), precision, StepDevice::Gpu));
+            let mut split = open(&config(dirs[2].path(), precision, StepDevice::Cpu));
+            let e = split.split_step(&[0]).unwrap_err();
+            assert!(
+                matches!(&e, TrainError::Tensor { tensor, reason }
+                if tensor == "p0" && reason.contains("`p1`")),
+                "{e}"
+            );
+            split.split_step(&[2]).unwrap();
+            let (on_device, why) = split.step_placement();
+            assert!(on_device && why.contains("1 of 3"), "{why}");
+            for t in [&mut host, &mut dev, &mut split] {
+                iteration(t, 0, hand);
+                t.reset_stats();
+            }
+            for k in 1..4 {
+                iteration(&mut host, k, hand);
+                iteration(&mut dev, k, hand);
+                iteration(&mut split, k, hand);
+            }
+            // Before the state is read back (which brings it to the host).
+            let (h, s) = (crossed(&host), crossed(&split));
+            assert!(
+                0 < s && s < h,
+                "{precision:?}, {hand:?}: split {s}, host {h}"
+            );
+            let want = state(&mut host);
+            assert_eq!(want, state(&mut dev), "{precision:?}, {hand:?}");
+            assert_eq!(want, state(&mut split), "{precision:?}, {hand:?}");
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = open(&config(dir.path(), Precision::F32, StepDevice::Cpu));
+    t.fetch(0, TensorState::HoldAfterBwd).unwrap();
+    let g = grad(0, 0, t.spec(0).unwrap().elements());
+    t.put_grad(0, Values::F32(&g), true, true).unwrap();
+    assert!(matches!(t.split_step(&[1]), Err(TrainError::Protocol(_))));
+    let dir = tempfile::tempdir().unwrap();
+    let mut dev = open(&config(dir.path(), Precision::F32, StepDevice::Gpu));
+    assert!(matches!(dev.split_step(&[1]), Err(TrainError::Protocol(_))));
+    // What `auto` splits on a GPU with all but a byte of the state beside the 16-bit
+    // parameters: parameter 2's run (see the GPU test below).
+    let layout = dev.store().layout();
+    let all = tidestore_train::DeviceShare::of(layout, |id| id.0 < 3, u64::MAX);
+    let budget = all.params_bytes + all.state_bytes - 1;
+    let share = tidestore_train::DeviceShare::of(layout, |id| id.0 < 3, budget);
+    assert_eq!(share.tensors, [tidestore_train::TensorId(2)]);
+}
+
 #[test]
 fn auto_on_the_simulated_device_steps_in_the_host_pool_and_a_short_budget_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -257,5 +319,50 @@ fn a_simulation_left_without_a_gpu_is_not_read_by_compute_and_trains_as_the_stan
         t.reset_stats();
         iteration(&mut t, 1, Hand::Put);
         assert_eq!(crossed(&t), 0, "{:?}", t.stats());
+    }
+}
+
+/// On a CUDA GPU (a `cuda` build; skipped elsewhere), `auto` with a device budget that
+/// holds every 16-bit parameter chunk and all but one byte of the trainable state
+/// splits the step: the last run of tensors sharing chunks that fits (parameter 2's)
+/// is stepped by the GPU kernel, the others (0 and 1, sharing chunks) in the host pool;
+/// the masters stay within 1e-5 (relative to their largest) of the host step's.
+#[test]
+fn auto_on_a_gpu_splits_the_step_where_part_of_the_state_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), Precision::Bf16, StepDevice::Cpu);
+    cfg.device = DeviceChoice::Auto;
+    let probe = open(&cfg);
+    if probe.store().device().kind() != DeviceKind::Cuda {
+        eprintln!("skipped: no CUDA GPU here (a `cuda` build on a machine with one splits)");
+        return;
+    }
+    let layout = probe.store().layout();
+    let all = tidestore_train::DeviceShare::of(layout, |id| id.0 < 3, u64::MAX);
+    cfg.device_budget = Budget::Bytes(all.params_bytes + all.state_bytes - 1);
+    cfg.step_device = StepDevice::Auto;
+    let (dh, ds) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    cfg.swap_dir = ds.path().into();
+    let mut split = open(&cfg);
+    let (on_device, why) = split.step_placement();
+    assert!(
+        on_device && why.contains("split") && why.contains("1 of 3"),
+        "{why}"
+    );
+    let mut host = open(&config(dh.path(), Precision::Bf16, StepDevice::Cpu));
+    for k in 0..3 {
+        iteration(&mut host, k, Hand::Put);
+        iteration(&mut split, k, Hand::Put);
+    }
+    for i in 0..SHAPES.len() {
+        let want = host.with_master(i, |m| m.to_vec()).unwrap();
+        let got = split.with_master(i, |m| m.to_vec()).unwrap();
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let worst = want
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(worst <= 1e-5 * scale, "parameter {i}: {worst} of {scale}");
     }
 }

@@ -50,6 +50,15 @@ pub(super) const STEP_PIECE: usize = 128 * 1024;
 /// piece of fp32 state is 28 MB, about a millisecond of memory traffic between polls).
 const STEP_PIECE_UNSTAGED: usize = 1024 * 1024;
 
+/// Where tensors are stepped (see the module doc of `step`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepPlace {
+    /// In the pinned host pool, by the CPU kernel.
+    Host,
+    /// On the device: the GPU kernel, or the CPU kernel over the simulated device.
+    Device,
+}
+
 /// A tensor the loop steps, as its places lie in the layout, and where it is in the
 /// iteration.
 #[derive(Debug)]
@@ -70,6 +79,9 @@ pub(super) struct Entry {
     pub(super) stepped: bool,
     /// Its step of the last decision is still to be made ([`super::Overlap::Forward`]).
     pub(super) due: bool,
+    /// Where it is stepped (the loop's place, or the device for a tensor of a split:
+    /// `StepLoop::place_on_device`).
+    pub(super) place: StepPlace,
 }
 
 impl Entry {
@@ -188,5 +200,31 @@ pub(super) fn entry_of(layout: &Layout, spec: StepTensor) -> Result<Entry> {
         grad_final: false,
         stepped: false,
         due: false,
+        place: StepPlace::Host,
     })
+}
+
+/// `tensors` (in layout order) in runs whose places share chunks in any list: a
+/// tensor joins the run before it when one of its chunks is one of the run's. Tensors
+/// are laid out in the same order in every list, so tensors sharing a chunk are in one
+/// run.
+pub fn sharing_runs(layout: &Layout, tensors: &[TensorId]) -> Vec<Vec<TensorId>> {
+    let chunks = |id: TensorId| -> Vec<usize> {
+        ListKind::ALL
+            .into_iter()
+            .filter_map(|l| layout.location(id, l).map(|loc| loc.chunk.dense()))
+            .collect()
+    };
+    let mut runs: Vec<(Vec<TensorId>, Vec<usize>)> = Vec::new();
+    for &id in tensors {
+        let mine = chunks(id);
+        match runs.last_mut() {
+            Some((run, seen)) if mine.iter().any(|d| seen.contains(d)) => {
+                run.push(id);
+                seen.extend(mine);
+            }
+            _ => runs.push((vec![id], mine)),
+        }
+    }
+    runs.into_iter().map(|(run, _)| run).collect()
 }

@@ -31,7 +31,9 @@
 //! ones keep moving. When the pool cannot hold a tensor's chunks at once (plus one
 //! buffer for loads), the tensor is stepped one chunk at a time through scratch copies.
 //! [`StepPlace::Device`]: its chunks are accessed on the device and stepped there (the
-//! GPU kernel on CUDA; the CPU kernel over the simulated device's memory).
+//! GPU kernel on CUDA; the CPU kernel over the simulated device's memory). A loop
+//! stepping in the host pool may be split ([`StepLoop::place_on_device`]): the tensors
+//! whose state the device holds are stepped there, the others in the host pool.
 //!
 //! # Overlap, clipping and overflow
 //! Stepping a tensor during backward uses the step's decision before the last gradient
@@ -80,20 +82,11 @@ mod place;
 mod views;
 
 use entry::{entry_of, Entry, STEP_PIECE};
-pub use entry::{GradPlace, StepTensor};
+pub use entry::{sharing_runs, GradPlace, StepPlace, StepTensor};
 
 pub(crate) use views::grads_of;
 
 use views::{f32s, param_out};
-
-/// Where tensors are stepped (see the module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StepPlace {
-    /// In the pinned host pool, by the CPU kernel.
-    Host,
-    /// On the device: the GPU kernel, or the CPU kernel over the simulated device.
-    Device,
-}
 
 /// When tensors are stepped (see the module doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -293,7 +286,8 @@ impl StepLoop {
         let mut by_tensor = HashMap::with_capacity(tensors.len());
         let mut groups: HashMap<ChunkId, (Vec<usize>, usize)> = HashMap::new();
         for spec in tensors {
-            let entry = entry_of(layout, spec)?;
+            let mut entry = entry_of(layout, spec)?;
+            entry.place = cfg.place;
             if by_tensor.insert(spec.tensor, entries.len()).is_some() {
                 return Err(TrainError::Tensor {
                     tensor: entry.name,
@@ -368,9 +362,91 @@ impl StepLoop {
         Ok(())
     }
 
-    /// Where tensors are stepped.
+    /// Where tensors are stepped: `Device` when any one is (every one, or some of them
+    /// in a split, [`StepLoop::place_on_device`]).
     pub fn place(&self) -> StepPlace {
-        self.place
+        if self.entries.iter().any(|e| e.place == StepPlace::Device) {
+            StepPlace::Device
+        } else {
+            self.place
+        }
+    }
+
+    /// Where `tensor` is stepped (the loop's place for a tensor it does not step).
+    pub fn place_of(&self, tensor: TensorId) -> StepPlace {
+        self.by_tensor
+            .get(&tensor)
+            .map_or(self.place, |&i| self.entries[i].place)
+    }
+
+    /// How many tensors are stepped on the device.
+    pub fn on_device_count(&self) -> usize {
+        self.entries
+            .iter()
+            .filter(|e| e.place == StepPlace::Device)
+            .count()
+    }
+
+    /// Splits a loop stepping in the host pool: `tensors` are stepped on the device from
+    /// now on (the GPU kernel; the CPU kernel over the simulated device), the others
+    /// where they were. Where each tensor's gradient is read follows
+    /// ([`StepLoop::place_of`]). None moves nothing. Refused once an iteration has begun
+    /// (a gradient reported, or steps due), for a loop stepping on the device already,
+    /// for a tensor the loop does not step, and where a chunk would hold tensors stepped
+    /// in both places (it would cross between them within every step): naming both;
+    /// nothing changes then.
+    pub fn place_on_device(&mut self, store: &ChunkStore, tensors: &[TensorId]) -> Result<()> {
+        if tensors.is_empty() {
+            return Ok(());
+        }
+        if self.place != StepPlace::Host {
+            return Err(TrainError::Protocol(
+                "the loop steps every tensor on the device already".into(),
+            ));
+        }
+        if self.finals > 0 || self.deferred.is_some() || self.early.is_some() {
+            return Err(TrainError::Protocol(
+                "tensors moved to the device in the middle of an iteration".into(),
+            ));
+        }
+        let found: Vec<usize> = tensors
+            .iter()
+            .map(|t| {
+                self.by_tensor
+                    .get(t)
+                    .copied()
+                    .ok_or_else(|| TrainError::Tensor {
+                        tensor: t.to_string(),
+                        reason: "not stepped by this loop".into(),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let mut on_device: Vec<bool> = self
+            .entries
+            .iter()
+            .map(|e| e.place == StepPlace::Device)
+            .collect();
+        found.iter().for_each(|&i| on_device[i] = true);
+        let mut stepped: Vec<TensorId> = self.entries.iter().map(|e| e.spec.tensor).collect();
+        stepped.sort_unstable();
+        for run in sharing_runs(store.layout(), &stepped) {
+            let at = |t: &TensorId| on_device[self.by_tensor[t]];
+            if let (Some(d), Some(h)) = (run.iter().find(|t| at(t)), run.iter().find(|t| !at(t))) {
+                let name = |t: &TensorId| self.entries[self.by_tensor[t]].name.clone();
+                return Err(TrainError::Tensor {
+                    tensor: name(d),
+                    reason: format!(
+                        "shares a chunk with `{}`, which would be stepped in the host pool: \
+                         a chunk is stepped in one place, so its tensors go together",
+                        name(h)
+                    ),
+                });
+            }
+        }
+        for i in found {
+            self.entries[i].place = StepPlace::Device;
+        }
+        Ok(())
     }
 
     /// When tensors are stepped.
@@ -549,7 +625,7 @@ impl StepLoop {
     /// Whether [`StepLoop::finish_given`] reads given gradients where they are: the
     /// step runs in place in the host pool, and no tensor has a 16-bit copy to write.
     pub fn reads_given(&self) -> bool {
-        self.place == StepPlace::Host
+        self.place() == StepPlace::Host
             && self.in_place
             && self.entries.iter().all(|e| e.out_dtype.is_none())
     }
@@ -811,7 +887,7 @@ impl StepLoop {
         observe: Observer<'_>,
         given: Option<Grads<'_>>,
     ) -> Result<()> {
-        let stepped = match (self.place, self.in_place) {
+        let stepped = match (self.entries[i].place, self.in_place) {
             (StepPlace::Host, true) => self.step_host_in_place(store, i, at, observe, given),
             (StepPlace::Host, false) => self.step_host_copying(store, i, at, observe),
             (StepPlace::Device, _) => self.step_device(store, i, at, observe),

@@ -102,10 +102,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Where the step reads gradients: the device tier when the step runs there, else
-    /// the host pool.
-    fn grad_at(&self) -> Place {
-        match self.step.place() {
+    /// Where the step reads trainable parameter `i`'s gradient: the device tier when it
+    /// is stepped there, else the host pool.
+    fn grad_at(&self, i: usize) -> Place {
+        match self.step.place_of(self.entries[i].id) {
             StepPlace::Device => Place::Device,
             StepPlace::Host => Place::Host,
         }
@@ -128,7 +128,7 @@ impl Trainer {
         self.check_grad_part(i, first)?;
         self.step_deferred(i)?;
         let (tensor, list) = self.grad_place(i);
-        let g = self.store.access(tensor, list, self.grad_at())?;
+        let g = self.store.access(tensor, list, self.grad_at(i))?;
         let dtype = g.dtype();
         let out = self.store.view_mut(&g).map(|v| f(v, dtype));
         self.store.release(g, TensorState::HoldAfterBwd)?;
@@ -146,7 +146,7 @@ impl Trainer {
         // (the host pool, the simulated device); on a GPU into the host pool, from where
         // the store takes them up for a step on the device.
         let at = match self.store.device().kind() {
-            DeviceKind::Sim => self.grad_at(),
+            DeviceKind::Sim => self.grad_at(i),
             DeviceKind::Cuda => Place::Host,
         };
         let g = self.store.access(tensor, list, at)?;

@@ -42,7 +42,7 @@ use tidestore_chunk::{ChunkStore, ListKind, MoveEvent, MoveKind, Place, StoreSta
 use tidestore_optimizer::HyperParams;
 
 pub use config::{Budget, DeviceChoice, ParamSpec, Precision, StepDevice, TrainerConfig};
-pub use placement::{decide_step_place, StepNeeds};
+pub use placement::{decide_step_place, DeviceShare, StepNeeds};
 
 use crate::error::{Result, TrainError};
 use crate::step::StepLoop;
@@ -198,15 +198,47 @@ impl Trainer {
         self.step.set_peers(peers);
     }
 
-    /// Whether the optimizer step runs on the device tier (`TrainerConfig::step_device`
-    /// as decided at open: the GPU kernel on a GPU, the CPU kernel over the simulated
-    /// device's memory), and why, in one phrase. Gradients are then written where the
+    /// Whether the optimizer step runs on the device tier, for every tensor or some of
+    /// them (`TrainerConfig::step_device` as decided at open, or
+    /// [`Trainer::split_step`]: the GPU kernel on a GPU, the CPU kernel over the
+    /// simulated device's memory), and why, in one phrase. Gradients are then written where the
     /// step reads them, on the device ([`Trainer::grad_view`]).
     pub fn step_placement(&self) -> (bool, &str) {
         (
             self.step.place() == crate::step::StepPlace::Device,
             &self.step_reason,
         )
+    }
+
+    /// Splits a step that runs in the host pool: trainable parameters `params` are
+    /// stepped on the device tier from now on (the GPU kernel; the CPU kernel over the
+    /// simulated device), the others in the host pool, and each one's gradient is
+    /// written where its step reads it. `auto` makes this split at open on a GPU whose
+    /// budget holds every 16-bit parameter chunk and part of the state
+    /// ([`crate::DeviceShare`]). Refused between a gradient and its step, for a step on
+    /// the device already, for a frozen parameter, and once a master copy was handed out
+    /// as resident in the host pool ([`Trainer::resident_master`]); nothing changes then.
+    pub fn split_step(&mut self, params: &[usize]) -> Result<()> {
+        self.between_steps("splitting the step")?;
+        if self.resident {
+            return Err(TrainError::Protocol(
+                "a master copy was handed out as resident in the host pool: its step stays \
+                 there"
+                    .into(),
+            ));
+        }
+        let ids = params
+            .iter()
+            .map(|&i| self.trainable_id(i))
+            .collect::<Result<Vec<_>>>()?;
+        self.step.place_on_device(&self.store, &ids)?;
+        self.step_reason = format!(
+            "split: {} of {} trainable tensors stepped on the device, the others in the host \
+             pool",
+            self.step.on_device_count(),
+            self.entries.iter().filter(|e| e.spec.trainable).count()
+        );
+        Ok(())
     }
 
     /// The step loop (its counters, optimizer and settings).

@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use tidestore_chunk::{
     device_working_set_bytes, search_chunk_size, ChunkError, ChunkStore, DType, Layout,
-    LayoutConfig, ListKind, MoveEvent, NvmeSource, Place, SearchConfig, StoreConfig, TensorSpec,
+    LayoutConfig, ListKind, MoveEvent, NvmeSource, Place, SearchConfig, StoreConfig, TensorId,
+    TensorSpec,
 };
 use tidestore_optimizer::{AdamW, CpuConfig, HybridAdamW, OptimError};
 use tidestore_tiers::{Device, DeviceConfig, DeviceKind};
 
 use super::config::{Budget, DeviceChoice, ParamSpec, Precision, StepDevice, TrainerConfig};
-use super::placement::{decide_step_place, StepNeeds};
+use super::placement::{decide_step_place, DeviceShare, StepNeeds};
 use super::{Entry, NvmeTraffic, Trainer};
 use crate::error::{Result, TrainError};
 use crate::step::{StepConfig, StepLoop, StepPlace, StepTensor};
@@ -33,7 +34,7 @@ impl Trainer {
         let layout = layout(specs, cfg)?;
         let (mut store_cfg, slot_bytes) = store_config(&layout, cfg);
         let (mut device, ordinal) = open_device(cfg, store_cfg.device_budget_bytes)?;
-        let (opt, on_device, step_reason) = optimizer(
+        let (opt, on_device, split, step_reason) = optimizer(
             cfg,
             &layout,
             &device,
@@ -84,6 +85,7 @@ impl Trainer {
         let hook = traffic.clone();
         store.set_move_hook(Some(Box::new(move |e: &MoveEvent| hook.record(e))));
         let mut trainer = Trainer::with_store(store, specs, cfg.precision, step, opt)?;
+        trainer.step.place_on_device(&trainer.store, &split)?;
         // A simulation asked for stands in for a GPU; one left where none was found is
         // host memory beside the host pool (see `Trainer::compute_place_for`).
         trainer.sim_stands_in = cfg.device == DeviceChoice::Sim;
@@ -350,14 +352,15 @@ fn store_config(layout: &Layout, cfg: &TrainerConfig) -> (StoreConfig, u64) {
 }
 
 /// The optimizer for the opened `device` (GPU `ordinal`), whether its step runs on the
-/// device tier (`device_budget_bytes` there), and why.
+/// device tier (`device_budget_bytes` there), the tensors stepped there by a split step
+/// otherwise ([`DeviceShare`]; `auto` on a GPU), and why.
 fn optimizer(
     cfg: &TrainerConfig,
     layout: &Layout,
     device: &Device,
     ordinal: usize,
     device_budget_bytes: u64,
-) -> Result<(HybridAdamW, bool, String)> {
+) -> Result<(HybridAdamW, bool, Vec<TensorId>, String)> {
     let cpu = AdamW::new(CpuConfig {
         threads: cfg.optimizer_threads,
         ..CpuConfig::default()
@@ -382,7 +385,26 @@ fn optimizer(
         &needs,
         opt.gpu_status(),
     )?;
-    Ok((opt, on_device, reason))
+    let splits = !on_device && on_gpu && cfg.step_device == StepDevice::Auto;
+    if !splits || opt.gpu_status().is_err() {
+        return Ok((opt, on_device, Vec::new(), reason));
+    }
+    let trainable = |id| layout.tensor(id).is_some_and(|t| t.trainable);
+    let share = DeviceShare::of(layout, trainable, device_budget_bytes);
+    if share.tensors.is_empty() {
+        return Ok((opt, false, Vec::new(), reason));
+    }
+    let reason = format!(
+        "auto: split: the state of {} of {} trainable tensors ({}) fits the device budget \
+         ({}) beside every 16-bit parameter chunk ({}); they are stepped on the GPU, the \
+         others in the host pool",
+        share.tensors.len(),
+        share.trainable,
+        tidestore_io::human_bytes(share.state_bytes),
+        tidestore_io::human_bytes(device_budget_bytes),
+        tidestore_io::human_bytes(share.params_bytes)
+    );
+    Ok((opt, false, share.tensors, reason))
 }
 
 /// The device tier `cfg` asks for, on GPU `cfg.gpu_ordinal`, with that ordinal (for

@@ -2,7 +2,10 @@
 //! trainer decides it at open; the bench, which opens its own store, calls
 //! [`decide_step_place`] with its budget). The step on the device holds a trainable
 //! tensor's chunks there at once; `auto` takes the device where every chunk of trainable
-//! state fits its budget, so that no step moves one.
+//! state fits its budget, so that no step moves one; on a GPU whose budget holds every
+//! 16-bit parameter chunk and only some of the state, it splits the step
+//! ([`DeviceShare`]): the tensors whose state fits beside the parameters are stepped
+//! there, the others in the host pool.
 
 use tidestore_chunk::{Layout, ListKind, TensorId};
 use tidestore_io::human_bytes;
@@ -10,6 +13,7 @@ use tidestore_optimizer::OptimError;
 
 use super::config::StepDevice;
 use crate::error::{Result, TrainError};
+use crate::step::sharing_runs;
 
 /// Device bytes the step on the device needs, counted as the store allocates chunks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,6 +64,79 @@ impl StepNeeds {
         }
         needs
     }
+}
+
+/// The trainable tensors whose state (master, M, V and gradient chunks) a device
+/// budget holds beside every 16-bit parameter chunk, which compute streams through it:
+/// with all of them resident nothing needs evicting in forward and backward, so these
+/// tensors' state stays on the device between steps and their step moves none of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceShare {
+    /// The tensors, latest in the layout first (the last blocks' gradients are final
+    /// first in backward).
+    pub tensors: Vec<TensorId>,
+    /// Their state chunks' bytes, each chunk once.
+    pub state_bytes: u64,
+    /// Every 16-bit parameter chunk's bytes.
+    pub params_bytes: u64,
+    /// Trainable tensors in all.
+    pub trainable: usize,
+}
+
+impl DeviceShare {
+    /// For the tensors of `layout` that `trainable` says are trained, within
+    /// `budget_bytes`: the 16-bit parameter chunks first, then the trainable tensors'
+    /// state chunks, a run of tensors that share chunks at a time (a chunk goes to one
+    /// place: its tensors are stepped together), from the last run back, where they fit
+    /// in what is left. Empty where the parameters alone fill the budget.
+    pub fn of(layout: &Layout, trainable: impl Fn(TensorId) -> bool, budget_bytes: u64) -> Self {
+        let bytes = layout.dense_chunk_bytes();
+        let ids: Vec<TensorId> = (0..layout.tensors().len() as u32).map(TensorId).collect();
+        let mut counted = vec![false; bytes.len()];
+        let mut params_bytes = 0;
+        for &id in &ids {
+            if let Some(loc) = layout.location(id, ListKind::Params) {
+                let d = loc.chunk.dense();
+                if !std::mem::replace(&mut counted[d], true) {
+                    params_bytes += bytes[d];
+                }
+            }
+        }
+        let mut share = DeviceShare {
+            tensors: Vec::new(),
+            state_bytes: 0,
+            params_bytes,
+            trainable: ids.iter().filter(|&&id| trainable(id)).count(),
+        };
+        let mut left = budget_bytes.saturating_sub(params_bytes);
+        let trained: Vec<TensorId> = ids.into_iter().filter(|&id| trainable(id)).collect();
+        for run in sharing_runs(layout, &trained).iter().rev() {
+            let mut new: Vec<usize> = run
+                .iter()
+                .flat_map(|&id| state_chunks(layout, id))
+                .filter(|&d| !counted[d])
+                .collect();
+            new.sort_unstable();
+            new.dedup();
+            let need: u64 = new.iter().map(|&d| bytes[d]).sum();
+            if need > left {
+                continue;
+            }
+            left -= need;
+            share.state_bytes += need;
+            new.iter().for_each(|&d| counted[d] = true);
+            share.tensors.extend(run.iter().rev());
+        }
+        share
+    }
+}
+
+/// The dense chunks of `id`'s places but its 16-bit parameters.
+fn state_chunks(layout: &Layout, id: TensorId) -> impl Iterator<Item = usize> + '_ {
+    ListKind::ALL
+        .into_iter()
+        .filter(|&l| l != ListKind::Params)
+        .filter_map(move |l| layout.location(id, l).map(|loc| loc.chunk.dense()))
 }
 
 /// Where the step runs, asked `asked`, on a CUDA GPU (`on_gpu`) or the simulated
@@ -141,5 +218,60 @@ fn too_small(needs: &StepNeeds, budget_bytes: u64, budget_how: &str) -> TrainErr
             human_bytes(budget_bytes),
             human_bytes(needs.largest_bytes - budget_bytes)
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidestore_chunk::{DType, LayoutConfig, TensorSpec};
+
+    /// A frozen tensor and four trainable ones in chunks of 2048 slots, a and b sharing
+    /// theirs, c and d theirs: the share takes every 16-bit parameter chunk first, then
+    /// whole runs of tensors sharing chunks from the last back, while their state fits.
+    #[test]
+    fn the_share_takes_the_last_runs_whose_state_fits_beside_the_parameters() {
+        let spec =
+            |name: &str, n: usize, trainable| TensorSpec::new(name, &[n], DType::F32, trainable);
+        let tensors = vec![
+            spec("frozen", 1000, false),
+            spec("a", 1000, true),
+            spec("b", 1000, true),
+            spec("c", 600, true),
+            spec("d", 400, true),
+        ];
+        let cfg = LayoutConfig::new(2048).with_param16_dtype(DType::BF16);
+        let layout = Layout::new(cfg, tensors).unwrap();
+        let runs = sharing_runs(&layout, &[1, 2, 3, 4].map(TensorId));
+        assert_eq!(runs, [[1, 2].map(TensorId), [3, 4].map(TensorId)]);
+        let trainable = |id: TensorId| id.0 > 0;
+        let bytes = layout.dense_chunk_bytes();
+        let state = |ids: &[u32]| -> u64 {
+            let mut chunks: Vec<usize> = ids
+                .iter()
+                .flat_map(|&i| state_chunks(&layout, TensorId(i)))
+                .collect();
+            chunks.sort_unstable();
+            chunks.dedup();
+            chunks.iter().map(|&d| bytes[d]).sum()
+        };
+        let ids = |s: &DeviceShare| s.tensors.iter().map(|t| t.0).collect::<Vec<_>>();
+        let all = DeviceShare::of(&layout, trainable, u64::MAX);
+        assert_eq!((all.trainable, ids(&all)), (4, vec![4, 3, 2, 1]));
+        assert_eq!(all.state_bytes, state(&[1, 2, 3, 4]));
+        let params = all.params_bytes;
+        assert!(DeviceShare::of(&layout, trainable, params)
+            .tensors
+            .is_empty());
+        // Room for c and d's chunks, one byte short of a and b's too: c and d.
+        let budget = params + state(&[1, 2, 3, 4]) - 1;
+        let share = DeviceShare::of(&layout, trainable, budget);
+        assert_eq!(
+            (ids(&share), share.state_bytes),
+            (vec![4, 3], state(&[3, 4]))
+        );
+        // One byte short of c and d's: nothing else fits either.
+        let share = DeviceShare::of(&layout, trainable, params + state(&[3, 4]) - 1);
+        assert!(share.tensors.is_empty(), "{share:?}");
     }
 }

@@ -346,7 +346,7 @@ impl Trainer {
     }
 
     /// The id of parameter `i`, refused when it is frozen (it has no master copy).
-    fn trainable_id(&self, i: usize) -> Result<TensorId> {
+    pub(super) fn trainable_id(&self, i: usize) -> Result<TensorId> {
         let e = self.entry(i)?;
         if !e.spec.trainable {
             return Err(TrainError::Tensor {
