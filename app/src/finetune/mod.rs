@@ -108,7 +108,8 @@ pub struct FinetuneReport {
     /// or candle's gemm (see `tidestore_candle::blas`), on a GPU cuBLAS.
     pub matmul: String,
     /// Where the optimizer step ran (`optimizer.device`): `device` (the GPU kernel, or
-    /// the CPU kernel over the simulated device's memory) or `host` (the host pool).
+    /// the CPU kernel over the simulated device's memory), `host` (the host pool), or
+    /// `split` (some tensors on the device, the others in the host pool).
     pub optimizer: String,
     /// Why there, in one phrase.
     pub optimizer_reason: String,
@@ -218,7 +219,12 @@ impl FinetuneReport {
         let place = |device: bool| if device { "device" } else { "host" }.to_string();
         self.compute_reads = place(trainer.compute_reads_device());
         let (on_device, why) = trainer.step_placement();
-        self.optimizer = place(on_device);
+        let step = trainer.step_loop();
+        self.optimizer = if on_device && step.on_device_count() < step.tensor_count() {
+            "split".into()
+        } else {
+            place(on_device)
+        };
         self.optimizer_reason = why.into();
     }
 

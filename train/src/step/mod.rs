@@ -379,6 +379,11 @@ impl StepLoop {
             .map_or(self.place, |&i| self.entries[i].place)
     }
 
+    /// How many tensors the loop steps.
+    pub fn tensor_count(&self) -> usize {
+        self.entries.len()
+    }
+
     /// How many tensors are stepped on the device.
     pub fn on_device_count(&self) -> usize {
         self.entries
