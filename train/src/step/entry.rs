@@ -204,20 +204,24 @@ pub(super) fn entry_of(layout: &Layout, spec: StepTensor) -> Result<Entry> {
     })
 }
 
+/// The lists `id` has a place in, each with the dense index of its place's chunk.
+pub fn tensor_chunks(
+    layout: &Layout,
+    id: TensorId,
+) -> impl Iterator<Item = (ListKind, usize)> + '_ {
+    ListKind::ALL
+        .into_iter()
+        .filter_map(move |l| layout.location(id, l).map(|loc| (l, loc.chunk.dense())))
+}
+
 /// `tensors` (in layout order) in runs whose places share chunks in any list: a
 /// tensor joins the run before it when one of its chunks is one of the run's. Tensors
 /// are laid out in the same order in every list, so tensors sharing a chunk are in one
 /// run.
 pub fn sharing_runs(layout: &Layout, tensors: &[TensorId]) -> Vec<Vec<TensorId>> {
-    let chunks = |id: TensorId| -> Vec<usize> {
-        ListKind::ALL
-            .into_iter()
-            .filter_map(|l| layout.location(id, l).map(|loc| loc.chunk.dense()))
-            .collect()
-    };
     let mut runs: Vec<(Vec<TensorId>, Vec<usize>)> = Vec::new();
     for &id in tensors {
-        let mine = chunks(id);
+        let mine: Vec<usize> = tensor_chunks(layout, id).map(|(_, d)| d).collect();
         match runs.last_mut() {
             Some((run, seen)) if mine.iter().any(|d| seen.contains(d)) => {
                 run.push(id);

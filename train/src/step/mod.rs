@@ -82,7 +82,7 @@ mod place;
 mod views;
 
 use entry::{entry_of, Entry, STEP_PIECE};
-pub use entry::{sharing_runs, GradPlace, StepPlace, StepTensor};
+pub use entry::{sharing_runs, tensor_chunks, GradPlace, StepPlace, StepTensor};
 
 pub(crate) use views::grads_of;
 

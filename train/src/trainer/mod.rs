@@ -199,10 +199,10 @@ impl Trainer {
     }
 
     /// Whether the optimizer step runs on the device tier, for every tensor or some of
-    /// them (`TrainerConfig::step_device` as decided at open, or
-    /// [`Trainer::split_step`]: the GPU kernel on a GPU, the CPU kernel over the
-    /// simulated device's memory), and why, in one phrase. Gradients are then written where the
-    /// step reads them, on the device ([`Trainer::grad_view`]).
+    /// them (`TrainerConfig::step_device` as decided at open, or [`Trainer::split_step`]:
+    /// the GPU kernel on a GPU, the CPU kernel over the simulated device's memory), and
+    /// why, in one phrase. Gradients are then written where the step reads them, on the
+    /// device ([`Trainer::grad_view`]).
     pub fn step_placement(&self) -> (bool, &str) {
         (
             self.step.place() == crate::step::StepPlace::Device,
@@ -236,7 +236,7 @@ impl Trainer {
             "split: {} of {} trainable tensors stepped on the device, the others in the host \
              pool",
             self.step.on_device_count(),
-            self.entries.iter().filter(|e| e.spec.trainable).count()
+            self.step.tensor_count()
         );
         Ok(())
     }

@@ -13,7 +13,7 @@ use tidestore_optimizer::OptimError;
 
 use super::config::StepDevice;
 use crate::error::{Result, TrainError};
-use crate::step::sharing_runs;
+use crate::step::{sharing_runs, tensor_chunks};
 
 /// Device bytes the step on the device needs, counted as the store allocates chunks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,10 +44,7 @@ impl StepNeeds {
             if !trainable(id) {
                 continue;
             }
-            let chunks: Vec<(ListKind, usize)> = ListKind::ALL
-                .iter()
-                .filter_map(|&l| layout.location(id, l).map(|loc| (l, loc.chunk.dense())))
-                .collect();
+            let chunks: Vec<(ListKind, usize)> = tensor_chunks(layout, id).collect();
             for &(_, d) in &chunks {
                 if !std::mem::replace(&mut seen[d], true) {
                     needs.all_bytes += bytes[d];
@@ -102,14 +99,14 @@ impl DeviceShare {
                 }
             }
         }
+        let trained: Vec<TensorId> = ids.into_iter().filter(|&id| trainable(id)).collect();
         let mut share = DeviceShare {
             tensors: Vec::new(),
             state_bytes: 0,
             params_bytes,
-            trainable: ids.iter().filter(|&&id| trainable(id)).count(),
+            trainable: trained.len(),
         };
         let mut left = budget_bytes.saturating_sub(params_bytes);
-        let trained: Vec<TensorId> = ids.into_iter().filter(|&id| trainable(id)).collect();
         for run in sharing_runs(layout, &trained).iter().rev() {
             let mut new: Vec<usize> = run
                 .iter()
@@ -133,10 +130,9 @@ impl DeviceShare {
 
 /// The dense chunks of `id`'s places but its 16-bit parameters.
 fn state_chunks(layout: &Layout, id: TensorId) -> impl Iterator<Item = usize> + '_ {
-    ListKind::ALL
-        .into_iter()
-        .filter(|&l| l != ListKind::Params)
-        .filter_map(move |l| layout.location(id, l).map(|loc| loc.chunk.dense()))
+    tensor_chunks(layout, id)
+        .filter(|&(l, _)| l != ListKind::Params)
+        .map(|(_, d)| d)
 }
 
 /// Where the step runs, asked `asked`, on a CUDA GPU (`on_gpu`) or the simulated

@@ -279,7 +279,7 @@ impl Trainer {
     /// host pool they are host memory: neither reports.
     pub fn hold_activations(&mut self, bytes: u64) {
         self.activation_peak_bytes = self.activation_peak_bytes.max(bytes);
-        if self.store.device().kind() == DeviceKind::Sim && self.compute_reads_device() {
+        if !self.device_is_gpu() && self.compute_reads_device() {
             self.store.report_non_model_bytes(bytes);
         }
     }
